@@ -1,0 +1,1 @@
+"""Offline placement algorithms: pure numpy/scipy, arrays in, arrays out (no torch, vLLM or I/O)."""

@@ -1,0 +1,179 @@
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_smoe.trace import TraceMeta, TraceWriter, main, open_trace, write_trace
+
+META = TraceMeta(num_experts=8, top_k=2, num_layers=3, vocab_size=100, domains=("a", "b"))
+
+
+def arrays(T=10, seed=0):
+    rng = np.random.default_rng(seed)
+    topk = np.stack([np.stack([rng.choice(8, 2, replace=False) for _ in range(3)]) for _ in range(T)])
+    return dict(
+        token_ids=rng.integers(0, 100, T).astype(np.int32),
+        request_ids=np.repeat(np.arange(T // 2 + 1), 2)[:T].astype(np.int32),
+        positions=np.tile([0, 1], T // 2 + 1)[:T].astype(np.int32),
+        topk_ids=topk.astype(np.int16),
+        step_ids=np.zeros(T, np.int32),
+        is_prefill=np.ones(T, bool),
+        domain=rng.integers(0, 2, T).astype(np.int8),
+        topk_weights=np.full((T, 3, 2), 0.5, np.float16),
+    )
+
+
+def test_round_trip_matches_numpy_savez(tmp_path):
+    a = arrays(37)
+    p = write_trace(tmp_path / "t.npz", META, **a)
+    t = open_trace(p, validate=True)
+    assert t.num_tokens == 37 and t.meta == META
+    # the file is a plain npz: numpy reads it without smoe
+    with np.load(p) as z:
+        for k, v in a.items():
+            np.testing.assert_array_equal(z[k], v)
+            assert z[k].dtype == v.dtype
+        assert json.loads(str(z["meta"]))["num_experts"] == 8
+
+
+def test_third_party_savez_compressed_is_accepted(tmp_path):
+    a = arrays(12)
+    p = tmp_path / "third.npz"
+    np.savez_compressed(p, meta=np.array(json.dumps(dict(num_experts=8, top_k=2, num_layers=3, vocab_size=100))),
+                        **{k: a[k] for k in ("token_ids", "request_ids", "positions", "topk_ids")})
+    t = open_trace(p, validate=True)
+    assert t.fields == ("token_ids", "request_ids", "positions", "topk_ids")
+    assert main(["validate", str(p)]) == 0
+
+
+@settings(max_examples=20, deadline=None)
+@given(sizes=st.lists(st.integers(1, 50), min_size=1, max_size=6), chunk=st.integers(1, 64))
+def test_chunked_writer_and_streaming_reader_agree(tmp_path_factory, sizes, chunk):
+    d = tmp_path_factory.mktemp("w")
+    parts = [arrays(n, seed=i) for i, n in enumerate(sizes)]
+    with TraceWriter(d / "t.npz", META) as w:
+        for part in parts:
+            w.append(**part)
+    t = open_trace(d / "t.npz", validate=True, chunk_tokens=chunk)
+    for k in parts[0]:
+        whole = np.concatenate([p[k] for p in parts])
+        np.testing.assert_array_equal(t[k], whole)
+        streamed = np.concatenate([c[k] for c in t.iter_chunks([k], chunk_tokens=chunk)])
+        np.testing.assert_array_equal(streamed, whole)
+    assert not [f for f in os.listdir(d) if f != "t.npz"], "writer left temporary files"
+
+
+def test_writer_is_atomic_on_error(tmp_path):
+    out = tmp_path / "t.npz"
+    with pytest.raises(RuntimeError):
+        with TraceWriter(out, META) as w:
+            w.append(**arrays(4))
+            raise RuntimeError("boom")
+    assert os.listdir(tmp_path) == []
+
+
+def _savez(path, meta=None, drop=(), **override):
+    a = arrays(10)
+    a.update(override)
+    for k in drop:
+        a.pop(k)
+    m = META.to_json() if meta is None else meta
+    np.savez_compressed(path, meta=np.array(m), **a)
+    return path
+
+
+@pytest.mark.parametrize(
+    "kwargs, field, words",
+    [
+        (dict(drop=("token_ids",)), "token_ids", "missing"),
+        (dict(drop=("topk_ids",)), "topk_ids", "missing"),
+        (dict(token_ids=np.zeros(10, np.int64)), "token_ids", "dtype"),
+        (dict(topk_ids=np.zeros((10, 3, 2), np.float32)), "topk_ids", "dtype"),
+        (dict(topk_ids=np.zeros((10, 6), np.int16)), "topk_ids", "rank"),
+        (dict(topk_ids=np.zeros((10, 3, 5), np.int16)), "topk_ids", "top_k"),
+        (dict(positions=np.zeros(9, np.int32)), "positions", "disagree"),
+        (dict(topk_ids=np.full((10, 3, 2), 8, np.int16)), "topk_ids", "num_experts"),
+        (dict(topk_ids=np.full((10, 3, 2), -1, np.int16)), "topk_ids", "out of range"),
+        (dict(token_ids=np.full(10, 100, np.int32)), "token_ids", "vocab_size"),
+        (dict(topk_weights=np.full((10, 3, 2), np.nan, np.float16)), "topk_weights", "NaN"),
+        (dict(domain=np.full(10, 2, np.int8)), "domain", "out of range"),
+        (dict(positions=np.full(10, -3, np.int32)), "positions", "negative"),
+        (dict(is_prefill=np.ones(10, np.int32)), "is_prefill", "dtype"),
+        (dict(meta="{not json"), "meta", "JSON"),
+        (dict(meta=json.dumps(dict(num_experts=8, top_k=2, num_layers=3))), "meta", "vocab_size"),
+        (dict(meta=json.dumps(dict(num_experts=8, top_k=9, num_layers=3, vocab_size=5))), "meta.top_k", "exceeds"),
+        (dict(meta=json.dumps(dict(num_experts=0, top_k=2, num_layers=3, vocab_size=5))), "meta.num_experts",
+         "positive"),
+    ],
+)
+def test_validator_names_field(tmp_path, kwargs, field, words):
+    meta = kwargs.pop("meta", None)
+    p = _savez(tmp_path / "bad.npz", meta=meta, **kwargs)
+    with pytest.raises(ValueError) as e:
+        open_trace(p, validate=True)
+    msg = str(e.value)
+    assert str(p) in msg and f"'{field}'" in msg and words in msg, msg
+
+
+def test_validator_reports_first_bad_token(tmp_path):
+    topk = np.zeros((10, 3, 2), np.int16)
+    topk[:, :, 1] = 1
+    topk[7, 2, 1] = 99
+    p = _savez(tmp_path / "bad.npz", topk_ids=topk)
+    with pytest.raises(ValueError, match="at token 7"):
+        open_trace(p, validate=True, chunk_tokens=3)
+
+
+def test_not_a_zip_and_missing_file(tmp_path):
+    p = tmp_path / "x.npz"
+    p.write_text("hello")
+    with pytest.raises(ValueError, match="not an .npz"):
+        open_trace(p)
+    with pytest.raises(ValueError, match="no such trace file"):
+        open_trace(tmp_path / "nope.npz")
+
+
+def test_missing_meta(tmp_path):
+    p = tmp_path / "m.npz"
+    np.savez_compressed(p, **arrays(4))
+    with pytest.raises(ValueError, match="'meta'"):
+        open_trace(p)
+
+
+def test_lazy_open_reads_no_rows(tmp_path, monkeypatch):
+    """open_trace reads headers only; row data is touched only by load/iter_chunks/validate."""
+    from vllm_smoe import trace as trace_mod
+
+    p = write_trace(tmp_path / "t.npz", META, **arrays(2000))
+
+    real_frombuffer = np.frombuffer
+
+    def no_rows(*a, **k):
+        raise AssertionError("row data read")
+
+    def frombuffer(buf, dtype, *a, **k):
+        if len(buf) > 4096:  # larger than any meta string here: that is row data
+            no_rows()
+        return real_frombuffer(buf, dtype, *a, **k)
+
+    monkeypatch.setattr(np, "load", no_rows)
+    monkeypatch.setattr(trace_mod.np, "frombuffer", frombuffer)
+    t = open_trace(p)
+    assert t.num_tokens == 2000 and t.meta == META
+    with pytest.raises(AssertionError, match="row data read"):
+        open_trace(p, validate=True)
+
+
+def test_cli_exit_codes(tmp_path):
+    good = write_trace(tmp_path / "g.npz", META, **arrays(5))
+    bad = _savez(tmp_path / "b.npz", token_ids=np.full(10, 1000, np.int32))
+    r = subprocess.run([sys.executable, "-m", "vllm_smoe.trace", "validate", str(good)], capture_output=True, text=True)
+    assert r.returncode == 0 and "ok" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "vllm_smoe.trace", "validate", str(bad)], capture_output=True, text=True)
+    assert r.returncode == 2 and "'token_ids'" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,200 @@
+"""Synthetic routing traces at production MoE shapes, for scale tests of smoe-place.
+
+The generator mimics the three regularities smoe exploits, each with its own knob:
+
+- ``hotness``: probability that an activation takes one of the token id's own K preferred
+  experts at that layer (token-expert conjugacy); frequent tokens then show top-K hotness
+  close to ``hotness``.
+- ``affinity``: of the remaining activations, the share that follow the previous layer's
+  experts through a fixed per-layer expert successor map (inter-layer affinity).
+- ``domain_skew``: Zipf exponent of each domain's expert popularity (the rest of activations,
+  and the preferred experts themselves, are drawn from the token's domain popularity).
+
+Pure numpy, streamed in chunks; output is the routing-trace format (:mod:`vllm_smoe.trace`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from .trace import TraceMeta, TraceWriter
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    num_layers: int
+    num_experts: int
+    top_k: int
+    vocab_size: int
+    hidden_size: int
+
+
+SHAPES: dict[str, MoEShape] = {
+    "deepseek-v3": MoEShape(58, 256, 8, 129280, 7168),
+    "qwen3-235b-a22b": MoEShape(94, 128, 8, 151936, 4096),
+    "deepseek-v2-lite": MoEShape(26, 64, 6, 102400, 2048),
+    "mixtral-8x7b": MoEShape(32, 8, 2, 32000, 4096),
+}
+
+_TABLE = 4096  # resolution of the popularity sampling tables
+
+
+def _zipf_weights(n: int, s: float) -> np.ndarray:
+    w = 1.0 / np.arange(1, n + 1, dtype=np.float64) ** s
+    return w / w.sum()
+
+
+def _sampling_table(p: np.ndarray) -> np.ndarray:
+    """[_TABLE] int32: entries repeated in proportion to ``p`` (p: [E] float64, sums to 1)."""
+    cdf = np.cumsum(p)
+    return np.searchsorted(cdf, (np.arange(_TABLE) + 0.5) / _TABLE).clip(0, len(p) - 1).astype(np.int32)
+
+
+def _dedup_rows(x: np.ndarray, num_experts: int, rng: np.random.Generator, fresh) -> np.ndarray:
+    """Make every row of ``x`` ([n, K] int) hold distinct ids, replacing repeats with ``fresh(m)``."""
+    n, k = x.shape
+    if k == 1:
+        return x
+    for _ in range(8):
+        order = np.argsort(x, axis=1, kind="stable")
+        s = np.take_along_axis(x, order, axis=1)
+        dup_sorted = np.zeros_like(s, dtype=bool)
+        dup_sorted[:, 1:] = s[:, 1:] == s[:, :-1]
+        if not dup_sorted.any():
+            return x
+        dup = np.zeros_like(dup_sorted)
+        np.put_along_axis(dup, order, dup_sorted, axis=1)
+        x[dup] = fresh(int(dup.sum()))
+    # Rare leftovers: replace each repeat by the next id not yet in the row.
+    for r in np.flatnonzero([len(set(row)) < k for row in x]):
+        seen: set[int] = set()
+        for j in range(k):
+            v = int(x[r, j])
+            while v in seen:
+                v = (v + 1) % num_experts
+            seen.add(v)
+            x[r, j] = v
+    return x
+
+
+def generate(shape: MoEShape, num_tokens: int, seed: int = 0, hotness: float = 0.8, affinity: float = 0.5,
+             domain_skew: float = 1.0, num_domains: int = 4, token_zipf: float = 1.1,
+             request_tokens: tuple[int, int] = (64, 1024), prefill_share: float = 0.75,
+             step_tokens: int = 2048, chunk_tokens: int = 1 << 16) -> Iterator[dict[str, np.ndarray]]:
+    """Yield trace chunks (dicts of the trace fields) totalling ``num_tokens`` rows."""
+    if not 0.0 <= hotness <= 1.0 or not 0.0 <= affinity <= 1.0:
+        raise ValueError(f"hotness and affinity must lie in [0, 1], got {hotness}, {affinity}")
+    L, E, K, V = shape.num_layers, shape.num_experts, shape.top_k, shape.vocab_size
+    if K > E:
+        raise ValueError(f"top_k {K} exceeds num_experts {E}")
+    rng = np.random.default_rng(seed)
+    D = num_domains
+    # Expert popularity per (domain, layer): Zipf over a random order of experts.
+    tables = np.empty((D, L, _TABLE), dtype=np.int32)
+    zw = _zipf_weights(E, domain_skew)
+    for d in range(D):
+        for layer in range(L):
+            p = np.empty(E)
+            p[rng.permutation(E)] = zw
+            tables[d, layer] = _sampling_table(p)
+    # Token ids: Zipf frequency, a domain-specific order over the vocabulary, a home domain each.
+    tok_cdf = np.cumsum(_zipf_weights(V, token_zipf))
+    tok_perm = np.stack([rng.permutation(V).astype(np.int32) for _ in range(D)])
+    home = rng.integers(0, D, size=V, dtype=np.int32)
+    # Preferred experts of each token at each layer: K distinct experts around a popular base.
+    stride = np.array([_coprime_stride(E, rng) for _ in range(L)], dtype=np.int64)  # [L]
+    pref = np.empty((V, L, K), dtype=np.int16)
+    for layer in range(L):
+        base = tables[home, layer, rng.integers(0, _TABLE, size=V)].astype(np.int64)
+        pref[:, layer, :] = (base[:, None] + np.arange(K)[None, :] * stride[layer]) % E
+    succ = np.stack([rng.permutation(E) for _ in range(L)]).astype(np.int16)  # [L, E]
+
+    produced = 0
+    req_id = 0
+    req_left = 0
+    req_pos = 0
+    req_dom = 0
+    req_len = 0
+    while produced < num_tokens:
+        n = min(chunk_tokens, num_tokens - produced)
+        # Lay out requests over the chunk.
+        req_ids = np.empty(n, dtype=np.int32)
+        pos = np.empty(n, dtype=np.int32)
+        dom = np.empty(n, dtype=np.int8)
+        prefill = np.empty(n, dtype=bool)
+        i = 0
+        while i < n:
+            if req_left == 0:
+                req_id += 1 if produced + i > 0 else 0
+                req_len = int(rng.integers(request_tokens[0], request_tokens[1] + 1))
+                req_left, req_pos, req_dom = req_len, 0, int(rng.integers(0, D))
+            m = min(req_left, n - i)
+            req_ids[i: i + m] = req_id
+            pos[i: i + m] = np.arange(req_pos, req_pos + m)
+            dom[i: i + m] = req_dom
+            prefill[i: i + m] = np.arange(req_pos, req_pos + m) < int(prefill_share * req_len)
+            req_pos += m
+            req_left -= m
+            i += m
+        ranks = np.searchsorted(tok_cdf, rng.random(n)).clip(0, V - 1)
+        tok = tok_perm[dom, ranks]
+        dom64 = dom.astype(np.int64)
+        out = np.empty((n, L, K), dtype=np.int16)
+        prev = None
+        for layer in range(L):
+            def fresh(m: int, _layer=layer) -> np.ndarray:
+                rows = rng.integers(0, n, size=m)
+                return tables[dom64[rows], _layer, rng.integers(0, _TABLE, size=m)]
+
+            rand = tables[dom64[:, None], layer, rng.integers(0, _TABLE, size=(n, K))]
+            u = rng.random((n, K))
+            cur = np.where(u < hotness, pref[tok, layer, :], rand)
+            if prev is not None:
+                follow = (u >= hotness) & (u < hotness + (1.0 - hotness) * affinity)
+                cur = np.where(follow, succ[layer][prev], cur)
+            cur = _dedup_rows(cur.astype(np.int64), E, rng, fresh)
+            out[:, layer, :] = cur
+            prev = cur
+        yield {
+            "token_ids": tok.astype(np.int32),
+            "request_ids": req_ids,
+            "positions": pos,
+            "topk_ids": out,
+            "step_ids": ((produced + np.arange(n)) // step_tokens).astype(np.int32),
+            "is_prefill": prefill,
+            "domain": dom,
+        }
+        produced += n
+
+
+def _coprime_stride(E: int, rng: np.random.Generator) -> int:
+    while True:
+        s = int(rng.integers(1, max(2, E)))
+        if np.gcd(s, E) == 1:
+            return s
+
+
+def write_synthetic(path: str, shape_name: str, num_tokens: int, seed: int = 0, progress: bool = False,
+                    **knobs) -> str:
+    """Generate ``num_tokens`` rows of ``SHAPES[shape_name]`` into the trace file ``path``."""
+    if shape_name not in SHAPES:
+        raise ValueError(f"unknown shape {shape_name!r}; choose one of {', '.join(SHAPES)}")
+    shape = SHAPES[shape_name]
+    num_domains = knobs.get("num_domains", 4)
+    meta = TraceMeta(num_experts=shape.num_experts, top_k=shape.top_k, num_layers=shape.num_layers,
+                     vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                     domains=tuple(f"domain{d}" for d in range(num_domains)),
+                     model=f"synthetic:{shape_name}", extra={"synthetic": dict(seed=seed, **knobs)})
+    chunks = generate(shape, num_tokens, seed=seed, **knobs)
+    if progress:
+        from tqdm import tqdm
+
+        chunk = knobs.get("chunk_tokens", 1 << 16)
+        chunks = tqdm(chunks, total=-(-num_tokens // chunk), desc=f"synth {shape_name}", unit="chunk")
+    with TraceWriter(path, meta) as w:
+        for ch in chunks:
+            w.append(**ch)
+    return path

@@ -1,0 +1,175 @@
+"""``smoe-testbed``: build, train and record tiny MoE models offline; synthesise traces."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from . import FIXTURE_MODEL, FIXTURE_TRACES
+
+
+def _cmd_build(a) -> int:
+    from .models import build_random
+
+    build_random(a.arch, a.output, a.tokenizer, seed=a.seed, num_layers=a.layers, num_experts=a.experts,
+                 top_k=a.top_k)
+    print(f"wrote {a.arch} checkpoint to {a.output}")
+    return 0
+
+
+def _cmd_train(a) -> int:
+    from .corpus import load_corpus
+    from .train import train_model, train_tokenizer
+
+    split = load_corpus()
+    with tempfile.TemporaryDirectory() as tok_dir:
+        train_tokenizer(split, tok_dir, vocab_size=a.vocab_size)
+        last = train_model(split, tok_dir, a.output, steps=a.steps, batch=a.batch, seq_len=a.seq_len,
+                           lr=a.lr, seed=a.seed)
+    print(json.dumps(last))
+    return 0
+
+
+def _cmd_record(a) -> int:
+    from .corpus import load_corpus
+    from .record import record_domains
+    from .train import encode_domains
+
+    split = load_corpus()
+    texts = split.heldout if a.split == "heldout" else split.train
+    ids = encode_domains(a.model, texts)
+    record_domains(a.model, ids, a.output, seq_len=a.seq_len, max_requests_per_domain=a.requests)
+    print(f"wrote {a.output}")
+    return 0
+
+
+def _cmd_stats(a) -> int:
+    from ..placement.stats import domain_specificity, expert_usage, interlayer_precision, token_hotness
+    from ..trace import open_trace
+
+    t = open_trace(a.trace, validate=True)
+    tok, topk = t["token_ids"], t["topk_ids"]
+    m = t.meta
+    hot = token_hotness(tok, topk, min_count=a.min_count)
+    markov, popular = interlayer_precision(topk, m.num_experts)
+    res: dict[str, object] = {
+        "trace": a.trace, "tokens": t.num_tokens,
+        "token_hotness": [round(float(x), 4) for x in hot],
+        "interlayer_markov_precision": [round(float(x), 4) for x in markov],
+        "interlayer_popular_precision": [round(float(x), 4) for x in popular],
+    }
+    if t.has("domain"):
+        usage = expert_usage(topk, m.num_experts, t["domain"], len(m.domains))
+        res["domain_specificity"] = [round(float(x), 4) for x in domain_specificity(usage)]
+        res["domains"] = list(m.domains)
+        # how concentrated each domain is: share of its layer-0 activations on its 25% top experts
+        q = max(1, m.num_experts // 4)
+        res["domain_top25pct_share_layer0"] = {
+            d: round(float(np.sort(usage[i, 0])[::-1][:q].sum()), 4) for i, d in enumerate(m.domains)}
+    if a.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    print(f"{a.trace}: {t.num_tokens} tokens, {m.num_layers} MoE layers, {m.num_experts} experts, top-{m.top_k}")
+    print("layer  hotness  markov_prec  popular_prec" + ("  domain_spec" if "domain_specificity" in res else ""))
+    for layer in range(m.num_layers):
+        row = f"{layer:5d}  {hot[layer]:7.3f}"
+        row += f"  {markov[layer - 1]:11.3f}  {popular[layer - 1]:12.3f}" if layer else f"  {'-':>11}  {'-':>12}"
+        if "domain_specificity" in res:
+            row += f"  {res['domain_specificity'][layer]:11.3f}"
+        print(row)
+    if "domain_top25pct_share_layer0" in res:
+        print("layer-0 share of each domain's activations on its top 25% experts:",
+              res["domain_top25pct_share_layer0"])
+    return 0
+
+
+def _cmd_synth(a) -> int:
+    from ..synthetic import write_synthetic
+
+    t0 = time.time()
+    write_synthetic(a.output, a.shape, a.tokens, seed=a.seed, progress=True, hotness=a.hotness,
+                    affinity=a.affinity, domain_skew=a.domain_skew, num_domains=a.domains)
+    print(f"wrote {a.tokens} tokens of {a.shape} to {a.output} in {time.time() - t0:.1f} s")
+    return 0
+
+
+def _cmd_path(a) -> int:
+    print(FIXTURE_MODEL if a.what == "model" else FIXTURE_TRACES[a.what])
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..synthetic import SHAPES
+    from .models import ARCHS
+
+    p = argparse.ArgumentParser(prog="smoe-testbed", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    b = sub.add_parser("build", help="random-weight tiny checkpoint (save_pretrained layout)")
+    b.add_argument("--arch", choices=ARCHS, default="qwen3_moe")
+    b.add_argument("-o", "--output", required=True, help="output directory")
+    b.add_argument("--tokenizer", default=FIXTURE_MODEL, help="directory with a tokenizer (default: the fixture's)")
+    b.add_argument("--layers", type=int, default=4)
+    b.add_argument("--experts", type=int, default=32)
+    b.add_argument("--top-k", type=int, default=4)
+    b.add_argument("--seed", type=int, default=0)
+    b.set_defaults(fn=_cmd_build)
+
+    t = sub.add_parser("train", help="reproduce the trained multi-domain fixture (~10 min on 2 cores)")
+    t.add_argument("-o", "--output", required=True)
+    t.add_argument("--steps", type=int, default=2400)
+    t.add_argument("--batch", type=int, default=16)
+    t.add_argument("--seq-len", type=int, default=128)
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--vocab-size", type=int, default=4096)
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(fn=_cmd_train)
+
+    r = sub.add_parser("record", help="routing of a checkpoint on each domain's text, via transformers")
+    r.add_argument("--model", default=FIXTURE_MODEL)
+    r.add_argument("--split", choices=("train", "heldout"), default="heldout")
+    r.add_argument("--requests", type=int, default=64, help="requests (text windows) per domain")
+    r.add_argument("--seq-len", type=int, default=128)
+    r.add_argument("-o", "--output", required=True)
+    r.set_defaults(fn=_cmd_record)
+
+    s = sub.add_parser("stats", help="hotness, inter-layer predictability and domain skew of a trace")
+    s.add_argument("--trace", default=FIXTURE_TRACES["heldout"])
+    s.add_argument("--min-count", type=int, default=20, help="occurrences for a token to count as frequent")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=_cmd_stats)
+
+    y = sub.add_parser("synth", help="synthetic trace at a production MoE shape")
+    y.add_argument("--shape", choices=tuple(SHAPES), default="deepseek-v3")
+    y.add_argument("--tokens", type=int, default=100_000)
+    y.add_argument("--hotness", type=float, default=0.8)
+    y.add_argument("--affinity", type=float, default=0.5)
+    y.add_argument("--domain-skew", type=float, default=1.0)
+    y.add_argument("--domains", type=int, default=4)
+    y.add_argument("--seed", type=int, default=0)
+    y.add_argument("-o", "--output", required=True)
+    y.set_defaults(fn=_cmd_synth)
+
+    q = sub.add_parser("path", help="print where the embedded fixture lives")
+    q.add_argument("what", choices=("model", "train", "heldout"))
+    q.set_defaults(fn=_cmd_path)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

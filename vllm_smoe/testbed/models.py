@@ -1,0 +1,94 @@
+"""Tiny MoE checkpoints in the ``save_pretrained`` layout vLLM loads, built offline.
+
+Shapes respect what vLLM's CPU build needs: head_dim 32/64/..., hidden a multiple of 32, fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+ARCHS = ("qwen3_moe", "mixtral", "deepseek_v2")
+
+# The trained multi-domain fixture and the random fixtures share these sizes.
+TINY = dict(vocab_size=4096, hidden_size=128, num_layers=4, num_experts=32, top_k=4, moe_intermediate_size=64)
+
+
+def make_config(arch: str, vocab_size: int, hidden_size: int = 128, num_layers: int = 4,
+                num_experts: int = 32, top_k: int = 4, moe_intermediate_size: int = 64,
+                max_position_embeddings: int = 1024, bos_token_id: int = 1, eos_token_id: int = 0):
+    """A transformers config object of ``arch`` (one of ARCHS)."""
+    common = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // 32, max_position_embeddings=max_position_embeddings,
+        bos_token_id=bos_token_id, eos_token_id=eos_token_id, tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            **common, num_key_value_heads=max(1, hidden_size // 64), head_dim=32,
+            intermediate_size=4 * hidden_size, moe_intermediate_size=moe_intermediate_size,
+            num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True,
+            decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.01,
+            output_router_logits=False,
+        )
+    if arch == "mixtral":
+        from transformers import MixtralConfig
+
+        return MixtralConfig(
+            **common, num_key_value_heads=max(1, hidden_size // 64), head_dim=32,
+            intermediate_size=moe_intermediate_size, num_local_experts=num_experts,
+            num_experts_per_tok=top_k, router_aux_loss_coef=0.01,
+        )
+    if arch == "deepseek_v2":
+        from transformers import DeepseekV2Config
+
+        # MLA shapes kept minimal; one dense layer first, as DeepSeek-V2 has.
+        return DeepseekV2Config(
+            **common, num_key_value_heads=hidden_size // 32, intermediate_size=4 * hidden_size,
+            moe_intermediate_size=moe_intermediate_size, n_routed_experts=num_experts,
+            n_shared_experts=1, num_experts_per_tok=top_k, first_k_dense_replace=1, moe_layer_freq=1,
+            kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32,
+            n_group=1, topk_group=1, topk_method="greedy", routed_scaling_factor=1.0,
+            norm_topk_prob=False, scoring_func="softmax",
+        )
+    raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+
+
+def moe_layer_indices(config) -> list[int]:
+    """Decoder layer indices that hold a routed MoE block, in order."""
+    n = config.num_hidden_layers
+    mt = config.model_type
+    if mt == "qwen3_moe":
+        step = config.decoder_sparse_step
+        return [i for i in range(n) if i not in config.mlp_only_layers and (i + 1) % step == 0]
+    if mt == "deepseek_v2":
+        return [i for i in range(n) if i >= config.first_k_dense_replace and i % config.moe_layer_freq == 0]
+    return list(range(n))
+
+
+def moe_shape(config) -> dict[str, int]:
+    """num_layers (MoE layers), num_experts, top_k of a transformers config."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) \
+        or getattr(config, "n_routed_experts")
+    return dict(num_layers=len(moe_layer_indices(config)), num_experts=int(experts),
+                top_k=int(config.num_experts_per_tok))
+
+
+def build_random(arch: str, out_dir: str, tokenizer_dir: str, seed: int = 0, **sizes) -> str:
+    """Random-weight checkpoint of ``arch`` with the tokenizer from ``tokenizer_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    cfg = make_config(arch, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, **sizes)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+

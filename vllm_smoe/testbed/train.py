@@ -1,0 +1,104 @@
+"""Tokenizer training and deterministic multi-domain MoE training on 2 CPU cores.
+
+Determinism: fixed seeds, fixed step count, fixed thread count, batches drawn from a seeded
+generator in a domain round-robin. (Bit-identical results across different CPUs are not
+promised; the trained checkpoint is committed so tests never retrain.)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import numpy as np
+
+from .corpus import DOMAINS, Split
+
+SPECIAL = ("<|endoftext|>", "<|bos|>", "<|pad|>")
+
+
+def train_tokenizer(split: Split, out_dir: str, vocab_size: int = 4096) -> str:
+    """Byte-level BPE over equal shares of every domain's training text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    texts = [split.train[d][:1_000_000] for d in DOMAINS]
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=SPECIAL[0], bos_token=SPECIAL[1], pad_token=SPECIAL[2],
+        model_max_length=1024,
+    )
+    os.makedirs(out_dir, exist_ok=True)
+    fast.save_pretrained(out_dir)
+    return out_dir
+
+
+def encode_domains(tokenizer_dir: str, texts: dict[str, str]) -> dict[str, np.ndarray]:
+    """domain -> token ids, int32 [n]."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    return {d: np.asarray(tok(texts[d])["input_ids"], dtype=np.int32) for d in DOMAINS}
+
+
+def train_model(split: Split, tokenizer_dir: str, out_dir: str, steps: int = 1200, batch: int = 16,
+                seq_len: int = 128, lr: float = 3e-3, seed: int = 0, threads: int = 2,
+                log_every: int = 50) -> dict[str, float]:
+    """Train a tiny Qwen3-MoE with the router load-balancing loss; save to ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from .models import TINY, make_config
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True)
+    tok = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    ids = encode_domains(tokenizer_dir, split.train)
+    sizes = {k: v for k, v in TINY.items() if k != "vocab_size"}
+    cfg = make_config("qwen3_moe", vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, **sizes)
+    cfg.output_router_logits = True  # adds router_aux_loss_coef * load-balancing loss to .loss
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warm = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+    rng = np.random.default_rng(seed)
+    model.train()
+    t0 = time.time()
+    last: dict[str, float] = {}
+    from tqdm import tqdm
+
+    bar = tqdm(range(steps), desc="train", unit="step", mininterval=5)
+    for step in bar:
+        rows = []
+        for b in range(batch):
+            arr = ids[DOMAINS[(step * batch + b) % len(DOMAINS)]]
+            s = int(rng.integers(0, len(arr) - seq_len - 1))
+            rows.append(arr[s: s + seq_len])
+        x = torch.from_numpy(np.stack(rows).astype(np.int64))
+        out = model(input_ids=x, labels=x)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % log_every == 0 or step == steps - 1:
+            last = {"step": step, "loss": float(out.loss), "aux_loss": float(out.aux_loss),
+                    "seconds": time.time() - t0}
+            bar.set_postfix(loss=f"{last['loss']:.3f}", aux=f"{last['aux_loss']:.3f}")
+    model.config.output_router_logits = False
+    model.eval()
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return last

@@ -1,0 +1,466 @@
+"""Routing traces: the interchange format between serving (record) and smoe-place.
+
+One ``.npz`` (zip of ``.npy`` members, as ``numpy.savez_compressed`` writes), one row per token
+the model processed. T = tokens, L = MoE layers, K = top-k.
+
+=============== ======================== =====================================================
+field           shape, dtype             meaning
+=============== ======================== =====================================================
+token_ids       [T] int32                input token id, 0 <= id < vocab_size
+request_ids     [T] int32                request the token belongs to
+positions       [T] int32                position inside its request, >= 0
+topk_ids        [T, L, K] int16|int32    logical expert ids chosen at each MoE layer
+meta            0-d str (JSON)           num_experts, top_k, num_layers, vocab_size (required);
+                                         domains, model, hidden_size (optional)
+step_ids        [T] int32 (optional)     engine step (= batch) the token was scheduled in
+is_prefill      [T] bool (optional)      True for prompt tokens, False for decoded ones
+domain          [T] int (optional)       index into meta["domains"]
+topk_weights    [T, L, K] float16|32     router weights of topk_ids (optional), finite
+=============== ======================== =====================================================
+
+Reading is lazy: :func:`open_trace` reads only the zip directory and the small ``meta``;
+:meth:`Trace.iter_chunks` streams rows from the compressed members, so traces larger than
+memory can be validated and scanned. :class:`TraceWriter` appends chunks to per-field spill
+files and assembles the ``.npz`` at :meth:`TraceWriter.close`, atomically (a reader never sees
+a half-written file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping, Sequence
+
+import numpy as np
+
+FORMAT_VERSION = 1
+
+# name -> (allowed dtypes, rank). Rank 1 fields are [T]; rank 3 are [T, L, K].
+_FIELDS: dict[str, tuple[tuple[np.dtype, ...], int]] = {
+    "token_ids": ((np.dtype(np.int32),), 1),
+    "request_ids": ((np.dtype(np.int32),), 1),
+    "positions": ((np.dtype(np.int32),), 1),
+    "topk_ids": ((np.dtype(np.int16), np.dtype(np.int32)), 3),
+    "step_ids": ((np.dtype(np.int32),), 1),
+    "is_prefill": ((np.dtype(np.bool_),), 1),
+    "domain": (tuple(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64)), 1),
+    "topk_weights": ((np.dtype(np.float16), np.dtype(np.float32)), 3),
+}
+REQUIRED_FIELDS = ("token_ids", "request_ids", "positions", "topk_ids")
+OPTIONAL_FIELDS = ("step_ids", "is_prefill", "domain", "topk_weights")
+_META_REQUIRED = ("num_experts", "top_k", "num_layers", "vocab_size")
+
+
+@dataclass(frozen=True)
+class TraceMeta:
+    num_experts: int
+    top_k: int
+    num_layers: int
+    vocab_size: int
+    domains: tuple[str, ...] = ()
+    model: str | None = None
+    hidden_size: int | None = None
+    extra: Mapping[str, object] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        d: dict[str, object] = dict(self.extra)
+        d.update(
+            format_version=FORMAT_VERSION,
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            num_layers=self.num_layers,
+            vocab_size=self.vocab_size,
+        )
+        if self.domains:
+            d["domains"] = list(self.domains)
+        if self.model is not None:
+            d["model"] = self.model
+        if self.hidden_size is not None:
+            d["hidden_size"] = self.hidden_size
+        return json.dumps(d, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "meta") -> "TraceMeta":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: field 'meta' is not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: field 'meta' must be a JSON object, got {type(d).__name__}")
+        for key in _META_REQUIRED:
+            if key not in d:
+                raise ValueError(f"{where}: field 'meta' lacks required key {key!r}")
+            v = d[key]
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{where}: field 'meta.{key}' must be a positive integer, got {v!r}")
+        if d["top_k"] > d["num_experts"]:
+            raise ValueError(
+                f"{where}: field 'meta.top_k' = {d['top_k']} exceeds meta.num_experts = {d['num_experts']}"
+            )
+        domains = d.get("domains", [])
+        if not isinstance(domains, list) or not all(isinstance(s, str) for s in domains):
+            raise ValueError(f"{where}: field 'meta.domains' must be a list of strings, got {domains!r}")
+        hidden = d.get("hidden_size")
+        if hidden is not None and (not isinstance(hidden, int) or hidden <= 0):
+            raise ValueError(f"{where}: field 'meta.hidden_size' must be a positive integer, got {hidden!r}")
+        known = set(_META_REQUIRED) | {"domains", "model", "hidden_size", "format_version"}
+        return cls(
+            num_experts=d["num_experts"],
+            top_k=d["top_k"],
+            num_layers=d["num_layers"],
+            vocab_size=d["vocab_size"],
+            domains=tuple(domains),
+            model=d.get("model"),
+            hidden_size=hidden,
+            extra={k: v for k, v in d.items() if k not in known},
+        )
+
+
+@dataclass(frozen=True)
+class _Member:
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    fortran: bool
+    row_bytes: int
+
+
+def _read_npy_header(fp) -> tuple[tuple[int, ...], bool, np.dtype]:
+    version = np.lib.format.read_magic(fp)
+    if version == (1, 0):
+        return np.lib.format.read_array_header_1_0(fp)
+    if version == (2, 0):
+        return np.lib.format.read_array_header_2_0(fp)
+    raise ValueError(f"unsupported .npy version {version}")
+
+
+class Trace:
+    """A routing trace on disk, opened lazily. Use :func:`open_trace`."""
+
+    def __init__(self, path: str, meta: TraceMeta, members: dict[str, _Member]):
+        self.path = path
+        self.meta = meta
+        self._members = members
+        self.num_tokens = members["token_ids"].shape[0]
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return tuple(n for n in (*REQUIRED_FIELDS, *OPTIONAL_FIELDS) if n in self._members)
+
+    def has(self, name: str) -> bool:
+        return name in self._members
+
+    def load(self, name: str) -> np.ndarray:
+        """Whole array of one field (materialised in memory)."""
+        if name not in self._members:
+            raise KeyError(f"{self.path}: trace has no field {name!r}")
+        with np.load(self.path, allow_pickle=False) as z:
+            return z[name]
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.load(name)
+
+    def iter_chunks(
+        self, fields: Sequence[str] | None = None, chunk_tokens: int = 1 << 16
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """Stream ``{field: rows[start:start+chunk_tokens]}`` without loading whole members."""
+        fields = tuple(fields) if fields is not None else self.fields
+        for f in fields:
+            if f not in self._members:
+                raise KeyError(f"{self.path}: trace has no field {f!r}")
+        zf = zipfile.ZipFile(self.path)
+        handles = {}
+        try:
+            for f in fields:
+                m = self._members[f]
+                if m.fortran:
+                    raise ValueError(f"{self.path}: field {f!r} is stored in Fortran order; rewrite it C-ordered")
+                fp = zf.open(m.name)
+                _read_npy_header(fp)
+                handles[f] = fp
+            for start in range(0, self.num_tokens, chunk_tokens):
+                n = min(chunk_tokens, self.num_tokens - start)
+                out = {}
+                for f in fields:
+                    m = self._members[f]
+                    want = n * m.row_bytes
+                    buf = handles[f].read(want)
+                    if len(buf) != want:
+                        raise ValueError(f"{self.path}: field {f!r} is truncated at token {start}")
+                    out[f] = np.frombuffer(buf, dtype=m.dtype).reshape((n, *m.shape[1:]))
+                yield out
+        finally:
+            for fp in handles.values():
+                fp.close()
+            zf.close()
+
+
+def _inspect_members(path: str) -> tuple[TraceMeta, dict[str, _Member]]:
+    if not os.path.exists(path):
+        raise ValueError(f"{path}: no such trace file")
+    try:
+        zf = zipfile.ZipFile(path)
+    except zipfile.BadZipFile:
+        raise ValueError(f"{path}: not an .npz (zip) file") from None
+    with zf:
+        members: dict[str, _Member] = {}
+        meta_text = None
+        for info in zf.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            name = info.filename[: -len(".npy")]
+            with zf.open(info) as fp:
+                try:
+                    shape, fortran, dtype = _read_npy_header(fp)
+                except ValueError as e:
+                    raise ValueError(f"{path}: field {name!r}: unreadable .npy header ({e})") from None
+                if name == "meta":
+                    if shape != () or dtype.kind != "U":
+                        raise ValueError(
+                            f"{path}: field 'meta' must be a 0-d string array holding JSON, "
+                            f"got shape {shape} dtype {dtype}"
+                        )
+                    meta_text = str(np.frombuffer(fp.read(dtype.itemsize), dtype=dtype)[0])
+                    continue
+            if dtype.hasobject:
+                raise ValueError(f"{path}: field {name!r} has object dtype; not allowed")
+            row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize if shape else 0
+            members[name] = _Member(info.filename, tuple(shape), dtype, fortran, row)
+    if meta_text is None:
+        raise ValueError(f"{path}: missing required field 'meta'")
+    meta = TraceMeta.from_json(meta_text, where=path)
+    return meta, members
+
+
+def _check_shapes(path: str, meta: TraceMeta, members: dict[str, _Member]) -> None:
+    for name in REQUIRED_FIELDS:
+        if name not in members:
+            raise ValueError(f"{path}: missing required field {name!r}")
+    T = members["token_ids"].shape[0] if members["token_ids"].shape else None
+    for name, m in members.items():
+        if name not in _FIELDS:
+            continue  # unknown extra arrays are allowed and ignored
+        dtypes, rank = _FIELDS[name]
+        if m.dtype not in dtypes:
+            allowed = " or ".join(str(d) for d in dtypes)
+            raise ValueError(f"{path}: field {name!r} has dtype {m.dtype}, expected {allowed}")
+        if len(m.shape) != rank:
+            raise ValueError(f"{path}: field {name!r} has rank {len(m.shape)} (shape {m.shape}), expected {rank}")
+        if m.shape[0] != T:
+            raise ValueError(
+                f"{path}: field {name!r} has {m.shape[0]} rows but token_ids has {T}: lengths disagree"
+            )
+        if rank == 3 and m.shape[1:] != (meta.num_layers, meta.top_k):
+            raise ValueError(
+                f"{path}: field {name!r} has shape {m.shape}, expected [T, num_layers={meta.num_layers}, "
+                f"top_k={meta.top_k}]"
+            )
+    if "domain" in members and not meta.domains:
+        raise ValueError(f"{path}: field 'domain' is present but meta.domains names no domains")
+
+
+def open_trace(path: str | os.PathLike, validate: bool = False, chunk_tokens: int = 1 << 16) -> Trace:
+    """Open a trace lazily; checks meta, fields, dtypes and shapes (reads no row data).
+
+    With ``validate=True`` also scans every row (streaming) for out-of-range ids and NaN weights.
+    Raises ``ValueError`` naming the file and the field.
+    """
+    path = os.fspath(path)
+    meta, members = _inspect_members(path)
+    _check_shapes(path, meta, members)
+    trace = Trace(path, meta, members)
+    if validate:
+        _check_values(trace, chunk_tokens)
+    return trace
+
+
+def _check_values(trace: Trace, chunk_tokens: int) -> None:
+    meta, path = trace.meta, trace.path
+    start = 0
+    for ch in trace.iter_chunks(chunk_tokens=chunk_tokens):
+        def bad(name: str, mask: np.ndarray, what: str) -> None:
+            i = int(np.flatnonzero(mask.reshape(mask.shape[0], -1).any(axis=1))[0])
+            raise ValueError(f"{path}: field {name!r} at token {start + i}: {what}")
+
+        tok = ch["token_ids"]
+        if tok.size and (tok.min() < 0 or tok.max() >= meta.vocab_size):
+            bad("token_ids", (tok < 0) | (tok >= meta.vocab_size),
+                f"token id out of range [0, vocab_size={meta.vocab_size})")
+        topk = ch["topk_ids"]
+        if topk.size and (topk.min() < 0 or topk.max() >= meta.num_experts):
+            bad("topk_ids", (topk < 0) | (topk >= meta.num_experts),
+                f"expert id out of range [0, num_experts={meta.num_experts})")
+        pos = ch["positions"]
+        if pos.size and pos.min() < 0:
+            bad("positions", pos < 0, "negative position")
+        if "domain" in ch:
+            d = ch["domain"]
+            if d.size and (d.min() < 0 or d.max() >= len(meta.domains)):
+                bad("domain", (d < 0) | (d >= len(meta.domains)),
+                    f"domain label out of range [0, len(meta.domains)={len(meta.domains)})")
+        if "topk_weights" in ch:
+            w = ch["topk_weights"]
+            finite = np.isfinite(w)
+            if not finite.all():
+                bad("topk_weights", ~finite, "NaN or infinite router weight")
+        start += tok.shape[0]
+
+
+class TraceWriter:
+    """Append-only writer: ``append`` chunks, ``close`` assembles the ``.npz`` atomically.
+
+    Each field is spilled to a raw file in a temporary directory next to the output, so memory
+    holds one chunk at a time. Fields present in the first chunk must be present in every chunk.
+    """
+
+    def __init__(self, path: str | os.PathLike, meta: TraceMeta, compresslevel: int = 1):
+        self.path = os.fspath(path)
+        self.meta = meta
+        self.compresslevel = compresslevel
+        parent = os.path.dirname(os.path.abspath(self.path))
+        if not os.path.isdir(parent):
+            raise ValueError(f"{self.path}: directory {parent} does not exist")
+        self._dir = tempfile.mkdtemp(prefix=".trace-", dir=parent)
+        self._files: dict[str, object] = {}
+        self._dtypes: dict[str, np.dtype] = {}
+        self._tail: dict[str, tuple[int, ...]] = {}
+        self.num_tokens = 0
+        self._closed = False
+
+    def append(self, **arrays: np.ndarray) -> None:
+        if self._closed:
+            raise ValueError(f"{self.path}: writer already closed")
+        unknown = set(arrays) - set(_FIELDS)
+        if unknown:
+            raise ValueError(f"{self.path}: unknown trace field(s) {sorted(unknown)}")
+        if not self._files:
+            for name in REQUIRED_FIELDS:
+                if name not in arrays:
+                    raise ValueError(f"{self.path}: first chunk lacks required field {name!r}")
+        elif set(arrays) != set(self._files):
+            raise ValueError(
+                f"{self.path}: chunk fields {sorted(arrays)} differ from the first chunk's {sorted(self._files)}"
+            )
+        n = len(arrays["token_ids"])
+        for name, a in arrays.items():
+            a = np.asarray(a)
+            dtypes, rank = _FIELDS[name]
+            if a.dtype not in dtypes:
+                a = a.astype(dtypes[-1] if name != "topk_ids" else self._topk_dtype())
+            if a.ndim != rank or a.shape[0] != n:
+                raise ValueError(f"{self.path}: field {name!r} chunk has shape {a.shape}, expected {n} rows, rank {rank}")
+            if name not in self._files:
+                self._files[name] = open(os.path.join(self._dir, name), "wb")
+                self._dtypes[name] = a.dtype
+                self._tail[name] = a.shape[1:]
+            elif a.dtype != self._dtypes[name] or a.shape[1:] != self._tail[name]:
+                a = a.astype(self._dtypes[name])
+                if a.shape[1:] != self._tail[name]:
+                    raise ValueError(f"{self.path}: field {name!r} row shape changed to {a.shape[1:]}")
+            self._files[name].write(np.ascontiguousarray(a).tobytes())
+        self.num_tokens += n
+
+    def _topk_dtype(self) -> np.dtype:
+        return np.dtype(np.int16) if self.meta.num_experts <= np.iinfo(np.int16).max else np.dtype(np.int32)
+
+    def close(self) -> str:
+        """Assemble ``path`` atomically and return it."""
+        if self._closed:
+            return self.path
+        if not self._files:
+            raise ValueError(f"{self.path}: no tokens were appended")
+        for f in self._files.values():
+            f.close()
+        tmp = self.path + ".tmp"
+        try:
+            with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=self.compresslevel) as zf:
+                for name, dtype in self._dtypes.items():
+                    shape = (self.num_tokens, *self._tail[name])
+                    with zf.open(name + ".npy", "w", force_zip64=True) as out:
+                        np.lib.format.write_array_header_2_0(
+                            out, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
+                        )
+                        with open(os.path.join(self._dir, name), "rb") as src:
+                            shutil.copyfileobj(src, out, 1 << 22)
+                meta = np.array(self.meta.to_json())
+                with zf.open("meta.npy", "w") as out:
+                    np.lib.format.write_array(out, meta, allow_pickle=False)
+            os.replace(tmp, self.path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._closed = True
+        return self.path
+
+    def abort(self) -> None:
+        for f in self._files.values():
+            f.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        self._closed = True
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def write_trace(path: str | os.PathLike, meta: TraceMeta, **arrays: np.ndarray) -> str:
+    """Write a whole in-memory trace (convenience over :class:`TraceWriter`)."""
+    with TraceWriter(path, meta) as w:
+        w.append(**arrays)
+    return os.fspath(path)
+
+
+def summary(trace: Trace) -> dict[str, object]:
+    m = trace.meta
+    return {
+        "path": trace.path,
+        "tokens": trace.num_tokens,
+        "fields": list(trace.fields),
+        "num_layers": m.num_layers,
+        "num_experts": m.num_experts,
+        "top_k": m.top_k,
+        "vocab_size": m.vocab_size,
+        "domains": list(m.domains),
+        "model": m.model,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="smoe-trace",
+        description="Validate and inspect smoe routing traces (.npz). Also: python -m vllm_smoe.trace",
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("validate", help="check every field and every row; exit 2 on the first problem")
+    v.add_argument("files", nargs="+", help="trace .npz files")
+    i = sub.add_parser("info", help="print meta, fields and token count (reads no rows)")
+    i.add_argument("files", nargs="+")
+    args = p.parse_args(argv)
+    for f in args.files:
+        try:
+            t = open_trace(f, validate=args.cmd == "validate")
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if args.cmd == "validate":
+            print(f"ok: {f}: {t.num_tokens} tokens, {t.meta.num_layers} layers, "
+                  f"{t.meta.num_experts} experts, top-{t.meta.top_k}")
+        else:
+            print(json.dumps(summary(t), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
