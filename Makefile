@@ -1,0 +1,36 @@
+# smoe: two commands do all set-up on a fresh machine.
+#   make demo   -- venv, install, run the end-to-end demo on the embedded tiny MoE
+#   make test   -- venv, install, run the test suite (what CI runs)
+# SMOE_EXTRA=gpu installs the CUDA build of vLLM instead of the CPU build.
+
+PYTHON ?= python3
+VENV ?= .venv
+SMOE_EXTRA ?= cpu
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.smoe-installed-$(SMOE_EXTRA)
+
+.PHONY: install test test-fast demo clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -e ".[$(SMOE_EXTRA),testbed,test]"
+	@# vLLM's wheels pull PyPI's torchvision/torchaudio/torchcodec, built for another torch:
+	@# importing transformers' MoE models then fails ("operator torchvision::nms does not exist").
+	@# smoe and vLLM's text models need none of them.
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $@
+
+test: install
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: install
+	$(BIN)/python -m pytest -q -ra -m "not vllm"
+
+demo: install
+	$(BIN)/python -m vllm_smoe.demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

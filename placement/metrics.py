@@ -1,0 +1,104 @@
+"""Placement metrics, exactly as smoe reports them.
+
+Notation: T tokens, L MoE layers, K top-k, E experts, N = ep_size ranks.
+
+- ``lar``: share of (token, layer, k) activations whose expert has a copy on the token's rank.
+- ``token_load``: per batch and layer, max/mean tokens per rank; averaged.
+- ``expert_load``: per layer, max/mean activations computed per rank over the trace (a local
+  activation is computed on the token's rank, a remote one on the expert's home rank); averaged.
+- ``remote_pairs_per_token``: remote (token, expert) activations per token per MoE layer.
+- ``remote_unique_per_token``: distinct remote ranks per token per MoE layer (de-duplicated
+  dispatch: a token crosses each link once).
+- ``a2a_bytes_per_token``: remote_unique_per_token x hidden x dtype bytes x 2 (dispatch + combine).
+- ``hit_rate``: share of (token, layer) whose rank holds at least one of its experts;
+  ``oracle_hit_rate``: share whose rank holds as many of its experts as the best rank does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def holds_from_expert2rank(expert2rank: np.ndarray, ep_size: int,
+                           replicas: np.ndarray | None = None) -> np.ndarray:
+    """Which rank holds a copy of which expert: [L, N, E] bool.
+
+    expert2rank: [L, E] int, home rank of each expert.
+    replicas: [L, R] int rank of each extra copy, -1 = none, paired with ``replica_experts``
+    given as the second row block; pass ``(replica_expert, replica_rank)`` stacked as [L, 2, R].
+    """
+    L, E = expert2rank.shape
+    holds = np.zeros((L, ep_size, E), dtype=bool)
+    li = np.repeat(np.arange(L), E)
+    holds[li, expert2rank.reshape(-1), np.tile(np.arange(E), L)] = True
+    if replicas is not None:
+        rep_e, rep_r = replicas[:, 0, :], replicas[:, 1, :]
+        ok = rep_e >= 0
+        holds[np.nonzero(ok)[0], rep_r[ok], rep_e[ok]] = True
+    return holds
+
+
+def evaluate(topk_ids: np.ndarray, token2rank: np.ndarray, expert2rank: np.ndarray, batch_ids: np.ndarray,
+             ep_size: int, holds: np.ndarray | None = None, hidden_size: int = 4096,
+             dtype_bytes: int = 2) -> dict[str, float]:
+    """All metrics of one method on one trace.
+
+    topk_ids: [T, L, K] int; token2rank: [T, L] int in [0, N); expert2rank: [L, E] int home
+    ranks; batch_ids: [T] int non-decreasing; holds: [L, N, E] bool (default: home copies only).
+    Returns a dict of floats plus ``lar_per_layer`` ([L] list) and ``rank_tokens``/``rank_compute``
+    ([N] lists, totals over the trace).
+    """
+    T, L, K = topk_ids.shape
+    N = ep_size
+    if holds is None:
+        holds = holds_from_expert2rank(expert2rank, N)
+    _, batch = np.unique(batch_ids, return_inverse=True)
+    B = int(batch.max()) + 1 if T else 0
+    local_total = remote_unique = hits = oracle_hits = 0
+    lar_layer = np.zeros(L)
+    token_load = np.zeros(L)
+    expert_load = np.zeros(L)
+    rank_tokens = np.zeros(N, dtype=np.int64)
+    rank_compute = np.zeros(N, dtype=np.int64)
+    for layer in range(L):
+        e = topk_ids[:, layer, :].astype(np.int64)
+        r = token2rank[:, layer].astype(np.int64)
+        hl = holds[layer]  # [N, E]
+        local = hl[r[:, None], e]  # [T, K]
+        nloc = local.sum(axis=1)
+        local_total += int(nloc.sum())
+        lar_layer[layer] = nloc.sum() / max(1, T * K)
+        hits += int((nloc > 0).sum())
+        # the best rank for each token: most of its experts held
+        best = np.zeros(T, dtype=np.int64)
+        for rr in range(N):
+            best = np.maximum(best, hl[rr][e].sum(axis=1))
+        oracle_hits += int((nloc == best).sum())
+        home = expert2rank[layer][e]
+        remote_rank = np.where(local, -1, home)
+        srt = np.sort(remote_rank, axis=1)
+        distinct = (srt[:, 1:] != srt[:, :-1]) & (srt[:, 1:] >= 0)
+        remote_unique += int(((srt[:, 0] >= 0).sum()) + distinct.sum())
+        counts = np.bincount(batch * N + r, minlength=B * N).reshape(B, N)
+        sizes = counts.sum(axis=1)
+        token_load[layer] = float(np.mean(counts.max(axis=1) / (sizes / N)))
+        compute_rank = np.where(local, r[:, None], home)
+        comp = np.bincount(compute_rank.reshape(-1), minlength=N)
+        expert_load[layer] = float(comp.max() / comp.mean())
+        rank_tokens += np.bincount(r, minlength=N)
+        rank_compute += comp
+    pairs = T * L
+    rup = remote_unique / max(1, pairs)
+    return {
+        "lar": local_total / max(1, pairs * K),
+        "token_load": float(token_load.mean()),
+        "expert_load": float(expert_load.mean()),
+        "remote_pairs_per_token": (pairs * K - local_total) / max(1, pairs),
+        "remote_unique_per_token": rup,
+        "a2a_bytes_per_token": rup * hidden_size * dtype_bytes * 2,
+        "hit_rate": hits / max(1, pairs),
+        "oracle_hit_rate": oracle_hits / max(1, pairs),
+        "lar_per_layer": lar_layer.tolist(),
+        "rank_tokens": rank_tokens.tolist(),
+        "rank_compute": rank_compute.tolist(),
+    }
