@@ -53,23 +53,23 @@ def _sampling_table(p: np.ndarray) -> np.ndarray:
     return np.searchsorted(cdf, (np.arange(_TABLE) + 0.5) / _TABLE).clip(0, len(p) - 1).astype(np.int32)
 
 
-def _dedup_rows(x: np.ndarray, num_experts: int, rng: np.random.Generator, fresh) -> np.ndarray:
+def _dedup_rows(x: np.ndarray, num_experts: int, fresh) -> np.ndarray:
     """Make every row of ``x`` ([n, K] int) hold distinct ids, replacing repeats with ``fresh(m)``."""
     n, k = x.shape
-    if k == 1:
-        return x
+    rows = np.arange(n)
     for _ in range(8):
-        order = np.argsort(x, axis=1, kind="stable")
-        s = np.take_along_axis(x, order, axis=1)
-        dup_sorted = np.zeros_like(s, dtype=bool)
-        dup_sorted[:, 1:] = s[:, 1:] == s[:, :-1]
-        if not dup_sorted.any():
+        sub = x[rows]
+        dup = np.zeros(sub.shape, dtype=bool)
+        for j in range(1, k):  # K(K-1)/2 column compares beat a per-row sort
+            dup[:, j] = (sub[:, :j] == sub[:, j: j + 1]).any(axis=1)
+        bad = dup.any(axis=1)
+        if not bad.any():
             return x
-        dup = np.zeros_like(dup_sorted)
-        np.put_along_axis(dup, order, dup_sorted, axis=1)
-        x[dup] = fresh(int(dup.sum()))
+        sub[dup] = fresh(int(dup.sum()))
+        x[rows] = sub
+        rows = rows[bad]
     # Rare leftovers: replace each repeat by the next id not yet in the row.
-    for r in np.flatnonzero([len(set(row)) < k for row in x]):
+    for r in rows:
         seen: set[int] = set()
         for j in range(k):
             v = int(x[r, j])
@@ -106,10 +106,10 @@ def generate(shape: MoEShape, num_tokens: int, seed: int = 0, hotness: float = 0
     home = rng.integers(0, D, size=V, dtype=np.int32)
     # Preferred experts of each token at each layer: K distinct experts around a popular base.
     stride = np.array([_coprime_stride(E, rng) for _ in range(L)], dtype=np.int64)  # [L]
-    pref = np.empty((V, L, K), dtype=np.int16)
+    pref = np.empty((L, V, K), dtype=np.int16)
     for layer in range(L):
         base = tables[home, layer, rng.integers(0, _TABLE, size=V)].astype(np.int64)
-        pref[:, layer, :] = (base[:, None] + np.arange(K)[None, :] * stride[layer]) % E
+        pref[layer] = (base[:, None] + np.arange(K)[None, :] * stride[layer]) % E
     succ = np.stack([rng.permutation(E) for _ in range(L)]).astype(np.int16)  # [L, E]
 
     produced = 0
@@ -151,11 +151,11 @@ def generate(shape: MoEShape, num_tokens: int, seed: int = 0, hotness: float = 0
 
             rand = tables[dom64[:, None], layer, rng.integers(0, _TABLE, size=(n, K))]
             u = rng.random((n, K))
-            cur = np.where(u < hotness, pref[tok, layer, :], rand)
+            cur = np.where(u < hotness, pref[layer][tok], rand)
             if prev is not None:
                 follow = (u >= hotness) & (u < hotness + (1.0 - hotness) * affinity)
                 cur = np.where(follow, succ[layer][prev], cur)
-            cur = _dedup_rows(cur.astype(np.int64), E, rng, fresh)
+            cur = _dedup_rows(cur.astype(np.int64), E, fresh)
             out[:, layer, :] = cur
             prev = cur
         yield {
