@@ -23,18 +23,15 @@ def holds_from_expert2rank(expert2rank: np.ndarray, ep_size: int,
                            replicas: np.ndarray | None = None) -> np.ndarray:
     """Which rank holds a copy of which expert: [L, N, E] bool.
 
-    expert2rank: [L, E] int, home rank of each expert.
-    replicas: [L, R] int rank of each extra copy, -1 = none, paired with ``replica_experts``
-    given as the second row block; pass ``(replica_expert, replica_rank)`` stacked as [L, 2, R].
+    expert2rank: [L, E] int, home rank of each expert; replicas: [L, R, 2] int (expert, rank)
+    extra copies, -1 = none.
     """
     L, E = expert2rank.shape
     holds = np.zeros((L, ep_size, E), dtype=bool)
-    li = np.repeat(np.arange(L), E)
-    holds[li, expert2rank.reshape(-1), np.tile(np.arange(E), L)] = True
-    if replicas is not None:
-        rep_e, rep_r = replicas[:, 0, :], replicas[:, 1, :]
-        ok = rep_e >= 0
-        holds[np.nonzero(ok)[0], rep_r[ok], rep_e[ok]] = True
+    holds[np.repeat(np.arange(L), E), expert2rank.reshape(-1), np.tile(np.arange(E), L)] = True
+    if replicas is not None and replicas.size:
+        ok = replicas[..., 0] >= 0
+        holds[np.nonzero(ok)[0], replicas[..., 1][ok], replicas[..., 0][ok]] = True
     return holds
 
 

@@ -422,6 +422,60 @@ def write_trace(path: str | os.PathLike, meta: TraceMeta, **arrays: np.ndarray) 
     return os.fspath(path)
 
 
+def expand_trace_paths(specs: Sequence[str]) -> list[str]:
+    """Files named by ``specs``: files as given, directories -> their ``*.npz`` (sorted),
+    anything else as a glob pattern. Raises ValueError when a spec matches nothing."""
+    import glob
+
+    out: list[str] = []
+    for spec in specs:
+        if os.path.isdir(spec):
+            found = sorted(glob.glob(os.path.join(spec, "*.npz")))
+        elif os.path.exists(spec):
+            found = [spec]
+        else:
+            found = sorted(glob.glob(spec))
+        if not found:
+            raise ValueError(f"{spec}: no trace files found (a file, a directory of .npz, or a glob)")
+        out.extend(found)
+    return out
+
+
+def read_traces(specs: Sequence[str], fields: Sequence[str] = ("token_ids", "request_ids", "positions", "topk_ids",
+                                                               "step_ids", "is_prefill"),
+                validate: bool = True) -> tuple[TraceMeta, dict[str, np.ndarray], list[str]]:
+    """Concatenate the traces named by ``specs`` (see :func:`expand_trace_paths`) in memory.
+
+    All files must agree on num_layers, num_experts, top_k and vocab_size. request_ids and
+    step_ids are offset per file so they stay distinct; an optional field is returned only
+    when every file has it. Returns (meta of the first file, {field: array}, file list).
+    """
+    paths = expand_trace_paths(specs)
+    traces = [open_trace(p, validate=validate) for p in paths]
+    m0 = traces[0].meta
+    for t in traces[1:]:
+        for key in ("num_layers", "num_experts", "top_k", "vocab_size"):
+            if getattr(t.meta, key) != getattr(m0, key):
+                raise ValueError(f"{t.path}: field 'meta.{key}' = {getattr(t.meta, key)} differs from "
+                                 f"{traces[0].path} ({getattr(m0, key)})")
+    present = [f for f in fields if all(t.has(f) for t in traces)]
+    out: dict[str, list[np.ndarray]] = {f: [] for f in present}
+    req_off = step_off = 0
+    for t in traces:
+        for f in present:
+            a = t[f]
+            if f == "request_ids":
+                a = a.astype(np.int64) + req_off
+            elif f == "step_ids":
+                a = a.astype(np.int64) + step_off
+            out[f].append(a)
+        if "request_ids" in present and t.num_tokens:
+            req_off = int(out["request_ids"][-1].max()) + 1
+        if "step_ids" in present and t.num_tokens:
+            step_off = int(out["step_ids"][-1].max()) + 1
+    return m0, {f: np.concatenate(v) for f, v in out.items()}, paths
+
+
 def summary(trace: Trace) -> dict[str, object]:
     m = trace.meta
     return {

@@ -1,0 +1,109 @@
+"""The per-layer co-clustering problem every solver works on, and its objective.
+
+A layer's routing is summarised by A: [V', E] sparse float64, A[v, e] = activations of expert
+e by token id v (rows: the V' token ids seen), and occ: [V'] float64, occurrences of each id.
+A placement is expert2rank: [E] int (equal experts per rank). Tokens then go to the rank that
+holds most of their activations, capped so that no rank takes more than ``capacity`` times its
+share of tokens: :func:`assign_token_ids`. The objective is the local activation count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+
+
+def layer_counts(token_ids: np.ndarray, topk_layer: np.ndarray, num_experts: int
+                 ) -> tuple[np.ndarray, sp.csr_matrix, np.ndarray]:
+    """token_ids: [T] int; topk_layer: [T, K] int. Returns (ids [V'] int64 seen token ids,
+    A [V', E] csr float64, occ [V'] float64)."""
+    ids, row = np.unique(token_ids, return_inverse=True)
+    K = topk_layer.shape[1]
+    A = sp.csr_matrix((np.ones(row.size * K), (np.repeat(row, K), topk_layer.reshape(-1).astype(np.int64))),
+                      shape=(ids.size, num_experts))
+    A.sum_duplicates()
+    return ids.astype(np.int64), A, np.bincount(row, minlength=ids.size).astype(np.float64)
+
+
+def coactivation(A: sp.csr_matrix) -> np.ndarray:
+    """Expert-expert affinity through shared tokens: [E, E] float64, zero diagonal.
+
+    (A^T A counts co-occurrence at token-id level, a superset of same-token co-activation
+    that also links experts serving the same ids.)"""
+    C = np.asarray((A.T @ A).todense(), dtype=np.float64)
+    np.fill_diagonal(C, 0.0)
+    return C
+
+
+def rank_scores(A: sp.csr_matrix, expert2rank: np.ndarray, ep_size: int) -> np.ndarray:
+    """R: [V', N] float64, activations of each token id that rank r would serve locally."""
+    coo = A.tocoo()
+    key = coo.row.astype(np.int64) * ep_size + expert2rank[coo.col]
+    return np.bincount(key, weights=coo.data, minlength=A.shape[0] * ep_size).reshape(A.shape[0], ep_size)
+
+
+def assign_token_ids(R: np.ndarray, occ: np.ndarray, capacity: float, choices: int = 3) -> np.ndarray:
+    """Capacity-capped best-rank assignment of token ids. R: [V', N]; occ: [V'] weights.
+
+    Ids go in order of confidence (best share of their activations) to their best rank while
+    it has room (capacity x mean load, in occurrences), else to their next choices; the rest
+    go to the rank with most room. Returns token2rank: [V'] int64.
+    """
+    V, N = R.shape
+    cap = capacity * occ.sum() / N
+    remaining = np.full(N, cap)
+    out = np.full(V, -1, dtype=np.int64)
+    tot = R.sum(axis=1)
+    conf = np.divide(R.max(axis=1), tot, out=np.zeros(V), where=tot > 0)
+    order = np.argsort(-conf, kind="stable")
+    pref = np.argsort(-R, axis=1, kind="stable")[:, : min(choices, N)]
+    for j in range(pref.shape[1]):
+        idx = order[out[order] < 0]
+        if idx.size == 0:
+            break
+        r = pref[idx, j]
+        srt = np.argsort(r, kind="stable")
+        idx, r = idx[srt], r[srt]
+        w = occ[idx]
+        cum = np.cumsum(w)
+        starts = np.r_[0, np.flatnonzero(np.diff(r)) + 1]
+        base = np.repeat(cum[starts] - w[starts], np.diff(np.r_[starts, r.size]))
+        take = (cum - base) <= remaining[r] + 1e-9
+        out[idx[take]] = r[take]
+        remaining -= np.bincount(r[take], weights=w[take], minlength=N)
+    for v in order[out[order] < 0]:  # leftovers: few, heavy ids
+        r = int(np.argmax(remaining))
+        out[v] = r
+        remaining[r] -= occ[v]
+    return out
+
+
+def local_count(R: np.ndarray, token2rank: np.ndarray) -> float:
+    """Activations served locally when ids go to ``token2rank`` ([V'] int)."""
+    return float(R[np.arange(R.shape[0]), token2rank].sum())
+
+
+def expert_gains(A: sp.csr_matrix, token2rank: np.ndarray, ep_size: int) -> np.ndarray:
+    """G: [E, N] float64, activations of expert e by ids assigned to rank r."""
+    coo = A.tocoo()
+    key = coo.col.astype(np.int64) * ep_size + token2rank[coo.row]
+    return np.bincount(key, weights=coo.data, minlength=A.shape[1] * ep_size).reshape(A.shape[1], ep_size)
+
+
+def balanced_assignment(score: np.ndarray) -> np.ndarray:
+    """Experts to ranks, E/N each, maximising sum score[e, rank(e)]. score: [E, N].
+    Returns expert2rank: [E] int32 (exact, Hungarian on E x E slots)."""
+    from scipy.optimize import linear_sum_assignment
+
+    E, N = score.shape
+    per = E // N
+    cost = -np.repeat(score, per, axis=1)  # [E, E]: slot s belongs to rank s // per
+    rows, cols = linear_sum_assignment(cost)
+    out = np.empty(E, dtype=np.int32)
+    out[rows] = cols // per
+    return out
+
+
+def check_ep_size(num_experts: int, ep_size: int) -> None:
+    if ep_size <= 0 or num_experts % ep_size:
+        raise ValueError(f"ep_size {ep_size} must be positive and divide num_experts {num_experts}")

@@ -1,0 +1,103 @@
+"""Whole-model placement: run a solver on every MoE layer, optionally hierarchical (nodes first)
+and with redundant copies of hot experts.
+
+Shapes: T tokens, L layers, K top-k, E experts, N = ep_size ranks, R replicas per layer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import scipy.sparse as sp
+
+from .alternating import place_alternating
+from .ceo import place_ceo
+from .coclust import place_coclust
+from .counts import assign_token_ids, check_ep_size, coactivation, expert_gains, rank_scores
+from .peers import place_linear, place_metis, place_round_robin
+
+# name -> solver(A [V', E] csr, occ [V'], groups, capacity, theta, seed) -> [E] int
+SOLVERS: dict[str, Callable[..., np.ndarray]] = {
+    "coclust": lambda A, occ, n, cap, theta, seed: place_coclust(A, occ, n, capacity=cap, seed=seed),
+    "alternating": lambda A, occ, n, cap, theta, seed: place_alternating(A, occ, n, capacity=cap, theta=theta,
+                                                                        seed=seed),
+    "ceo": lambda A, occ, n, cap, theta, seed: place_ceo(A, occ, n, theta=theta, seed=seed),
+    "metis": lambda A, occ, n, cap, theta, seed: place_metis(coactivation(A), n, seed=seed),
+    "linear": lambda A, occ, n, cap, theta, seed: place_linear(A.shape[1], n),
+    "round_robin": lambda A, occ, n, cap, theta, seed: place_round_robin(A.shape[1], n),
+}
+# methods whose tokens follow the predictor; the rest are plain EP (contiguous token slices)
+PREDICTED = ("coclust", "alternating", "ceo", "metis")
+
+
+def _hierarchical(solver, A: sp.csr_matrix, occ: np.ndarray, ep_size: int, nodes: int, capacity: float,
+                  theta: float, seed: int) -> np.ndarray:
+    """Nodes first (inter-node traffic), then ranks inside each node on the node's tokens."""
+    E = A.shape[1]
+    node_of = np.asarray(solver(A, occ, nodes, capacity, theta, seed), dtype=np.int64)
+    t2n = assign_token_ids(rank_scores(A, node_of, nodes), occ, capacity)
+    per = ep_size // nodes
+    e2r = np.empty(E, dtype=np.int32)
+    for n in range(nodes):
+        ex = np.flatnonzero(node_of == n)
+        rows = np.flatnonzero(t2n == n)
+        if rows.size == 0:
+            e2r[ex] = n * per + np.arange(ex.size) // (ex.size // per)
+            continue
+        sub = A[rows][:, ex].tocsr()
+        e2r[ex] = n * per + np.asarray(solver(sub, occ[rows], per, capacity, theta, seed), dtype=np.int32)
+    return e2r
+
+
+def add_replicas(A: sp.csr_matrix, occ: np.ndarray, expert2rank: np.ndarray, ep_size: int, replicas: int,
+                 capacity: float = 1.10) -> np.ndarray:
+    """Extra copies: each rank gets replicas/N more experts, those its scheduled tokens use most
+    among experts it does not hold. Returns [replicas, 2] int32 (expert, rank) pairs."""
+    if replicas % ep_size:
+        raise ValueError(f"replicas {replicas} must be a multiple of ep_size {ep_size}")
+    per = replicas // ep_size
+    E = A.shape[1]
+    if per > E - E // ep_size:
+        raise ValueError(f"replicas {replicas}: at most {E - E // ep_size} extra experts fit per rank")
+    t2r = assign_token_ids(rank_scores(A, expert2rank, ep_size), occ, capacity)
+    G = expert_gains(A, t2r, ep_size)
+    G[np.arange(E), expert2rank] = -np.inf  # already home there
+    out = []
+    for r in range(ep_size):
+        for e in np.argsort(-G[:, r], kind="stable")[:per]:
+            out.append((int(e), r))
+    return np.asarray(out, dtype=np.int32).reshape(-1, 2)
+
+
+def place_model(method: str, token_ids: np.ndarray, topk_ids: np.ndarray, num_experts: int, ep_size: int,
+                nodes: int = 1, capacity: float = 1.10, theta: float = 0.5, replicas: int = 0, seed: int = 0,
+                progress: Callable | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Place every layer. token_ids: [T] int; topk_ids: [T, L, K] int.
+
+    Returns (expert2rank [L, E] int32, replicas [L, R, 2] int32 (expert, rank), R = ``replicas``).
+    """
+    if method not in SOLVERS:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(SOLVERS)}")
+    check_ep_size(num_experts, ep_size)
+    if nodes < 1 or ep_size % nodes or num_experts % nodes:
+        raise ValueError(f"nodes {nodes} must divide ep_size {ep_size} and num_experts {num_experts}")
+    T, L, K = topk_ids.shape
+    ids, row = np.unique(token_ids, return_inverse=True)
+    occ = np.bincount(row, minlength=ids.size).astype(np.float64)
+    rows = np.repeat(row, K)
+    solver = SOLVERS[method]
+    e2r = np.empty((L, num_experts), dtype=np.int32)
+    reps = np.full((L, replicas, 2), -1, dtype=np.int32)
+    layers = range(L) if progress is None else progress(range(L))
+    for layer in layers:
+        A = sp.csr_matrix((np.ones(rows.size), (rows, topk_ids[:, layer, :].reshape(-1).astype(np.int64))),
+                          shape=(ids.size, num_experts))
+        A.sum_duplicates()
+        if nodes > 1:
+            e2r[layer] = _hierarchical(solver, A, occ, ep_size, nodes, capacity, theta, seed + layer)
+        else:
+            e2r[layer] = solver(A, occ, ep_size, capacity, theta, seed + layer)
+        if replicas:
+            reps[layer] = add_replicas(A, occ, e2r[layer], ep_size, replicas, capacity)
+    return e2r, reps

@@ -1,0 +1,276 @@
+"""``smoe-place``: learn route predictors and a balanced token-expert placement from routing
+traces, write it as YAML, and compare it with the placements users run today."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import tracemalloc
+
+import numpy as np
+
+from .placement.assign import batches_from_windows, contiguous_tokens
+from .placement.layout import PREDICTED, SOLVERS, place_model
+from .placement.metrics import evaluate, holds_from_expert2rank
+from .placement.online import simulate
+from .placement.predict import build_predictor
+from .placement_file import load_placement, load_tables, model_fingerprint, write_placement
+from .trace import read_traces
+
+METRIC_KEYS = ("lar", "token_load", "expert_load", "remote_pairs_per_token", "remote_unique_per_token",
+               "a2a_bytes_per_token", "hit_rate", "oracle_hit_rate", "solve_seconds", "peak_mem_mb",
+               "table_bytes")
+COMPARE_ALL = ("linear", "round_robin", "eplb", "metis", "ceo", "alternating", "coclust")
+
+
+def _progress(desc: str):
+    from tqdm import tqdm
+
+    return lambda it: tqdm(it, desc=desc, unit="layer", leave=False, file=sys.stderr)
+
+
+def _load(specs, batch_tokens: int):
+    """Traces -> (meta, arrays sorted by batch, batch_ids [T], files)."""
+    meta, arr, files = read_traces(specs)
+    if "step_ids" in arr:
+        order = np.argsort(arr["step_ids"], kind="stable")
+        if (order != np.arange(order.size)).any():
+            arr = {k: v[order] for k, v in arr.items()}
+        batch = arr["step_ids"]
+    else:
+        batch = batches_from_windows(arr["token_ids"].size, batch_tokens)
+    return meta, arr, batch, files
+
+
+def _model_info(model_dir: str | None, vocab_size: int):
+    """(fingerprint, embeddings [V, H] or None) from a checkpoint directory."""
+    if model_dir is None:
+        return None, None
+    cfg_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ValueError(f"{model_dir}: no config.json (--model must be a checkpoint directory)")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    return model_fingerprint(cfg), _embeddings(model_dir, vocab_size)
+
+
+def _embeddings(model_dir: str, vocab_size: int):
+    import glob
+
+    from safetensors import safe_open
+
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with safe_open(path, "np") as f:
+            for key in f.keys():
+                if key.endswith("embed_tokens.weight"):
+                    emb = f.get_tensor(key)
+                    return emb[:vocab_size].astype(np.float32)
+    raise ValueError(f"{model_dir}: no '*embed_tokens.weight' tensor in its safetensors files")
+
+
+def _solve(method, arr, meta, args, ep_size, nodes):
+    """Run one method; returns (expert2rank, replicas, seconds, peak MiB)."""
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    if method == "eplb":
+        from .peers import place_eplb
+
+        load = np.stack([np.bincount(arr["topk_ids"][:, layer].reshape(-1), minlength=meta.num_experts)
+                         for layer in range(meta.num_layers)]).astype(np.float64)
+        e2r, reps = place_eplb(load, ep_size, nodes), np.zeros((meta.num_layers, 0, 2), np.int32)
+    else:
+        e2r, reps = place_model(method, arr["token_ids"], arr["topk_ids"], meta.num_experts, ep_size, nodes=nodes,
+                                capacity=args.capacity, theta=args.theta,
+                                replicas=args.replicas if method in PREDICTED else 0, seed=args.seed,
+                                progress=_progress(method))
+    secs = time.perf_counter() - t0
+    peak = tracemalloc.get_traced_memory()[1] / 2**20
+    tracemalloc.stop()
+    return e2r, reps, secs, peak
+
+
+def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, hidden, dtype_bytes):
+    holds = holds_from_expert2rank(e2r, ep_size, reps)
+    if predicted:
+        t2r, _ = simulate(tables, holds, arr["token_ids"], arr["topk_ids"], batch, ep_size, capacity,
+                          arr.get("request_ids"), arr.get("is_prefill"))
+    else:
+        t2r = np.repeat(contiguous_tokens(batch, ep_size)[:, None], meta.num_layers, axis=1)
+    return evaluate(arr["topk_ids"], t2r, e2r, batch, ep_size, holds, hidden, dtype_bytes)
+
+
+def cmd_build(a) -> int:
+    meta, arr, batch, files = _load(a.trace, a.batch_tokens)
+    if a.replicas and a.method not in PREDICTED:
+        raise ValueError(f"--replicas needs a locality method ({', '.join(PREDICTED)}), not {a.method!r}")
+    fingerprint, emb = _model_info(a.model, meta.vocab_size)
+    print(f"placing {arr['token_ids'].size} tokens x {meta.num_layers} layers, {meta.num_experts} experts "
+          f"on {a.ep_size} ranks with {a.method}", file=sys.stderr)
+    e2r, reps, secs, peak = _solve(a.method, arr, meta, a, a.ep_size, a.nodes)
+    holds = holds_from_expert2rank(e2r, a.ep_size, reps)
+    tables = build_predictor(arr["token_ids"], arr["topk_ids"], holds, meta.vocab_size, embeddings=emb)
+    m = _measure(arr, batch, meta, e2r, reps, tables, a.ep_size, a.capacity, a.method in PREDICTED,
+                 meta.hidden_size or a.hidden_size, a.dtype_bytes)
+    m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tables.nbytes)
+    write_placement(a.output, expert2rank=e2r, ep_size=a.ep_size, nodes=a.nodes, top_k=meta.top_k,
+                    vocab_size=meta.vocab_size, method=a.method, capacity=a.capacity,
+                    tables=tables.arrays() if a.method in PREDICTED else None,
+                    replicas=reps if a.replicas else None, fingerprint=fingerprint,
+                    built_from={"traces": [os.path.abspath(f) for f in files], "tokens": int(arr["token_ids"].size),
+                                "batch_tokens": a.batch_tokens, "theta": a.theta, "seed": a.seed},
+                    metrics={k: m[k] for k in METRIC_KEYS if k in m})
+    print(f"wrote {a.output}: in-sample LAR {m['lar']:.3f}, token load {m['token_load']:.3f}, "
+          f"expert load {m['expert_load']:.3f}, solve {secs:.1f} s, tables {tables.nbytes / 1e6:.2f} MB")
+    return 0
+
+
+def _evaluate_all(a):
+    p = load_placement(a.placement)
+    meta, arr, batch, _ = _load(a.trace, a.batch_tokens)
+    for key, want in (("num_layers", p.num_layers), ("num_experts", p.num_experts), ("top_k", p.top_k)):
+        if getattr(meta, key) != want:
+            raise ValueError(f"{a.trace[0]}: trace meta.{key} = {getattr(meta, key)} but placement "
+                             f"{a.placement} has model.{key} = {want}")
+    hidden = meta.hidden_size or a.hidden_size
+    results: dict[str, dict] = {}
+    tables = load_tables(p) if p.predictor else None
+    label = f"placement ({p.method})"
+    m = _measure(arr, batch, meta, p.expert2rank, p.replicas, tables, p.ep_size, p.capacity, tables is not None,
+                 hidden, a.dtype_bytes)
+    m.update({k: p.metrics[k] for k in ("solve_seconds", "peak_mem_mb", "table_bytes") if k in p.metrics})
+    results[label] = m
+    methods = [] if not a.compare else (COMPARE_ALL if a.compare == "all" else a.compare.split(","))
+    unknown = [x for x in methods if x not in COMPARE_ALL]
+    if unknown:
+        raise ValueError(f"--compare: unknown method(s) {unknown}; choose from {', '.join(COMPARE_ALL)} or 'all'")
+    if methods:
+        train_specs = a.train or (load_train_specs(a.placement))
+        tmeta, tarr, _, _ = _load(train_specs, a.batch_tokens)
+        if (tmeta.num_layers, tmeta.num_experts) != (meta.num_layers, meta.num_experts):
+            raise ValueError(f"--train traces have a different model shape than {a.trace[0]}")
+        a.replicas = 0
+        for method in methods:
+            if method == "eplb":
+                from .peers import eplb_available
+
+                ok, why = eplb_available()
+                if not ok:
+                    print(f"skipping eplb: {why}", file=sys.stderr)
+                    continue
+            e2r, reps, secs, peak = _solve(method, tarr, tmeta, a, p.ep_size, p.nodes)
+            holds = holds_from_expert2rank(e2r, p.ep_size, reps)
+            tab = build_predictor(tarr["token_ids"], tarr["topk_ids"], holds, tmeta.vocab_size) \
+                if method in PREDICTED else None
+            m = _measure(arr, batch, meta, e2r, reps, tab, p.ep_size, p.capacity, method in PREDICTED, hidden,
+                         a.dtype_bytes)
+            m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tab.nbytes if tab is not None else 0)
+            results[method + ("+pred" if method in PREDICTED else "")] = m
+    return p, results, meta, arr
+
+
+def load_train_specs(placement_path: str) -> list[str]:
+    import yaml
+
+    with open(placement_path) as f:
+        doc = yaml.safe_load(f)
+    traces = (doc.get("built_from") or {}).get("traces")
+    if not traces:
+        raise ValueError(f"{placement_path}: field 'built_from.traces' is empty; pass --train")
+    return traces
+
+
+def _print_table(results: dict[str, dict]) -> None:
+    cols = ("lar", "token_load", "expert_load", "remote_pairs_per_token", "remote_unique_per_token",
+            "a2a_bytes_per_token", "hit_rate", "oracle_hit_rate", "solve_seconds")
+    head = ("method", "LAR", "tok_load", "exp_load", "remote/tok", "uniq/tok", "a2a B/tok", "hit", "oracle_hit",
+            "solve_s")
+    w = max(len(k) for k in results) + 2
+    print(f"{head[0]:<{w}}" + "".join(f"{h:>11}" for h in head[1:]))
+    for name, m in results.items():
+        cells = []
+        for c in cols:
+            v = m.get(c)
+            cells.append(f"{'-':>11}" if v is None else (f"{v:>11.0f}" if c == "a2a_bytes_per_token" else f"{v:>11.3f}"))
+        print(f"{name:<{w}}" + "".join(cells))
+
+
+def cmd_evaluate(a) -> int:
+    results = _evaluate_all(a)[1]
+    _print_table(results)
+    if a.json:
+        out = {k: {m: v for m, v in r.items()} for k, r in results.items()}
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2)
+        print(f"wrote {a.json}")
+    return 0
+
+
+def cmd_report(a) -> int:
+    from .report import write_report
+
+    p, results, meta, arr = _evaluate_all(a)
+    _print_table(results)
+    os.makedirs(a.output, exist_ok=True)
+    with open(os.path.join(a.output, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    page = write_report(a.output, results, p, arr["topk_ids"], meta.num_experts)
+    print(f"wrote {page}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="smoe-place", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def common(s):
+        s.add_argument("--capacity", type=float, default=1.10,
+                       help="per-batch token cap per rank, as a multiple of the fair share (default 1.10)")
+        s.add_argument("--batch-tokens", type=int, default=512,
+                       help="batch size for traces without step_ids (default 512)")
+        s.add_argument("--theta", type=float, default=0.5, help="balance weight of ceo/alternating (default 0.5)")
+        s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--hidden-size", type=int, default=4096,
+                       help="for a2a bytes when the trace meta has no hidden_size (default 4096)")
+        s.add_argument("--dtype-bytes", type=int, default=2, help="activation bytes per element (default 2)")
+
+    b = sub.add_parser("build", help="place experts and build predictor tables; writes YAML + .tables.npz")
+    b.add_argument("--trace", nargs="+", required=True, help="trace files, directories or globs")
+    b.add_argument("--ep-size", type=int, required=True)
+    b.add_argument("--method", choices=tuple(SOLVERS) + ("eplb",), default="coclust")
+    b.add_argument("--nodes", type=int, default=1, help="hierarchical: nodes first, then ranks inside a node")
+    b.add_argument("--replicas", type=int, default=0, help="redundant copies per layer (multiple of ep-size)")
+    b.add_argument("--model", help="checkpoint directory: fingerprint + embeddings for unseen tokens")
+    b.add_argument("-o", "--output", required=True, help="placement YAML to write")
+    common(b)
+    b.set_defaults(fn=cmd_build)
+
+    for name, fn, helptext in (("evaluate", cmd_evaluate, "metrics of a placement on a trace, peers side by side"),
+                               ("report", cmd_report, "evaluate, then draw PNGs and an HTML page")):
+        e = sub.add_parser(name, help=helptext)
+        e.add_argument("--trace", nargs="+", required=True, help="test trace files, directories or globs")
+        e.add_argument("--placement", required=True)
+        e.add_argument("--compare", help="'all' or a comma list of " + ", ".join(COMPARE_ALL))
+        e.add_argument("--train", nargs="+", help="training traces for --compare (default: the placement's)")
+        common(e)
+        if name == "evaluate":
+            e.add_argument("--json", help="write {method: {metric: value}} here")
+        else:
+            e.add_argument("-o", "--output", required=True, help="report directory")
+        e.set_defaults(fn=fn, replicas=0)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""The YAML placement file (schema ``smoe_placement: 1``): write atomically, read and validate.
+
+```yaml
+smoe_placement: 1
+model: {num_layers: 4, num_experts: 32, top_k: 4, vocab_size: 4096, fingerprint: 1f2e...}
+ep_size: 4
+nodes: 1
+capacity: 1.1
+method: coclust
+layers:                       # one entry per MoE layer, in order
+  - expert_to_rank: [0, 3, 1, ...]     # [E] home rank of each expert
+    replicas: [[7, 2], ...]            # optional extra copies: [expert, rank]
+predictor: placement.tables.npz        # tables, relative to this file
+built_from: {traces: [...], tokens: 131072}
+metrics: {lar: 0.44, ...}              # on the training trace
+```
+Every error names the file and the field. Nothing here imports torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Placement:
+    path: str
+    ep_size: int
+    nodes: int
+    num_layers: int
+    num_experts: int
+    top_k: int
+    vocab_size: int | None
+    fingerprint: str | None
+    expert2rank: np.ndarray  # [L, E] int32 home rank of each expert
+    replicas: np.ndarray  # [L, R, 2] int32 (expert, rank) extra copies, -1 = none
+    predictor: str | None  # absolute path of the tables .npz
+    method: str
+    capacity: float
+    metrics: dict = field(default_factory=dict)
+
+    def holds(self) -> np.ndarray:
+        """[L, N, E] bool: rank holds a copy of expert."""
+        from .placement.metrics import holds_from_expert2rank
+
+        return holds_from_expert2rank(self.expert2rank, self.ep_size, self.replicas)
+
+
+def model_fingerprint(config: dict) -> str:
+    """Stable id of a model's routing-relevant shape: sha256 over the fields that decide
+    which expert ids exist where (16 hex digits)."""
+    keys = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size", "num_experts", "num_local_experts",
+            "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "first_k_dense_replace",
+            "decoder_sparse_step", "mlp_only_layers", "n_group", "topk_group")
+    sub = {k: config[k] for k in keys if k in config}
+    return hashlib.sha256(json.dumps(sub, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_placement(path: str, *, expert2rank: np.ndarray, ep_size: int, nodes: int, top_k: int,
+                    vocab_size: int | None, method: str, capacity: float, tables: dict[str, np.ndarray] | None,
+                    replicas: np.ndarray | None = None, fingerprint: str | None = None,
+                    built_from: dict | None = None, metrics: dict | None = None) -> str:
+    """Write the YAML (and its tables ``<stem>.tables.npz`` beside it), each atomically; the
+    tables land first so a YAML never names missing tables."""
+    import yaml
+
+    L, E = expert2rank.shape
+    stem = os.path.splitext(os.path.basename(path))[0]
+    tables_name = f"{stem}.tables.npz" if tables is not None else None
+    layers = []
+    for layer in range(L):
+        entry: dict = {"expert_to_rank": [int(x) for x in expert2rank[layer]]}
+        if replicas is not None:
+            rep = replicas[layer]
+            rep = rep[rep[:, 0] >= 0]
+            if rep.size:
+                entry["replicas"] = [[int(e), int(r)] for e, r in rep]
+        layers.append(entry)
+    model = {"num_layers": int(L), "num_experts": int(E), "top_k": int(top_k)}
+    if vocab_size is not None:
+        model["vocab_size"] = int(vocab_size)
+    if fingerprint:
+        model["fingerprint"] = fingerprint
+    doc = {
+        "smoe_placement": SCHEMA_VERSION,
+        "model": model,
+        "ep_size": int(ep_size),
+        "nodes": int(nodes),
+        "capacity": float(capacity),
+        "method": method,
+        "layers": layers,
+        "predictor": tables_name,
+        "built_from": built_from or {},
+        "metrics": {k: (round(float(v), 6) if isinstance(v, (float, np.floating)) else v)
+                    for k, v in (metrics or {}).items() if not isinstance(v, (list, dict))},
+    }
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    if tables is not None:
+        import io
+
+        buf = io.BytesIO()
+        np.savez_compressed(buf, expert2rank=expert2rank.astype(np.int32), **tables)
+        _atomic_write(os.path.join(parent, tables_name), buf.getvalue())
+    _atomic_write(path, yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=120).encode())
+    return path
+
+
+def _int(doc: dict, key: str, where: str, minimum: int = 1) -> int:
+    v = doc.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        raise ValueError(f"{where}: field '{key}' must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def load_placement(path: str) -> Placement:
+    """Read and validate a placement YAML. Raises ValueError naming the file and the field."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: placement file not found")
+    try:
+        with open(path) as f:
+            doc = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: malformed YAML ({e})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: top level must be a mapping, got {type(doc).__name__}")
+    ver = doc.get("smoe_placement")
+    if ver != SCHEMA_VERSION:
+        raise ValueError(f"{path}: field 'smoe_placement' must be {SCHEMA_VERSION} (schema version), got {ver!r}")
+    model = doc.get("model")
+    if not isinstance(model, dict):
+        raise ValueError(f"{path}: field 'model' must be a mapping with num_layers, num_experts, top_k")
+    L = _int(model, "num_layers", f"{path}: model")
+    E = _int(model, "num_experts", f"{path}: model")
+    K = _int(model, "top_k", f"{path}: model")
+    vocab = model.get("vocab_size")
+    N = _int(doc, "ep_size", path)
+    nodes = _int(doc, "nodes", path) if "nodes" in doc else 1
+    if E % N:
+        raise ValueError(f"{path}: field 'ep_size' = {N} does not divide model.num_experts = {E}")
+    if N % nodes:
+        raise ValueError(f"{path}: field 'nodes' = {nodes} does not divide ep_size = {N}")
+    layers = doc.get("layers")
+    if not isinstance(layers, list) or len(layers) != L:
+        n = len(layers) if isinstance(layers, list) else layers
+        raise ValueError(f"{path}: field 'layers' must list {L} entries (model.num_layers), got {n!r}")
+    e2r = np.empty((L, E), dtype=np.int32)
+    reps = []
+    for i, entry in enumerate(layers):
+        where = f"{path}: field 'layers[{i}].expert_to_rank'"
+        if not isinstance(entry, dict) or not isinstance(entry.get("expert_to_rank"), list):
+            raise ValueError(f"{where} is missing")
+        row = entry["expert_to_rank"]
+        if len(row) != E or not all(isinstance(x, int) and not isinstance(x, bool) for x in row):
+            raise ValueError(f"{where} must hold {E} integers (model.num_experts), got {len(row)} entries")
+        arr = np.asarray(row, dtype=np.int64)
+        bad = np.flatnonzero((arr < 0) | (arr >= N))
+        if bad.size:
+            raise ValueError(f"{where}: expert {bad[0]} on rank {arr[bad[0]]}, outside [0, ep_size={N})")
+        per = np.bincount(arr, minlength=N)
+        if (per != E // N).any():
+            r = int(np.flatnonzero(per != E // N)[0])
+            raise ValueError(f"{where}: rank {r} holds {per[r]} experts, every rank must hold {E // N}")
+        e2r[i] = arr
+        rep = entry.get("replicas", [])
+        if not isinstance(rep, list) or not all(isinstance(p, list) and len(p) == 2 for p in rep):
+            raise ValueError(f"{path}: field 'layers[{i}].replicas' must be a list of [expert, rank] pairs")
+        rep = np.asarray(rep, dtype=np.int64).reshape(-1, 2)
+        if rep.size and ((rep[:, 0] < 0) | (rep[:, 0] >= E) | (rep[:, 1] < 0) | (rep[:, 1] >= N)).any():
+            raise ValueError(f"{path}: field 'layers[{i}].replicas' names an expert >= {E} or a rank >= {N}")
+        reps.append(rep)
+    R = max((r.shape[0] for r in reps), default=0)
+    replicas = np.full((L, R, 2), -1, dtype=np.int32)
+    for i, r in enumerate(reps):
+        replicas[i, : r.shape[0]] = r
+    pred = doc.get("predictor")
+    pred_path = None
+    if pred is not None:
+        if not isinstance(pred, str):
+            raise ValueError(f"{path}: field 'predictor' must be a file name, got {pred!r}")
+        pred_path = os.path.join(os.path.dirname(os.path.abspath(path)), pred)
+        if not os.path.isfile(pred_path):
+            raise ValueError(f"{path}: field 'predictor': tables file {pred_path} not found")
+    cap = doc.get("capacity", 1.10)
+    if not isinstance(cap, (int, float)) or cap < 1.0:
+        raise ValueError(f"{path}: field 'capacity' must be a number >= 1.0, got {cap!r}")
+    return Placement(path=path, ep_size=N, nodes=nodes, num_layers=L, num_experts=E, top_k=K,
+                     vocab_size=vocab, fingerprint=model.get("fingerprint"), expert2rank=e2r, replicas=replicas,
+                     predictor=pred_path, method=str(doc.get("method", "unknown")), capacity=float(cap),
+                     metrics=doc.get("metrics") or {})
+
+
+def load_tables(placement: Placement):
+    """The predictor tables of a placement (``placement.predict.PredictorTables``)."""
+    from .placement.predict import PredictorTables
+
+    if placement.predictor is None:
+        raise ValueError(f"{placement.path}: field 'predictor' is empty; this placement has no tables")
+    with np.load(placement.predictor) as z:
+        missing = [k for k in PredictorTables.__dataclass_fields__ if k not in z]
+        if missing:
+            raise ValueError(f"{placement.predictor}: tables lack {missing}")
+        return PredictorTables(**{k: z[k] for k in PredictorTables.__dataclass_fields__})
