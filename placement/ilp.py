@@ -5,7 +5,8 @@ Maximise the activations whose token id and expert share a rank:
     s.t. z <= x[e,r], z <= y[v,r]                         (local only if both are on r)
          sum_r x[e,r] = 1, sum_e x[e,r] = E/N             (each expert once, equal experts)
          sum_r y[v,r] = 1, sum_v occ[v] y[v,r] <= cap     (each id once, token capacity)
-with cap = capacity * sum(occ) / N. Small instances only (variables ~ nnz(A) * N).
+with cap = capacity * sum(occ) / N, and optionally sum_e load[e] x[e,r] <= max_expert_load *
+mean rank load (the expert-load cap smoe's solvers honour). Small instances only (variables ~ nnz(A) * N).
 With ``fixed_expert2rank`` the experts are pinned, giving the best token assignment for a
 given placement: that is how other methods are scored against the bound.
 """
@@ -17,9 +18,11 @@ import scipy.sparse as sp
 
 
 def solve_ilp(A: np.ndarray, occ: np.ndarray, ep_size: int, capacity: float = 1.10,
-              fixed_expert2rank: np.ndarray | None = None, time_limit: float = 60.0
+              fixed_expert2rank: np.ndarray | None = None, max_expert_load: float | None = None,
+              time_limit: float = 60.0
               ) -> tuple[float, np.ndarray, np.ndarray, bool]:
-    """A: [V, E] float dense counts; occ: [V] float. Returns (objective, expert2rank [E] int32,
+    """A: [V, E] float dense counts; occ: [V] float; max_expert_load: optional cap on each rank's
+    expert load (sum of its experts' activations) as a multiple of the mean. Returns (objective, expert2rank [E] int32,
     token2rank [V] int32, proven_optimal). Raises ValueError when infeasible."""
     from scipy.optimize import Bounds, LinearConstraint, milp
 
@@ -64,6 +67,10 @@ def solve_ilp(A: np.ndarray, occ: np.ndarray, ep_size: int, capacity: float = 1.
     cap = capacity * occ.sum() / N
     for r in range(N):
         add([Y(v, r) for v in range(V)], occ.tolist(), -np.inf, cap)
+    if max_expert_load is not None:
+        load = A.sum(axis=0)
+        for r in range(N):
+            add([X(e, r) for e in range(E)], load.tolist(), -np.inf, max_expert_load * load.sum() / N)
     M = sp.coo_matrix((vals, (rows, cols)), shape=(k, n))
     lb = np.zeros(n)
     ub = np.ones(n)

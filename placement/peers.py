@@ -63,5 +63,6 @@ def place_metis(coact: np.ndarray, ep_size: int, seed: int = 0) -> np.ndarray:
         ew.extend(np.maximum(1, np.rint(W[e, nb] * scale)).astype(int).tolist())
         xadj.append(len(adjncy))
     opts = pymetis.Options(seed=seed)
-    _, parts = pymetis.part_graph(ep_size, xadj=xadj, adjncy=adjncy, eweights=ew, options=opts)
+    graph = pymetis.CSRAdjacency(adj_starts=xadj, adjacent=adjncy)
+    _, parts = pymetis.part_graph(ep_size, graph, eweights=ew, options=opts)
     return _rebalance_parts(np.asarray(parts, dtype=np.int64), W, ep_size).astype(np.int32)

@@ -1,0 +1,134 @@
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from vllm_smoe.place_cli import main
+from vllm_smoe.placement_file import load_placement, load_tables, write_placement
+from vllm_smoe.synthetic import write_synthetic
+from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
+
+TRAIN, HELDOUT = FIXTURE_TRACES["train"], FIXTURE_TRACES["heldout"]
+KEYS = ("lar", "token_load", "expert_load", "remote_pairs_per_token", "remote_unique_per_token",
+        "a2a_bytes_per_token", "hit_rate", "solve_seconds")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    d = tmp_path_factory.mktemp("place")
+    out = d / "p4.yaml"
+    assert main(["build", "--trace", TRAIN, "--ep-size", "4", "--model", FIXTURE_MODEL, "-o", str(out)]) == 0
+    return out
+
+
+def test_build_writes_schema_and_tables(built):
+    doc = yaml.safe_load(open(built))
+    assert doc["smoe_placement"] == 1 and doc["ep_size"] == 4 and doc["method"] == "coclust"
+    assert doc["model"]["num_layers"] == 4 and doc["model"]["num_experts"] == 32 and doc["model"]["fingerprint"]
+    assert len(doc["layers"]) == 4 and all(len(x["expert_to_rank"]) == 32 for x in doc["layers"])
+    assert os.path.basename(doc["predictor"]) == doc["predictor"]  # relative, beside the YAML
+    p = load_placement(str(built))
+    assert (np.bincount(p.expert2rank[0], minlength=4) == 8).all()
+    t = load_tables(p)
+    assert t.token2rank.shape == (4, 4096, 2)
+    assert not [f for f in os.listdir(built.parent) if ".tmp" in f]
+
+
+def test_evaluate_compare_all_beats_plain_ep(built, tmp_path):
+    js = tmp_path / "eval.json"
+    assert main(["evaluate", "--trace", HELDOUT, "--placement", str(built), "--compare", "all",
+                 "--json", str(js)]) == 0
+    res = json.load(open(js))
+    for name, m in res.items():
+        for k in KEYS:
+            assert k in m, (name, k)
+    ours = res["placement (coclust)"]
+    assert {"linear", "round_robin", "metis+pred", "ceo+pred", "alternating+pred", "coclust+pred"} <= set(res)
+    # held-out, trained on the train split: locality must clearly beat every placement-only peer
+    for peer in ("linear", "round_robin", "eplb", "metis+pred"):
+        if peer in res:
+            assert ours["lar"] > res[peer]["lar"] + 0.02, (peer, ours["lar"], res[peer]["lar"])
+    assert ours["lar"] > 1.5 * res["linear"]["lar"]
+    assert ours["token_load"] <= 1.11  # cap is ceil(512 / 4 * 1.10) = 141 of 128 tokens = 1.1016
+
+
+def test_report_draws_pngs_and_html(built, tmp_path):
+    out = tmp_path / "rep"
+    assert main(["report", "--trace", HELDOUT, "--placement", str(built), "--compare", "linear",
+                 "-o", str(out)]) == 0
+    for f in ("index.html", "lar_per_layer.png", "rank_loads.png", "coactivation.png", "results.json"):
+        assert (out / f).stat().st_size > 0
+    assert "lar_per_layer.png" in (out / "index.html").read_text()
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "vllm_smoe.place_cli", *args], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["build", "--trace", TRAIN, "--ep-size", "3"], "ep_size 3"),
+    (["build", "--trace", TRAIN, "--ep-size", "4", "--method", "magic"], "invalid choice"),
+    (["build", "--trace", "/nonexistent/x.npz", "--ep-size", "4"], "no trace files"),
+    (["build", "--trace", TRAIN, "--ep-size", "4", "--nodes", "3"], "nodes 3"),
+    (["build", "--trace", TRAIN, "--ep-size", "4", "--method", "linear", "--replicas", "4"], "--replicas"),
+])
+def test_build_errors_exit_2_and_write_nothing(tmp_path, args, words):
+    out = tmp_path / "x.yaml"
+    r = _cli(*args, "-o", str(out))
+    assert r.returncode == 2, r.stderr
+    assert words in r.stderr and "Traceback" not in r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_evaluate_rejects_trace_of_another_model(built, tmp_path):
+    other = write_synthetic(str(tmp_path / "mix.npz"), "mixtral-8x7b", 100)
+    r = _cli("evaluate", "--trace", other, "--placement", str(built))
+    assert r.returncode == 2 and "num_layers" in r.stderr and "Traceback" not in r.stderr
+
+
+def _doc(**over):
+    d = {"smoe_placement": 1, "model": {"num_layers": 1, "num_experts": 4, "top_k": 2}, "ep_size": 2,
+         "layers": [{"expert_to_rank": [0, 1, 0, 1]}]}
+    d.update(over)
+    return d
+
+
+@pytest.mark.parametrize("doc, field", [
+    ("{not: [yaml", "malformed YAML"),
+    (_doc(smoe_placement=2), "'smoe_placement'"),
+    (_doc(model={"num_layers": 1, "num_experts": 4}), "'top_k'"),
+    (_doc(layers=[{"expert_to_rank": [0, 1, 0]}]), "layers[0].expert_to_rank"),
+    (_doc(layers=[{"expert_to_rank": [0, 1, 0, 2]}]), "outside [0, ep_size=2)"),
+    (_doc(layers=[{"expert_to_rank": [0, 0, 0, 1]}]), "rank 0 holds 3 experts"),
+    (_doc(layers=[]), "'layers'"),
+    (_doc(ep_size=3), "'ep_size' = 3"),
+    (_doc(predictor="missing.npz"), "'predictor'"),
+    (_doc(layers=[{"expert_to_rank": [0, 1, 0, 1], "replicas": [[9, 0]]}]), "replicas"),
+])
+def test_placement_file_errors_name_the_field(tmp_path, doc, field):
+    p = tmp_path / "bad.yaml"
+    p.write_text(doc if isinstance(doc, str) else yaml.safe_dump(doc))
+    with pytest.raises(ValueError) as e:
+        load_placement(str(p))
+    assert str(p) in str(e.value) and field in str(e.value), str(e.value)
+
+
+def test_missing_placement_file(tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        load_placement(str(tmp_path / "nope.yaml"))
+
+
+def test_write_then_load_round_trip_with_replicas(tmp_path):
+    e2r = np.array([[0, 1, 0, 1], [1, 0, 1, 0]], dtype=np.int32)
+    reps = np.array([[[1, 0], [0, 1]], [[-1, -1], [-1, -1]]], dtype=np.int32)
+    path = write_placement(str(tmp_path / "sub" / "p.yaml"), expert2rank=e2r, ep_size=2, nodes=1, top_k=2,
+                           vocab_size=10, method="coclust", capacity=1.1, tables=None, replicas=reps)
+    p = load_placement(path)
+    np.testing.assert_array_equal(p.expert2rank, e2r)
+    h = p.holds()
+    assert h[0, 0, 1] and h[0, 1, 0] and h[0, 0, 0]  # home + replica copies
+    assert h.sum() == 8 + 2

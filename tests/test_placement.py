@@ -1,0 +1,192 @@
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vllm_smoe.placement.assign import assign_tokens, batch_capacity, contiguous_tokens
+from vllm_smoe.placement.ceo import place_ceo
+from vllm_smoe.placement.coclust import place_coclust
+from vllm_smoe.placement.counts import assign_token_ids, layer_counts, local_count, rank_scores
+from vllm_smoe.placement.ilp import solve_ilp
+from vllm_smoe.placement.layout import SOLVERS, place_model
+from vllm_smoe.placement.metrics import evaluate, holds_from_expert2rank
+from vllm_smoe.placement.online import simulate
+from vllm_smoe.placement.peers import place_linear, place_metis, place_round_robin
+from vllm_smoe.placement.predict import build_predictor, predict_layer
+
+# Golden case: token 0 always routes to experts {0, 2}, token 1 to {1, 3}; 2 ranks.
+GOLD_TOK = np.array([0, 1, 0, 1], dtype=np.int32)
+GOLD_TOPK = np.array([[0, 2], [1, 3], [0, 2], [1, 3]]).reshape(4, 1, 2)
+
+
+def test_golden_linear_with_contiguous_tokens():
+    # linear: rank 0 = {0, 1}, rank 1 = {2, 3}; the batch [0, 1 | 0, 1] is split in halves.
+    e2r = place_linear(4, 2)[None]
+    t2r = contiguous_tokens(np.zeros(4, int), 2)[:, None]
+    np.testing.assert_array_equal(t2r[:, 0], [0, 0, 1, 1])
+    m = evaluate(GOLD_TOPK, t2r, e2r, np.zeros(4, int), 2, hidden_size=10, dtype_bytes=2)
+    # every token has exactly one of its two experts on its rank
+    assert m["lar"] == 0.5
+    assert m["remote_pairs_per_token"] == 1.0 and m["remote_unique_per_token"] == 1.0
+    assert m["a2a_bytes_per_token"] == 1.0 * 10 * 2 * 2
+    assert m["hit_rate"] == 1.0 and m["token_load"] == 1.0
+    assert m["expert_load"] == 1.0  # each rank computes 4 of the 8 activations
+
+
+def test_golden_coclust_finds_the_perfect_grouping():
+    ids, A, occ = layer_counts(GOLD_TOK, GOLD_TOPK[:, 0], 4)
+    e2r = place_coclust(A, occ, 2)
+    assert e2r[0] == e2r[2] and e2r[1] == e2r[3] and e2r[0] != e2r[1]
+    holds = holds_from_expert2rank(e2r[None], 2)
+    tables = build_predictor(GOLD_TOK, GOLD_TOPK, holds, vocab_size=2)
+    t2r, src = simulate(tables, holds, GOLD_TOK, GOLD_TOPK, np.zeros(4, int), 2, capacity=1.0)
+    m = evaluate(GOLD_TOPK, t2r, e2r[None], np.zeros(4, int), 2, holds)
+    assert m["lar"] == 1.0 and m["remote_unique_per_token"] == 0.0 and m["token_load"] == 1.0
+    assert (src == 0).all()  # the token table decided
+
+
+def test_golden_ilp_bound():
+    A = np.array([[2.0, 0, 2, 0], [0, 2, 0, 2]])
+    opt, e2r, t2r, proven = solve_ilp(A, np.array([2.0, 2.0]), 2, capacity=1.0)
+    assert proven and opt == 8.0
+    worst, *_ = solve_ilp(A, np.array([2.0, 2.0]), 2, capacity=1.0, fixed_expert2rank=np.array([0, 0, 1, 1]))
+    assert worst == 4.0
+
+
+def test_assign_tokens_golden_overflow():
+    # 4 tokens all want rank 0; capacity 1.0 over 2 ranks = 2 per rank; most confident stay.
+    pref = np.array([[0, 1]] * 4)
+    conf = np.array([0.1, 0.9, 0.5, 0.2])
+    out = assign_tokens(pref, conf, np.zeros(4, int), 2, capacity=1.0)
+    np.testing.assert_array_equal(out, [1, 0, 0, 1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 300), N=st.integers(1, 9), P=st.integers(1, 3), cap=st.floats(1.0, 1.6),
+    batch=st.integers(1, 64), seed=st.integers(0, 10**6),
+)
+def test_assign_tokens_respects_capacity(n, N, P, cap, batch, seed):
+    rng = np.random.default_rng(seed)
+    pref = rng.integers(-1, N, size=(n, P))
+    conf = rng.random(n)
+    bids = np.arange(n) // batch
+    out = assign_tokens(pref, conf, bids, N, cap)
+    assert out.shape == (n,) and out.min() >= 0 and out.max() < N
+    sizes = np.bincount(bids)
+    caps = batch_capacity(sizes, N, cap)
+    counts = np.zeros((sizes.size, N), int)
+    np.add.at(counts, (bids, out), 1)
+    assert (counts <= caps[:, None]).all()
+    np.testing.assert_array_equal(out, assign_tokens(pref, conf, bids, N, cap))  # deterministic
+
+
+def _instance(seed, V, E, K, T=200):
+    rng = np.random.default_rng(seed)
+    tok = rng.integers(0, V, T)
+    pref = np.stack([rng.choice(E, K, replace=False) for _ in range(V)])
+    topk = np.where(rng.random((T, K)) < 0.8, pref[tok], rng.integers(0, E, (T, K)))
+    # distinct ids per row
+    for i in range(T):
+        if len(set(topk[i])) < K:
+            topk[i] = rng.choice(E, K, replace=False)
+    return tok.astype(np.int32), topk
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), N=st.sampled_from([1, 2, 4]), method=st.sampled_from(sorted(SOLVERS)))
+def test_every_solver_places_each_expert_once_with_equal_ranks(seed, N, method):
+    tok, topk = _instance(seed, V=20, E=8, K=2)
+    ids, A, occ = layer_counts(tok, topk, 8)
+    e2r = SOLVERS[method](A, occ, N, 1.1, 0.5, seed)
+    assert e2r.shape == (8,) and e2r.min() >= 0 and e2r.max() < N
+    assert (np.bincount(e2r, minlength=N) == 8 // N).all()
+    np.testing.assert_array_equal(e2r, SOLVERS[method](A, occ, N, 1.1, 0.5, seed))  # same seed, same output
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6))
+def test_ilp_is_never_beaten(seed):
+    tok, topk = _instance(seed, V=6, E=4, K=2, T=60)
+    ids, A, occ = layer_counts(tok, topk, 4)
+    dense = A.toarray()
+    opt, e2r_opt, t2r_opt, proven = solve_ilp(dense, occ, 2, capacity=1.1)
+    assert proven
+    # the ILP's own solution is feasible and scores what it claims
+    assert np.isclose(local_count(rank_scores(A, e2r_opt, 2), t2r_opt), opt)
+    cap = 1.1 * occ.sum() / 2
+    assert np.bincount(t2r_opt, weights=occ, minlength=2).max() <= cap + 1e-6
+    for method in ("coclust", "alternating", "ceo", "metis", "linear"):
+        e2r = SOLVERS[method](A, occ, 2, 1.1, 0.5, seed)
+        val, *_ = solve_ilp(dense, occ, 2, capacity=1.1, fixed_expert2rank=e2r)
+        assert val <= opt + 1e-6
+        t2r = assign_token_ids(rank_scores(A, e2r, 2), occ, 1.1)
+        if np.bincount(t2r, weights=occ, minlength=2).max() <= cap + 1e-9:  # feasible greedy
+            assert local_count(rank_scores(A, e2r, 2), t2r) <= opt + 1e-6
+
+
+def test_coclust_reaches_the_ilp_bound_on_small_instances():
+    """Same program on both sides: token capacity 1.1 and expert-load cap 1.1."""
+    gaps = []
+    for seed in range(6):
+        tok, topk = _instance(seed, V=8, E=4, K=2, T=80)
+        ids, A, occ = layer_counts(tok, topk, 4)
+        opt, *_ = solve_ilp(A.toarray(), occ, 2, capacity=1.1, max_expert_load=1.1)
+        e2r = place_coclust(A, occ, 2, capacity=1.1, max_expert_load=1.1)
+        val, *_ = solve_ilp(A.toarray(), occ, 2, capacity=1.1, fixed_expert2rank=e2r)
+        gaps.append(1 - val / opt)
+    assert max(gaps) <= 0.05, gaps
+
+
+def test_peers_shapes_and_errors():
+    np.testing.assert_array_equal(place_linear(8, 4), [0, 0, 1, 1, 2, 2, 3, 3])
+    np.testing.assert_array_equal(place_round_robin(8, 4), [0, 1, 2, 3, 0, 1, 2, 3])
+    with pytest.raises(ValueError, match="ep_size 3"):
+        place_linear(8, 3)
+    C = np.kron(np.eye(2), np.ones((4, 4))) * 10 + 1  # two cliques of 4
+    np.fill_diagonal(C, 0)
+    e2r = place_metis(C, 2)
+    assert len(set(e2r[:4])) == 1 and len(set(e2r[4:])) == 1 and e2r[0] != e2r[4]
+    with pytest.raises(ValueError, match="unknown method"):
+        place_model("magic", GOLD_TOK, GOLD_TOPK, 4, 2)
+
+
+def test_predictor_golden_and_unseen_fallback():
+    holds = holds_from_expert2rank(np.array([[0, 1, 0, 1]]), 2)
+    # token 3 never appears; its embedding is closest to token 1's
+    emb = np.array([[1.0, 0], [0, 1.0], [0.7, 0.7], [0.1, 1.0]])
+    t = build_predictor(GOLD_TOK, GOLD_TOPK, holds, vocab_size=4, embeddings=emb)
+    assert t.token2rank[0, 0, 0] == 0 and t.token2rank[0, 1, 0] == 1
+    assert t.token_conf[0, 0] == 1.0
+    assert t.token2rank[0, 3, 0] == t.token2rank[0, 1, 0]  # nearest seen id
+    no_emb = build_predictor(GOLD_TOK, GOLD_TOPK, holds, vocab_size=4)
+    pref, conf, src = predict_layer(no_emb, 0, np.array([3]))
+    assert src[0] == 3  # prior: nothing else knows token 3
+
+
+def test_markov_table_follows_previous_layer():
+    # layer 1 experts are a fixed function of layer 0's top-1 expert, token id is uninformative
+    rng = np.random.default_rng(0)
+    e0 = rng.integers(0, 4, 400)
+    topk = np.stack([np.stack([e0, (e0 + 1) % 4], 1), np.stack([(e0 + 2) % 4, (e0 + 3) % 4], 1)], 1)
+    tok = np.zeros(400, np.int32)
+    holds = holds_from_expert2rank(np.array([[0, 0, 1, 1], [0, 0, 1, 1]]), 2)
+    t = build_predictor(tok, topk, holds, vocab_size=1)
+    pref, conf, src = predict_layer(t, 1, tok, prev_top1=topk[:, 0, 0])
+    # e0 = 0 -> layer-1 experts {2, 3} on rank 1, confidence 1
+    assert (pref[e0 == 0, 0] == 1).all() and (conf[e0 == 0] == 1.0).all() and (src[e0 == 0] == 1).all()
+
+
+def test_hierarchical_and_replicas():
+    tok, topk = _instance(3, V=30, E=16, K=2, T=600)
+    topk3 = np.stack([topk, topk], 1)
+    e2r, reps = place_model("coclust", tok, topk3, 16, 4, nodes=2, replicas=4)
+    assert (np.bincount(e2r[0], minlength=4) == 4).all()
+    assert reps.shape == (2, 4, 2)
+    assert (np.bincount(reps[0, :, 1], minlength=4) == 1).all()  # one extra copy per rank
+    assert (e2r[0][reps[0, :, 0]] != reps[0, :, 1]).all()  # never a copy of a home expert
+    with pytest.raises(ValueError, match="nodes 3"):
+        place_model("coclust", tok, topk3, 16, 4, nodes=3)
+    with pytest.raises(ValueError, match="multiple of ep_size"):
+        place_model("coclust", tok, topk3, 16, 4, replicas=3)
