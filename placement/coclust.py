@@ -49,7 +49,7 @@ def cap_expert_load(expert2rank: np.ndarray, gains: np.ndarray, load: np.ndarray
 
 def place_coclust(A: sp.csr_matrix, occ: np.ndarray, ep_size: int, capacity: float = 1.10,
                   max_expert_load: float = 1.10, starts: list[np.ndarray] | None = None,
-                  random_starts: int = 3, max_iters: int = 30, seed: int = 0) -> np.ndarray:
+                  random_starts: int = 1, max_iters: int = 30, tol: float = 2e-3, seed: int = 0) -> np.ndarray:
     """Expert placement for one layer. A: [V', E] csr activation counts; occ: [V'] occurrences.
     starts: optional initial expert2rank arrays ([E] int). Returns expert2rank [E] int32."""
     E = A.shape[1]
@@ -70,7 +70,7 @@ def place_coclust(A: sp.csr_matrix, occ: np.ndarray, ep_size: int, capacity: flo
             val = local_count(R, t2r)
             if val > best_val:
                 best, best_val = e2r.copy(), val
-            if val <= prev + 1e-9:
+            if val <= prev * (1.0 + tol) + 1e-9:  # converged (gains below tol)
                 break
             prev = val
             G = expert_gains(A, t2r, ep_size)

@@ -13,16 +13,43 @@ import numpy as np
 import scipy.sparse as sp
 
 
+def count_matrix(rows: np.ndarray, cols: np.ndarray, n_rows: int, n_cols: int) -> sp.csr_matrix:
+    """csr [n_rows, n_cols] float64 counting the (rows[i], cols[i]) pairs (rows, cols: [M] int)."""
+    key = rows.astype(np.int64) * n_cols + cols.astype(np.int64)
+    if n_rows * n_cols <= max(8 * key.size, 1 << 25):  # a dense bincount beats sorting the keys
+        dense = np.bincount(key, minlength=n_rows * n_cols)
+        nz = np.flatnonzero(dense)
+        data = dense[nz].astype(np.float64)
+    else:
+        nz, counts = np.unique(key, return_counts=True)
+        data = counts.astype(np.float64)
+    r, c = nz // n_cols, nz % n_cols
+    indptr = np.r_[0, np.cumsum(np.bincount(r, minlength=n_rows))]
+    return sp.csr_matrix((data, c.astype(np.int32), indptr), shape=(n_rows, n_cols))
+
+
 def layer_counts(token_ids: np.ndarray, topk_layer: np.ndarray, num_experts: int
                  ) -> tuple[np.ndarray, sp.csr_matrix, np.ndarray]:
     """token_ids: [T] int; topk_layer: [T, K] int. Returns (ids [V'] int64 seen token ids,
     A [V', E] csr float64, occ [V'] float64)."""
     ids, row = np.unique(token_ids, return_inverse=True)
     K = topk_layer.shape[1]
-    A = sp.csr_matrix((np.ones(row.size * K), (np.repeat(row, K), topk_layer.reshape(-1).astype(np.int64))),
-                      shape=(ids.size, num_experts))
-    A.sum_duplicates()
+    A = count_matrix(np.repeat(row, K), topk_layer.reshape(-1), ids.size, num_experts)
     return ids.astype(np.int64), A, np.bincount(row, minlength=ids.size).astype(np.float64)
+
+
+def top_ranks(scores: np.ndarray, k: int) -> np.ndarray:
+    """Column indices of each row's ``k`` largest scores, best first: [M, k] int64.
+    (argpartition, then a sort of k columns: much cheaper than a full argsort for N >> k.)"""
+    M, N = scores.shape
+    k = min(k, N)
+    if k < N:
+        part = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+    else:
+        part = np.broadcast_to(np.arange(N), (M, N)).copy()
+    vals = np.take_along_axis(scores, part, axis=1)
+    order = np.argsort(-vals, axis=1, kind="stable")
+    return np.take_along_axis(part, order, axis=1)
 
 
 def coactivation(A: sp.csr_matrix) -> np.ndarray:
@@ -47,21 +74,22 @@ def assign_token_ids(R: np.ndarray, occ: np.ndarray, capacity: float, choices: i
 
     Ids go in order of confidence (best share of their activations) to their best rank while
     it has room (capacity x mean load, in occurrences), else to their next choices; the rest
-    go to the rank with most room. Returns token2rank: [V'] int64.
+    fill the remaining room rank after rank. Returns token2rank: [V'] int64.
     """
     V, N = R.shape
     cap = capacity * occ.sum() / N
     remaining = np.full(N, cap)
     out = np.full(V, -1, dtype=np.int64)
+    best = R.argmax(axis=1)
     tot = R.sum(axis=1)
-    conf = np.divide(R.max(axis=1), tot, out=np.zeros(V), where=tot > 0)
+    conf = np.divide(R[np.arange(V), best], tot, out=np.zeros(V), where=tot > 0)
     order = np.argsort(-conf, kind="stable")
-    pref = np.argsort(-R, axis=1, kind="stable")[:, : min(choices, N)]
-    for j in range(pref.shape[1]):
-        idx = order[out[order] < 0]
+    for j in range(min(choices, N)):
+        idx = order if j == 0 else order[out[order] < 0]
         if idx.size == 0:
             break
-        r = pref[idx, j]
+        # later choices are ranked only for the ids still waiting
+        r = best[idx] if j == 0 else top_ranks(R[idx], j + 1)[:, j]
         srt = np.argsort(r, kind="stable")
         idx, r = idx[srt], r[srt]
         w = occ[idx]
@@ -71,10 +99,13 @@ def assign_token_ids(R: np.ndarray, occ: np.ndarray, capacity: float, choices: i
         take = (cum - base) <= remaining[r] + 1e-9
         out[idx[take]] = r[take]
         remaining -= np.bincount(r[take], weights=w[take], minlength=N)
-    for v in order[out[order] < 0]:  # leftovers: few, heavy ids
-        r = int(np.argmax(remaining))
-        out[v] = r
-        remaining[r] -= occ[v]
+    left = order[out[order] < 0]
+    if left.size:
+        # leftovers fill the free room rank after rank, in confidence order (vectorised first fit)
+        room = np.cumsum(np.maximum(remaining, 0.0))
+        w = occ[left]
+        mid = (np.cumsum(w) - w / 2) * room[-1] / max(w.sum(), 1e-12)
+        out[left] = np.minimum(np.searchsorted(room, mid), N - 1)
     return out
 
 

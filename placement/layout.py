@@ -14,8 +14,10 @@ import scipy.sparse as sp
 from .alternating import place_alternating
 from .ceo import place_ceo
 from .coclust import place_coclust
-from .counts import assign_token_ids, check_ep_size, coactivation, expert_gains, rank_scores
+from .counts import assign_token_ids, check_ep_size, coactivation, count_matrix, expert_gains, rank_scores
+from .metrics import holds_from_expert2rank
 from .peers import place_linear, place_metis, place_round_robin
+from .predict import PredictorTables, empty_tables, fill_layer, nearest_token_map
 
 # name -> solver(A [V', E] csr, occ [V'], groups, capacity, theta, seed) -> [E] int
 SOLVERS: dict[str, Callable[..., np.ndarray]] = {
@@ -72,10 +74,14 @@ def add_replicas(A: sp.csr_matrix, occ: np.ndarray, expert2rank: np.ndarray, ep_
 
 def place_model(method: str, token_ids: np.ndarray, topk_ids: np.ndarray, num_experts: int, ep_size: int,
                 nodes: int = 1, capacity: float = 1.10, theta: float = 0.5, replicas: int = 0, seed: int = 0,
-                progress: Callable | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Place every layer. token_ids: [T] int; topk_ids: [T, L, K] int.
+                vocab_size: int | None = None, embeddings: np.ndarray | None = None,
+                progress: Callable | None = None) -> tuple[np.ndarray, np.ndarray, PredictorTables | None]:
+    """Place every layer; with ``vocab_size`` also count the predictor tables in the same pass
+    (each layer's token-expert counts are built once and shared).
 
-    Returns (expert2rank [L, E] int32, replicas [L, R, 2] int32 (expert, rank), R = ``replicas``).
+    token_ids: [T] int; topk_ids: [T, L, K] int; embeddings: [V, H] for the unseen-token fallback.
+    Returns (expert2rank [L, E] int32, replicas [L, R, 2] int32 (expert, rank), R = ``replicas``;
+    tables or None).
     """
     if method not in SOLVERS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(SOLVERS)}")
@@ -89,15 +95,18 @@ def place_model(method: str, token_ids: np.ndarray, topk_ids: np.ndarray, num_ex
     solver = SOLVERS[method]
     e2r = np.empty((L, num_experts), dtype=np.int32)
     reps = np.full((L, replicas, 2), -1, dtype=np.int32)
+    tables = empty_tables(L, vocab_size, num_experts) if vocab_size else None
+    nearest = nearest_token_map(embeddings, ids, vocab_size) if vocab_size else None
     layers = range(L) if progress is None else progress(range(L))
     for layer in layers:
-        A = sp.csr_matrix((np.ones(rows.size), (rows, topk_ids[:, layer, :].reshape(-1).astype(np.int64))),
-                          shape=(ids.size, num_experts))
-        A.sum_duplicates()
+        A = count_matrix(rows, topk_ids[:, layer, :].reshape(-1), ids.size, num_experts)
         if nodes > 1:
             e2r[layer] = _hierarchical(solver, A, occ, ep_size, nodes, capacity, theta, seed + layer)
         else:
             e2r[layer] = solver(A, occ, ep_size, capacity, theta, seed + layer)
         if replicas:
             reps[layer] = add_replicas(A, occ, e2r[layer], ep_size, replicas, capacity)
-    return e2r, reps
+        if tables is not None:
+            holds = holds_from_expert2rank(e2r[layer: layer + 1], ep_size, reps[layer: layer + 1])[0]
+            fill_layer(tables, layer, A, ids, occ, topk_ids, holds, nearest)
+    return e2r, reps, tables

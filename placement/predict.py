@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
+from .counts import count_matrix, rank_scores, top_ranks
+
 SOURCES = ("token", "markov", "request", "prior")
 
 
@@ -51,7 +53,7 @@ def _top2(scores: np.ndarray, totals: np.ndarray) -> tuple[np.ndarray, np.ndarra
     """scores: [M, N] float; totals: [M] float (activations per row). Returns ([M, 2] int16
     best/second rank, -1 where the row has no data; [M] float16 best share)."""
     M, N = scores.shape
-    order = np.argsort(-scores, axis=1, kind="stable")[:, :2]
+    order = top_ranks(scores, 2)
     if N == 1:
         order = np.concatenate([order, order], axis=1)
     best = np.take_along_axis(scores, order[:, :1], axis=1)[:, 0]
@@ -61,9 +63,9 @@ def _top2(scores: np.ndarray, totals: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return out, conf.astype(np.float16)
 
 
-def _nearest_seen(embeddings: np.ndarray, seen: np.ndarray, block: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+def nearest_seen(embeddings: np.ndarray, seen: np.ndarray, block: int = 4096) -> tuple[np.ndarray, np.ndarray]:
     """For every id, the most cosine-similar seen id. embeddings: [V, H]; seen: [V] bool.
-    Returns ([V] int64 nearest seen id, [V] float cosine)."""
+    Returns ([V] int64 nearest seen id, [V] float32 cosine; seen ids map to themselves)."""
     x = embeddings.astype(np.float32)
     x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
     ids = np.flatnonzero(seen)
@@ -80,53 +82,105 @@ def _nearest_seen(embeddings: np.ndarray, seen: np.ndarray, block: int = 4096) -
     return nn, sim
 
 
+def _local_counts(A: sp.csr_matrix, holds_layer: np.ndarray) -> np.ndarray:
+    """[rows, N] activations of each row that rank r holds; A: [rows, E] csr; holds_layer: [N, E]."""
+    if (holds_layer.sum(axis=0) == 1).all():  # one copy per expert: a bincount, no matmul
+        return rank_scores(A, holds_layer.argmax(axis=0), holds_layer.shape[0])
+    return np.asarray(A @ holds_layer.T.astype(np.float64))
+
+
+def token_table(A: sp.csr_matrix, ids: np.ndarray, occ: np.ndarray, holds_layer: np.ndarray, vocab_size: int,
+                top_k: int, nearest: tuple[np.ndarray, np.ndarray] | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One layer's token table and prior from its counts.
+
+    A: [V', E] csr activations of seen ids ``ids`` ([V'] int); occ: [V'] occurrences;
+    holds_layer: [N, E] bool; nearest: output of :func:`nearest_seen` for the unseen fallback.
+    Returns (token2rank [V, 2] int16, token_conf [V] float16, prior2rank [2] int16,
+    prior_conf float16 0-d).
+    """
+    R = _local_counts(A, holds_layer)  # [V', N] activations local on each rank
+    t2r_seen, conf_seen = _top2(R, occ * top_k)
+    t2r = np.full((vocab_size, 2), -1, dtype=np.int16)
+    conf = np.zeros(vocab_size, dtype=np.float16)
+    t2r[ids], conf[ids] = t2r_seen, conf_seen
+    if nearest is not None and ids.size:
+        nn, sim = nearest
+        fill = np.ones(vocab_size, dtype=bool)
+        fill[ids] = False
+        t2r[fill] = t2r[nn[fill]]
+        conf[fill] = (conf[nn[fill]].astype(np.float32) * np.clip(sim[fill], 0, 1)).astype(np.float16)
+    tot = R.sum(axis=0)
+    order = np.argsort(-tot, kind="stable")[:2]
+    prior = np.resize(order, 2).astype(np.int16)
+    return t2r, conf, prior, np.float16(tot[order[0]] / max(1.0, occ.sum() * top_k))
+
+
+def markov_table(prev_top1: np.ndarray, topk_layer: np.ndarray, holds_layer: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Previous layer's top-1 expert -> this layer's rank. prev_top1: [T] int; topk_layer: [T, K];
+    holds_layer: [N, E] bool. Returns ([E, 2] int16, -1 = never seen; [E] float16)."""
+    E = holds_layer.shape[1]
+    K = topk_layer.shape[1]
+    P = count_matrix(np.repeat(prev_top1, K), topk_layer.reshape(-1), E, E)
+    M = _local_counts(P, holds_layer)
+    return _top2(M, np.bincount(prev_top1, minlength=E) * float(K))
+
+
+def empty_tables(num_layers: int, vocab_size: int, num_experts: int) -> PredictorTables:
+    return PredictorTables(
+        token2rank=np.full((num_layers, vocab_size, 2), -1, dtype=np.int16),
+        token_conf=np.zeros((num_layers, vocab_size), dtype=np.float16),
+        markov2rank=np.full((num_layers, num_experts, 2), -1, dtype=np.int16),
+        markov_conf=np.zeros((num_layers, num_experts), dtype=np.float16),
+        prior2rank=np.zeros((num_layers, 2), dtype=np.int16),
+        prior_conf=np.zeros(num_layers, dtype=np.float16),
+    )
+
+
+def fill_layer(tables: PredictorTables, layer: int, A: sp.csr_matrix, ids: np.ndarray, occ: np.ndarray,
+               topk_ids: np.ndarray, holds_layer: np.ndarray,
+               nearest: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    """Write one layer's rows of ``tables`` in place. A, ids, occ: :func:`token_table`'s inputs;
+    topk_ids: [T, L, K] of the trace A was counted from (for the Markov table)."""
+    V = tables.token2rank.shape[1]
+    K = topk_ids.shape[2]
+    (tables.token2rank[layer], tables.token_conf[layer], tables.prior2rank[layer],
+     tables.prior_conf[layer]) = token_table(A, ids, occ, holds_layer, V, K, nearest)
+    if layer > 0:
+        tables.markov2rank[layer], tables.markov_conf[layer] = markov_table(
+            topk_ids[:, layer - 1, 0].astype(np.int64), topk_ids[:, layer, :], holds_layer)
+
+
 def build_predictor(token_ids: np.ndarray, topk_ids: np.ndarray, holds: np.ndarray, vocab_size: int,
-                    embeddings: np.ndarray | None = None, min_count: int = 1) -> PredictorTables:
+                    embeddings: np.ndarray | None = None) -> PredictorTables:
     """Count the training trace into predictor tables for a placement.
 
     token_ids: [T] int; topk_ids: [T, L, K] int; holds: [L, N, E] bool (rank holds expert);
-    embeddings: [V, H] float input embeddings for the unseen-token fallback (optional);
-    min_count: occurrences below which a token id counts as unseen.
+    embeddings: [V, H] float input embeddings for the unseen-token fallback (optional).
     """
     T, L, K = topk_ids.shape
-    _, N, E = holds.shape
-    V = vocab_size
-    tok = token_ids.astype(np.int64)
-    occ = np.bincount(tok, minlength=V).astype(np.float64)
-    seen = occ >= min_count
-    if embeddings is not None:
-        if embeddings.shape[0] < V:
-            raise ValueError(f"embeddings have {embeddings.shape[0]} rows, fewer than vocab_size {V}")
-        nn, sim = _nearest_seen(embeddings[:V], seen)
-    token2rank = np.full((L, V, 2), -1, dtype=np.int16)
-    token_conf = np.zeros((L, V), dtype=np.float16)
-    markov2rank = np.full((L, E, 2), -1, dtype=np.int16)
-    markov_conf = np.zeros((L, E), dtype=np.float16)
-    prior2rank = np.zeros((L, 2), dtype=np.int16)
-    prior_conf = np.zeros(L, dtype=np.float16)
-    rows = np.repeat(tok, K)
+    E = holds.shape[2]
+    ids, row = np.unique(token_ids, return_inverse=True)
+    occ = np.bincount(row, minlength=ids.size).astype(np.float64)
+    nearest = nearest_token_map(embeddings, ids, vocab_size)
+    tables = empty_tables(L, vocab_size, E)
+    rows = np.repeat(row, K)
     for layer in range(L):
-        h = holds[layer].T.astype(np.float64)  # [E, N]
-        e = topk_ids[:, layer, :].reshape(-1).astype(np.int64)
-        A = sp.csr_matrix((np.ones(e.size), (rows, e)), shape=(V, E))
-        R = np.asarray(A @ h)  # [V, N] activations local on each rank
-        t2r, conf = _top2(R, occ * K)
-        t2r[~seen], conf[~seen] = -1, 0
-        if embeddings is not None:
-            fill = ~seen & seen.any()
-            t2r[fill] = t2r[nn[fill]]
-            conf[fill] = (conf[nn[fill]].astype(np.float32) * np.clip(sim[fill], 0, 1)).astype(np.float16)
-        token2rank[layer], token_conf[layer] = t2r, conf
-        tot = R.sum(axis=0)
-        order = np.argsort(-tot, kind="stable")[:2]
-        prior2rank[layer] = np.resize(order, 2)
-        prior_conf[layer] = tot[order[0]] / max(1.0, T * K)
-        if layer > 0:
-            prev = topk_ids[:, layer - 1, 0].astype(np.int64)
-            P = sp.csr_matrix((np.ones(e.size), (np.repeat(prev, K), e)), shape=(E, E))
-            M = np.asarray(P @ h)
-            markov2rank[layer], markov_conf[layer] = _top2(M, np.bincount(prev, minlength=E) * float(K))
-    return PredictorTables(token2rank, token_conf, markov2rank, markov_conf, prior2rank, prior_conf)
+        A = count_matrix(rows, topk_ids[:, layer, :].reshape(-1), ids.size, E)
+        fill_layer(tables, layer, A, ids, occ, topk_ids, holds[layer], nearest)
+    return tables
+
+
+def nearest_token_map(embeddings: np.ndarray | None, seen_ids: np.ndarray, vocab_size: int):
+    """(nearest seen id [V], cosine [V]) for the unseen-token fallback, or None without embeddings."""
+    if embeddings is None:
+        return None
+    if embeddings.shape[0] < vocab_size:
+        raise ValueError(f"embeddings have {embeddings.shape[0]} rows, fewer than vocab_size {vocab_size}")
+    seen = np.zeros(vocab_size, dtype=bool)
+    seen[seen_ids] = True
+    return nearest_seen(embeddings[:vocab_size], seen)
 
 
 def request_prefill_candidates(request_ids: np.ndarray, is_prefill: np.ndarray, topk_layer: np.ndarray,
@@ -141,10 +195,8 @@ def request_prefill_candidates(request_ids: np.ndarray, is_prefill: np.ndarray, 
     N = holds_layer.shape[0]
     uniq, req = np.unique(request_ids, return_inverse=True)
     pre = np.flatnonzero(is_prefill)
-    h = holds_layer.T.astype(np.float64)  # [E, N]
-    A = sp.csr_matrix((np.ones(pre.size * K), (np.repeat(req[pre], K), topk_layer[pre].reshape(-1))),
-                      shape=(uniq.size, h.shape[0]))
-    R = np.asarray(A @ h)
+    A = count_matrix(np.repeat(req[pre], K), topk_layer[pre].reshape(-1), uniq.size, holds_layer.shape[1])
+    R = _local_counts(A, holds_layer)
     ranks, conf = _top2(R, np.bincount(req[pre], minlength=uniq.size) * float(K))
     out, c = ranks[req], conf[req]
     out[is_prefill] = -1

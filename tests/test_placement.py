@@ -181,7 +181,7 @@ def test_markov_table_follows_previous_layer():
 def test_hierarchical_and_replicas():
     tok, topk = _instance(3, V=30, E=16, K=2, T=600)
     topk3 = np.stack([topk, topk], 1)
-    e2r, reps = place_model("coclust", tok, topk3, 16, 4, nodes=2, replicas=4)
+    e2r, reps, _ = place_model("coclust", tok, topk3, 16, 4, nodes=2, replicas=4)
     assert (np.bincount(e2r[0], minlength=4) == 4).all()
     assert reps.shape == (2, 4, 2)
     assert (np.bincount(reps[0, :, 1], minlength=4) == 1).all()  # one extra copy per rank

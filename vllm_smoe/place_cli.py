@@ -16,7 +16,6 @@ from .placement.assign import batches_from_windows, contiguous_tokens
 from .placement.layout import PREDICTED, SOLVERS, place_model
 from .placement.metrics import evaluate, holds_from_expert2rank
 from .placement.online import simulate
-from .placement.predict import build_predictor
 from .placement_file import load_placement, load_tables, model_fingerprint, write_placement
 from .trace import read_traces
 
@@ -71,8 +70,9 @@ def _embeddings(model_dir: str, vocab_size: int):
     raise ValueError(f"{model_dir}: no '*embed_tokens.weight' tensor in its safetensors files")
 
 
-def _solve(method, arr, meta, args, ep_size, nodes):
-    """Run one method; returns (expert2rank, replicas, seconds, peak MiB)."""
+def _solve(method, arr, meta, args, ep_size, nodes, embeddings=None):
+    """Run one method; returns (expert2rank, replicas, tables or None, seconds, peak MiB).
+    The time and memory cover placement plus predictor tables."""
     tracemalloc.start()
     t0 = time.perf_counter()
     if method == "eplb":
@@ -80,16 +80,18 @@ def _solve(method, arr, meta, args, ep_size, nodes):
 
         load = np.stack([np.bincount(arr["topk_ids"][:, layer].reshape(-1), minlength=meta.num_experts)
                          for layer in range(meta.num_layers)]).astype(np.float64)
-        e2r, reps = place_eplb(load, ep_size, nodes), np.zeros((meta.num_layers, 0, 2), np.int32)
+        e2r, reps, tables = place_eplb(load, ep_size, nodes), np.zeros((meta.num_layers, 0, 2), np.int32), None
     else:
-        e2r, reps = place_model(method, arr["token_ids"], arr["topk_ids"], meta.num_experts, ep_size, nodes=nodes,
-                                capacity=args.capacity, theta=args.theta,
-                                replicas=args.replicas if method in PREDICTED else 0, seed=args.seed,
-                                progress=_progress(method))
+        predicted = method in PREDICTED
+        e2r, reps, tables = place_model(
+            method, arr["token_ids"], arr["topk_ids"], meta.num_experts, ep_size, nodes=nodes,
+            capacity=args.capacity, theta=args.theta, replicas=args.replicas if predicted else 0, seed=args.seed,
+            vocab_size=meta.vocab_size if predicted else None, embeddings=embeddings if predicted else None,
+            progress=_progress(method))
     secs = time.perf_counter() - t0
     peak = tracemalloc.get_traced_memory()[1] / 2**20
     tracemalloc.stop()
-    return e2r, reps, secs, peak
+    return e2r, reps, tables, secs, peak
 
 
 def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, hidden, dtype_bytes):
@@ -109,21 +111,22 @@ def cmd_build(a) -> int:
     fingerprint, emb = _model_info(a.model, meta.vocab_size)
     print(f"placing {arr['token_ids'].size} tokens x {meta.num_layers} layers, {meta.num_experts} experts "
           f"on {a.ep_size} ranks with {a.method}", file=sys.stderr)
-    e2r, reps, secs, peak = _solve(a.method, arr, meta, a, a.ep_size, a.nodes)
-    holds = holds_from_expert2rank(e2r, a.ep_size, reps)
-    tables = build_predictor(arr["token_ids"], arr["topk_ids"], holds, meta.vocab_size, embeddings=emb)
-    m = _measure(arr, batch, meta, e2r, reps, tables, a.ep_size, a.capacity, a.method in PREDICTED,
+    e2r, reps, tables, secs, peak = _solve(a.method, arr, meta, a, a.ep_size, a.nodes, emb)
+    # in-sample metrics on a prefix of the training trace (bounded cost on huge traces)
+    n = min(arr["token_ids"].size, a.metrics_tokens)
+    sub = {k: v[:n] for k, v in arr.items()}
+    m = _measure(sub, batch[:n], meta, e2r, reps, tables, a.ep_size, a.capacity, a.method in PREDICTED,
                  meta.hidden_size or a.hidden_size, a.dtype_bytes)
-    m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tables.nbytes)
+    m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tables.nbytes if tables is not None else 0)
     write_placement(a.output, expert2rank=e2r, ep_size=a.ep_size, nodes=a.nodes, top_k=meta.top_k,
                     vocab_size=meta.vocab_size, method=a.method, capacity=a.capacity,
-                    tables=tables.arrays() if a.method in PREDICTED else None,
+                    tables=tables.arrays() if tables is not None else None,
                     replicas=reps if a.replicas else None, fingerprint=fingerprint,
                     built_from={"traces": [os.path.abspath(f) for f in files], "tokens": int(arr["token_ids"].size),
                                 "batch_tokens": a.batch_tokens, "theta": a.theta, "seed": a.seed},
                     metrics={k: m[k] for k in METRIC_KEYS if k in m})
     print(f"wrote {a.output}: in-sample LAR {m['lar']:.3f}, token load {m['token_load']:.3f}, "
-          f"expert load {m['expert_load']:.3f}, solve {secs:.1f} s, tables {tables.nbytes / 1e6:.2f} MB")
+          f"expert load {m['expert_load']:.3f}, solve {secs:.1f} s, tables {m['table_bytes'] / 1e6:.2f} MB")
     return 0
 
 
@@ -160,10 +163,7 @@ def _evaluate_all(a):
                 if not ok:
                     print(f"skipping eplb: {why}", file=sys.stderr)
                     continue
-            e2r, reps, secs, peak = _solve(method, tarr, tmeta, a, p.ep_size, p.nodes)
-            holds = holds_from_expert2rank(e2r, p.ep_size, reps)
-            tab = build_predictor(tarr["token_ids"], tarr["topk_ids"], holds, tmeta.vocab_size) \
-                if method in PREDICTED else None
+            e2r, reps, tab, secs, peak = _solve(method, tarr, tmeta, a, p.ep_size, p.nodes)
             m = _measure(arr, batch, meta, e2r, reps, tab, p.ep_size, p.capacity, method in PREDICTED, hidden,
                          a.dtype_bytes)
             m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tab.nbytes if tab is not None else 0)
@@ -244,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--replicas", type=int, default=0, help="redundant copies per layer (multiple of ep-size)")
     b.add_argument("--model", help="checkpoint directory: fingerprint + embeddings for unseen tokens")
     b.add_argument("-o", "--output", required=True, help="placement YAML to write")
+    b.add_argument("--metrics-tokens", type=int, default=131072,
+                   help="in-sample metrics stored in the YAML use this many leading tokens (default 131072)")
     common(b)
     b.set_defaults(fn=cmd_build)
 

@@ -280,10 +280,17 @@ def open_trace(path: str | os.PathLike, validate: bool = False, chunk_tokens: in
     return trace
 
 
-def _check_values(trace: Trace, chunk_tokens: int) -> None:
+def _check_values(trace: Trace, chunk_tokens: int, loaded: dict[str, np.ndarray] | None = None) -> None:
+    """Scan rows for out-of-range ids and bad weights: streamed from the file, or sliced from
+    ``loaded`` arrays when the caller already holds them (saves a second decompression)."""
     meta, path = trace.meta, trace.path
     start = 0
-    for ch in trace.iter_chunks(chunk_tokens=chunk_tokens):
+    if loaded is None:
+        chunks = trace.iter_chunks(chunk_tokens=chunk_tokens)
+    else:
+        chunks = ({k: v[i: i + chunk_tokens] for k, v in loaded.items()}
+                  for i in range(0, trace.num_tokens, chunk_tokens))
+    for ch in chunks:
         def bad(name: str, mask: np.ndarray, what: str) -> None:
             i = int(np.flatnonzero(mask.reshape(mask.shape[0], -1).any(axis=1))[0])
             raise ValueError(f"{path}: field {name!r} at token {start + i}: {what}")
@@ -451,7 +458,7 @@ def read_traces(specs: Sequence[str], fields: Sequence[str] = ("token_ids", "req
     when every file has it. Returns (meta of the first file, {field: array}, file list).
     """
     paths = expand_trace_paths(specs)
-    traces = [open_trace(p, validate=validate) for p in paths]
+    traces = [open_trace(p) for p in paths]
     m0 = traces[0].meta
     for t in traces[1:]:
         for key in ("num_layers", "num_experts", "top_k", "vocab_size"):
@@ -462,8 +469,12 @@ def read_traces(specs: Sequence[str], fields: Sequence[str] = ("token_ids", "req
     out: dict[str, list[np.ndarray]] = {f: [] for f in present}
     req_off = step_off = 0
     for t in traces:
+        loaded = {f: t[f] for f in present}
+        if validate:
+            value_fields = [f for f in ("token_ids", "topk_ids", "positions", "domain", "topk_weights") if t.has(f)]
+            _check_values(t, 1 << 18, {f: loaded[f] if f in loaded else t[f] for f in value_fields})
         for f in present:
-            a = t[f]
+            a = loaded[f]
             if f == "request_ids":
                 a = a.astype(np.int64) + req_off
             elif f == "step_ids":
