@@ -190,3 +190,20 @@ def test_hierarchical_and_replicas():
         place_model("coclust", tok, topk3, 16, 4, nodes=3)
     with pytest.raises(ValueError, match="multiple of ep_size"):
         place_model("coclust", tok, topk3, 16, 4, replicas=3)
+
+
+def test_attention_dp_requests_follow_affinity_and_stay_balanced():
+    from vllm_smoe.placement.dp import assign_requests, request_affinity
+
+    # 8 requests; even ones use tokens that live on rank 0, odd ones rank 1
+    tok = np.repeat(np.arange(8) % 2, 5).astype(np.int32)
+    req = np.repeat(np.arange(8), 5)
+    t2r = np.full((1, 2, 2), -1, np.int16)
+    t2r[0, 0, 0], t2r[0, 1, 0] = 0, 1
+    conf = np.ones((1, 2), np.float16)
+    reqs, scores, tokens = request_affinity(t2r, conf, tok, req, None, 2)
+    np.testing.assert_array_equal(reqs, np.arange(8))
+    np.testing.assert_array_equal(assign_requests(scores, tokens, 2, capacity=1.0, window=8), np.arange(8) % 2)
+    # all requests prefer rank 0: the balance mask still splits them evenly
+    out = assign_requests(np.tile([[5.0, 0.0]], (8, 1)), np.full(8, 5), 2, capacity=1.0, window=8)
+    assert np.bincount(out, minlength=2).tolist() == [4, 4]

@@ -13,6 +13,7 @@ import tracemalloc
 import numpy as np
 
 from .placement.assign import batches_from_windows, contiguous_tokens
+from .placement.dp import assign_requests, request_affinity, round_robin_requests
 from .placement.layout import PREDICTED, SOLVERS, place_model
 from .placement.metrics import evaluate, holds_from_expert2rank
 from .placement.online import simulate
@@ -22,6 +23,7 @@ from .trace import read_traces
 METRIC_KEYS = ("lar", "token_load", "expert_load", "remote_pairs_per_token", "remote_unique_per_token",
                "a2a_bytes_per_token", "hit_rate", "oracle_hit_rate", "solve_seconds", "peak_mem_mb",
                "table_bytes")
+DP_WINDOW = 64  # requests per attention-DP scheduling window
 COMPARE_ALL = ("linear", "round_robin", "eplb", "metis", "ceo", "alternating", "coclust")
 
 
@@ -94,9 +96,30 @@ def _solve(method, arr, meta, args, ep_size, nodes, embeddings=None):
     return e2r, reps, tables, secs, peak
 
 
-def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, hidden, dtype_bytes):
+def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, hidden, dtype_bytes, mode="tp"):
     holds = holds_from_expert2rank(e2r, ep_size, reps)
-    if predicted:
+    if mode == "dp":  # whole requests on attention-DP ranks
+        rq = arr["request_ids"]
+        if predicted:
+            reqs, scores, tokens = request_affinity(tables.token2rank, tables.token_conf, arr["token_ids"], rq,
+                                                    arr.get("is_prefill"), ep_size)
+            r2r = assign_requests(scores, tokens, ep_size, capacity, window=DP_WINDOW)
+        else:
+            reqs = np.unique(rq)[np.argsort(np.unique(rq, return_index=True)[1], kind="stable")]
+            r2r = round_robin_requests(reqs.size, ep_size)
+        lookup = np.empty(reqs.size, dtype=np.int64)
+        srt = np.argsort(reqs)
+        lookup[:] = r2r[srt]
+        q = np.searchsorted(reqs[srt], rq)
+        t2r = np.repeat(lookup[q][:, None], meta.num_layers, axis=1)
+        # balance is judged per scheduling window (DP ranks batch their own requests)
+        arrival = np.empty(reqs.size, dtype=np.int64)
+        arrival[srt] = np.arange(reqs.size)
+        batch = np.sort(arrival[q] // DP_WINDOW)
+        order = np.argsort(arrival[q] // DP_WINDOW, kind="stable")
+        arr = {k: v[order] for k, v in arr.items()}
+        t2r = t2r[order]
+    elif predicted:
         t2r, _ = simulate(tables, holds, arr["token_ids"], arr["topk_ids"], batch, ep_size, capacity,
                           arr.get("request_ids"), arr.get("is_prefill"))
     else:
@@ -142,7 +165,7 @@ def _evaluate_all(a):
     tables = load_tables(p) if p.predictor else None
     label = f"placement ({p.method})"
     m = _measure(arr, batch, meta, p.expert2rank, p.replicas, tables, p.ep_size, p.capacity, tables is not None,
-                 hidden, a.dtype_bytes)
+                 hidden, a.dtype_bytes, a.mode)
     m.update({k: p.metrics[k] for k in ("solve_seconds", "peak_mem_mb", "table_bytes") if k in p.metrics})
     results[label] = m
     methods = [] if not a.compare else (COMPARE_ALL if a.compare == "all" else a.compare.split(","))
@@ -165,7 +188,7 @@ def _evaluate_all(a):
                     continue
             e2r, reps, tab, secs, peak = _solve(method, tarr, tmeta, a, p.ep_size, p.nodes)
             m = _measure(arr, batch, meta, e2r, reps, tab, p.ep_size, p.capacity, method in PREDICTED, hidden,
-                         a.dtype_bytes)
+                         a.dtype_bytes, a.mode)
             m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tab.nbytes if tab is not None else 0)
             results[method + ("+pred" if method in PREDICTED else "")] = m
     return p, results, meta, arr
@@ -256,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
         e.add_argument("--placement", required=True)
         e.add_argument("--compare", help="'all' or a comma list of " + ", ".join(COMPARE_ALL))
         e.add_argument("--train", nargs="+", help="training traces for --compare (default: the placement's)")
+        e.add_argument("--mode", choices=("tp", "dp"), default="tp",
+                       help="tp: attention in tensor parallel, tokens shuffled per layer (default); "
+                            "dp: attention data parallel, whole requests scheduled on ranks")
         common(e)
         if name == "evaluate":
             e.add_argument("--json", help="write {method: {metric: value}} here")
