@@ -19,25 +19,26 @@ from .metrics import holds_from_expert2rank
 from .peers import place_linear, place_metis, place_round_robin
 from .predict import PredictorTables, empty_tables, fill_layer, nearest_token_map
 
-# name -> solver(A [V', E] csr, occ [V'], groups, capacity, theta, seed) -> [E] int
+# name -> solver(A [V', E] csr, occ [V'], groups, capacity, theta, seed, max_expert_load) -> [E] int
 SOLVERS: dict[str, Callable[..., np.ndarray]] = {
-    "coclust": lambda A, occ, n, cap, theta, seed: place_coclust(A, occ, n, capacity=cap, seed=seed),
-    "alternating": lambda A, occ, n, cap, theta, seed: place_alternating(A, occ, n, capacity=cap, theta=theta,
+    "coclust": lambda A, occ, n, cap, theta, seed, mel=1.10: place_coclust(A, occ, n, capacity=cap, seed=seed,
+                                                                         max_expert_load=mel),
+    "alternating": lambda A, occ, n, cap, theta, seed, mel=None: place_alternating(A, occ, n, capacity=cap, theta=theta,
                                                                         seed=seed),
-    "ceo": lambda A, occ, n, cap, theta, seed: place_ceo(A, occ, n, theta=theta, seed=seed),
-    "metis": lambda A, occ, n, cap, theta, seed: place_metis(coactivation(A), n, seed=seed),
-    "linear": lambda A, occ, n, cap, theta, seed: place_linear(A.shape[1], n),
-    "round_robin": lambda A, occ, n, cap, theta, seed: place_round_robin(A.shape[1], n),
+    "ceo": lambda A, occ, n, cap, theta, seed, mel=None: place_ceo(A, occ, n, theta=theta, seed=seed),
+    "metis": lambda A, occ, n, cap, theta, seed, mel=None: place_metis(coactivation(A), n, seed=seed),
+    "linear": lambda A, occ, n, cap, theta, seed, mel=None: place_linear(A.shape[1], n),
+    "round_robin": lambda A, occ, n, cap, theta, seed, mel=None: place_round_robin(A.shape[1], n),
 }
 # methods whose tokens follow the predictor; the rest are plain EP (contiguous token slices)
 PREDICTED = ("coclust", "alternating", "ceo", "metis")
 
 
 def _hierarchical(solver, A: sp.csr_matrix, occ: np.ndarray, ep_size: int, nodes: int, capacity: float,
-                  theta: float, seed: int) -> np.ndarray:
+                  theta: float, seed: int, mel: float) -> np.ndarray:
     """Nodes first (inter-node traffic), then ranks inside each node on the node's tokens."""
     E = A.shape[1]
-    node_of = np.asarray(solver(A, occ, nodes, capacity, theta, seed), dtype=np.int64)
+    node_of = np.asarray(solver(A, occ, nodes, capacity, theta, seed, mel), dtype=np.int64)
     t2n = assign_token_ids(rank_scores(A, node_of, nodes), occ, capacity)
     per = ep_size // nodes
     e2r = np.empty(E, dtype=np.int32)
@@ -48,7 +49,7 @@ def _hierarchical(solver, A: sp.csr_matrix, occ: np.ndarray, ep_size: int, nodes
             e2r[ex] = n * per + np.arange(ex.size) // (ex.size // per)
             continue
         sub = A[rows][:, ex].tocsr()
-        e2r[ex] = n * per + np.asarray(solver(sub, occ[rows], per, capacity, theta, seed), dtype=np.int32)
+        e2r[ex] = n * per + np.asarray(solver(sub, occ[rows], per, capacity, theta, seed, mel), dtype=np.int32)
     return e2r
 
 
@@ -74,6 +75,7 @@ def add_replicas(A: sp.csr_matrix, occ: np.ndarray, expert2rank: np.ndarray, ep_
 
 def place_model(method: str, token_ids: np.ndarray, topk_ids: np.ndarray, num_experts: int, ep_size: int,
                 nodes: int = 1, capacity: float = 1.10, theta: float = 0.5, replicas: int = 0, seed: int = 0,
+                max_expert_load: float = 1.10,
                 vocab_size: int | None = None, embeddings: np.ndarray | None = None,
                 progress: Callable | None = None) -> tuple[np.ndarray, np.ndarray, PredictorTables | None]:
     """Place every layer; with ``vocab_size`` also count the predictor tables in the same pass
@@ -101,9 +103,9 @@ def place_model(method: str, token_ids: np.ndarray, topk_ids: np.ndarray, num_ex
     for layer in layers:
         A = count_matrix(rows, topk_ids[:, layer, :].reshape(-1), ids.size, num_experts)
         if nodes > 1:
-            e2r[layer] = _hierarchical(solver, A, occ, ep_size, nodes, capacity, theta, seed + layer)
+            e2r[layer] = _hierarchical(solver, A, occ, ep_size, nodes, capacity, theta, seed + layer, max_expert_load)
         else:
-            e2r[layer] = solver(A, occ, ep_size, capacity, theta, seed + layer)
+            e2r[layer] = solver(A, occ, ep_size, capacity, theta, seed + layer, max_expert_load)
         if replicas:
             reps[layer] = add_replicas(A, occ, e2r[layer], ep_size, replicas, capacity)
         if tables is not None:

@@ -88,6 +88,7 @@ def _solve(method, arr, meta, args, ep_size, nodes, embeddings=None):
         e2r, reps, tables = place_model(
             method, arr["token_ids"], arr["topk_ids"], meta.num_experts, ep_size, nodes=nodes,
             capacity=args.capacity, theta=args.theta, replicas=args.replicas if predicted else 0, seed=args.seed,
+            max_expert_load=args.max_expert_load,
             vocab_size=meta.vocab_size if predicted else None, embeddings=embeddings if predicted else None,
             progress=_progress(method))
     secs = time.perf_counter() - t0
@@ -145,8 +146,9 @@ def cmd_build(a) -> int:
                     vocab_size=meta.vocab_size, method=a.method, capacity=a.capacity,
                     tables=tables.arrays() if tables is not None else None,
                     replicas=reps if a.replicas else None, fingerprint=fingerprint,
-                    built_from={"traces": [os.path.abspath(f) for f in files], "tokens": int(arr["token_ids"].size),
-                                "batch_tokens": a.batch_tokens, "theta": a.theta, "seed": a.seed},
+                    built_from={"traces": [_rel(f, a.output) for f in files], "tokens": int(arr["token_ids"].size),
+                                "batch_tokens": a.batch_tokens, "theta": a.theta, "seed": a.seed,
+                                "max_expert_load": a.max_expert_load},
                     metrics={k: m[k] for k in METRIC_KEYS if k in m})
     print(f"wrote {a.output}: in-sample LAR {m['lar']:.3f}, token load {m['token_load']:.3f}, "
           f"expert load {m['expert_load']:.3f}, solve {secs:.1f} s, tables {m['table_bytes'] / 1e6:.2f} MB")
@@ -194,6 +196,11 @@ def _evaluate_all(a):
     return p, results, meta, arr
 
 
+def _rel(path: str, yaml_path: str) -> str:
+    """Trace path as stored in the YAML: relative to the YAML's directory."""
+    return os.path.relpath(os.path.abspath(path), os.path.dirname(os.path.abspath(yaml_path)))
+
+
 def load_train_specs(placement_path: str) -> list[str]:
     import yaml
 
@@ -202,7 +209,8 @@ def load_train_specs(placement_path: str) -> list[str]:
     traces = (doc.get("built_from") or {}).get("traces")
     if not traces:
         raise ValueError(f"{placement_path}: field 'built_from.traces' is empty; pass --train")
-    return traces
+    base = os.path.dirname(os.path.abspath(placement_path))
+    return [os.path.join(base, t) for t in traces]
 
 
 def _print_table(results: dict[str, dict]) -> None:
@@ -254,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--batch-tokens", type=int, default=512,
                        help="batch size for traces without step_ids (default 512)")
         s.add_argument("--theta", type=float, default=0.5, help="balance weight of ceo/alternating (default 0.5)")
+        s.add_argument("--max-expert-load", type=float, default=1.10,
+                       help="coclust: cap on each rank's expert (compute) load, x mean (default 1.10)")
         s.add_argument("--seed", type=int, default=0)
         s.add_argument("--hidden-size", type=int, default=4096,
                        help="for a2a bytes when the trace meta has no hidden_size (default 4096)")
