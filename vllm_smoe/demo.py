@@ -2,7 +2,8 @@
 
 Steps: (1) the trained 4-domain testbed model and its recorded routing traces; (2) routing
 statistics (what makes placement worthwhile); (3) serve the model with vLLM's CPU build and
-generate; then the stages that are not built yet say so.
+generate; (5) place experts with smoe-place and compare with the peers on held-out routing;
+the stages that are not built yet say so.
 """
 
 from __future__ import annotations
@@ -68,8 +69,19 @@ def main() -> int:
 
     _step(4, "record routing live with the smoe plugin (vllm serve --plugin smoe)")
     _not_yet("the vLLM plugin (issue: vLLM plugin); traces above come from `smoe-testbed record` (transformers)")
-    _step(5, "smoe-place build / evaluate: learn predictors and place experts")
-    _not_yet("smoe-place (issue: smoe-place)")
+    _step(5, "smoe-place build / evaluate: learn predictors and place experts (EP=4)")
+    from .place_cli import main as place_main
+
+    with tempfile.TemporaryDirectory() as d:
+        yaml_path = os.path.join(d, "placement.yaml")
+        rc = place_main(["build", "--trace", FIXTURE_TRACES["train"], "--ep-size", "4", "--model", FIXTURE_MODEL,
+                         "-o", yaml_path])
+        if rc == 0:
+            rc = place_main(["evaluate", "--trace", FIXTURE_TRACES["heldout"], "--placement", yaml_path,
+                             "--compare", "linear,eplb,coclust"])
+    if rc != 0:
+        print("    smoe-place failed (see above)")
+        return rc
     _step(6, "serve with the placement and speculative token shuffling")
     _not_yet("placement at load and mode: speculate (issues: vLLM plugin, s-TS)")
     print("\ndemo finished: every available stage ran.")
