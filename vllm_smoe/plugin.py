@@ -1,0 +1,128 @@
+"""vLLM general plugin ``smoe`` (entry point ``vllm.general_plugins``).
+
+vLLM calls :func:`register` in every process, before ``vllm serve`` builds its parser. It
+hooks four of ``EngineArgs``' own steps, each a no-op unless smoe is asked for:
+
+- ``add_cli_args``: adds ``--plugin smoe`` and the ``--smoe-*`` flags (argument group "smoe");
+- ``from_cli_args``: folds those flags into ``additional_config["smoe"]``;
+- ``create_load_config``: selects the ``smoe`` model loader when a placement or recording is set;
+- ``create_engine_config``: validates the settings and the placement against the model, so a
+  bad file stops the process before anything is served.
+
+Settings then reach engine core and workers inside ``vllm_config.additional_config``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+logger = logging.getLogger("vllm.smoe")  # under vLLM's logger: same handlers and level
+
+_FLAGS = {  # CLI dest -> key in additional_config["smoe"]
+    "smoe_placement": "placement",
+    "smoe_record": "record",
+    "smoe_mode": "mode",
+    "smoe_log_interval": "log_interval",
+}
+_done = False
+
+
+def _add_flags(parser: argparse.ArgumentParser) -> None:
+    if any(getattr(a, "dest", None) == "smoe_placement" for a in parser._actions):
+        return
+    g = parser.add_argument_group("smoe", "Speculative MoE plugin (https://github.com/smoe; see README)")
+    g.add_argument("--plugin", choices=["smoe"], default=None,
+                   help="enable the smoe plugin for this server (its --smoe-* flags need it)")
+    g.add_argument("--smoe-placement", default=None, help="placement YAML written by smoe-place build")
+    g.add_argument("--smoe-record", default=None, help="directory to write routing traces into")
+    g.add_argument("--smoe-mode", choices=["place", "record", "speculate"], default=None,
+                   help="place (default with a placement) | record (default with --smoe-record) | speculate")
+    g.add_argument("--smoe-log-interval", type=float, default=None, help="seconds between recorder logs")
+
+
+def _smoe_from_args(args: argparse.Namespace) -> dict | None:
+    given = {key: getattr(args, dest) for dest, key in _FLAGS.items() if getattr(args, dest, None) is not None}
+    if getattr(args, "plugin", None) != "smoe":
+        if given:
+            flags = ", ".join("--" + d.replace("_", "-") for d in _FLAGS if getattr(args, d, None) is not None)
+            raise ValueError(f"{flags} given without --plugin smoe")
+        return None
+    return given
+
+
+def _install_hooks() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    from .config import SmoeConfig
+
+    for attr in ("add_cli_args", "from_cli_args", "create_load_config", "create_engine_config"):
+        if not hasattr(EngineArgs, attr):
+            raise RuntimeError(f"smoe: vLLM's EngineArgs has no {attr}(); this vLLM version is not supported "
+                               f"by vllm-smoe (built for vLLM 0.32)")
+
+    orig_add = EngineArgs.add_cli_args
+
+    def add_cli_args(parser):
+        parser = orig_add(parser)
+        _add_flags(parser)
+        return parser
+
+    orig_from = EngineArgs.from_cli_args.__func__
+
+    def from_cli_args(cls, args):
+        engine_args = orig_from(cls, args)
+        flags = _smoe_from_args(args)
+        if flags is not None:
+            extra = dict(engine_args.additional_config or {})
+            merged = dict(extra.get("smoe") or {})
+            merged.update(flags)  # flags win over --additional-config
+            extra["smoe"] = merged
+            engine_args.additional_config = extra
+        return engine_args
+
+    orig_load = EngineArgs.create_load_config
+
+    def create_load_config(self):
+        load_config = orig_load(self)
+        cfg = SmoeConfig.from_additional_config(self.additional_config)
+        if cfg is not None and cfg.needs_loader:
+            if load_config.load_format not in ("auto", "safetensors", "smoe"):
+                raise ValueError(f"smoe needs the default safetensors loader, got --load-format "
+                                 f"{load_config.load_format!r}")
+            load_config.load_format = "smoe"
+        return load_config
+
+    orig_engine = EngineArgs.create_engine_config
+
+    def create_engine_config(self, *args, **kwargs):
+        cfg = SmoeConfig.from_additional_config(self.additional_config)
+        if cfg is not None:
+            cfg.check_files()
+            self.additional_config = {**self.additional_config, "smoe": cfg.to_dict()}  # normalised paths
+        vllm_config = orig_engine(self, *args, **kwargs)
+        if cfg is not None and cfg.placement is not None:
+            from .load_plan import make_load_plan
+
+            pc = vllm_config.parallel_config
+            ep = pc.tensor_parallel_size * pc.data_parallel_size if pc.enable_expert_parallel else None
+            make_load_plan(cfg.placement, vllm_config.model_config.hf_config, vllm_config.model_config.model, ep)
+            logger.info("smoe: placement %s checked against %s", cfg.placement, vllm_config.model_config.model)
+        return vllm_config
+
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+    EngineArgs.from_cli_args = classmethod(from_cli_args)
+    EngineArgs.create_load_config = create_load_config
+    EngineArgs.create_engine_config = create_engine_config
+
+
+def register() -> None:
+    """Idempotent; touches no accelerator; smoe stays inactive unless its settings are given."""
+    global _done
+    if _done:
+        return
+    _done = True
+    _install_hooks()
+    from .loader import register_loader
+
+    register_loader()
