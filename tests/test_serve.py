@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
-from vllm_smoe.trace import open_trace
+from vllm_smoe.trace import open_trace, read_traces
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
@@ -92,10 +92,12 @@ def test_serve_with_placement_matches_plain_vllm(tmp_path):
     finally:
         plain.stop()
     assert "smoe: placement applied" not in (tmp_path / "plain.log").read_text()  # --plugin absent: inactive
-    placed = Server("--plugin", "smoe", "--smoe-placement", _derangement(tmp_path / "p.yaml"),
-                    log=tmp_path / "smoe.log").wait()
+    rec = tmp_path / "rec"  # recording on the same server: placement + record mode
+    placed = Server("--plugin", "smoe", "--smoe-placement", _derangement(tmp_path / "p.yaml"), "--smoe-mode",
+                    "record", "--smoe-record", str(rec), log=tmp_path / "smoe.log").wait()
     try:
         got = placed.complete(prompts)
+        time.sleep(4)  # the recorder closes its chunk after 2 s without steps
     finally:
         placed.stop()
     log = (tmp_path / "smoe.log").read_text()
@@ -103,6 +105,10 @@ def test_serve_with_placement_matches_plain_vllm(tmp_path):
            "128 of 128 expert slots changed" in log
     assert [g[0] for g in got] == [w[0] for w in want]  # identical greedy completions
     np.testing.assert_allclose([g[1] for g in got], [w[1] for w in want], rtol=0, atol=1e-4)  # fp32 logprobs
+    # the server's recording holds every processed token once (8 generated, the last never processed)
+    _, arr, _ = read_traces([str(rec)])
+    assert arr["token_ids"].size == sum(len(p) for p in prompts) + len(prompts) * 7
+    assert arr["is_prefill"].sum() == sum(len(p) for p in prompts)
 
 
 def _bad_yaml(tmp_path, kind):

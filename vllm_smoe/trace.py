@@ -454,8 +454,9 @@ def read_traces(specs: Sequence[str], fields: Sequence[str] = ("token_ids", "req
     """Concatenate the traces named by ``specs`` (see :func:`expand_trace_paths`) in memory.
 
     All files must agree on num_layers, num_experts, top_k and vocab_size. request_ids and
-    step_ids are offset per file so they stay distinct; an optional field is returned only
-    when every file has it. Returns (meta of the first file, {field: array}, file list).
+    step_ids are offset per recording (files whose meta has the same ``recording`` id, e.g. the
+    rotated chunks of one server, share them) so that separate recordings stay distinct; an
+    optional field is returned only when every file has it. Returns (meta of the first file, {field: array}, file list).
     """
     paths = expand_trace_paths(specs)
     traces = [open_trace(p) for p in paths]
@@ -467,8 +468,15 @@ def read_traces(specs: Sequence[str], fields: Sequence[str] = ("token_ids", "req
                                  f"{traces[0].path} ({getattr(m0, key)})")
     present = [f for f in fields if all(t.has(f) for t in traces)]
     out: dict[str, list[np.ndarray]] = {f: [] for f in present}
-    req_off = step_off = 0
+    # Chunk files of one recording (same meta "recording" id) share request and step ids;
+    # separate recordings get disjoint ids.
+    offsets: dict[str, tuple[int, int]] = {}
+    next_req = next_step = 0
     for t in traces:
+        group = str(t.meta.extra.get("recording", t.path))
+        if group not in offsets:
+            offsets[group] = (next_req, next_step)
+        req_off, step_off = offsets[group]
         loaded = {f: t[f] for f in present}
         if validate:
             value_fields = [f for f in ("token_ids", "topk_ids", "positions", "domain", "topk_weights") if t.has(f)]
@@ -477,13 +485,11 @@ def read_traces(specs: Sequence[str], fields: Sequence[str] = ("token_ids", "req
             a = loaded[f]
             if f == "request_ids":
                 a = a.astype(np.int64) + req_off
+                next_req = max(next_req, int(a.max()) + 1) if a.size else next_req
             elif f == "step_ids":
                 a = a.astype(np.int64) + step_off
+                next_step = max(next_step, int(a.max()) + 1) if a.size else next_step
             out[f].append(a)
-        if "request_ids" in present and t.num_tokens:
-            req_off = int(out["request_ids"][-1].max()) + 1
-        if "step_ids" in present and t.num_tokens:
-            step_off = int(out["step_ids"][-1].max()) + 1
     return m0, {f: np.concatenate(v) for f, v in out.items()}, paths
 
 

@@ -1,0 +1,86 @@
+"""Record mode: routing captured live in vLLM equals transformers' own router on the same tokens."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
+from vllm_smoe.trace import open_trace, read_traces
+
+pytestmark = pytest.mark.vllm
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+HELPER = os.path.join(os.path.dirname(__file__), "helpers", "vllm_generate.py")
+
+
+def _prompts(n=5):
+    t = open_trace(FIXTURE_TRACES["heldout"])
+    tok, req = t["token_ids"], t["request_ids"]
+    reqs = np.unique(req)[:: len(np.unique(req)) // n][:n]
+    return [tok[req == r][: 6 + 5 * i].tolist() for i, r in enumerate(reqs)]
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    d = tmp_path_factory.mktemp("rec")
+    placement = d / "p.yaml"  # every expert moved: recording must still report logical ids
+    placement.write_text(yaml.safe_dump({
+        "smoe_placement": 1, "model": {"num_layers": 4, "num_experts": 32, "top_k": 4}, "ep_size": 32,
+        "layers": [{"expert_to_rank": [(e + 3 + i) % 32 for e in range(32)]} for i in range(4)]}))
+    extra = {"smoe": {"mode": "record", "record": str(d / "traces"), "placement": str(placement),
+                      "record_chunk_tokens": 40}}
+    prompts = _prompts()
+    r = subprocess.run([sys.executable, HELPER, FIXTURE_MODEL, json.dumps(prompts), "6", json.dumps(extra)],
+                       capture_output=True, text=True, timeout=600)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("SMOE_RESULT ")]
+    assert r.returncode == 0 and line, r.stderr[-4000:]
+    return prompts, json.loads(line[0][len("SMOE_RESULT "):]), str(d / "traces")
+
+
+def test_record_writes_valid_rotated_chunks(recorded):
+    prompts, out, rec_dir = recorded
+    files = sorted(os.listdir(rec_dir))
+    assert len(files) >= 2 and all(f.startswith("trace-dp0-") and f.endswith(".npz") for f in files)
+    meta, arr, _ = read_traces([rec_dir])
+    assert (meta.num_layers, meta.num_experts, meta.top_k) == (4, 32, 4)
+    # every processed token once: the prompts plus all generated tokens but the last of each
+    assert arr["token_ids"].size == sum(len(p) for p in prompts) + sum(len(t) - 1 for t in out["tokens"])
+    assert arr["is_prefill"].sum() == sum(len(p) for p in prompts)
+    assert len(np.unique(arr["request_ids"])) == len(prompts)
+
+
+def test_recorded_routing_equals_transformers_router(recorded):
+    from transformers import AutoModelForCausalLM
+
+    from vllm_smoe.testbed.record import router_topk
+
+    prompts, out, rec_dir = recorded
+    _, arr, _ = read_traces([rec_dir])
+    model = AutoModelForCausalLM.from_pretrained(FIXTURE_MODEL, dtype=torch.float32).eval()
+    checked = mismatched = 0
+    for r in np.unique(arr["request_ids"]):
+        rows = np.flatnonzero(arr["request_ids"] == r)
+        rows = rows[np.argsort(arr["positions"][rows])]
+        seq = arr["token_ids"][rows]
+        np.testing.assert_array_equal(arr["positions"][rows], np.arange(rows.size))  # no gaps, no repeats
+        i = next(k for k, p in enumerate(prompts) if seq[: len(p)].tolist() == p)
+        np.testing.assert_array_equal(seq, prompts[i] + out["tokens"][i][:-1])  # what vLLM actually ran
+        ids, _ = router_topk(model, torch.from_numpy(seq.astype(np.int64))[None], 4)
+        got = np.sort(arr["topk_ids"][rows].astype(np.int32), -1)
+        want = np.sort(ids, -1)
+        checked += got.shape[0] * got.shape[1]
+        mismatched += int((got != want).any(-1).sum())
+    assert checked > 0 and mismatched == 0, f"{mismatched} of {checked} (token, layer) top-k sets differ"
+
+
+def test_smoe_place_builds_from_the_record_directory(recorded, tmp_path):
+    from vllm_smoe.place_cli import main
+
+    _, _, rec_dir = recorded
+    assert main(["build", "--trace", rec_dir, "--ep-size", "4", "-o", str(tmp_path / "p.yaml")]) == 0
