@@ -1,8 +1,6 @@
 """Real `vllm serve ... --plugin smoe` servers (vLLM CPU build, fp32, the trained fixture)."""
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,64 +9,16 @@ import numpy as np
 import pytest
 import yaml
 
+from vllm_smoe.serving import CPU_ARGS, VllmServer, free_port, vllm_executable
 from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
 from vllm_smoe.trace import open_trace, read_traces
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
-openai = pytest.importorskip("openai")
+pytest.importorskip("openai")
 
-VLLM = os.path.join(os.path.dirname(sys.executable), "vllm")
-BASE = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--gpu-memory-utilization", "0.15",
-        "--max-num-seqs", "8", "--seed", "0"]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, *extra, log):
-        self.port = _port()
-        self.log = log
-        self.proc = subprocess.Popen([VLLM, "serve", FIXTURE_MODEL, "--host", "127.0.0.1", "--port", str(self.port),
-                                      *BASE, *extra], stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def wait(self, timeout=300):
-        import urllib.request
-
-        t0 = time.time()
-        while time.time() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited {self.proc.returncode}:\n" + open(self.log).read()[-4000:])
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                time.sleep(1)
-        raise AssertionError("server did not become healthy:\n" + open(self.log).read()[-4000:])
-
-    def complete(self, prompts, max_tokens=8):
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x")
-        out = []
-        for p in prompts:
-            r = client.completions.create(model=FIXTURE_MODEL, prompt=p, max_tokens=max_tokens, temperature=0.0,
-                                          logprobs=1)
-            c = r.choices[0]
-            out.append((c.text, list(c.logprobs.token_logprobs)))
-        return out
-
-    def stop(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+VLLM = vllm_executable()
+BASE = list(CPU_ARGS)
 
 
 def _prompts(n=6):
@@ -86,14 +36,14 @@ def _derangement(path):
 
 def test_serve_with_placement_matches_plain_vllm(tmp_path):
     prompts = _prompts()
-    plain = Server(log=tmp_path / "plain.log").wait()
+    plain = VllmServer(FIXTURE_MODEL, log=tmp_path / "plain.log").wait()
     try:
         want = plain.complete(prompts)
     finally:
         plain.stop()
     assert "smoe: placement applied" not in (tmp_path / "plain.log").read_text()  # --plugin absent: inactive
     rec = tmp_path / "rec"  # recording on the same server: placement + record mode
-    placed = Server("--plugin", "smoe", "--smoe-placement", _derangement(tmp_path / "p.yaml"), "--smoe-mode",
+    placed = VllmServer(FIXTURE_MODEL, "--plugin", "smoe", "--smoe-placement", _derangement(tmp_path / "p.yaml"), "--smoe-mode",
                     "record", "--smoe-record", str(rec), log=tmp_path / "smoe.log").wait()
     try:
         got = placed.complete(prompts)
@@ -145,7 +95,7 @@ def _bad_yaml(tmp_path, kind):
 @pytest.mark.parametrize("kind", ["missing", "malformed", "version", "experts", "twice", "rank", "fingerprint"])
 def test_bad_placement_never_starts_serving(tmp_path, kind):
     path, words = _bad_yaml(tmp_path, kind)
-    r = subprocess.run([VLLM, "serve", FIXTURE_MODEL, "--port", str(_port()), *BASE, "--plugin", "smoe",
+    r = subprocess.run([VLLM, "serve", FIXTURE_MODEL, "--port", str(free_port()), *BASE, "--plugin", "smoe",
                         "--smoe-placement", path], capture_output=True, text=True, timeout=300)
     out = r.stdout + r.stderr
     assert r.returncode != 0
@@ -156,13 +106,13 @@ def test_bad_placement_never_starts_serving(tmp_path, kind):
 def test_unwritable_record_directory_stops_the_server(tmp_path):
     locked = tmp_path / "locked"
     locked.write_text("a file, not a directory")
-    r = subprocess.run([VLLM, "serve", FIXTURE_MODEL, "--port", str(_port()), *BASE, "--plugin", "smoe",
+    r = subprocess.run([VLLM, "serve", FIXTURE_MODEL, "--port", str(free_port()), *BASE, "--plugin", "smoe",
                         "--smoe-record", str(locked / "traces")], capture_output=True, text=True, timeout=300)
     out = r.stdout + r.stderr
     assert r.returncode != 0 and "field 'record'" in out and str(locked) in out, out[-3000:]
 
 
 def test_smoe_flags_need_the_plugin_flag(tmp_path):
-    r = subprocess.run([VLLM, "serve", FIXTURE_MODEL, "--port", str(_port()), *BASE, "--smoe-placement", "x.yaml"],
+    r = subprocess.run([VLLM, "serve", FIXTURE_MODEL, "--port", str(free_port()), *BASE, "--smoe-placement", "x.yaml"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "--smoe-placement given without --plugin smoe" in r.stdout + r.stderr

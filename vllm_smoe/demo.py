@@ -1,90 +1,101 @@
-"""``make demo``: the smoe loop on the embedded tiny MoE, as far as the pieces exist today.
+"""``make demo``: the smoe loop on the embedded tiny MoE, end to end on vLLM's CPU build.
 
-Steps: (1) the trained 4-domain testbed model and its recorded routing traces; (2) routing
-statistics (what makes placement worthwhile); (3) serve the model with vLLM's CPU build and
-generate; (5) place experts with smoe-place and compare with the peers on held-out routing;
-the stages that are not built yet say so.
+1. the trained 4-domain testbed model and its routing statistics;
+2. ``vllm serve --plugin smoe --smoe-record``: serve a mixed workload, record its routing;
+3. ``smoe-place build`` on that recording;
+4. ``vllm serve --plugin smoe --smoe-placement``: the same workload, outputs compared with step 2;
+5. ``smoe-place evaluate`` on held-out routing, next to the placements users run today;
+6. speculative token shuffling: not available yet (said so).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tempfile
+import time
 
 
 def _step(n: int, text: str) -> None:
     print(f"\n=== [{n}] {text}", flush=True)
 
 
-def _not_yet(what: str) -> None:
-    print(f"    not yet available: {what}", flush=True)
+def _workload(per_domain: int = 8, prompt_tokens: int = 96) -> list[list[int]]:
+    """Token-id prompts cut from the held-out text of every domain."""
+    import numpy as np
+
+    from .testbed import FIXTURE_TRACES
+    from .trace import open_trace
+
+    t = open_trace(FIXTURE_TRACES["heldout"])
+    tok, req, dom = t["token_ids"], t["request_ids"], t["domain"]
+    prompts = []
+    for d in range(len(t.meta.domains)):
+        for r in np.unique(req[dom == d])[:per_domain]:
+            prompts.append(tok[req == r][:prompt_tokens].tolist())
+    return prompts
 
 
-_SERVE = r'''
-import json, sys
-if __name__ == "__main__":
-    from vllm import LLM, SamplingParams
-    llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=512,
-              gpu_memory_utilization=0.15, max_num_seqs=4, seed=0)
-    prompts = json.loads(sys.argv[2])
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
-    for p, o in zip(prompts, outs):
-        print("PROMPT", repr(p), "->", repr(o.outputs[0].text), flush=True)
-'''
+def _serve(model: str, prompts, log: str, *flags: str, max_tokens: int = 16):
+    from .serving import VllmServer
+
+    with VllmServer(model, *flags, log=log) as server:
+        t0 = time.monotonic()
+        out = server.complete(prompts, max_tokens=max_tokens)
+        secs = time.monotonic() - t0
+        time.sleep(3)  # a recording closes its chunk after 2 s without steps
+    print(f"    started in {server.started_s:.1f} s; {len(prompts)} requests x {max_tokens} tokens in {secs:.1f} s "
+          f"({len(prompts) * max_tokens / secs:.1f} output tokens/s, requests sent one after another)")
+    return out
 
 
 def main() -> int:
-    import json
-
+    from .place_cli import main as place_main
     from .testbed import FIXTURE_MODEL, FIXTURE_TRACES
     from .testbed.cli import main as testbed_main
-    from .trace import open_trace
+    from .trace import read_traces
 
-    _step(1, "testbed: trained 4-domain Qwen3-MoE and its routing traces")
+    _step(1, "testbed: trained 4-domain Qwen3-MoE (4 MoE layers, 32 experts, top-4) and its routing")
     print(f"    model: {FIXTURE_MODEL}")
-    for split, path in FIXTURE_TRACES.items():
-        t = open_trace(path, validate=True)
-        print(f"    {split} trace: {path} ({t.num_tokens} tokens, domains {', '.join(t.meta.domains)})")
-
-    _step(2, "routing statistics of the held-out trace")
     testbed_main(["stats", "--trace", FIXTURE_TRACES["heldout"]])
 
-    _step(3, "serve the model with vLLM (CPU build, fp32) and generate greedily")
-    prompts = ["def parse_args(argv):\n    ", "#include <stdio.h>\nstatic int ",
-               "This package is free software; ", "Ada has 12 apples. Ben gives Ada 7 more."]
-    with tempfile.TemporaryDirectory() as d:
-        script = os.path.join(d, "serve.py")
-        with open(script, "w") as f:
-            f.write(_SERVE)
-        env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
-        r = subprocess.run([sys.executable, script, FIXTURE_MODEL, json.dumps(prompts)], env=env,
-                           capture_output=True, text=True)
-    if r.returncode != 0:
-        print(r.stdout[-2000:], r.stderr[-4000:], sep="\n")
-        print("    vLLM generation failed (see above)")
-        return 1
-    print("\n".join("    " + line for line in r.stdout.splitlines() if line.startswith("PROMPT")))
+    work = tempfile.mkdtemp(prefix="smoe-demo-")
+    rec, placement = os.path.join(work, "traces"), os.path.join(work, "placement.yaml")
+    prompts = _workload()
 
-    _step(4, "record routing live with the smoe plugin (vllm serve --plugin smoe)")
-    _not_yet("the vLLM plugin (issue: vLLM plugin); traces above come from `smoe-testbed record` (transformers)")
-    _step(5, "smoe-place build / evaluate: learn predictors and place experts (EP=4)")
-    from .place_cli import main as place_main
+    _step(2, f"vllm serve {os.path.basename(FIXTURE_MODEL)} --plugin smoe --smoe-record {rec}")
+    recorded = _serve(FIXTURE_MODEL, prompts, os.path.join(work, "record.log"), "--plugin", "smoe",
+                      "--smoe-record", rec)
+    meta, arr, files = read_traces([rec])
+    print(f"    recorded {arr['token_ids'].size} tokens of {len(set(arr['request_ids'].tolist()))} requests "
+          f"in {len(files)} file(s)")
 
-    with tempfile.TemporaryDirectory() as d:
-        yaml_path = os.path.join(d, "placement.yaml")
-        rc = place_main(["build", "--trace", FIXTURE_TRACES["train"], "--ep-size", "4", "--model", FIXTURE_MODEL,
-                         "-o", yaml_path])
-        if rc == 0:
-            rc = place_main(["evaluate", "--trace", FIXTURE_TRACES["heldout"], "--placement", yaml_path,
-                             "--compare", "linear,eplb,coclust"])
-    if rc != 0:
-        print("    smoe-place failed (see above)")
+    _step(3, f"smoe-place build --trace {rec} --ep-size 4 -o {placement}")
+    rc = place_main(["build", "--trace", rec, "--ep-size", "4", "--model", FIXTURE_MODEL, "-o", placement])
+    if rc:
         return rc
-    _step(6, "serve with the placement and speculative token shuffling")
-    _not_yet("placement at load and mode: speculate (issues: vLLM plugin, s-TS)")
-    print("\ndemo finished: every available stage ran.")
+
+    _step(4, f"vllm serve ... --plugin smoe --smoe-placement {placement}")
+    placed = _serve(FIXTURE_MODEL, prompts, os.path.join(work, "place.log"), "--plugin", "smoe",
+                    "--smoe-placement", placement)
+    same = sum(a[0] == b[0] for a, b in zip(recorded, placed))
+    drift = max(abs(x - y) for a, b in zip(recorded, placed) for x, y in zip(a[1], b[1]))
+    print(f"    completions identical to step 2: {same}/{len(prompts)}; max logprob difference {drift:.2e}")
+    if same != len(prompts):
+        print("    placement changed outputs: this is a bug, please report it")
+        return 1
+
+    _step(5, "smoe-place evaluate on held-out routing (placement built from the live recording)")
+    rc = place_main(["evaluate", "--trace", FIXTURE_TRACES["heldout"], "--placement", placement,
+                     "--compare", "linear,eplb,metis,coclust", "--train", rec])
+    if rc:
+        return rc
+    print("    (LAR: share of (token, layer, expert) activations local to the token's rank; "
+          "see README for every column)")
+
+    _step(6, "serve with speculative token shuffling (mode: speculate)")
+    print("    not yet available: token shuffling (shuffled reduce-scatter / all-gather) is the next piece")
+    print(f"\ndemo finished; files in {work}")
     return 0
 
 
