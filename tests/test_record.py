@@ -26,8 +26,8 @@ def _prompts(n=5):
     return [tok[req == r][: 6 + 5 * i].tolist() for i, r in enumerate(reqs)]
 
 
-@pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
+@pytest.fixture(scope="module", params=["eager", "compiled"])
+def recorded(tmp_path_factory, request):
     d = tmp_path_factory.mktemp("rec")
     placement = d / "p.yaml"  # every expert moved: recording must still report logical ids
     placement.write_text(yaml.safe_dump({
@@ -36,8 +36,9 @@ def recorded(tmp_path_factory):
     extra = {"smoe": {"mode": "record", "record": str(d / "traces"), "placement": str(placement),
                       "record_chunk_tokens": 40}}
     prompts = _prompts()
+    env = {**os.environ, "SMOE_TEST_COMPILED": "1" if request.param == "compiled" else "0"}
     r = subprocess.run([sys.executable, HELPER, FIXTURE_MODEL, json.dumps(prompts), "6", json.dumps(extra)],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, env=env)
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("SMOE_RESULT ")]
     assert r.returncode == 0 and line, r.stderr[-4000:]
     return prompts, json.loads(line[0][len("SMOE_RESULT "):]), str(d / "traces")

@@ -2,9 +2,11 @@
 
 usage: python vllm_generate.py MODEL_DIR PROMPTS_JSON MAX_TOKENS [ADDITIONAL_CONFIG_JSON]
 PROMPTS_JSON: a list of token-id lists. Prints "SMOE_RESULT {"tokens": [...], "logprobs": [...]}".
+SMOE_TEST_COMPILED=1 keeps vLLM's default compilation instead of enforce_eager.
 """
 
 import json
+import os
 import sys
 
 
@@ -15,7 +17,8 @@ def main() -> None:
     extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else None
     prompts = json.loads(prompts_json)
     kwargs = {"additional_config": extra} if extra else {}
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512,
+    eager = os.environ.get("SMOE_TEST_COMPILED") != "1"
+    llm = LLM(model=model, dtype="float32", enforce_eager=eager, max_model_len=512,
               gpu_memory_utilization=0.15, max_num_seqs=8, skip_tokenizer_init=True, seed=0, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True,
                             detokenize=False)
