@@ -192,7 +192,6 @@ def request_prefill_candidates(request_ids: np.ndarray, is_prefill: np.ndarray, 
     [T] float16 confidence).
     """
     T, K = topk_layer.shape
-    N = holds_layer.shape[0]
     uniq, req = np.unique(request_ids, return_inverse=True)
     pre = np.flatnonzero(is_prefill)
     A = count_matrix(np.repeat(req[pre], K), topk_layer[pre].reshape(-1), uniq.size, holds_layer.shape[1])

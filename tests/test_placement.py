@@ -1,11 +1,9 @@
 import numpy as np
 import pytest
-import scipy.sparse as sp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_smoe.placement.assign import assign_tokens, batch_capacity, contiguous_tokens
-from vllm_smoe.placement.ceo import place_ceo
 from vllm_smoe.placement.coclust import place_coclust
 from vllm_smoe.placement.counts import assign_token_ids, layer_counts, local_count, rank_scores
 from vllm_smoe.placement.ilp import solve_ilp

@@ -1,8 +1,6 @@
 """Real `vllm serve ... --plugin smoe` servers (vLLM CPU build, fp32, the trained fixture)."""
 
-import os
 import subprocess
-import sys
 import time
 
 import numpy as np

@@ -2,7 +2,6 @@ import json
 import os
 import subprocess
 import sys
-import zipfile
 
 import numpy as np
 import pytest

@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES

@@ -123,12 +123,9 @@ def main(argv=None) -> int:
     g.add_argument("--rounds", type=int, default=2)
     g.add_argument("--placement", help="placement YAML (default: configs/tiny-4dom-ep4.yaml)")
     g.set_defaults(fn=_plugin)
-    a = p.parse_args(argv)
-    try:
-        return a.fn(a)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    from .cli_util import run_cli
+
+    return run_cli(p, argv)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ import numpy as np
 
 def eplb_available() -> tuple[bool, str]:
     """(ok, reason): whether vLLM's EPLB policy can be imported here."""
+    import importlib
+
     try:
-        from vllm.distributed.eplb.policy.default import DefaultEplbPolicy  # noqa: F401
+        importlib.import_module("vllm.distributed.eplb.policy.default")
     except ImportError as e:
         return False, f"vLLM's EPLB policy is not importable ({e})"
     return True, ""

@@ -12,6 +12,7 @@ import tracemalloc
 
 import numpy as np
 
+from .cli_util import run_cli
 from .placement.assign import batches_from_windows, contiguous_tokens
 from .placement.dp import assign_requests, request_affinity, round_robin_requests
 from .placement.layout import PREDICTED, SOLVERS, place_model
@@ -302,12 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.fn(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_cli(build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ Shapes respect what vLLM's CPU build needs: head_dim 32/64/..., hidden a multipl
 
 from __future__ import annotations
 
-import json
 import os
+
+from ..model_info import moe_layer_indices, num_experts, top_k
 
 ARCHS = ("qwen3_moe", "mixtral", "deepseek_v2")
 
@@ -58,24 +59,9 @@ def make_config(arch: str, vocab_size: int, hidden_size: int = 128, num_layers: 
     raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
 
 
-def moe_layer_indices(config) -> list[int]:
-    """Decoder layer indices that hold a routed MoE block, in order."""
-    n = config.num_hidden_layers
-    mt = config.model_type
-    if mt == "qwen3_moe":
-        step = config.decoder_sparse_step
-        return [i for i in range(n) if i not in config.mlp_only_layers and (i + 1) % step == 0]
-    if mt == "deepseek_v2":
-        return [i for i in range(n) if i >= config.first_k_dense_replace and i % config.moe_layer_freq == 0]
-    return list(range(n))
-
-
 def moe_shape(config) -> dict[str, int]:
     """num_layers (MoE layers), num_experts, top_k of a transformers config."""
-    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) \
-        or getattr(config, "n_routed_experts")
-    return dict(num_layers=len(moe_layer_indices(config)), num_experts=int(experts),
-                top_k=int(config.num_experts_per_tok))
+    return dict(num_layers=len(moe_layer_indices(config)), num_experts=num_experts(config), top_k=top_k(config))
 
 
 def build_random(arch: str, out_dir: str, tokenizer_dir: str, seed: int = 0, **sizes) -> str:
