@@ -1,0 +1,175 @@
+"""Expert-parallel MoE layer with speculative token shuffling, on torch.distributed.
+
+Attention runs tensor parallel, so before the MoE each rank holds a *partial sum* of every
+token's hidden state. Two pipelines, same result:
+
+- ``baseline`` (DeepSpeed-MoE style EP): all-reduce -> each rank takes a contiguous slice of
+  the tokens -> all-to-all dispatch to the ranks holding their experts -> experts -> all-to-all
+  combine -> all-gather.
+- ``speculate`` (smoe s-TS): a *shuffled reduce-scatter* hands each token, already summed, to
+  the rank predicted to hold its experts (``token2rank``) -> only mispredicted work is
+  dispatched, once per (token, remote rank) -> experts -> combine -> a *shuffled all-gather*
+  restores the replicated token order.
+
+Dispatch is de-duplicated in both: a token crosses to a remote rank once, with the top-k ids
+and weights of the experts that rank holds, and one weighted row comes back. Mispredictions
+cost bytes, never correctness. Index work goes through :mod:`vllm_smoe.kernels.shuffle`.
+
+Shapes: T tokens, H hidden, E experts (E/N per rank), K top-k, I expert intermediate size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .kernels.shuffle import pack_rows, remote_ranks, send_order
+
+
+@dataclass
+class ExpertShard:
+    """This rank's experts. w_gate_up: [E_loc, 2I, H]; w_down: [E_loc, H, I];
+    expert2rank: [E] int64 home rank of every expert; local_of: [E] int64 index into this
+    shard (-1 = not here)."""
+
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+    expert2rank: torch.Tensor
+    local_of: torch.Tensor
+
+
+@dataclass
+class CommStats:
+    """Bytes this rank sent, per collective."""
+
+    bytes: dict = field(default_factory=dict)
+
+    def add(self, what: str, n: int) -> None:
+        self.bytes[what] = self.bytes.get(what, 0) + int(n)
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+
+def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, renormalize: bool = True
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax router: (topk_ids [T, K] int64, topk_weights [T, K] float32)."""
+    probs = torch.softmax(x.float() @ router_w.float().t(), dim=-1)
+    w, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return ids, w
+
+
+def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) over the (t, k) whose expert is in
+    ``shard``; other entries (and ids = -1) add nothing. x: [T, H]; ids, weights: [T, K]."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    local = shard.local_of[ids.clamp(min=0)]
+    local[ids < 0] = -1
+    for j in torch.unique(local[local >= 0]).tolist():
+        t, k = torch.nonzero(local == j, as_tuple=True)
+        h = F.linear(x[t].float(), shard.w_gate_up[j].float())
+        g, u = h.chunk(2, dim=-1)
+        y = F.linear(F.silu(g) * u, shard.w_down[j].float())
+        out.index_add_(0, t, y * weights[t, k, None].float())
+    return out
+
+
+def ref_moe(x: torch.Tensor, router_w: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+            top_k: int) -> torch.Tensor:
+    """Single-process reference of the whole layer on the full hidden states x [T, H]."""
+    E = router_w.shape[0]
+    ids, w = route(x, router_w, top_k)
+    everything = ExpertShard(w_gate_up, w_down, torch.zeros(E, dtype=torch.long), torch.arange(E))
+    return experts_forward(x, ids, w, everything).to(x.dtype)
+
+
+def _dispatch_combine(x_loc: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, own_rank: int, shard: ExpertShard,
+                      group, stats: CommStats) -> torch.Tensor:
+    """Local experts plus one all-to-all round trip for the (token, remote rank) pairs."""
+    N = dist.get_world_size(group)
+    m, K = ids.shape
+    out = experts_forward(x_loc, ids, w, shard)
+    t2r = torch.full((m,), own_rank, dtype=torch.long)
+    need = remote_ranks(ids, shard.expert2rank, t2r, N)  # [m, N] bool, de-duplicated
+    tok, dst = torch.nonzero(need, as_tuple=True)
+    order = torch.sort(dst, stable=True).indices
+    tok, dst = tok[order], dst[order]
+    send_counts = torch.bincount(dst, minlength=N)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    sc, rc = send_counts.tolist(), recv_counts.tolist()
+    # each pair carries the ids/weights of only the experts the destination holds
+    on_dst = shard.expert2rank[ids[tok]] == dst[:, None]
+    send_ids = torch.where(on_dst, ids[tok], torch.full_like(ids[tok], -1))
+    send_w = torch.where(on_dst, w[tok], torch.zeros_like(w[tok]))
+    rows = pack_rows(x_loc, tok)
+    recv_rows = x_loc.new_empty((sum(rc), x_loc.shape[1]))
+    recv_ids = ids.new_empty((sum(rc), K))
+    recv_w = w.new_empty((sum(rc), K))
+    dist.all_to_all_single(recv_rows, rows, rc, sc, group=group)
+    dist.all_to_all_single(recv_ids, send_ids, rc, sc, group=group)
+    dist.all_to_all_single(recv_w, send_w, rc, sc, group=group)
+    stats.add("dispatch", rows.numel() * rows.element_size())
+    stats.add("dispatch_meta", send_ids.numel() * send_ids.element_size() + send_w.numel() * send_w.element_size())
+    partial = experts_forward(recv_rows, recv_ids, recv_w, shard).to(x_loc.dtype)
+    back = x_loc.new_empty((len(tok), x_loc.shape[1]))
+    dist.all_to_all_single(back, partial, sc, rc, group=group)
+    stats.add("combine", partial.numel() * partial.element_size())
+    out.index_add_(0, tok, back.float())  # each remote rank returned one weighted row per token
+    return out.to(x_loc.dtype)
+
+
+def moe_layer(x_partial: torch.Tensor, router_w: torch.Tensor, shard: ExpertShard, top_k: int,
+              token2rank: torch.Tensor | None, group=None, stats: CommStats | None = None) -> torch.Tensor:
+    """The EP MoE layer on every rank of ``group``.
+
+    x_partial: [T, H], this rank's partial sum of the hidden states (they add up over ranks);
+    token2rank: [T] int, the predicted rank of each token (identical on every rank), or None
+    for the baseline pipeline. Returns the layer output [T, H], replicated on every rank.
+    """
+    stats = stats if stats is not None else CommStats()
+    N = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    T, H = x_partial.shape
+    esize = x_partial.element_size()
+    if token2rank is None:  # baseline: all-reduce, contiguous slices
+        x = x_partial.clone()
+        dist.all_reduce(x, group=group)
+        stats.add("all_reduce", 2 * (N - 1) * x.numel() * esize // N)  # ring all-reduce per rank
+        t2r = (torch.arange(T) * N // max(T, 1)).long()
+        perm, counts = send_order(t2r, N)
+        start = int(counts[:rank].sum())
+        mine = perm[start: start + int(counts[rank])]
+        x_loc = x[mine]
+        cap = int(counts.max())
+    else:  # shuffled reduce-scatter
+        perm, counts = send_order(token2rank.long(), N)
+        cap = int(counts.max())
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(T) - starts[token2rank.long()[perm]] + token2rank.long()[perm] * cap
+        send = x_partial.new_zeros((N * cap, H))
+        send[slot] = pack_rows(x_partial, perm)
+        recv = x_partial.new_empty((cap, H))
+        dist.reduce_scatter_tensor(recv, send, group=group)
+        stats.add("reduce_scatter", (N - 1) * cap * H * esize)
+        x_loc = recv[: int(counts[rank])]
+    ids, w = route(x_loc, router_w, top_k)
+    y_loc = _dispatch_combine(x_loc, ids, w, rank, shard, group, stats)
+    # (shuffled) all-gather back to the replicated order
+    pad = y_loc.new_zeros((cap, H))
+    pad[: y_loc.shape[0]] = y_loc
+    gathered = y_loc.new_empty((N * cap, H))
+    dist.all_gather_into_tensor(gathered, pad, group=group)
+    stats.add("all_gather", (N - 1) * cap * H * esize)
+    starts = torch.cumsum(counts, 0) - counts
+    ranks_sorted = torch.repeat_interleave(torch.arange(N), counts)
+    src = ranks_sorted * cap + (torch.arange(T) - starts[ranks_sorted])
+    out = torch.empty_like(gathered[:T])
+    out[perm] = gathered[src]
+    return out
