@@ -2,6 +2,7 @@
 
   smoe-bench ilp     -- every placement method against the exact ILP bound on small instances
   smoe-bench plugin  -- start-up time and throughput of plain vLLM vs --plugin smoe (place, record)
+  smoe-bench comm    -- one EP MoE layer on N gloo ranks: baseline EP vs speculative shuffling
 """
 
 from __future__ import annotations
@@ -98,6 +99,109 @@ def _plugin(a) -> int:
     return 0
 
 
+def _comm_worker(rank, world, init, plan, reps, out):
+    import torch
+    import torch.distributed as dist
+
+    from .ep_layer import CommStats, ExpertShard, moe_layer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    H, I, E = plan["hidden"], plan["inter"], plan["experts"]
+    g = torch.Generator().manual_seed(0)
+    wgu = torch.randn(E, 2 * I, H, generator=g) / H ** 0.5
+    wd = torch.randn(E, H, I, generator=g) / I ** 0.5
+    result = {}
+    for name in ("baseline", "smoe"):
+        e2r = torch.as_tensor(plan[name]["expert2rank"])
+        mine = torch.nonzero(e2r == rank).flatten()
+        local_of = torch.full((E,), -1, dtype=torch.long)
+        local_of[mine] = torch.arange(mine.numel())
+        shard = ExpertShard(wgu[mine], wd[mine], e2r, local_of)
+        times, nbytes = [], 0
+        for step in plan["steps"]:
+            ids = torch.as_tensor(step["ids"]).long()
+            w = torch.full(ids.shape, 1.0 / ids.shape[1])
+            x = torch.randn(ids.shape[0], H, generator=g)
+            t2r = None if name == "baseline" else torch.as_tensor(step["token2rank"]).long()
+            for _ in range(reps):
+                stats = CommStats()
+                dist.barrier()
+                t0 = time.perf_counter()
+                moe_layer(x, torch.zeros(E, H), shard, ids.shape[1], t2r, stats=stats, routing=(ids, w))
+                dist.barrier()
+                times.append(time.perf_counter() - t0)
+            nbytes += stats.total
+        result[name] = {"seconds": float(np.median(times)), "bytes": nbytes / len(plan["steps"])}
+    torch.save(result, os.path.join(out, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _comm_plan(a) -> dict:
+    """Steps of replayed routing and both pipelines' placements/predictions (numpy only)."""
+    from .placement.assign import assign_tokens, contiguous_tokens
+    from .placement.layout import place_model
+    from .placement.metrics import holds_from_expert2rank
+    from .placement.peers import place_linear
+    from .placement.predict import build_predictor, predict_layer
+    from .synthetic import SHAPES, generate
+    from .testbed import FIXTURE_TRACES
+    from .trace import open_trace
+
+    if a.routing == "testbed":
+        tr, te = open_trace(FIXTURE_TRACES["train"]), open_trace(FIXTURE_TRACES["heldout"])
+        train_tok, train_topk = tr["token_ids"], tr["topk_ids"][:, a.layer: a.layer + 1]
+        test_tok, test_topk = te["token_ids"], te["topk_ids"][:, a.layer: a.layer + 1]
+        vocab, E = tr.meta.vocab_size, tr.meta.num_experts
+    else:
+        shape = SHAPES[a.routing]
+        chunks = list(generate(shape, 4 * a.tokens * a.steps, seed=0, chunk_tokens=a.tokens * a.steps))
+        train = {k: np.concatenate([c[k] for c in chunks[:-1]]) for k in chunks[0]}
+        train_tok, train_topk = train["token_ids"], train["topk_ids"][:, a.layer: a.layer + 1]
+        test_tok, test_topk = chunks[-1]["token_ids"], chunks[-1]["topk_ids"][:, a.layer: a.layer + 1]
+        vocab, E = shape.vocab_size, shape.num_experts
+    N = a.ranks
+    e2r, _, tables = place_model("coclust", train_tok, train_topk, E, N, vocab_size=vocab)
+    steps = []
+    for s in range(a.steps):
+        sl = slice(s * a.tokens, (s + 1) * a.tokens)
+        tok, topk = test_tok[sl], test_topk[sl]
+        pref, conf, _ = predict_layer(tables, 0, tok.astype(np.int64))
+        t2r = assign_tokens(pref, conf, np.zeros(len(tok), int), N, a.capacity)
+        steps.append({"ids": topk[:, 0].astype(np.int64), "token2rank": t2r})
+    base_e2r = place_linear(E, N)
+    lar = np.mean([(e2r[0][st["ids"]] == st["token2rank"][:, None]).mean() for st in steps])
+    base_lar = np.mean([(base_e2r[st["ids"]] == contiguous_tokens(np.zeros(len(st["ids"]), int), N)[:, None]).mean()
+                        for st in steps])
+    return {"hidden": a.hidden, "inter": a.inter, "experts": E, "steps": steps, "lar": float(lar),
+            "base_lar": float(base_lar), "baseline": {"expert2rank": base_e2r}, "smoe": {"expert2rank": e2r[0]},
+            "top_k": int(test_topk.shape[2])}
+
+
+def _comm(a) -> int:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    plan = _comm_plan(a)
+    out = tempfile.mkdtemp(prefix="smoe-comm-")
+    init = "file://" + os.path.join(out, "rendezvous")
+    mp.spawn(_comm_worker, args=(a.ranks, init, plan, a.reps, out), nprocs=a.ranks, join=True)
+    import torch
+
+    res = [torch.load(os.path.join(out, f"{r}.pt")) for r in range(a.ranks)]
+    t = {n: max(r[n]["seconds"] for r in res) for n in ("baseline", "smoe")}
+    b = {n: sum(r[n]["bytes"] for r in res) for n in ("baseline", "smoe")}
+    print(f"routing {a.routing} layer {a.layer}: {plan['experts']} experts, top-{plan['top_k']}, {a.ranks} gloo ranks, "
+          f"{a.tokens} tokens/step x {a.steps} steps, hidden {a.hidden}, fp32, capacity {a.capacity}")
+    print(f"LAR: baseline (linear, contiguous) {plan['base_lar']:.3f}, smoe (coclust + predictor) {plan['lar']:.3f}")
+    for n in ("baseline", "smoe"):
+        print(f"{n:>8}: {t[n] * 1e3:8.1f} ms per layer (median over {a.reps} reps, slowest rank), "
+              f"{b[n] / 1e6:8.2f} MB sent per step (all ranks)")
+    print(f"ratio smoe/baseline: time {t['smoe'] / t['baseline']:.3f}x, bytes {b['smoe'] / b['baseline']:.3f}x")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="smoe-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -123,6 +227,18 @@ def main(argv=None) -> int:
     g.add_argument("--rounds", type=int, default=2)
     g.add_argument("--placement", help="placement YAML (default: configs/tiny-4dom-ep4.yaml)")
     g.set_defaults(fn=_plugin)
+    c = sub.add_parser("comm", help="one EP MoE layer on gloo ranks: baseline EP vs smoe shuffling (bytes, time)")
+    c.add_argument("--routing", default="deepseek-v2-lite",
+                   help="'testbed' (the trained fixture's traces) or a synthetic shape (default deepseek-v2-lite)")
+    c.add_argument("--layer", type=int, default=0, help="MoE layer of the trace to replay")
+    c.add_argument("--ranks", type=int, default=4)
+    c.add_argument("--tokens", type=int, default=2048, help="tokens per step")
+    c.add_argument("--steps", type=int, default=2)
+    c.add_argument("--hidden", type=int, default=2048)
+    c.add_argument("--inter", type=int, default=64, help="expert intermediate size (small: measure communication)")
+    c.add_argument("--capacity", type=float, default=1.10)
+    c.add_argument("--reps", type=int, default=3)
+    c.set_defaults(fn=_comm)
     from .cli_util import run_cli
 
     return run_cli(p, argv)

@@ -126,12 +126,14 @@ def _dispatch_combine(x_loc: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, o
 
 
 def moe_layer(x_partial: torch.Tensor, router_w: torch.Tensor, shard: ExpertShard, top_k: int,
-              token2rank: torch.Tensor | None, group=None, stats: CommStats | None = None) -> torch.Tensor:
+              token2rank: torch.Tensor | None, group=None, stats: CommStats | None = None,
+              routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The EP MoE layer on every rank of ``group``.
 
     x_partial: [T, H], this rank's partial sum of the hidden states (they add up over ranks);
     token2rank: [T] int, the predicted rank of each token (identical on every rank), or None
-    for the baseline pipeline. Returns the layer output [T, H], replicated on every rank.
+    for the baseline pipeline; routing: optional replayed (topk_ids [T, K], weights [T, K]) used
+    instead of the router (benchmarks). Returns the layer output [T, H], replicated on every rank.
     """
     stats = stats if stats is not None else CommStats()
     N = dist.get_world_size(group)
@@ -148,6 +150,7 @@ def moe_layer(x_partial: torch.Tensor, router_w: torch.Tensor, shard: ExpertShar
         mine = perm[start: start + int(counts[rank])]
         x_loc = x[mine]
         cap = int(counts.max())
+        local_tokens = mine
     else:  # shuffled reduce-scatter
         perm, counts = send_order(token2rank.long(), N)
         cap = int(counts.max())
@@ -159,7 +162,12 @@ def moe_layer(x_partial: torch.Tensor, router_w: torch.Tensor, shard: ExpertShar
         dist.reduce_scatter_tensor(recv, send, group=group)
         stats.add("reduce_scatter", (N - 1) * cap * H * esize)
         x_loc = recv[: int(counts[rank])]
-    ids, w = route(x_loc, router_w, top_k)
+        start = int((torch.cumsum(counts, 0) - counts)[rank])
+        local_tokens = perm[start: start + int(counts[rank])]
+    if routing is None:
+        ids, w = route(x_loc, router_w, top_k)
+    else:
+        ids, w = routing[0][local_tokens], routing[1][local_tokens]
     y_loc = _dispatch_combine(x_loc, ids, w, rank, shard, group, stats)
     # (shuffled) all-gather back to the replicated order
     pad = y_loc.new_zeros((cap, H))
