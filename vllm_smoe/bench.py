@@ -141,9 +141,8 @@ def _comm_plan(a) -> dict:
     """Steps of replayed routing and both pipelines' placements/predictions (numpy only)."""
     from .placement.assign import assign_tokens, contiguous_tokens
     from .placement.layout import place_model
-    from .placement.metrics import holds_from_expert2rank
     from .placement.peers import place_linear
-    from .placement.predict import build_predictor, predict_layer
+    from .placement.predict import predict_layer
     from .synthetic import SHAPES, generate
     from .testbed import FIXTURE_TRACES
     from .trace import open_trace
