@@ -35,7 +35,7 @@ def _vllm_greedy(model_dir, prompts):
                        capture_output=True, text=True, env=env, timeout=600)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("SMOE_RESULT ")]
     assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-5000:]
-    return json.loads(lines[-1][len("SMOE_RESULT "):])
+    return json.loads(lines[-1][len("SMOE_RESULT "):])["tokens"]
 
 
 def _hf_greedy(model_dir, prompts):
