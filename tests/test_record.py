@@ -85,3 +85,29 @@ def test_smoe_place_builds_from_the_record_directory(recorded, tmp_path):
 
     _, _, rec_dir = recorded
     assert main(["build", "--trace", rec_dir, "--ep-size", "4", "-o", str(tmp_path / "p.yaml")]) == 0
+
+
+def test_tensor_parallel_2_placement_is_lossless_and_recorded_once(tmp_path):
+    """TP=2 on the CPU build: every expert moved gives the plain TP=2 tokens; only TP rank 0 writes."""
+    prompts = _prompts(4)
+    placement = tmp_path / "p.yaml"
+    placement.write_text(yaml.safe_dump({
+        "smoe_placement": 1, "model": {"num_layers": 4, "num_experts": 32, "top_k": 4}, "ep_size": 32,
+        "layers": [{"expert_to_rank": [(e + 5) % 32 for e in range(32)]} for _ in range(4)]}))
+    env = {**os.environ, "SMOE_TEST_TP": "2", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+    def run(extra):
+        args = [sys.executable, HELPER, FIXTURE_MODEL, json.dumps(prompts), "6"] + ([json.dumps(extra)] if extra else [])
+        r = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
+        line = [ln for ln in r.stdout.splitlines() if ln.startswith("SMOE_RESULT ")]
+        assert r.returncode == 0 and line, r.stderr[-4000:]
+        return json.loads(line[0][len("SMOE_RESULT "):])
+
+    plain = run(None)
+    rec = tmp_path / "traces"
+    placed = run({"smoe": {"placement": str(placement), "mode": "record", "record": str(rec)}})
+    assert placed["tokens"] == plain["tokens"]
+    np.testing.assert_allclose(placed["logprobs"], plain["logprobs"], rtol=0, atol=1e-4)
+    _, arr, files = read_traces([str(rec)])
+    assert all("-dp0-" in f for f in files)
+    assert arr["token_ids"].size == sum(len(p) for p in prompts) + sum(len(t) - 1 for t in plain["tokens"])

@@ -3,6 +3,7 @@
   smoe-bench ilp     -- every placement method against the exact ILP bound on small instances
   smoe-bench plugin  -- start-up time and throughput of plain vLLM vs --plugin smoe (place, record)
   smoe-bench comm    -- one EP MoE layer on N gloo ranks: baseline EP vs speculative shuffling
+  smoe-bench kernels -- on a CUDA GPU: shuffle kernels vs their torch references, bandwidth vs peak
 """
 
 from __future__ import annotations
@@ -201,6 +202,62 @@ def _comm(a) -> int:
     return 0
 
 
+def _kernels(a) -> int:
+    import torch
+
+    from .kernels import shuffle as S
+
+    if not torch.cuda.is_available():
+        raise ValueError("smoe-bench kernels needs a CUDA device (the CPU path is the torch references)")
+    dev = torch.device("cuda")
+    print(f"device: {torch.cuda.get_device_name(dev)}; peak memory bandwidth assumed {a.peak_gbs:.0f} GB/s")
+
+    def timed(fn, reps=20):
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps / 1e3
+
+    T, H, K, E, N = a.tokens, a.hidden, a.top_k, a.experts, a.ranks
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=g)
+    t2r = torch.randint(0, N, (T,), device=dev, generator=g)
+    topk = torch.stack([torch.randperm(E, device=dev, generator=g)[:K] for _ in range(T)])
+    e2r = torch.randperm(E, device=dev, generator=g) % N
+    y = torch.randn(T * K, H, device=dev, dtype=torch.bfloat16, generator=g)
+    rows = torch.randperm(T * K, device=dev, generator=g).view(T, K)
+    w = torch.rand(T, K, device=dev, dtype=torch.bfloat16, generator=g)
+    perm, counts = S.send_order(t2r, N)
+    checks = {
+        "send_order": (lambda: S.send_order(t2r, N), lambda: S.ref_send_order(t2r, N), T * 4 + T * 8 * 2),
+        "pack_rows": (lambda: S.pack_rows(x, perm), lambda: S.ref_pack_rows(x, perm), 2 * T * H * 2 + T * 8),
+        "combine_topk": (lambda: S.combine_topk(y, rows, w), lambda: S.ref_combine_topk(y, rows, w),
+                         T * K * H * 2 + T * H * 2 + T * K * 10),
+        "remote_ranks": (lambda: S.remote_ranks(topk, e2r, t2r, N), lambda: S.ref_remote_ranks(topk, e2r, t2r, N),
+                         T * K * 8 + T * N),
+    }
+    for name, (fn, ref, nbytes) in checks.items():
+        got, want = fn(), ref()
+        if isinstance(got, tuple):
+            ok = all(torch.equal(u, v) for u, v in zip(got, want))
+        elif got.dtype.is_floating_point:
+            ok = torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)  # bf16 output rounding
+        else:
+            ok = torch.equal(got, want)
+        secs, ref_secs = timed(fn), timed(ref)
+        gbs = nbytes / secs / 1e9
+        print(f"{name:>13}: {'ok' if ok else 'MISMATCH'}  {secs * 1e6:8.1f} us ({gbs:7.1f} GB/s, "
+              f"{100 * gbs / a.peak_gbs:5.1f}% of peak); torch reference {ref_secs * 1e6:8.1f} us")
+        if not ok:
+            return 1
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="smoe-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -238,6 +295,14 @@ def main(argv=None) -> int:
     c.add_argument("--capacity", type=float, default=1.10)
     c.add_argument("--reps", type=int, default=3)
     c.set_defaults(fn=_comm)
+    k = sub.add_parser("kernels", help="CUDA only: shuffle kernels vs torch references, achieved bandwidth")
+    k.add_argument("--tokens", type=int, default=16384)
+    k.add_argument("--hidden", type=int, default=7168)
+    k.add_argument("--top-k", type=int, default=8)
+    k.add_argument("--experts", type=int, default=256)
+    k.add_argument("--ranks", type=int, default=8)
+    k.add_argument("--peak-gbs", type=float, default=4800.0, help="device memory bandwidth (H200: 4800 GB/s)")
+    k.set_defaults(fn=_kernels)
     from .cli_util import run_cli
 
     return run_cli(p, argv)

@@ -2,7 +2,8 @@
 
 usage: python vllm_generate.py MODEL_DIR PROMPTS_JSON MAX_TOKENS [ADDITIONAL_CONFIG_JSON]
 PROMPTS_JSON: a list of token-id lists. Prints "SMOE_RESULT {"tokens": [...], "logprobs": [...]}".
-SMOE_TEST_COMPILED=1 keeps vLLM's default compilation instead of enforce_eager.
+SMOE_TEST_COMPILED=1 keeps vLLM's default compilation instead of enforce_eager;
+SMOE_TEST_TP=2 runs tensor parallel on 2 ranks (set VLLM_CPU_OMP_THREADS_BIND="0|1" on CPU).
 """
 
 import json
@@ -18,7 +19,8 @@ def main() -> None:
     prompts = json.loads(prompts_json)
     kwargs = {"additional_config": extra} if extra else {}
     eager = os.environ.get("SMOE_TEST_COMPILED") != "1"
-    llm = LLM(model=model, dtype="float32", enforce_eager=eager, max_model_len=512,
+    tp = int(os.environ.get("SMOE_TEST_TP", "1"))
+    llm = LLM(model=model, dtype="float32", enforce_eager=eager, max_model_len=512, tensor_parallel_size=tp,
               gpu_memory_utilization=0.15, max_num_seqs=8, skip_tokenizer_init=True, seed=0, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True,
                             detokenize=False)
