@@ -13,7 +13,9 @@ from __future__ import annotations
 import numpy as np
 import scipy.sparse as sp
 
-from .counts import assign_token_ids, balanced_assignment, check_ep_size, expert_gains, local_count, rank_scores
+from .counts import (assign_token_ids, balanced_assignment, check_ep_size, coactivation, expert_gains, local_count,
+                     rank_scores)
+from .peers import place_metis
 
 
 def cap_expert_load(expert2rank: np.ndarray, gains: np.ndarray, load: np.ndarray, ep_size: int,
@@ -90,9 +92,6 @@ def place_coclust(A: sp.csr_matrix, occ: np.ndarray, ep_size: int, capacity: flo
     of the co-activation graph is one more. random_starts: random balanced starts (default: as
     many as ``work`` allows, 1..8). Small instances finish with an exact swap search within the same
     work budget. Returns expert2rank [E] int32."""
-    from .counts import coactivation
-    from .peers import place_metis
-
     E = A.shape[1]
     check_ep_size(E, ep_size)
     rng = np.random.default_rng(seed)

@@ -132,3 +132,13 @@ def test_write_then_load_round_trip_with_replicas(tmp_path):
     h = p.holds()
     assert h[0, 0, 1] and h[0, 1, 0] and h[0, 0, 0]  # home + replica copies
     assert h.sum() == 8 + 2
+
+
+def test_evaluate_attention_dp_mode(built, tmp_path):
+    js = tmp_path / "dp.json"
+    assert main(["evaluate", "--trace", HELDOUT, "--placement", str(built), "--compare", "linear",
+                 "--mode", "dp", "--json", str(js)]) == 0
+    res = json.load(open(js))
+    ours, lin = res["placement (coclust)"], res["linear"]
+    assert ours["lar"] > lin["lar"]  # requests scheduled by affinity beat round robin
+    assert ours["token_load"] <= 1.2 and lin["token_load"] == 1.0  # 64-request windows, capacity 1.10

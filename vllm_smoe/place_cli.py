@@ -107,20 +107,17 @@ def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, 
                                                     arr.get("is_prefill"), ep_size)
             r2r = assign_requests(scores, tokens, ep_size, capacity, window=DP_WINDOW)
         else:
-            reqs = np.unique(rq)[np.argsort(np.unique(rq, return_index=True)[1], kind="stable")]
+            uniq, first = np.unique(rq, return_index=True)
+            reqs = uniq[np.argsort(first, kind="stable")]
             r2r = round_robin_requests(reqs.size, ep_size)
-        lookup = np.empty(reqs.size, dtype=np.int64)
         srt = np.argsort(reqs)
-        lookup[:] = r2r[srt]
-        q = np.searchsorted(reqs[srt], rq)
-        t2r = np.repeat(lookup[q][:, None], meta.num_layers, axis=1)
+        q = srt[np.searchsorted(reqs[srt], rq)]  # arrival index of each token's request
         # balance is judged per scheduling window (DP ranks batch their own requests)
-        arrival = np.empty(reqs.size, dtype=np.int64)
-        arrival[srt] = np.arange(reqs.size)
-        batch = np.sort(arrival[q] // DP_WINDOW)
-        order = np.argsort(arrival[q] // DP_WINDOW, kind="stable")
+        win = q // DP_WINDOW
+        order = np.argsort(win, kind="stable")
         arr = {k: v[order] for k, v in arr.items()}
-        t2r = t2r[order]
+        t2r = np.repeat(r2r[q[order]][:, None], meta.num_layers, axis=1)
+        batch = win[order]
     elif predicted:
         t2r, _ = simulate(tables, holds, arr["token_ids"], arr["topk_ids"], batch, ep_size, capacity,
                           arr.get("request_ids"), arr.get("is_prefill"))
