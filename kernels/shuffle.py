@@ -14,6 +14,8 @@ Notation: T tokens, K top-k, N ranks, H hidden size.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:  # triton is optional: the ref_* path needs only torch
@@ -23,10 +25,11 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    import os
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # triton reads it at import too
 
-    return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return triton is not None and (t.is_cuda or _INTERPRET)
 
 
 # ---------------------------------------------------------------- send order (counting sort)

@@ -142,6 +142,7 @@ def _comm_plan(a) -> dict:
     """Steps of replayed routing and both pipelines' placements/predictions (numpy only)."""
     from .placement.assign import assign_tokens, contiguous_tokens
     from .placement.layout import place_model
+    from .placement.metrics import evaluate
     from .placement.peers import place_linear
     from .placement.predict import predict_layer
     from .synthetic import SHAPES, generate
@@ -170,10 +171,14 @@ def _comm_plan(a) -> dict:
         t2r = assign_tokens(pref, conf, np.zeros(len(tok), int), N, a.capacity)
         steps.append({"ids": topk[:, 0].astype(np.int64), "token2rank": t2r})
     base_e2r = place_linear(E, N)
-    lar = np.mean([(e2r[0][st["ids"]] == st["token2rank"][:, None]).mean() for st in steps])
-    base_lar = np.mean([(base_e2r[st["ids"]] == contiguous_tokens(np.zeros(len(st["ids"]), int), N)[:, None]).mean()
-                        for st in steps])
-    return {"hidden": a.hidden, "inter": a.inter, "experts": E, "steps": steps, "lar": float(lar),
+
+    def lar(expert2rank, token2rank):
+        return np.mean([evaluate(st["ids"][:, None], token2rank(st)[:, None], expert2rank[None],
+                                 np.zeros(len(st["ids"]), int), N)["lar"] for st in steps])
+
+    smoe_lar = lar(e2r[0], lambda st: st["token2rank"])
+    base_lar = lar(base_e2r, lambda st: contiguous_tokens(np.zeros(len(st["ids"]), int), N))
+    return {"hidden": a.hidden, "inter": a.inter, "experts": E, "steps": steps, "lar": float(smoe_lar),
             "base_lar": float(base_lar), "baseline": {"expert2rank": base_e2r}, "smoe": {"expert2rank": e2r[0]},
             "top_k": int(test_topk.shape[2])}
 

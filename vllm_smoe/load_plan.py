@@ -82,3 +82,12 @@ def make_load_plan(placement_path: str, hf_config, model_dir: str, ep_ranks: int
                              f"routing group ({groups} groups of {size}); grouped top-k routing would change. "
                              f"Build the placement with --nodes {groups} or keep experts inside their groups")
     return LoadPlan(tuple(layers), slot2expert, expert2slot)
+
+
+def plan_for(placement_path: str, vllm_config) -> LoadPlan:
+    """:func:`make_load_plan` for a vLLM config: experts are split over TP x DP ranks only when
+    vLLM's expert parallelism is on."""
+    pc = vllm_config.parallel_config
+    ep = pc.tensor_parallel_size * pc.data_parallel_size if pc.enable_expert_parallel else None
+    mc = vllm_config.model_config
+    return make_load_plan(placement_path, mc.hf_config, mc.model, ep)

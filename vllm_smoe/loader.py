@@ -20,7 +20,7 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from .config import SmoeConfig
-from .load_plan import LoadPlan, make_load_plan
+from .load_plan import LoadPlan, plan_for
 
 logger = logging.getLogger("vllm.smoe")  # under vLLM's logger: same handlers and level
 
@@ -66,9 +66,7 @@ class SmoeModelLoader(DefaultModelLoader):
     def load_model(self, vllm_config, model_config, prefix: str = ""):
         cfg = SmoeConfig.from_additional_config(vllm_config.additional_config)
         if cfg is not None and cfg.placement is not None:
-            pc = vllm_config.parallel_config
-            ep = pc.tensor_parallel_size * pc.data_parallel_size if pc.enable_expert_parallel else None
-            self.plan = make_load_plan(cfg.placement, model_config.hf_config, model_config.model, ep)
+            self.plan = plan_for(cfg.placement, vllm_config)
         model = super().load_model(vllm_config, model_config, prefix)
         if cfg is not None and cfg.mode == "record":
             from .recorder import install_recorder

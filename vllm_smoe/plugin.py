@@ -102,11 +102,9 @@ def _install_hooks() -> None:
             self.additional_config = {**self.additional_config, "smoe": cfg.to_dict()}  # normalised paths
         vllm_config = orig_engine(self, *args, **kwargs)
         if cfg is not None and cfg.placement is not None:
-            from .load_plan import make_load_plan
+            from .load_plan import plan_for
 
-            pc = vllm_config.parallel_config
-            ep = pc.tensor_parallel_size * pc.data_parallel_size if pc.enable_expert_parallel else None
-            make_load_plan(cfg.placement, vllm_config.model_config.hf_config, vllm_config.model_config.model, ep)
+            plan_for(cfg.placement, vllm_config)
             logger.info("smoe: placement %s checked against %s", cfg.placement, vllm_config.model_config.model)
         return vllm_config
 
