@@ -11,7 +11,9 @@ import os
 from dataclasses import asdict, dataclass
 
 MODES = ("place", "record", "speculate")
-_KEYS = ("mode", "placement", "record", "log_interval", "record_chunk_tokens")
+_KEYS = ("mode", "placement", "record", "log_interval", "record_chunk_tokens", "predictor", "capacity", "pipeline")
+PREDICTORS = ("tables", "random", "one-rank")  # same as speculator.PREDICTORS (that module imports numpy)
+PIPELINES = ("speculate", "baseline")
 
 
 @dataclass(frozen=True)
@@ -26,13 +28,17 @@ class SmoeConfig:
     record: str | None = None
     log_interval: float = 10.0
     record_chunk_tokens: int = 1 << 18
+    predictor: str = "tables"
+    capacity: float | None = None
+    pipeline: str = "speculate"
 
     @property
     def needs_loader(self) -> bool:
         return self.placement is not None or self.mode == "record"
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        speculate_only = ("predictor", "capacity", "pipeline") if self.mode != "speculate" else ()
+        return {k: v for k, v in asdict(self).items() if v is not None and k not in speculate_only}
 
     @classmethod
     def from_dict(cls, d: object, where: str = "additional_config['smoe']") -> "SmoeConfig":
@@ -44,9 +50,6 @@ class SmoeConfig:
         mode = d.get("mode", "record" if d.get("record") and not d.get("placement") else "place")
         if mode not in MODES:
             raise ValueError(f"{where}: field 'mode' must be one of {', '.join(MODES)}, got {mode!r}")
-        if mode == "speculate":
-            raise ValueError(f"{where}: field 'mode' = 'speculate' (token shuffling) is not available yet in "
-                             "this version of smoe; use 'place' or 'record'")
         placement = d.get("placement")
         record = d.get("record")
         for key, v in (("placement", placement), ("record", record)):
@@ -54,6 +57,22 @@ class SmoeConfig:
                 raise ValueError(f"{where}: field '{key}' must be a path, got {v!r}")
         if mode == "place" and placement is None:
             raise ValueError(f"{where}: mode 'place' needs field 'placement' (a YAML from smoe-place build)")
+        if mode == "speculate" and placement is None:
+            raise ValueError(f"{where}: mode 'speculate' needs field 'placement' (a YAML from smoe-place build)")
+        if mode != "speculate":
+            given = [k for k in ("predictor", "capacity", "pipeline") if k in d]
+            if given:
+                raise ValueError(f"{where}: field(s) {given} only apply to mode 'speculate', not {mode!r}")
+        predictor = d.get("predictor", "tables")
+        if predictor not in PREDICTORS:
+            raise ValueError(f"{where}: field 'predictor' must be one of {', '.join(PREDICTORS)}, got {predictor!r}")
+        pipeline = d.get("pipeline", "speculate")
+        if pipeline not in PIPELINES:
+            raise ValueError(f"{where}: field 'pipeline' must be one of {', '.join(PIPELINES)}, got {pipeline!r}")
+        capacity = d.get("capacity")
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, (int, float))
+                                     or not capacity >= 1.0):
+            raise ValueError(f"{where}: field 'capacity' must be a number >= 1.0, got {capacity!r}")
         if mode == "record" and record is None:
             raise ValueError(f"{where}: mode 'record' needs field 'record' (a directory for traces)")
         interval = d.get("log_interval", 10.0)
@@ -64,7 +83,8 @@ class SmoeConfig:
             raise ValueError(f"{where}: field 'record_chunk_tokens' must be a positive integer, got {chunk!r}")
         return cls(mode=mode, placement=os.path.abspath(placement) if placement else None,
                    record=os.path.abspath(record) if record else None, log_interval=float(interval),
-                   record_chunk_tokens=chunk)
+                   record_chunk_tokens=chunk, predictor=predictor,
+                   capacity=None if capacity is None else float(capacity), pipeline=pipeline)
 
     @classmethod
     def from_additional_config(cls, additional_config: object) -> "SmoeConfig | None":

@@ -28,6 +28,10 @@ import torch.nn.functional as F
 
 from .kernels.shuffle import pack_rows, remote_ranks, send_order
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older torch has only the old names
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class ExpertShard:
@@ -89,13 +93,13 @@ def ref_moe(x: torch.Tensor, router_w: torch.Tensor, w_gate_up: torch.Tensor, w_
     return experts_forward(x, ids, w, everything).to(x.dtype)
 
 
-def _dispatch_combine(x_loc: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, own_rank: int, shard: ExpertShard,
+def dispatch_combine(x_loc: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, own_rank: int, shard: ExpertShard,
                       group, stats: CommStats) -> torch.Tensor:
     """Local experts plus one all-to-all round trip for the (token, remote rank) pairs."""
     N = dist.get_world_size(group)
     m, K = ids.shape
     out = experts_forward(x_loc, ids, w, shard)
-    t2r = torch.full((m,), own_rank, dtype=torch.long)
+    t2r = torch.full((m,), own_rank, dtype=torch.long, device=x_loc.device)
     need = remote_ranks(ids, shard.expert2rank, t2r, N)  # [m, N] bool, de-duplicated
     tok, dst = torch.nonzero(need, as_tuple=True)
     order = torch.sort(dst, stable=True).indices
@@ -125,6 +129,76 @@ def _dispatch_combine(x_loc: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, o
     return out.to(x_loc.dtype)
 
 
+@dataclass(frozen=True)
+class Shuffle:
+    """Where each token sits between the reduce-scatter and the all-gather.
+
+    perm: [T] int64, tokens sorted by owning rank (stable); counts: [N] int64 tokens per rank;
+    cap: padded rows per rank in the collectives; local_tokens: [m] int64, this rank's tokens
+    (original indices) in the order of its rows."""
+
+    perm: torch.Tensor
+    counts: torch.Tensor
+    cap: int
+    local_tokens: torch.Tensor
+
+
+def _shuffle(token2rank: torch.Tensor, rank: int, N: int) -> Shuffle:
+    perm, counts = send_order(token2rank.long(), N)
+    start = int(counts[:rank].sum())
+    return Shuffle(perm, counts, int(counts.max()) if counts.numel() else 0,
+                   perm[start: start + int(counts[rank])])
+
+
+def shuffled_reduce_scatter(x_partial: torch.Tensor, token2rank: torch.Tensor, group, stats: CommStats
+                            ) -> tuple[torch.Tensor, Shuffle]:
+    """Sum the partial hidden states over ranks and leave token t, summed, on rank
+    token2rank[t] (identical on every rank). x_partial: [T, H]. Returns (x_loc [m, H], the
+    shuffle), x_loc rows in the order of ``shuffle.local_tokens``."""
+    N, rank = dist.get_world_size(group), dist.get_rank(group)
+    T, H = x_partial.shape
+    sh = _shuffle(token2rank, rank, N)
+    t2r = token2rank.long()[sh.perm]
+    starts = torch.cumsum(sh.counts, 0) - sh.counts
+    slot = torch.arange(T, device=x_partial.device) - starts[t2r] + t2r * sh.cap
+    send = x_partial.new_zeros((N * sh.cap, H))
+    send[slot] = pack_rows(x_partial, sh.perm)
+    recv = x_partial.new_empty((sh.cap, H))
+    _reduce_scatter(recv, send, group=group)
+    stats.add("reduce_scatter", (N - 1) * sh.cap * H * x_partial.element_size())
+    return recv[: sh.local_tokens.numel()], sh
+
+
+def allreduce_slice(x_partial: torch.Tensor, group, stats: CommStats) -> tuple[torch.Tensor, torch.Tensor, Shuffle]:
+    """Baseline: all-reduce, then each rank takes a contiguous slice of the tokens.
+    Returns (x [T, H] summed and replicated, x_loc [m, H], the shuffle)."""
+    N, rank = dist.get_world_size(group), dist.get_rank(group)
+    T = x_partial.shape[0]
+    x = x_partial.clone()
+    dist.all_reduce(x, group=group)
+    stats.add("all_reduce", 2 * (N - 1) * x.numel() * x.element_size() // N)  # ring all-reduce per rank
+    sh = _shuffle((torch.arange(T, device=x.device) * N // max(T, 1)).long(), rank, N)
+    return x, x[sh.local_tokens], sh
+
+
+def shuffled_all_gather(y_loc: torch.Tensor, sh: Shuffle, group, stats: CommStats) -> torch.Tensor:
+    """Inverse of the shuffle: rows y_loc [m, W] of this rank's tokens -> [T, W] in the original
+    token order, replicated on every rank."""
+    N = dist.get_world_size(group)
+    T, W = sh.perm.numel(), y_loc.shape[1]
+    pad = y_loc.new_zeros((sh.cap, W))
+    pad[: y_loc.shape[0]] = y_loc
+    gathered = y_loc.new_empty((N * sh.cap, W))
+    _all_gather(gathered, pad, group=group)
+    stats.add("all_gather", (N - 1) * sh.cap * W * y_loc.element_size())
+    starts = torch.cumsum(sh.counts, 0) - sh.counts
+    ranks_sorted = torch.repeat_interleave(torch.arange(N, device=y_loc.device), sh.counts)
+    src = ranks_sorted * sh.cap + (torch.arange(T, device=y_loc.device) - starts[ranks_sorted])
+    out = torch.empty_like(gathered[:T])
+    out[sh.perm] = gathered[src]
+    return out
+
+
 def moe_layer(x_partial: torch.Tensor, router_w: torch.Tensor, shard: ExpertShard, top_k: int,
               token2rank: torch.Tensor | None, group=None, stats: CommStats | None = None,
               routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -136,48 +210,14 @@ def moe_layer(x_partial: torch.Tensor, router_w: torch.Tensor, shard: ExpertShar
     instead of the router (benchmarks). Returns the layer output [T, H], replicated on every rank.
     """
     stats = stats if stats is not None else CommStats()
-    N = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    T, H = x_partial.shape
-    esize = x_partial.element_size()
-    if token2rank is None:  # baseline: all-reduce, contiguous slices
-        x = x_partial.clone()
-        dist.all_reduce(x, group=group)
-        stats.add("all_reduce", 2 * (N - 1) * x.numel() * esize // N)  # ring all-reduce per rank
-        t2r = (torch.arange(T) * N // max(T, 1)).long()
-        perm, counts = send_order(t2r, N)
-        start = int(counts[:rank].sum())
-        mine = perm[start: start + int(counts[rank])]
-        x_loc = x[mine]
-        cap = int(counts.max())
-        local_tokens = mine
-    else:  # shuffled reduce-scatter
-        perm, counts = send_order(token2rank.long(), N)
-        cap = int(counts.max())
-        starts = torch.cumsum(counts, 0) - counts
-        slot = torch.arange(T) - starts[token2rank.long()[perm]] + token2rank.long()[perm] * cap
-        send = x_partial.new_zeros((N * cap, H))
-        send[slot] = pack_rows(x_partial, perm)
-        recv = x_partial.new_empty((cap, H))
-        dist.reduce_scatter_tensor(recv, send, group=group)
-        stats.add("reduce_scatter", (N - 1) * cap * H * esize)
-        x_loc = recv[: int(counts[rank])]
-        start = int((torch.cumsum(counts, 0) - counts)[rank])
-        local_tokens = perm[start: start + int(counts[rank])]
+    if token2rank is None:
+        _, x_loc, sh = allreduce_slice(x_partial, group, stats)
+    else:
+        x_loc, sh = shuffled_reduce_scatter(x_partial, token2rank, group, stats)
     if routing is None:
         ids, w = route(x_loc, router_w, top_k)
     else:
-        ids, w = routing[0][local_tokens], routing[1][local_tokens]
-    y_loc = _dispatch_combine(x_loc, ids, w, rank, shard, group, stats)
-    # (shuffled) all-gather back to the replicated order
-    pad = y_loc.new_zeros((cap, H))
-    pad[: y_loc.shape[0]] = y_loc
-    gathered = y_loc.new_empty((N * cap, H))
-    dist.all_gather_into_tensor(gathered, pad, group=group)
-    stats.add("all_gather", (N - 1) * cap * H * esize)
-    starts = torch.cumsum(counts, 0) - counts
-    ranks_sorted = torch.repeat_interleave(torch.arange(N), counts)
-    src = ranks_sorted * cap + (torch.arange(T) - starts[ranks_sorted])
-    out = torch.empty_like(gathered[:T])
-    out[perm] = gathered[src]
-    return out
+        ids, w = routing[0][sh.local_tokens], routing[1][sh.local_tokens]
+    y_loc = dispatch_combine(x_loc, ids, w, rank, shard, group, stats)
+    return shuffled_all_gather(y_loc, sh, group, stats)

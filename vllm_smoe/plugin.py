@@ -24,6 +24,9 @@ _FLAGS = {  # CLI dest -> key in additional_config["smoe"]
     "smoe_record": "record",
     "smoe_mode": "mode",
     "smoe_log_interval": "log_interval",
+    "smoe_predictor": "predictor",
+    "smoe_capacity": "capacity",
+    "smoe_pipeline": "pipeline",
 }
 _done = False
 
@@ -38,7 +41,13 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--smoe-record", default=None, help="directory to write routing traces into")
     g.add_argument("--smoe-mode", choices=["place", "record", "speculate"], default=None,
                    help="place (default with a placement) | record (default with --smoe-record) | speculate")
-    g.add_argument("--smoe-log-interval", type=float, default=None, help="seconds between recorder logs")
+    g.add_argument("--smoe-log-interval", type=float, default=None, help="seconds between recorder / speculate logs")
+    g.add_argument("--smoe-predictor", choices=["tables", "random", "one-rank"], default=None,
+                   help="speculate: token -> rank predictor (default tables: the placement's trained tables)")
+    g.add_argument("--smoe-capacity", type=float, default=None,
+                   help="speculate: per-rank token cap as a multiple of the fair share (default: the placement's)")
+    g.add_argument("--smoe-pipeline", choices=["speculate", "baseline"], default=None,
+                   help="speculate: shuffled reduce-scatter/all-gather (default) or the DS-MoE-style baseline")
 
 
 def _smoe_from_args(args: argparse.Namespace) -> dict | None:
@@ -105,6 +114,13 @@ def _install_hooks() -> None:
             from .load_plan import plan_for
 
             plan_for(cfg.placement, vllm_config)
+            if cfg.mode == "speculate":
+                from .capability import speculate_supported
+                from .placement_file import load_placement
+
+                ok, reason = speculate_supported(vllm_config, load_placement(cfg.placement), cfg.predictor)
+                if not ok:
+                    raise ValueError(f"smoe mode speculate: {reason}")
             logger.info("smoe: placement %s checked against %s", cfg.placement, vllm_config.model_config.model)
         return vllm_config
 

@@ -1,0 +1,1 @@
+"""Model classes smoe builds for mode speculate (imported only inside vLLM workers)."""
