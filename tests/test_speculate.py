@@ -84,14 +84,14 @@ def _generate(prompts, extra, max_tokens=8, compiled=False):
                        env=env)
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("SMOE_RESULT ")]
     assert r.returncode == 0 and line, (r.stdout + r.stderr)[-4000:]
-    return json.loads(line[0][len("SMOE_RESULT "):])
+    return json.loads(line[0][len("SMOE_RESULT "):]), r.stdout + r.stderr
 
 
 @pytest.fixture(scope="module")
 def plain_tp2():
     pytest.importorskip("vllm")
     prompts = _prompts(32)
-    return prompts, _generate(prompts, None)
+    return prompts, _generate(prompts, None)[0]
 
 
 # Logprob tolerance: speculate computes each expert whole on one rank, plain TP=2 splits its
@@ -100,14 +100,29 @@ ATOL = 1e-4
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("settings_", [
-    {"predictor": "tables"},
-    {"predictor": "random"},
-    {"predictor": "one-rank", "capacity": 2.0},  # every token shuffled to rank 0
-    {"pipeline": "baseline"},
-], ids=["tables", "random", "one-rank", "baseline"])
-def test_speculate_tp2_gives_plain_tp2_tokens(plain_tp2, settings_):
+@pytest.mark.parametrize("settings_,compiled", [
+    ({"predictor": "tables"}, False),
+    ({"predictor": "random"}, False),
+    ({"predictor": "one-rank", "capacity": 2.0}, False),  # every token shuffled to rank 0
+    ({"pipeline": "baseline"}, False),
+    ({"predictor": "tables"}, True),  # torch.compile sees smoe::ep_moe as one opaque op
+], ids=["tables", "random", "one-rank", "baseline", "tables-compiled"])
+def test_speculate_tp2_gives_plain_tp2_tokens(plain_tp2, settings_, compiled):
     prompts, plain = plain_tp2
-    out = _generate(prompts, {"smoe": {"mode": "speculate", "placement": EP2, **settings_}})
+    out, log = _generate(prompts, {"smoe": {"mode": "speculate", "placement": EP2, "log_interval": 0.2,
+                                            **settings_}}, compiled=compiled)
+    want = settings_.get("predictor", "tables")
+    assert f"SmoeQwen3MoeForCausalLM over 2 ranks, predictor {want}" in log  # the EP path really ran
     assert out["tokens"] == plain["tokens"]
     np.testing.assert_allclose(out["logprobs"], plain["logprobs"], rtol=0, atol=ATOL)
+
+
+@pytest.mark.vllm
+def test_speculate_refuses_a_placement_for_another_ep_size_before_serving():
+    pytest.importorskip("vllm")
+    env = {**os.environ, "SMOE_TEST_TP": "2", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    extra = {"smoe": {"mode": "speculate", "placement": os.path.join(REPO, "configs", "tiny-4dom-ep4.yaml")}}
+    r = subprocess.run([sys.executable, HELPER, FIXTURE_MODEL, "[[1, 2, 3]]", "2", json.dumps(extra)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode != 0
+    assert "field 'ep_size' = 4 but mode speculate splits the experts over the 2 tensor-parallel ranks" in r.stderr

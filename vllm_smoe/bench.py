@@ -2,6 +2,7 @@
 
   smoe-bench ilp     -- every placement method against the exact ILP bound on small instances
   smoe-bench plugin  -- start-up time and throughput of plain vLLM vs --plugin smoe (place, record)
+  smoe-bench serve   -- vllm serve at TP=2: plain vs mode speculate (tok/s, TTFT, TPOT, p90 ITL)
   smoe-bench comm    -- one EP MoE layer on N gloo ranks: baseline EP vs speculative shuffling
   smoe-bench kernels -- on a CUDA GPU: shuffle kernels vs their torch references, bandwidth vs peak
 """
@@ -97,6 +98,72 @@ def _plugin(a) -> int:
         print(f"{name:>6}: start-up {np.median(r['start_s']):5.1f} s ({np.median(r['start_s']) - np.median(base['start_s']):+.1f} s "
               f"vs plain), throughput {np.median(r['tok_s']):6.1f} tok/s "
               f"({np.median(r['tok_s']) / np.median(base['tok_s']):.3f}x plain)")
+    return 0
+
+
+def _stream(client, model: str, prompt, max_tokens: int) -> tuple[float, list[float], int]:
+    """One streamed greedy completion: (start, arrival time of each chunk, completion tokens)."""
+    t0 = time.perf_counter()
+    times, n = [], 0
+    for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                                           stream=True, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True}):
+        if chunk.choices:
+            times.append(time.perf_counter())
+        if chunk.usage is not None:
+            n = chunk.usage.completion_tokens
+    return t0, times, n
+
+
+def _serve(a) -> int:
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .serving import VllmServer
+    from .testbed import FIXTURE_MODEL, FIXTURE_TRACES
+    from .trace import open_trace
+
+    model = a.model or FIXTURE_MODEL
+    t = open_trace(a.prompts_trace or FIXTURE_TRACES["heldout"])
+    tok, req = t["token_ids"], t["request_ids"]
+    prompts = [tok[req == r][: a.prompt_tokens].tolist() for r in np.unique(req)[: a.requests]]
+    work = tempfile.mkdtemp(prefix="smoe-bench-serve-")
+    placement = a.placement or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                            "configs", "tiny-4dom-ep2.yaml")
+    smoe = ("--plugin", "smoe", "--smoe-mode", "speculate", "--smoe-placement", placement)
+    runs = {"plain": (), "smoe": smoe}
+    if a.with_baseline:
+        runs["smoe-baseline"] = smoe + ("--smoe-pipeline", "baseline")
+    tp = ("--tensor-parallel-size", str(a.tp))
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(a.tp))} if a.cpu_bind else None
+    res: dict = {}
+    for rnd in range(a.rounds):  # interleaved rounds: drift of a shared machine hits every config alike
+        for name, flags in runs.items():
+            with VllmServer(model, *tp, *flags, log=os.path.join(work, f"{name}-{rnd}.log"), env=env) as s:
+                c = s.client()
+                s.complete(prompts[:2], max_tokens=4)  # warm the server
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(a.concurrency) as ex:
+                    outs = list(ex.map(lambda p: _stream(c, model, p, a.max_tokens), prompts))
+                secs = time.perf_counter() - t0
+            r = res.setdefault(name, {"tok_s": [], "ttft": [], "tpot": [], "itl": []})
+            r["tok_s"].append(sum(n for _, _, n in outs) / secs)
+            r["ttft"] += [ts[0] - st for st, ts, _ in outs if ts]
+            r["tpot"] += [(ts[-1] - ts[0]) / (n - 1) for _, ts, n in outs if len(ts) > 1 and n > 1]
+            r["itl"] += [d for _, ts, _ in outs for d in np.diff(ts)]
+            print(f"round {rnd} {name:>13}: {r['tok_s'][-1]:6.1f} output tok/s", flush=True)
+    print(f"{len(prompts)} requests x {a.max_tokens} tokens (prompts {a.prompt_tokens} tokens), TP={a.tp}, "
+          f"{a.concurrency} concurrent, {a.rounds} rounds; logs in {work}")
+    cols = {"tok_s": ("output tok/s", lambda v: float(np.median(v))),
+            "ttft": ("TTFT ms", lambda v: 1e3 * float(np.median(v))),
+            "tpot": ("TPOT ms", lambda v: 1e3 * float(np.median(v))),
+            "itl": ("p90 ITL ms", lambda v: 1e3 * float(np.percentile(v, 90)))}
+    print(f"{'config':>13} " + " ".join(f"{label:>14}" for label, _ in cols.values()))
+    base = {k: f(res["plain"][k]) for k, (_, f) in cols.items()}
+    for name, r in res.items():
+        vals = {k: f(r[k]) for k, (_, f) in cols.items()}
+        print(f"{name:>13} " + " ".join(f"{vals[k]:8.1f} {vals[k] / base[k]:4.2f}x" for k in cols))
+    print("(ratios vs plain; medians over all requests of all rounds, throughput median over rounds)")
     return 0
 
 
@@ -288,6 +355,21 @@ def main(argv=None) -> int:
     g.add_argument("--rounds", type=int, default=2)
     g.add_argument("--placement", help="placement YAML (default: configs/tiny-4dom-ep4.yaml)")
     g.set_defaults(fn=_plugin)
+    v = sub.add_parser("serve", help="vllm serve at TP=N: plain vs --plugin smoe --smoe-mode speculate (tok/s, TTFT, "
+                                     "TPOT, p90 inter-token latency; needs vLLM)")
+    v.add_argument("--model", help="model directory (default: the testbed fixture)")
+    v.add_argument("--placement", help="EP=TP placement YAML (default: configs/tiny-4dom-ep2.yaml)")
+    v.add_argument("--prompts-trace", help="routing trace whose requests are the prompts (default: fixture held-out)")
+    v.add_argument("--tp", type=int, default=2)
+    v.add_argument("--requests", type=int, default=32)
+    v.add_argument("--prompt-tokens", type=int, default=64)
+    v.add_argument("--max-tokens", type=int, default=32)
+    v.add_argument("--concurrency", type=int, default=8)
+    v.add_argument("--rounds", type=int, default=2)
+    v.add_argument("--with-baseline", action="store_true", help="also smoe's DS-MoE-style EP pipeline")
+    v.add_argument("--no-cpu-bind", dest="cpu_bind", action="store_false",
+                   help="do not set VLLM_CPU_OMP_THREADS_BIND (set it on vLLM's CPU build)")
+    v.set_defaults(fn=_serve)
     c = sub.add_parser("comm", help="one EP MoE layer on gloo ranks: baseline EP vs smoe shuffling (bytes, time)")
     c.add_argument("--routing", default="deepseek-v2-lite",
                    help="'testbed' (the trained fixture's traces) or a synthetic shape (default deepseek-v2-lite)")

@@ -5,7 +5,8 @@
 3. ``smoe-place build`` on that recording;
 4. ``vllm serve --plugin smoe --smoe-placement``: the same workload, outputs compared with step 2;
 5. ``smoe-place evaluate`` on held-out routing, next to the placements users run today;
-6. speculative token shuffling: not available yet (said so).
+6. ``--smoe-mode speculate`` at TP=2 (experts split over the two ranks by an EP=2 placement
+   built from the same recording), outputs compared with plain vLLM TP=2.
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ def _workload(per_domain: int = 8, prompt_tokens: int = 96) -> list[list[int]]:
     return prompts
 
 
-def _serve(model: str, prompts, log: str, *flags: str, max_tokens: int = 16):
+def _serve(model: str, prompts, log: str, *flags: str, max_tokens: int = 16, env: dict | None = None):
     from .serving import VllmServer
 
-    with VllmServer(model, *flags, log=log) as server:
+    with VllmServer(model, *flags, log=log, env=env) as server:
         t0 = time.monotonic()
         out = server.complete(prompts, max_tokens=max_tokens)
         secs = time.monotonic() - t0
@@ -93,8 +94,28 @@ def main() -> int:
     print("    (LAR: share of (token, layer, expert) activations local to the token's rank; "
           "see README for every column)")
 
-    _step(6, "serve with speculative token shuffling (mode: speculate)")
-    print("    not yet available: token shuffling (shuffled reduce-scatter / all-gather) is the next piece")
+    ep2 = os.path.join(work, "placement-ep2.yaml")
+    _step(6, f"speculative token shuffling at TP=2: smoe-place build --ep-size 2, then vllm serve ... "
+             f"--tensor-parallel-size 2 --plugin smoe --smoe-mode speculate --smoe-placement {ep2}")
+    rc = place_main(["build", "--trace", rec, "--ep-size", "2", "--model", FIXTURE_MODEL, "-o", ep2])
+    if rc:
+        return rc
+    tp2, env = ("--tensor-parallel-size", "2"), {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    print("    plain vLLM TP=2:")
+    plain2 = _serve(FIXTURE_MODEL, prompts, os.path.join(work, "plain-tp2.log"), *tp2, env=env)
+    spec_log = os.path.join(work, "speculate-tp2.log")
+    print("    smoe speculate TP=2:")
+    spec = _serve(FIXTURE_MODEL, prompts, spec_log, *tp2, "--plugin", "smoe", "--smoe-mode", "speculate",
+                  "--smoe-placement", ep2, "--smoe-log-interval", "1", env=env)
+    same = sum(a[0] == b[0] for a, b in zip(plain2, spec))
+    drift = max(abs(x - y) for a, b in zip(plain2, spec) for x, y in zip(a[1], b[1]))
+    print(f"    completions identical to plain TP=2: {same}/{len(prompts)}; max logprob difference {drift:.2e}")
+    stats = [ln.split("smoe: ", 1)[1].strip() for ln in open(spec_log) if "smoe: speculate (" in ln]
+    if stats:
+        print(f"    last speculate log line: {stats[-1]}")
+    if same != len(prompts):
+        print("    speculate changed outputs: this is a bug, please report it")
+        return 1
     print(f"\ndemo finished; files in {work}")
     return 0
 
