@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -76,10 +77,10 @@ def _prompts(n):
     return [tok[req == r][: 3 + i].tolist() for i, r in enumerate(reqs[:: max(1, len(reqs) // n)][:n])]
 
 
-def _generate(prompts, extra, max_tokens=8, compiled=False):
+def _generate(prompts, extra, max_tokens=8, compiled=False, model=FIXTURE_MODEL):
     env = {**os.environ, "SMOE_TEST_TP": "2", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
            "SMOE_TEST_COMPILED": "1" if compiled else "0"}
-    args = [sys.executable, HELPER, FIXTURE_MODEL, json.dumps(prompts), str(max_tokens)]
+    args = [sys.executable, HELPER, str(model), json.dumps(prompts), str(max_tokens)]
     r = subprocess.run(args + ([json.dumps(extra)] if extra else []), capture_output=True, text=True, timeout=900,
                        env=env)
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("SMOE_RESULT ")]
@@ -126,3 +127,25 @@ def test_speculate_refuses_a_placement_for_another_ep_size_before_serving():
                        capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode != 0
     assert "field 'ep_size' = 4 but mode speculate splits the experts over the 2 tensor-parallel ranks" in r.stderr
+
+
+@pytest.mark.vllm
+def test_speculate_tp2_mixtral_gives_plain_tp2_tokens(tmp_path):
+    """A second architecture (every layer MoE, experts named w1/w3/w2), a YAML without tables
+    (random predictor), every expert moved to another slot."""
+    pytest.importorskip("vllm")
+    model = tmp_path / "mixtral"
+    r = subprocess.run([sys.executable, "-m", "vllm_smoe.testbed.cli", "build", "--arch", "mixtral", "-o", str(model),
+                        "--layers", "2", "--experts", "8", "--top-k", "2"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    placement = tmp_path / "ep2.yaml"
+    placement.write_text(yaml.safe_dump({
+        "smoe_placement": 1, "model": {"num_layers": 2, "num_experts": 8, "top_k": 2}, "ep_size": 2,
+        "layers": [{"expert_to_rank": [(e + i) % 2 for e in range(8)]} for i in range(2)]}))
+    prompts = _prompts(8)
+    plain, _ = _generate(prompts, None, model=model)
+    spec, log = _generate(prompts, {"smoe": {"mode": "speculate", "placement": str(placement), "predictor": "random"}},
+                          model=model)
+    assert "SmoeMixtralForCausalLM over 2 ranks" in log
+    assert spec["tokens"] == plain["tokens"]
+    np.testing.assert_allclose(spec["logprobs"], plain["logprobs"], rtol=0, atol=ATOL)

@@ -8,6 +8,7 @@ from .model_info import num_experts
 # architecture -> "module:class" of smoe's speculative model class
 SPECULATE_MODELS = {
     "Qwen3MoeForCausalLM": "vllm_smoe.models.qwen3_moe:SmoeQwen3MoeForCausalLM",
+    "MixtralForCausalLM": "vllm_smoe.models.mixtral:SmoeMixtralForCausalLM",
 }
 
 

@@ -33,7 +33,7 @@ logger = logging.getLogger("vllm.smoe")
 
 # decoder layers by prefix, so the custom op (which can only take tensors and strings) finds them
 _LAYERS: dict[str, nn.Module] = {}
-_EXPERT_W = re.compile(r"^experts\.(?P<slot>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_W = re.compile(r"^experts\.(?P<slot>\d+)\.(?P<proj>\w+)\.weight$")
 
 
 class SpecRuntime:
@@ -82,7 +82,8 @@ class SpeculativeMoE(nn.Module):
     w13_weight: [E_loc, 2I, H] gate then up projection; w2_weight: [E_loc, H, I]."""
 
     def __init__(self, *, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 renormalize: bool, moe_index: int, runtime: SpecRuntime, prefix: str):
+                 renormalize: bool, moe_index: int, runtime: SpecRuntime, prefix: str,
+                 proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
         from vllm.model_executor.layers.fused_moe import GateLinear
 
         super().__init__()
@@ -90,7 +91,7 @@ class SpeculativeMoE(nn.Module):
         if num_experts % N:
             raise ValueError(f"smoe speculate: {num_experts} experts do not split evenly over {N} TP ranks")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.moe_index, self.runtime = moe_index, runtime
+        self.moe_index, self.runtime, self.proj_names = moe_index, runtime, proj_names
         self.local_experts = num_experts // N
         self.first_slot = rank * self.local_experts
         self.intermediate_size = I = intermediate_size
@@ -117,8 +118,8 @@ class SpeculativeMoE(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint names relative to this block: ``gate.weight`` and per-expert
-        ``experts.{slot}.{gate,up,down}_proj.weight`` (slots after the load plan's renaming);
-        other ranks' experts are skipped."""
+        ``experts.{slot}.{proj}.weight``, proj one of ``proj_names`` (gate, up, down), slots
+        after the load plan's renaming; other ranks' experts are skipped."""
         loaded: set[str] = set()
         I = self.intermediate_size
         seen = np.zeros((self.local_experts, 3), bool)
@@ -128,23 +129,23 @@ class SpeculativeMoE(nn.Module):
                 loaded.add(name)
                 continue
             m = _EXPERT_W.match(name)
-            if m is None:
+            if m is None or m["proj"] not in self.proj_names:
                 raise ValueError(f"smoe speculate: unexpected MoE weight {name!r} (per-expert gate/up/down "
                                  f"projections are supported; fused or quantized expert tensors are not)")
             j = int(m["slot"]) - self.first_slot
             if not 0 <= j < self.local_experts:
                 continue
-            proj = m["proj"]
-            if proj == "down_proj":
+            p = self.proj_names.index(m["proj"])
+            if p == 2:
                 self.w2_weight.data[j].copy_(w)
             else:
-                self.w13_weight.data[j, (0 if proj == "gate_proj" else I):][:I].copy_(w)
-            seen[j, ("gate_proj", "up_proj", "down_proj").index(proj)] = True
+                self.w13_weight.data[j, p * I:(p + 1) * I].copy_(w)
+            seen[j, p] = True
         if seen.any():
             if not seen.all():
                 j, p = map(int, np.argwhere(~seen)[0])
                 raise ValueError(f"smoe speculate: checkpoint lacks expert slot {self.first_slot + j} "
-                                 f"{('gate_proj', 'up_proj', 'down_proj')[p]}")
+                                 f"{self.proj_names[p]}")
             loaded.update({"w13_weight", "w2_weight"})
         return loaded
 
@@ -152,10 +153,10 @@ class SpeculativeMoE(nn.Module):
 def ep_moe_forward(layer: nn.Module, x_partial: torch.Tensor, residual: torch.Tensor, token_ids: torch.Tensor
                    ) -> torch.Tensor:
     """One MoE decoder block after attention, on every TP rank. layer: the decoder layer
-    (``post_attention_layernorm`` and ``mlp``: a :class:`SpeculativeMoE`); x_partial: [T, H]
+    (``post_attention_layernorm`` and ``moe``: a :class:`SpeculativeMoE`); x_partial: [T, H]
     this rank's un-reduced ``o_proj`` output; residual: [T, H] replicated; token_ids: [T].
     Returns ``moe_output + residual`` [T, H], replicated, as the next layer's hidden states."""
-    mlp: SpeculativeMoE = layer.mlp
+    mlp: SpeculativeMoE = layer.moe
     rt = mlp.runtime
     group = rt.group(x_partial)
     T, H = x_partial.shape
