@@ -28,10 +28,6 @@ import torch.nn.functional as F
 
 from .kernels.shuffle import pack_rows, remote_ranks, send_order
 
-# torch 2.13 renamed the tensor-in/tensor-out collectives; older torch has only the old names
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 
 @dataclass
 class ExpertShard:
@@ -71,16 +67,25 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, renormalize: bool
 
 def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) over the (t, k) whose expert is in
-    ``shard``; other entries (and ids = -1) add nothing. x: [T, H]; ids, weights: [T, K]."""
+    ``shard``; other entries (and ids = -1) add nothing. x: [T, H]; ids, weights: [T, K].
+    Returns float32 [T, H]."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    local = shard.local_of[ids.clamp(min=0)]
-    local[ids < 0] = -1
-    for j in torch.unique(local[local >= 0]).tolist():
-        t, k = torch.nonzero(local == j, as_tuple=True)
-        h = F.linear(x[t].float(), shard.w_gate_up[j].float())
-        g, u = h.chunk(2, dim=-1)
-        y = F.linear(F.silu(g) * u, shard.w_down[j].float())
-        out.index_add_(0, t, y * weights[t, k, None].float())
+    local = torch.where(ids < 0, -1, shard.local_of[ids.clamp(min=0)])
+    t, k = torch.nonzero(local >= 0, as_tuple=True)
+    if t.numel() == 0:
+        return out
+    e = local[t, k]
+    order = torch.argsort(e, stable=True)  # one pass: each expert's rows become one contiguous block
+    t, k, e = t[order], k[order], e[order]
+    xs = x[t].float()
+    ys = torch.empty_like(xs)
+    start = 0
+    for j, c in enumerate(torch.bincount(e, minlength=shard.w_gate_up.shape[0]).tolist()):
+        if c:
+            g, u = F.linear(xs[start:start + c], shard.w_gate_up[j].float()).chunk(2, dim=-1)
+            ys[start:start + c] = F.linear(F.silu(g) * u, shard.w_down[j].float())
+            start += c
+    out.index_add_(0, t, ys * weights[t, k, None].float())
     return out
 
 
@@ -91,6 +96,15 @@ def ref_moe(x: torch.Tensor, router_w: torch.Tensor, w_gate_up: torch.Tensor, w_
     ids, w = route(x, router_w, top_k)
     everything = ExpertShard(w_gate_up, w_down, torch.zeros(E, dtype=torch.long), torch.arange(E))
     return experts_forward(x, ids, w, everything).to(x.dtype)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """[n, c] any dtype -> [n, c * itemsize] uint8, same memory."""
+    return t.contiguous().view(torch.uint8)
+
+
+def _unbytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return b.contiguous().view(dtype)
 
 
 def dispatch_combine(x_loc: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, own_rank: int, shard: ExpertShard,
@@ -113,14 +127,16 @@ def dispatch_combine(x_loc: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ow
     send_ids = torch.where(on_dst, ids[tok], torch.full_like(ids[tok], -1))
     send_w = torch.where(on_dst, w[tok], torch.zeros_like(w[tok]))
     rows = pack_rows(x_loc, tok)
-    recv_rows = x_loc.new_empty((sum(rc), x_loc.shape[1]))
-    recv_ids = ids.new_empty((sum(rc), K))
-    recv_w = w.new_empty((sum(rc), K))
-    dist.all_to_all_single(recv_rows, rows, rc, sc, group=group)
-    dist.all_to_all_single(recv_ids, send_ids, rc, sc, group=group)
-    dist.all_to_all_single(recv_w, send_w, rc, sc, group=group)
+    # one message per pair: the row, then the ids (int32) and weights (fp32) it needs there
+    payload = torch.cat([_bytes(rows), _bytes(send_ids.int()), _bytes(send_w.float())], dim=1)
+    recv = payload.new_empty((sum(rc), payload.shape[1]))
+    dist.all_to_all_single(recv, payload, rc, sc, group=group)
     stats.add("dispatch", rows.numel() * rows.element_size())
-    stats.add("dispatch_meta", send_ids.numel() * send_ids.element_size() + send_w.numel() * send_w.element_size())
+    stats.add("dispatch_meta", payload.numel() - rows.numel() * rows.element_size())
+    nb = x_loc.shape[1] * x_loc.element_size()
+    recv_rows = _unbytes(recv[:, :nb], x_loc.dtype)
+    recv_ids = _unbytes(recv[:, nb: nb + 4 * K], torch.int32).long()
+    recv_w = _unbytes(recv[:, nb + 4 * K:], torch.float32)
     partial = experts_forward(recv_rows, recv_ids, recv_w, shard).to(x_loc.dtype)
     back = x_loc.new_empty((len(tok), x_loc.shape[1]))
     dist.all_to_all_single(back, partial, sc, rc, group=group)
@@ -134,39 +150,37 @@ class Shuffle:
     """Where each token sits between the reduce-scatter and the all-gather.
 
     perm: [T] int64, tokens sorted by owning rank (stable); counts: [N] int64 tokens per rank;
-    cap: padded rows per rank in the collectives; local_tokens: [m] int64, this rank's tokens
-    (original indices) in the order of its rows."""
+    local_tokens: [m] int64, this rank's tokens (original indices) in the order of its rows."""
 
     perm: torch.Tensor
     counts: torch.Tensor
-    cap: int
     local_tokens: torch.Tensor
 
 
 def _shuffle(token2rank: torch.Tensor, rank: int, N: int) -> Shuffle:
     perm, counts = send_order(token2rank.long(), N)
     start = int(counts[:rank].sum())
-    return Shuffle(perm, counts, int(counts.max()) if counts.numel() else 0,
-                   perm[start: start + int(counts[rank])])
+    return Shuffle(perm, counts, perm[start: start + int(counts[rank])])
 
 
 def shuffled_reduce_scatter(x_partial: torch.Tensor, token2rank: torch.Tensor, group, stats: CommStats
                             ) -> tuple[torch.Tensor, Shuffle]:
     """Sum the partial hidden states over ranks and leave token t, summed, on rank
     token2rank[t] (identical on every rank). x_partial: [T, H]. Returns (x_loc [m, H], the
-    shuffle), x_loc rows in the order of ``shuffle.local_tokens``."""
+    shuffle), x_loc rows in the order of ``shuffle.local_tokens``.
+
+    One all-to-all-v of exact sizes: every rank sends each other rank its partial rows of that
+    rank's tokens and sums the N partials it receives in rank order (so the bytes are a ring
+    reduce-scatter's with no padding, whatever the imbalance)."""
     N, rank = dist.get_world_size(group), dist.get_rank(group)
     T, H = x_partial.shape
     sh = _shuffle(token2rank, rank, N)
-    t2r = token2rank.long()[sh.perm]
-    starts = torch.cumsum(sh.counts, 0) - sh.counts
-    slot = torch.arange(T, device=x_partial.device) - starts[t2r] + t2r * sh.cap
-    send = x_partial.new_zeros((N * sh.cap, H))
-    send[slot] = pack_rows(x_partial, sh.perm)
-    recv = x_partial.new_empty((sh.cap, H))
-    _reduce_scatter(recv, send, group=group)
-    stats.add("reduce_scatter", (N - 1) * sh.cap * H * x_partial.element_size())
-    return recv[: sh.local_tokens.numel()], sh
+    m = sh.local_tokens.numel()
+    recv = x_partial.new_empty((N * m, H))
+    counts = sh.counts.tolist()
+    dist.all_to_all_single(recv, pack_rows(x_partial, sh.perm), [m] * N, counts, group=group)
+    stats.add("reduce_scatter", (T - m) * H * x_partial.element_size())
+    return recv.view(N, m, H).sum(dim=0), sh
 
 
 def allreduce_slice(x_partial: torch.Tensor, group, stats: CommStats) -> tuple[torch.Tensor, torch.Tensor, Shuffle]:
@@ -183,19 +197,15 @@ def allreduce_slice(x_partial: torch.Tensor, group, stats: CommStats) -> tuple[t
 
 def shuffled_all_gather(y_loc: torch.Tensor, sh: Shuffle, group, stats: CommStats) -> torch.Tensor:
     """Inverse of the shuffle: rows y_loc [m, W] of this rank's tokens -> [T, W] in the original
-    token order, replicated on every rank."""
+    token order, replicated on every rank (an all-to-all-v of exact sizes: no padding)."""
     N = dist.get_world_size(group)
     T, W = sh.perm.numel(), y_loc.shape[1]
-    pad = y_loc.new_zeros((sh.cap, W))
-    pad[: y_loc.shape[0]] = y_loc
-    gathered = y_loc.new_empty((N * sh.cap, W))
-    _all_gather(gathered, pad, group=group)
-    stats.add("all_gather", (N - 1) * sh.cap * W * y_loc.element_size())
-    starts = torch.cumsum(sh.counts, 0) - sh.counts
-    ranks_sorted = torch.repeat_interleave(torch.arange(N, device=y_loc.device), sh.counts)
-    src = ranks_sorted * sh.cap + (torch.arange(T, device=y_loc.device) - starts[ranks_sorted])
-    out = torch.empty_like(gathered[:T])
-    out[sh.perm] = gathered[src]
+    m = y_loc.shape[0]
+    gathered = y_loc.new_empty((T, W))
+    dist.all_to_all_single(gathered, y_loc.repeat(N, 1), sh.counts.tolist(), [m] * N, group=group)
+    stats.add("all_gather", (N - 1) * m * W * y_loc.element_size())
+    out = torch.empty_like(gathered)
+    out[sh.perm] = gathered
     return out
 
 
