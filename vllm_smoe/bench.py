@@ -130,7 +130,7 @@ def _serve(a) -> int:
     work = tempfile.mkdtemp(prefix="smoe-bench-serve-")
     placement = a.placement or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                             "configs", "tiny-4dom-ep2.yaml")
-    smoe = ("--plugin", "smoe", "--smoe-mode", "speculate", "--smoe-placement", placement)
+    smoe = ("--plugin", "smoe", "--smoe-mode", "speculate", "--smoe-placement", placement, "--smoe-log-interval", "1")
     runs = {"plain": (), "smoe": smoe}
     if a.with_baseline:
         runs["smoe-baseline"] = smoe + ("--smoe-pipeline", "baseline")
@@ -152,6 +152,9 @@ def _serve(a) -> int:
             r["tpot"] += [(ts[-1] - ts[0]) / (n - 1) for _, ts, n in outs if len(ts) > 1 and n > 1]
             r["itl"] += [d for _, ts, _ in outs for d in np.diff(ts)]
             print(f"round {rnd} {name:>13}: {r['tok_s'][-1]:6.1f} output tok/s", flush=True)
+            online = [ln.split("smoe: ", 1)[1].strip() for ln in open(s.log) if "smoe: speculate (" in ln]
+            if online:
+                print(f"    last log line: {online[-1]}", flush=True)
     print(f"{len(prompts)} requests x {a.max_tokens} tokens (prompts {a.prompt_tokens} tokens), TP={a.tp}, "
           f"{a.concurrency} concurrent, {a.rounds} rounds; logs in {work}")
     cols = {"tok_s": ("output tok/s", lambda v: float(np.median(v))),
