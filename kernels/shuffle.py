@@ -128,7 +128,9 @@ def ref_combine_topk(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor)
     fp32 and cast to y's dtype."""
     T, K = rows.shape
     valid = rows >= 0
-    g = y.index_select(0, rows.clamp(min=0).reshape(-1)).reshape(T, K, -1).float()
+    if y.shape[0] == 0:  # nothing to gather: every (t, k) is skipped
+        return torch.zeros((T, y.shape[1]), dtype=y.dtype, device=y.device)
+    g = y.index_select(0, rows.clamp(min=0).reshape(-1)).reshape(T, K, y.shape[1]).float()
     w = torch.where(valid, weights.float(), torch.zeros_like(weights, dtype=torch.float32))
     return (g * w[..., None]).sum(dim=1).to(y.dtype)
 
@@ -157,6 +159,8 @@ def combine_topk(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> 
     if rows.shape != weights.shape or rows.dim() != 2:
         raise ValueError(f"rows and weights must both be [T, K], got {tuple(rows.shape)}, {tuple(weights.shape)}")
     T, K = rows.shape
+    if y.shape[0] == 0:  # no rows to read (an empty tensor may have no storage to point at)
+        return torch.zeros((T, y.shape[1]), dtype=y.dtype, device=y.device)
     out = torch.empty((T, y.shape[1]), dtype=y.dtype, device=y.device)
     if T:
         _combine_kernel[(T,)](y.contiguous(), rows.to(torch.int64).contiguous(), weights.contiguous(), out,

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .kernels.shuffle import pack_rows, remote_ranks, send_order
+from .kernels.shuffle import combine_topk, pack_rows, remote_ranks, send_order
 
 
 @dataclass
@@ -69,11 +69,10 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, s
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) over the (t, k) whose expert is in
     ``shard``; other entries (and ids = -1) add nothing. x: [T, H]; ids, weights: [T, K].
     Returns float32 [T, H]."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     local = torch.where(ids < 0, -1, shard.local_of[ids.clamp(min=0)])
     t, k = torch.nonzero(local >= 0, as_tuple=True)
     if t.numel() == 0:
-        return out
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     e = local[t, k]
     order = torch.argsort(e, stable=True)  # one pass: each expert's rows become one contiguous block
     t, k, e = t[order], k[order], e[order]
@@ -85,8 +84,10 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, s
             g, u = F.linear(xs[start:start + c], shard.w_gate_up[j].float()).chunk(2, dim=-1)
             ys[start:start + c] = F.linear(F.silu(g) * u, shard.w_down[j].float())
             start += c
-    out.index_add_(0, t, ys * weights[t, k, None].float())
-    return out
+    rows = torch.full(ids.shape, -1, dtype=torch.long, device=x.device)
+    rows[t, k] = torch.arange(t.numel(), device=x.device)
+    # gather-side weighted sum in k order: deterministic, unlike a scatter-add with atomics
+    return combine_topk(ys, rows, weights.float())
 
 
 def ref_moe(x: torch.Tensor, router_w: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
@@ -141,7 +142,10 @@ def dispatch_combine(x_loc: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ow
     back = x_loc.new_empty((len(tok), x_loc.shape[1]))
     dist.all_to_all_single(back, partial, sc, rc, group=group)
     stats.add("combine", partial.numel() * partial.element_size())
-    out.index_add_(0, tok, back.float())  # each remote rank returned one weighted row per token
+    # each remote rank returned one weighted row per token it served: add them in rank order
+    rows = torch.full((m, N), -1, dtype=torch.long, device=x_loc.device)
+    rows[tok, dst] = torch.arange(tok.numel(), device=x_loc.device)
+    out += combine_topk(back.float(), rows, torch.ones((m, N), dtype=torch.float32, device=x_loc.device))
     return out.to(x_loc.dtype)
 
 

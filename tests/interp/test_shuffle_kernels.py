@@ -51,6 +51,15 @@ def test_combine_topk_matches_reference(T, K, H, dtype):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol if tol else 1e-6)
 
 
+def test_combine_topk_with_nothing_to_gather():
+    """Every (t, k) skipped and y empty (a rank that received no rows): zeros, no read of y."""
+    rows = torch.full((5, 3), -1, dtype=torch.long)
+    y = torch.empty((0, 9))
+    for fn in (S.combine_topk, S.ref_combine_topk):
+        out = fn(y, rows, torch.ones(5, 3))
+        assert out.shape == (5, 9) and not out.any()
+
+
 @pytest.mark.parametrize("T,K,E,N", [(1, 1, 4, 2), (33, 4, 32, 4), (200, 8, 64, 8), (77, 6, 60, 6)])
 def test_remote_ranks_dedup_is_exact(T, K, E, N):
     g = torch.Generator().manual_seed(T + E)
