@@ -130,6 +130,9 @@ def _serve(a) -> int:
     work = tempfile.mkdtemp(prefix="smoe-bench-serve-")
     placement = a.placement or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                             "configs", "tiny-4dom-ep2.yaml")
+    if not os.path.isfile(placement):
+        raise ValueError(f"--placement {placement}: no such file (the default lives in the repository's configs/; "
+                         f"build one with smoe-place build --ep-size {a.tp})")
     smoe = ("--plugin", "smoe", "--smoe-mode", "speculate", "--smoe-placement", placement, "--smoe-log-interval", "1")
     runs = {"plain": (), "smoe": smoe}
     if a.with_baseline:
@@ -368,7 +371,7 @@ def main(argv=None) -> int:
     v.add_argument("--model", help="model directory (default: the testbed fixture)")
     v.add_argument("--placement", help="EP=TP placement YAML (default: configs/tiny-4dom-ep2.yaml)")
     v.add_argument("--prompts-trace", help="routing trace whose requests are the prompts (default: fixture held-out)")
-    v.add_argument("--tp", type=int, default=2)
+    v.add_argument("--tp", type=int, default=2, help="tensor-parallel size = ranks the experts are split over")
     v.add_argument("--requests", type=int, default=32)
     v.add_argument("--prompt-tokens", type=int, default=64)
     v.add_argument("--max-tokens", type=int, default=32)
