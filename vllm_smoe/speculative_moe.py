@@ -159,7 +159,7 @@ def ep_moe_forward(layer: nn.Module, x_partial: torch.Tensor, residual: torch.Te
     mlp: SpeculativeMoE = layer.moe
     rt = mlp.runtime
     group = rt.group(x_partial)
-    T, H = x_partial.shape
+    H = x_partial.shape[1]
     if rt.pipeline == "speculate":
         x_loc, sh = shuffled_reduce_scatter(x_partial, rt.token2rank(mlp.moe_index, token_ids), group, rt.stats)
         h, r = layer.post_attention_layernorm(x_loc, residual[sh.local_tokens])
@@ -170,7 +170,7 @@ def ep_moe_forward(layer: nn.Module, x_partial: torch.Tensor, residual: torch.Te
     y = dispatch_combine(h, ids, w, rt.rank, mlp.shard(), group, rt.stats)
     rt.account(ids, mlp.expert2rank, mlp.moe_index)
     # the top-1 slot rides along as two base-256 digits: exact in fp32, fp16 and bf16
-    top1 = ids[:, :1] if ids.shape[0] else ids.new_zeros((0, 1))
+    top1 = ids[:, :1]
     digits = torch.cat([top1 % 256, top1 // 256], dim=1).to(y.dtype)
     out = shuffled_all_gather(torch.cat([y + r, digits], dim=1), sh, group, rt.stats)
     d = out[:, H:].round().long()
