@@ -125,14 +125,15 @@ def pack_rows(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 def ref_combine_topk(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """y: [M, H] expert outputs; rows: [T, K] int64 row of (t, k) in y, -1 = skip;
     weights: [T, K]. Returns out [T, H] = sum_k weights[t, k] * y[rows[t, k]], accumulated in
-    fp32 and cast to y's dtype."""
+    fp32 in k order (as the kernel does) and cast to y's dtype."""
     T, K = rows.shape
-    valid = rows >= 0
+    out = torch.zeros((T, y.shape[1]), dtype=torch.float32, device=y.device)
     if y.shape[0] == 0:  # nothing to gather: every (t, k) is skipped
-        return torch.zeros((T, y.shape[1]), dtype=y.dtype, device=y.device)
-    g = y.index_select(0, rows.clamp(min=0).reshape(-1)).reshape(T, K, y.shape[1]).float()
-    w = torch.where(valid, weights.float(), torch.zeros_like(weights, dtype=torch.float32))
-    return (g * w[..., None]).sum(dim=1).to(y.dtype)
+        return out.to(y.dtype)
+    for k in range(K):  # one [T, H] gather at a time: no [T, K, H] intermediate
+        w = torch.where(rows[:, k] >= 0, weights[:, k].float(), torch.zeros((), device=y.device))
+        out += w[:, None] * y.index_select(0, rows[:, k].clamp(min=0)).float()
+    return out.to(y.dtype)
 
 
 if triton is not None:
