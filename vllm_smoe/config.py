@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 MODES = ("place", "record", "speculate")
 _KEYS = ("mode", "placement", "record", "log_interval", "record_chunk_tokens", "predictor", "capacity", "pipeline")
-PREDICTORS = ("tables", "random", "one-rank")  # same as speculator.PREDICTORS (that module imports numpy)
+PREDICTORS = ("tables", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.speculator)
 PIPELINES = ("speculate", "baseline")
 
 

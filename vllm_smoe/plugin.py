@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from .config import MODES, PIPELINES, PREDICTORS
+
 logger = logging.getLogger("vllm.smoe")  # under vLLM's logger: same handlers and level
 
 _FLAGS = {  # CLI dest -> key in additional_config["smoe"]
@@ -39,14 +41,14 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
                    help="enable the smoe plugin for this server (its --smoe-* flags need it)")
     g.add_argument("--smoe-placement", default=None, help="placement YAML written by smoe-place build")
     g.add_argument("--smoe-record", default=None, help="directory to write routing traces into")
-    g.add_argument("--smoe-mode", choices=["place", "record", "speculate"], default=None,
+    g.add_argument("--smoe-mode", choices=MODES, default=None,
                    help="place (default with a placement) | record (default with --smoe-record) | speculate")
     g.add_argument("--smoe-log-interval", type=float, default=None, help="seconds between recorder / speculate logs")
-    g.add_argument("--smoe-predictor", choices=["tables", "random", "one-rank"], default=None,
+    g.add_argument("--smoe-predictor", choices=PREDICTORS, default=None,
                    help="speculate: token -> rank predictor (default tables: the placement's trained tables)")
     g.add_argument("--smoe-capacity", type=float, default=None,
                    help="speculate: per-rank token cap as a multiple of the fair share (default: the placement's)")
-    g.add_argument("--smoe-pipeline", choices=["speculate", "baseline"], default=None,
+    g.add_argument("--smoe-pipeline", choices=PIPELINES, default=None,
                    help="speculate: shuffled reduce-scatter/all-gather (default) or the DS-MoE-style baseline")
 
 

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .config import PREDICTORS
 from .placement.assign import assign_tokens
 from .placement.predict import PredictorTables, predict_layer
-
-PREDICTORS = ("tables", "random", "one-rank")
 
 
 class Speculator:
