@@ -55,19 +55,33 @@ def _ilp(a) -> int:
     return 0
 
 
+def _trace_prompts(trace_path: str, requests: int, prompt_tokens: int) -> list[list[int]]:
+    """The first ``prompt_tokens`` token ids of the first ``requests`` requests of a trace."""
+    from .trace import open_trace
+
+    t = open_trace(trace_path)
+    tok, req = t["token_ids"], t["request_ids"]
+    return [tok[req == r][:prompt_tokens].tolist() for r in np.unique(req)[:requests]]
+
+
+def _placement_arg(given: str | None, default: str, ep_size: int) -> str:
+    """--placement, or the repository's configs/<default>; a missing file is a usage error."""
+    path = given or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", default)
+    if not os.path.isfile(path):
+        raise ValueError(f"--placement {path}: no such file (the default lives in the repository's configs/; "
+                         f"build one with smoe-place build --ep-size {ep_size})")
+    return path
+
+
 def _plugin(a) -> int:
     import tempfile
 
     from .serving import VllmServer
     from .testbed import FIXTURE_MODEL, FIXTURE_TRACES
-    from .trace import open_trace
 
-    t = open_trace(FIXTURE_TRACES["heldout"])
-    tok, req = t["token_ids"], t["request_ids"]
-    prompts = [tok[req == r][: a.prompt_tokens].tolist() for r in np.unique(req)[: a.requests]]
+    prompts = _trace_prompts(FIXTURE_TRACES["heldout"], a.requests, a.prompt_tokens)
     work = tempfile.mkdtemp(prefix="smoe-bench-")
-    placement = a.placement or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                            "configs", "tiny-4dom-ep4.yaml")
+    placement = _placement_arg(a.placement, "tiny-4dom-ep4.yaml", 4)
     runs = {
         "plain": (),
         "place": ("--plugin", "smoe", "--smoe-placement", placement),
@@ -121,18 +135,11 @@ def _serve(a) -> int:
 
     from .serving import VllmServer
     from .testbed import FIXTURE_MODEL, FIXTURE_TRACES
-    from .trace import open_trace
 
     model = a.model or FIXTURE_MODEL
-    t = open_trace(a.prompts_trace or FIXTURE_TRACES["heldout"])
-    tok, req = t["token_ids"], t["request_ids"]
-    prompts = [tok[req == r][: a.prompt_tokens].tolist() for r in np.unique(req)[: a.requests]]
+    prompts = _trace_prompts(a.prompts_trace or FIXTURE_TRACES["heldout"], a.requests, a.prompt_tokens)
     work = tempfile.mkdtemp(prefix="smoe-bench-serve-")
-    placement = a.placement or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                            "configs", "tiny-4dom-ep2.yaml")
-    if not os.path.isfile(placement):
-        raise ValueError(f"--placement {placement}: no such file (the default lives in the repository's configs/; "
-                         f"build one with smoe-place build --ep-size {a.tp})")
+    placement = _placement_arg(a.placement, "tiny-4dom-ep2.yaml", a.tp)
     smoe = ("--plugin", "smoe", "--smoe-mode", "speculate", "--smoe-placement", placement, "--smoe-log-interval", "1")
     runs = {"plain": (), "smoe": smoe}
     if a.with_baseline:
