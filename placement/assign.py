@@ -27,13 +27,22 @@ def _group_rank(keys: np.ndarray) -> np.ndarray:
     return np.arange(keys.size) - np.repeat(starts, lengths)
 
 
+def chunk_caps(num_tokens: int, ep_size: int) -> np.ndarray:
+    """Rows of each rank in vLLM's sequence-parallel chunk of a ``num_tokens`` step: [N] int64,
+    ceil(T / N) each, the padding taken from the last ranks."""
+    c = -(-num_tokens // ep_size)
+    return np.clip(num_tokens - np.arange(ep_size) * c, 0, c).astype(np.int64)
+
+
 def assign_tokens(pref: np.ndarray, conf: np.ndarray, batch_ids: np.ndarray, ep_size: int,
-                  capacity: float = 1.10) -> np.ndarray:
+                  capacity: float = 1.10, rank_caps: np.ndarray | None = None) -> np.ndarray:
     """Capacity-capped assignment of tokens to ranks.
 
     pref: [T, P] int, preferred ranks in order, -1 = no preference.
     conf: [T] float, confidence; more confident tokens are served first.
     batch_ids: [T] int, non-decreasing batch (engine step) index per token.
+    rank_caps: [B, N] int, exact tokens per (batch, rank) instead of ``capacity`` (summing to each
+    batch's size, e.g. :func:`chunk_caps`), optional.
     Returns token2rank: [T] int32, every entry in [0, ep_size).
     """
     T = pref.shape[0]
@@ -43,8 +52,12 @@ def assign_tokens(pref: np.ndarray, conf: np.ndarray, batch_ids: np.ndarray, ep_
         raise ValueError("batch_ids must be non-decreasing")
     _, batch = np.unique(batch_ids, return_inverse=True)
     sizes = np.bincount(batch)
-    cap = batch_capacity(sizes, ep_size, capacity)
-    remaining = np.repeat(cap, ep_size)  # [B * N] free slots per (batch, rank)
+    if rank_caps is None:
+        remaining = np.repeat(batch_capacity(sizes, ep_size, capacity), ep_size)  # [B * N] free slots
+    else:
+        if rank_caps.shape != (sizes.size, ep_size) or (rank_caps.sum(axis=1) < sizes).any():
+            raise ValueError(f"rank_caps must be [{sizes.size}, {ep_size}] and hold every token of each batch")
+        remaining = rank_caps.astype(np.int64).reshape(-1).copy()
     token2rank = np.full(T, -1, dtype=np.int64)
     order = np.argsort(-conf, kind="stable")
     for j in range(pref.shape[1]):

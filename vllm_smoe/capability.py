@@ -1,36 +1,31 @@
 """Can ``mode: speculate`` serve this model under this vLLM config? ``(ok, reason)`` checks that
-need only configs (no torch, no model), so a server refuses before it loads anything."""
+need only configs (no torch, no model), so a server refuses before it loads anything. What needs
+the built model (the MoE block chunks and all-gathers its own rows) is checked at load
+(:func:`vllm_smoe.serving.token_order.block_supported`), before the first step."""
 
 from __future__ import annotations
 
 from .model_info import num_experts
 
-# architecture -> "module:class" of smoe's speculative model class
-SPECULATE_MODELS = {
-    "Qwen3MoeForCausalLM": "vllm_smoe.models.qwen3_moe:SmoeQwen3MoeForCausalLM",
-    "MixtralForCausalLM": "vllm_smoe.models.mixtral:SmoeMixtralForCausalLM",
-}
-
 
 def speculate_supported(vllm_config, placement, predictor: str = "tables") -> tuple[bool, str]:
     """placement: the parsed :class:`~vllm_smoe.placement_file.Placement`; predictor: the
-    configured one. The experts are split over the tensor-parallel ranks, so the placement's
-    ep_size must equal the TP size."""
+    configured one. Speculate orders tokens over the tensor-parallel ranks around vLLM's
+    expert-parallel, sequence-parallel MoE, so EP must be on and ep_size must equal the TP size."""
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
-    arch = mc.architecture
-    if arch not in SPECULATE_MODELS:
-        return False, f"architecture {arch} is not supported (supported: {', '.join(SPECULATE_MODELS)})"
     hf = mc.hf_text_config
-    if pc.pipeline_parallel_size != 1 or pc.data_parallel_size != 1:
-        return False, "only tensor parallelism is supported (pipeline and data parallel size must be 1)"
-    if pc.enable_expert_parallel:
-        return False, ("drop --enable-expert-parallel: smoe splits the experts over the TP ranks itself, by the "
-                       "placement")
-    if vllm_config.quant_config is not None or mc.quantization is not None:
-        return False, f"quantized models are not supported (quantization {mc.quantization!r})"
-    if (getattr(hf, "shared_expert_intermediate_size", 0) or 0) > 0:
-        return False, "shared experts are not supported"
     tp = pc.tensor_parallel_size
+    if not pc.enable_expert_parallel:
+        return False, "needs --enable-expert-parallel (smoe orders tokens around vLLM's expert-parallel MoE)"
+    if tp < 2:
+        return False, f"needs --tensor-parallel-size >= 2 (got {tp}): tokens are ordered over the TP ranks"
+    if pc.pipeline_parallel_size != 1 or pc.data_parallel_size != 1:
+        return False, "pipeline and data parallel size must be 1 (attention-DP routing is a separate feature)"
+    if getattr(pc, "expert_placement_strategy", "linear") != "linear":
+        return False, (f"--expert-placement-strategy {pc.expert_placement_strategy!r}: smoe's placement is applied "
+                       f"by the load plan on top of vLLM's linear split; drop the flag")
+    if pc.enable_eplb:
+        return False, "--enable-eplb moves experts at run time; the placement would no longer hold"
     if placement.ep_size != tp:
         return False, (f"{placement.path}: field 'ep_size' = {placement.ep_size} but mode speculate splits the "
                        f"experts over the {tp} tensor-parallel ranks; build the placement with --ep-size {tp}")
@@ -43,9 +38,4 @@ def speculate_supported(vllm_config, placement, predictor: str = "tables") -> tu
     if predictor == "tables" and placement.predictor is None:
         return False, (f"{placement.path}: field 'predictor' is empty but predictor 'tables' needs the tables "
                        f"(rebuild with smoe-place build, or set predictor 'random' / 'one-rank')")
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cuda_alike() and not mc.enforce_eager:
-        return False, ("on GPUs mode speculate needs --enforce-eager: the shuffle's sizes depend on the "
-                       "predictions and cannot be captured in CUDA graphs")
     return True, ""

@@ -11,17 +11,21 @@ import os
 from dataclasses import asdict, dataclass
 
 MODES = ("place", "record", "speculate")
-_KEYS = ("mode", "placement", "record", "log_interval", "record_chunk_tokens", "predictor", "capacity", "pipeline")
-PREDICTORS = ("tables", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.speculator)
-PIPELINES = ("speculate", "baseline")
+_KEYS = ("mode", "placement", "record", "log_interval", "record_chunk_tokens", "predictor", "all2all")
+PREDICTORS = ("tables", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.serving.token_order)
+ALL2ALL = ("sparse", "vllm")  # smoe's sparse de-duplicated manager, or vLLM's own choice
 
 
 @dataclass(frozen=True)
 class SmoeConfig:
-    """mode: ``place`` (apply a placement at load), ``record`` (write routing traces; a
-    placement may be applied too), ``speculate`` (token shuffling; not available yet).
+    """mode: ``place`` (apply a placement at load, if one is given; with none, smoe only fixes
+    vLLM's CPU expert parallelism), ``record`` (write routing traces; a placement may be applied
+    too), ``speculate`` (token order by predicted rank around vLLM's sequence-parallel MoE).
     placement: YAML from ``smoe-place build``; record: directory for trace chunks;
-    log_interval: seconds between recorder log lines; record_chunk_tokens: tokens per file."""
+    log_interval: seconds between log lines; record_chunk_tokens: tokens per file;
+    predictor: speculate's token -> rank predictor (every rank then takes exactly the
+    ceil(T / N) rows of vLLM's sequence-parallel chunk: capacity 1.0); all2all: the expert-
+    parallel all2all manager on CPU (``sparse`` = smoe's, ``vllm`` = vLLM's allgather-reducescatter)."""
 
     mode: str = "place"
     placement: str | None = None
@@ -29,15 +33,14 @@ class SmoeConfig:
     log_interval: float = 10.0
     record_chunk_tokens: int = 1 << 18
     predictor: str = "tables"
-    capacity: float | None = None
-    pipeline: str = "speculate"
+    all2all: str = "sparse"
 
     @property
     def needs_loader(self) -> bool:
         return self.placement is not None or self.mode == "record"
 
     def to_dict(self) -> dict:
-        speculate_only = ("predictor", "capacity", "pipeline") if self.mode != "speculate" else ()
+        speculate_only = ("predictor",) if self.mode != "speculate" else ()
         return {k: v for k, v in asdict(self).items() if v is not None and k not in speculate_only}
 
     @classmethod
@@ -55,24 +58,18 @@ class SmoeConfig:
         for key, v in (("placement", placement), ("record", record)):
             if v is not None and (not isinstance(v, str) or not v):
                 raise ValueError(f"{where}: field '{key}' must be a path, got {v!r}")
-        if mode == "place" and placement is None:
-            raise ValueError(f"{where}: mode 'place' needs field 'placement' (a YAML from smoe-place build)")
         if mode == "speculate" and placement is None:
             raise ValueError(f"{where}: mode 'speculate' needs field 'placement' (a YAML from smoe-place build)")
         if mode != "speculate":
-            given = [k for k in ("predictor", "capacity", "pipeline") if k in d]
+            given = [k for k in ("predictor",) if k in d]
             if given:
                 raise ValueError(f"{where}: field(s) {given} only apply to mode 'speculate', not {mode!r}")
         predictor = d.get("predictor", "tables")
         if predictor not in PREDICTORS:
             raise ValueError(f"{where}: field 'predictor' must be one of {', '.join(PREDICTORS)}, got {predictor!r}")
-        pipeline = d.get("pipeline", "speculate")
-        if pipeline not in PIPELINES:
-            raise ValueError(f"{where}: field 'pipeline' must be one of {', '.join(PIPELINES)}, got {pipeline!r}")
-        capacity = d.get("capacity")
-        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, (int, float))
-                                     or not capacity >= 1.0):
-            raise ValueError(f"{where}: field 'capacity' must be a number >= 1.0, got {capacity!r}")
+        all2all = d.get("all2all", "sparse")
+        if all2all not in ALL2ALL:
+            raise ValueError(f"{where}: field 'all2all' must be one of {', '.join(ALL2ALL)}, got {all2all!r}")
         if mode == "record" and record is None:
             raise ValueError(f"{where}: mode 'record' needs field 'record' (a directory for traces)")
         interval = d.get("log_interval", 10.0)
@@ -84,7 +81,7 @@ class SmoeConfig:
         return cls(mode=mode, placement=os.path.abspath(placement) if placement else None,
                    record=os.path.abspath(record) if record else None, log_interval=float(interval),
                    record_chunk_tokens=chunk, predictor=predictor,
-                   capacity=None if capacity is None else float(capacity), pipeline=pipeline)
+                   all2all=all2all)
 
     @classmethod
     def from_additional_config(cls, additional_config: object) -> "SmoeConfig | None":

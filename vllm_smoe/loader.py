@@ -54,34 +54,6 @@ def permute_weights(weights: Iterable[tuple[str, torch.Tensor]], plan: LoadPlan,
         yield name, tensor
 
 
-def create_speculative_model(vllm_config, cfg: SmoeConfig, plan: LoadPlan, prefix: str = ""):
-    """smoe's expert-parallel model class for ``mode: speculate``, with its online predictor."""
-    import importlib
-
-    from vllm.config import set_current_vllm_config
-
-    from .capability import SPECULATE_MODELS, speculate_supported
-    from .placement_file import load_placement, load_tables
-    from .speculative_moe import SpecRuntime
-    from .speculator import Speculator
-
-    placement = load_placement(cfg.placement)
-    ok, reason = speculate_supported(vllm_config, placement, cfg.predictor)
-    if not ok:
-        raise ValueError(f"smoe mode speculate: {reason}")
-    tables = load_tables(placement) if cfg.predictor == "tables" else None
-    capacity = cfg.capacity if cfg.capacity is not None else placement.capacity
-    speculator = Speculator(cfg.predictor, placement.ep_size, capacity, tables, plan.slot2expert)
-    runtime = SpecRuntime(speculator, cfg.pipeline, cfg.log_interval)
-    module, name = SPECULATE_MODELS[vllm_config.model_config.architecture].split(":")
-    cls = getattr(importlib.import_module(module), name)
-    with set_current_vllm_config(vllm_config, check_compile=True, prefix=prefix):
-        model = cls(vllm_config=vllm_config, prefix=prefix, runtime=runtime)
-    logger.info("smoe: mode speculate: %s over %d ranks, predictor %s, capacity %.2f, pipeline %s", name,
-                placement.ep_size, cfg.predictor, capacity, cfg.pipeline)
-    return model
-
-
 class SmoeModelLoader(DefaultModelLoader):
     """DefaultModelLoader + the placement's slot permutation."""
 
@@ -100,13 +72,11 @@ class SmoeModelLoader(DefaultModelLoader):
             from .recorder import install_recorder
 
             install_recorder(model, vllm_config, cfg, self.plan)
-        return model
+        if cfg is not None and cfg.mode == "speculate":
+            from .serving.token_order import install_token_order
 
-    def create_model(self, vllm_config, model_config, prefix: str = ""):
-        cfg = SmoeConfig.from_additional_config(vllm_config.additional_config)
-        if cfg is None or cfg.mode != "speculate":
-            return super().create_model(vllm_config, model_config, prefix)
-        return create_speculative_model(vllm_config, cfg, self.plan, prefix)
+            install_token_order(model, vllm_config, cfg, self.plan)
+        return model
 
     def _init_ep_weight_filter(self, model_config) -> None:
         super()._init_ep_weight_filter(model_config)

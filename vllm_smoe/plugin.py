@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from .config import MODES, PIPELINES, PREDICTORS
+from .config import ALL2ALL, MODES, PREDICTORS
 
 logger = logging.getLogger("vllm.smoe")  # under vLLM's logger: same handlers and level
 
@@ -27,8 +27,7 @@ _FLAGS = {  # CLI dest -> key in additional_config["smoe"]
     "smoe_mode": "mode",
     "smoe_log_interval": "log_interval",
     "smoe_predictor": "predictor",
-    "smoe_capacity": "capacity",
-    "smoe_pipeline": "pipeline",
+    "smoe_all2all": "all2all",
 }
 _done = False
 
@@ -46,10 +45,9 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--smoe-log-interval", type=float, default=None, help="seconds between recorder / speculate logs")
     g.add_argument("--smoe-predictor", choices=PREDICTORS, default=None,
                    help="speculate: token -> rank predictor (default tables: the placement's trained tables)")
-    g.add_argument("--smoe-capacity", type=float, default=None,
-                   help="speculate: per-rank token cap as a multiple of the fair share (default: the placement's)")
-    g.add_argument("--smoe-pipeline", choices=PIPELINES, default=None,
-                   help="speculate: shuffled reduce-scatter/all-gather (default) or the DS-MoE-style baseline")
+    g.add_argument("--smoe-all2all", choices=ALL2ALL, default=None,
+                   help="expert-parallel all2all on CPU: smoe's sparse de-duplicated one (default) or vLLM's "
+                        "allgather-reducescatter")
 
 
 def _smoe_from_args(args: argparse.Namespace) -> dict | None:
@@ -112,6 +110,10 @@ def _install_hooks() -> None:
             cfg.check_files()
             self.additional_config = {**self.additional_config, "smoe": cfg.to_dict()}  # normalised paths
         vllm_config = orig_engine(self, *args, **kwargs)
+        if cfg is not None and cfg.mode == "speculate":
+            # smoe's token order sits around vLLM's sequence-parallel MoE, which vLLM turns on
+            # only with DP > 1; the flag carries to every worker inside the parallel config
+            vllm_config.parallel_config.smoe_sequence_parallel = True
         if cfg is not None and cfg.placement is not None:
             from .load_plan import plan_for
 
@@ -139,6 +141,9 @@ def register() -> None:
         return
     _done = True
     _install_hooks()
+    from .serving.cpu_ep import install
+
+    install()
     from .loader import register_loader
 
     register_loader()

@@ -3,7 +3,8 @@
 usage: python vllm_generate.py MODEL_DIR PROMPTS_JSON MAX_TOKENS [ADDITIONAL_CONFIG_JSON]
 PROMPTS_JSON: a list of token-id lists. Prints "SMOE_RESULT {"tokens": [...], "logprobs": [...]}".
 SMOE_TEST_COMPILED=1 keeps vLLM's default compilation instead of enforce_eager;
-SMOE_TEST_TP=2 runs tensor parallel on 2 ranks (set VLLM_CPU_OMP_THREADS_BIND="0|1" on CPU).
+SMOE_TEST_TP=2 runs tensor parallel on 2 ranks (set VLLM_CPU_OMP_THREADS_BIND="0|1" on CPU);
+SMOE_TEST_EP=1 turns on vLLM's expert parallelism.
 """
 
 import json
@@ -20,7 +21,9 @@ def main() -> None:
     kwargs = {"additional_config": extra} if extra else {}
     eager = os.environ.get("SMOE_TEST_COMPILED") != "1"
     tp = int(os.environ.get("SMOE_TEST_TP", "1"))
+    ep = os.environ.get("SMOE_TEST_EP") == "1"
     llm = LLM(model=model, dtype="float32", enforce_eager=eager, max_model_len=512, tensor_parallel_size=tp,
+              enable_expert_parallel=ep,
               gpu_memory_utilization=0.15, max_num_seqs=8, skip_tokenizer_init=True, seed=0, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True,
                             detokenize=False)

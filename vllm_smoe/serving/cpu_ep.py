@@ -1,0 +1,170 @@
+"""vLLM's own expert parallelism on its CPU build, and the communicator smoe puts under it.
+
+Two gaps in vLLM 0.32's CPU build, both small (the README describes them for upstream):
+
+1. ``CPUUnquantizedExperts.apply`` hands the *global* ``topk_ids`` to ``cpu_fused_moe`` together
+   with only this rank's expert weights: it ignores ``expert_map``, reads past the weights and
+   crashes (or computes garbage) as soon as ``--enable-expert-parallel`` splits the experts.
+   :func:`fix_cpu_experts` maps the ids through ``expert_map`` and keeps only the local
+   (token, expert) pairs, so nothing is computed for experts another rank holds.
+2. ``CpuCommunicator`` has no ``all_gatherv`` / ``reduce_scatterv``, which the only all2all
+   manager it allows (``allgather_reducescatter``) calls whenever tokens are sequence parallel or
+   data parallel. :class:`SmoeCpuCommunicator` adds both, and runs the expert-parallel group on
+   vLLM's shared-memory transport (vLLM enables it only for groups named tp/pp).
+
+With smoe asked for (``additional_config["smoe"]`` present), :func:`install` swaps the CPU
+platform's communicator class; the communicator installs the experts fix in every worker. The
+all2all manager is smoe's sparse one (:mod:`.sparse_a2a`) when the config says so.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator, _CPUSHMDistributed
+
+logger = logging.getLogger("vllm.smoe")
+
+_FIXED = False
+
+
+def local_pairs(topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, expert) pairs this rank computes, as single-expert rows.
+
+    topk_ids: [M, K] global expert ids; topk_weights: [M, K]; expert_map: [E_global] int,
+    local index or -1 = held elsewhere. Returns (rows [P] int64 token index of each pair,
+    ids [P, 1] int32 local expert, weights [P, 1]). CPU only (data-dependent P).
+    """
+    local = expert_map[topk_ids.long()]
+    rows, k = torch.nonzero(local >= 0, as_tuple=True)
+    return rows, local[rows, k].to(torch.int32).unsqueeze(1), topk_weights[rows, k].unsqueeze(1)
+
+
+def fix_cpu_experts() -> None:
+    """Make vLLM's unquantized CPU experts honour ``expert_map`` (idempotent)."""
+    global _FIXED
+    if _FIXED:
+        return
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    orig = CPUUnquantizedExperts.apply
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, *args, **kwargs):
+        if expert_map is None:
+            return orig(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                        global_num_experts, expert_map, *args, **kwargs)
+        rows, ids, weights = local_pairs(topk_ids, topk_weights, expert_map)
+        out = torch.empty((rows.shape[0], output.shape[1]), dtype=output.dtype, device=output.device)
+        if rows.numel():
+            orig(self, out, hidden_states.index_select(0, rows), w1, w2, weights.contiguous(), ids, activation,
+                 global_num_experts, None, *args, **kwargs)
+        output.zero_()
+        output.index_add_(0, rows, out)
+
+    apply._smoe_original = orig
+    CPUUnquantizedExperts.apply = apply
+    _FIXED = True
+
+
+def _smoe_settings():
+    """smoe's settings of the vLLM config being built, or None when smoe was not asked for."""
+    from vllm.config import get_current_vllm_config
+
+    from ..config import SmoeConfig
+
+    return SmoeConfig.from_additional_config(get_current_vllm_config().additional_config)
+
+
+class SmoeCpuCommunicator(CpuCommunicator):
+    """vLLM's CpuCommunicator plus ``all_gatherv`` / ``reduce_scatterv``, shared memory for
+    the EP group, and smoe's sparse all2all manager when asked for."""
+
+    def __init__(self, cpu_group, device=None, device_group=None, unique_name: str = "",
+                 use_all2all: bool = False):
+        super().__init__(cpu_group, device, device_group, unique_name, use_all2all=use_all2all)
+        fix_cpu_experts()
+        if (unique_name.startswith("ep") and self.world_size > 1 and hasattr(torch.ops._C, "init_shm_manager")
+                and not isinstance(self.dist_module, _CPUSHMDistributed)
+                and self._all_group_ranks_share_shm_group_name()):
+            self.dist_module = _CPUSHMDistributed(self)
+        cfg = _smoe_settings()
+        if self.use_all2all and cfg is not None and cfg.all2all == "sparse":
+            from .sparse_a2a import SparseAll2AllManager
+
+            self.all2all_manager = SparseAll2AllManager(self.cpu_group, self)
+            logger.info("smoe: sparse de-duplicated all2all manager on group %s", unique_name)
+
+    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        # vLLM's shared-memory all-gather copies floating-point tensors only: carry 4- and 8-byte
+        # integers bit for bit as float32 words
+        if (isinstance(self.dist_module, _CPUSHMDistributed) and not input_.is_floating_point()
+                and input_.element_size() in (4, 8) and input_.dim() > 0):
+            words = input_.contiguous().view(torch.float32)
+            return super().all_gather(words, dim).view(input_.dtype)
+        return super().all_gather(input_, dim)
+
+    def all_gatherv(self, input_, dim: int = 0, sizes: list[int] | None = None):
+        if isinstance(input_, torch.Tensor):
+            return self._all_gatherv(input_, dim, sizes)
+        return [self._all_gatherv(t, dim, sizes) for t in input_]
+
+    def _all_gatherv(self, x: torch.Tensor, dim: int, sizes: list[int] | None) -> torch.Tensor:
+        assert dim == 0, "smoe's all_gatherv gathers along dim 0"
+        if sizes is None or len(set(sizes)) == 1:
+            return self.all_gather(x.contiguous(), 0)
+        assert sizes[self.rank_in_group] == x.shape[0]
+        m = max(sizes)
+        padded = x.new_zeros((m,) + tuple(x.shape[1:]))
+        padded[: x.shape[0]] = x
+        g = self.all_gather(padded, 0)
+        return torch.cat([g[r * m: r * m + s] for r, s in enumerate(sizes)])
+
+    def reduce_scatterv(self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None
+                        ) -> torch.Tensor:
+        dim = dim % input_.dim()
+        assert dim == 0, "smoe's reduce_scatterv scatters along dim 0"
+        if sizes is None:
+            assert input_.shape[0] % self.world_size == 0
+            sizes = [input_.shape[0] // self.world_size] * self.world_size
+        summed = input_.contiguous().clone()
+        self.all_reduce(summed)
+        start = sum(sizes[: self.rank_in_group])
+        return summed[start: start + sizes[self.rank_in_group]]
+
+
+_INSTALLED = False
+
+
+def install() -> None:
+    """Hook the CPU platform's communicator choice and vLLM's sequence-parallel MoE switch
+    (idempotent). Both stay vLLM's own unless the config being built asks for smoe."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _INSTALLED = True
+    from vllm.config import ParallelConfig
+    from vllm.platforms.cpu import CpuPlatform
+
+    orig_cls = CpuPlatform.get_device_communicator_cls.__func__
+
+    def get_device_communicator_cls(cls) -> str:
+        if _smoe_settings() is None:
+            return orig_cls(cls)
+        return f"{__name__}.SmoeCpuCommunicator"
+
+    CpuPlatform.get_device_communicator_cls = classmethod(get_device_communicator_cls)
+
+    orig_sp = ParallelConfig.use_sequence_parallel_moe
+
+    def use_sequence_parallel_moe(self) -> bool:
+        # smoe's token order needs vLLM's sequence-parallel MoE at DP=1 too (TP>1 + EP); vLLM
+        # turns it on only with DP>1. The flag is set by the plugin from smoe's settings.
+        return orig_sp.fget(self) or bool(
+            getattr(self, "smoe_sequence_parallel", False) and self.enable_expert_parallel
+            and self.tensor_parallel_size > 1)
+
+    ParallelConfig.use_sequence_parallel_moe = property(use_sequence_parallel_moe)
+

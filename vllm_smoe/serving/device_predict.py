@@ -1,0 +1,105 @@
+"""Token -> rank prediction and the capped assignment on the device (pure torch, no vLLM).
+
+The same arbitration as :func:`vllm_smoe.placement.predict.predict_layer` and the same greedy
+as :func:`vllm_smoe.placement.assign.assign_tokens` (tests check both against numpy), written
+with static shapes only (gathers, stable sorts, scans, scatters): no host synchronisation, so a
+step can run under torch.compile or inside a CUDA graph. Notation: T tokens of a step, N ranks,
+P preferences per token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def arbitrate(cands: list[tuple[torch.Tensor, torch.Tensor]], prior: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, the candidate with the highest confidence (first on ties), the layer prior when
+    none has data. cands: [(ranks [T, 2] int, -1 = no data; conf [T] float32)]; prior: [2] int.
+    Returns (pref [T, 2] int64, conf [T] float32 >= 0)."""
+    T = cands[0][0].shape[0]
+    confs = torch.stack([torch.where(r[:, 0] >= 0, c.float(), torch.full_like(c.float(), -2.0)) for r, c in cands]
+                        + [torch.full((T,), -1.0, device=prior.device)])
+    prefs = torch.stack([r.long() for r, _ in cands] + [prior.long().expand(T, 2)])  # [C, T, 2]
+    source = confs.argmax(dim=0)  # [T]
+    pref = prefs.gather(0, source.view(1, T, 1).expand(1, T, 2))[0]
+    conf = confs.gather(0, source.view(1, T))[0].clamp_min(0.0)
+    return pref, conf
+
+
+def predict_tables(token2rank: torch.Tensor, token_conf: torch.Tensor, markov2rank: torch.Tensor,
+                   markov_conf: torch.Tensor, prior2rank: torch.Tensor, token_ids: torch.Tensor,
+                   prev_top1: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer of the placement's tables: token2rank [V, 2] int, token_conf [V] float,
+    markov2rank [E, 2] int, markov_conf [E] float, prior2rank [2] int; token_ids: [T] int;
+    prev_top1: [T] int logical top-1 expert of the previous MoE layer, None at the first.
+    Returns (pref [T, 2] int64, -1 = none; conf [T] float32)."""
+    T = token_ids.shape[0]
+    none = (torch.full((T, 2), -1, dtype=torch.long, device=token_ids.device),
+            torch.zeros(T, device=token_ids.device))
+    ids = token_ids.long()
+    cands = [(token2rank[ids], token_conf[ids].float())]
+    if prev_top1 is not None:
+        prev = prev_top1.long()
+        cands.append((markov2rank[prev], markov_conf[prev].float()))
+    else:
+        cands.append(none)
+    cands.append(none)  # the request (prefill -> decode) table is not served online
+    return arbitrate(cands, prior2rank)
+
+
+def predict_random(token_ids: torch.Tensor, layer: int, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A hash of position, layer and token id: the same on every rank, unrelated to routing.
+    Returns (pref [T, 1] int64, conf [T] float32)."""
+    T = token_ids.shape[0]
+    pos = torch.arange(T, device=token_ids.device)
+    h = (token_ids.long() * 40503 + pos * 2654435 + (layer + 1) * 97) % 2147483647
+    return (h % num_ranks).view(T, 1), torch.ones(T, device=token_ids.device)
+
+
+def predict_one_rank(token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token prefers rank 0 (the worst case: the cap sends the rest anywhere)."""
+    T = token_ids.shape[0]
+    return torch.zeros((T, 1), dtype=torch.long, device=token_ids.device), torch.ones(T, device=token_ids.device)
+
+
+def chunk_caps(num_tokens: int, num_ranks: int, device=None) -> torch.Tensor:
+    """[N] int64 rows of each rank in vLLM's sequence-parallel chunk (ceil(T / N), padding last)."""
+    c = -(-num_tokens // num_ranks)
+    return (num_tokens - torch.arange(num_ranks, device=device) * c).clamp(0, c)
+
+
+def assign(pref: torch.Tensor, conf: torch.Tensor, caps: torch.Tensor) -> torch.Tensor:
+    """Capacity-capped assignment of one step. pref: [T, P] int, -1 = none; conf: [T] float;
+    caps: [N] int64 tokens each rank takes, summing to >= T. Most confident tokens claim their
+    preferences first; tokens left over fill the free slots rank by rank, in token order.
+    Returns token2rank [T] int64."""
+    T, P = pref.shape
+    N = caps.shape[0]
+    dev = pref.device
+    order = torch.argsort(-conf, stable=True)
+    t2r = torch.full((T,), -1, dtype=torch.long, device=dev)
+    remaining = torch.cat([caps.long(), caps.new_zeros(1)])  # slot N: the "no preference" bucket
+    arange = torch.arange(T, device=dev)
+    for j in range(P):
+        want = pref[order, j].long()
+        key = torch.where((t2r[order] < 0) & (want >= 0), want, N)
+        srt = torch.argsort(key, stable=True)  # confidence order kept inside a rank
+        ks, idx = key[srt], order[srt]
+        counts = torch.zeros(N + 1, dtype=torch.long, device=dev).scatter_add_(0, ks, torch.ones_like(ks))
+        within = arange - (torch.cumsum(counts, 0) - counts)[ks]
+        take = (ks < N) & (within < remaining[ks])
+        t2r = t2r.scatter(0, idx, torch.where(take, ks, t2r[idx]))
+        remaining = remaining - torch.zeros_like(remaining).scatter_add_(0, ks, take.long())
+    left = t2r < 0
+    nth = torch.cumsum(left.long(), 0) - 1
+    fill = torch.searchsorted(torch.cumsum(remaining[:N], 0), nth, right=True)
+    return torch.where(left, fill, t2r)
+
+
+def permutation(token2rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(perm, inv) [T] int64: rows ``x[perm]`` are grouped rank by rank (stable), ``y[inv]``
+    restores the original order."""
+    perm = torch.argsort(token2rank, stable=True)
+    inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.shape[0], device=perm.device))
+    return perm, inv

@@ -1,0 +1,202 @@
+"""``mode: speculate``: s-TS as the token order around vLLM's own sequence-parallel MoE.
+
+vLLM's sequence-parallel MoE blocks (Qwen3-MoE, Qwen3-Next, ...) take the replicated
+post-attention rows, keep a contiguous ``ceil(T / N)`` slice per rank
+(``sequence_parallel_chunk``), run FusedMoE on it (expert parallel) and all-gather the result.
+smoe changes only the order of the rows around that block, with two opaque custom ops put in by
+forward hooks (no model code):
+
+    order_tokens:   predict each token's rank -> capped assignment (exactly the chunk sizes)
+                    -> x[perm], so the contiguous chunk of rank r holds the tokens predicted for r
+    restore_tokens: y[inv] back to the original order (+ this layer's top-1, all-gathered on the
+                    TP group, for the next layer's Markov look-up)
+
+Everything runs on the device from device-resident tables with static shapes: no host
+synchronisation, capturable by torch.compile and CUDA graphs. A misprediction only means the
+token's experts sit elsewhere; vLLM's all2all (smoe's sparse manager by default on CPU) takes it
+there and back. The block computes exactly what it computed before, row by row.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+import time
+
+import torch
+
+from . import device_predict as dp
+
+logger = logging.getLogger("vllm.smoe")
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+_ACTIVE: "TokenOrder | None" = None
+
+
+def find_moe_blocks(model: torch.nn.Module, moe_layers: tuple[int, ...]) -> list[tuple[int, torch.nn.Module]]:
+    """(MoE ordinal, block) of every MoE block: the module that owns a FusedMoE (a child with a
+    ``router``), in layer order."""
+    found = {}
+    for name, module in model.named_modules():
+        for child in module.children():
+            router = getattr(child, "router", None)
+            if router is not None and hasattr(router, "set_capture_fn"):
+                m = _LAYER.search("." + name + ".")
+                if m is not None and int(m.group(1)) in moe_layers:
+                    found[moe_layers.index(int(m.group(1)))] = module
+    return sorted(found.items())
+
+
+def block_supported(block: torch.nn.Module) -> tuple[bool, str]:
+    """Does this MoE block chunk, compute and all-gather inside its own forward?"""
+    name = type(block).__name__
+    if not getattr(block, "is_sequence_parallel", False):
+        return False, f"{name} does not run sequence parallel (vLLM's use_sequence_parallel_moe is off)"
+    src = inspect.getsource(type(block).forward)
+    if "sequence_parallel_chunk(" not in src or "all_gather(" not in src:
+        return False, (f"{name}.forward does not chunk and all-gather its own rows (its decoder layer "
+                       f"reduce-scatters instead), so smoe cannot order its tokens without model code")
+    return True, ""
+
+
+class TokenOrder:
+    """Per-worker state: device tables, the step's token ids, per-layer inverse permutations,
+    the previous layer's top-1, and device-side counters read only when logging."""
+
+    def __init__(self, model, vllm_config, cfg, placement, tables, plan):
+        from vllm.distributed import get_tp_group
+
+        self.tp = get_tp_group()
+        self.N, self.rank = self.tp.world_size, self.tp.rank_in_group
+        self.predictor, self.log_interval = cfg.predictor, cfg.log_interval
+        device = next(model.parameters()).device
+        self.blocks = find_moe_blocks(model, plan.moe_layers)
+        if len(self.blocks) != len(plan.moe_layers):
+            raise RuntimeError(f"smoe speculate: found {len(self.blocks)} MoE blocks, expected {len(plan.moe_layers)}")
+        for _, block in self.blocks:
+            ok, reason = block_supported(block)
+            if not ok:
+                raise ValueError(f"smoe mode speculate: {reason}")
+        L, E = plan.slot2expert.shape
+        self.E = E
+        self.tables = None
+        if tables is not None:
+            self.tables = {k: torch.as_tensor(getattr(tables, k)).to(device) for k in
+                           ("token2rank", "token_conf", "markov2rank", "markov_conf", "prior2rank")}
+            self.tables = {k: v.float() if v.dtype == torch.float16 else v.long() for k, v in self.tables.items()}
+        self.slot2expert = torch.as_tensor(plan.slot2expert, device=device)
+        self.owner = torch.arange(E, device=device) // (E // self.N)  # physical slot -> rank
+        T = vllm_config.scheduler_config.max_num_batched_tokens
+        self.ids = torch.zeros(T, dtype=torch.long, device=device)
+        self.inv = torch.zeros((L, T), dtype=torch.long, device=device)
+        c = -(-T // self.N)
+        self.top1 = torch.zeros(c, dtype=torch.long, device=device)  # this rank's chunk, physical slots
+        self.prev_top1 = torch.zeros(T, dtype=torch.long, device=device)
+        self.counts = torch.zeros(3, dtype=torch.long, device=device)  # local activations, activations, tokens
+        self.rows = 0  # rows of the current step (host int, known to the op from its input shape)
+        self.markov = self.tables is not None
+        self._last_log = time.monotonic()
+        model.register_forward_pre_hook(self._step_ids, with_kwargs=True)
+        for layer, block in self.blocks:
+            block.register_forward_pre_hook(self._pre(layer))
+            block.register_forward_hook(self._post(layer))
+            router = next(c.router for c in block.children() if hasattr(getattr(c, "router", None), "set_capture_fn"))
+            router.set_capture_fn(self._capture)
+
+    def _step_ids(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            raise ValueError("smoe mode speculate predicts from token ids; this request came as embeddings")
+        self.ids[: ids.shape[0]].copy_(ids)
+
+    @staticmethod
+    def _pre(layer: int):
+        def hook(module, args):
+            return (torch.ops.smoe.order_tokens(args[0], layer), *args[1:])
+        return hook
+
+    @staticmethod
+    def _post(layer: int):
+        def hook(module, args, output):
+            return torch.ops.smoe.restore_tokens(output, layer)
+        return hook
+
+    def _capture(self, topk_ids: torch.Tensor) -> None:
+        n = topk_ids.shape[0]
+        self.top1[:n].copy_(topk_ids[:, 0])
+        real = max(0, min(n, self.rows - self.rank * n))  # the chunk's padding rows are not tokens
+        local = (self.owner[topk_ids[:real].long()] == self.rank).sum()
+        self.counts += torch.stack([local, local.new_tensor(real * topk_ids.shape[1]), local.new_tensor(real)])
+
+    def preferences(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.predictor == "random":
+            return dp.predict_random(ids, layer, self.N)
+        if self.predictor == "one-rank":
+            return dp.predict_one_rank(ids)
+        t = {k: v[layer] for k, v in self.tables.items()}
+        prev = self.slot2expert[layer - 1][self.prev_top1[: ids.shape[0]]] if layer > 0 else None
+        return dp.predict_tables(t["token2rank"], t["token_conf"], t["markov2rank"], t["markov_conf"],
+                                 t["prior2rank"], ids, prev)
+
+    def order(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        T = x.shape[0]
+        self.rows = T
+        pref, conf = self.preferences(layer, self.ids[:T])
+        token2rank = dp.assign(pref, conf, dp.chunk_caps(T, self.N, x.device))
+        perm, inv = dp.permutation(token2rank)
+        self.inv[layer, :T].copy_(inv)
+        return x.index_select(0, perm)
+
+    def restore(self, y: torch.Tensor, layer: int) -> torch.Tensor:
+        T = y.shape[0]
+        inv = self.inv[layer, :T]
+        if self.markov and layer + 1 < self.inv.shape[0]:
+            c = -(-T // self.N)
+            top1 = self.tp.all_gather(self.top1[:c].contiguous(), 0)[:T]  # sorted order -> original
+            self.prev_top1[:T].copy_(top1.index_select(0, inv))
+        if layer == self.inv.shape[0] - 1:
+            self._maybe_log()
+        return y.index_select(0, inv)
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if self.rank != 0 or now - self._last_log < self.log_interval:
+            return
+        self._last_log = now
+        local, acts, tokens = self.counts.tolist()  # once per log interval, not per step
+        if acts:
+            logger.info("smoe: speculate (predictor %s): rank 0 served %.3f of its expert activations locally "
+                        "(%d tokens)", self.predictor, local / acts, tokens // self.inv.shape[0])
+
+
+@torch.library.custom_op("smoe::order_tokens", mutates_args=())
+def order_tokens(x: torch.Tensor, layer: int) -> torch.Tensor:
+    return _ACTIVE.order(x, layer)
+
+
+@order_tokens.register_fake
+def _(x, layer):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("smoe::restore_tokens", mutates_args=())
+def restore_tokens(y: torch.Tensor, layer: int) -> torch.Tensor:
+    return _ACTIVE.restore(y, layer)
+
+
+@restore_tokens.register_fake
+def _(y, layer):
+    return torch.empty_like(y)
+
+
+def install_token_order(model, vllm_config, cfg, plan) -> TokenOrder:
+    """Called by smoe's model loader once the weights are in place."""
+    global _ACTIVE
+    from ..placement_file import load_placement, load_tables
+
+    placement = load_placement(cfg.placement)
+    tables = load_tables(placement) if cfg.predictor == "tables" else None
+    _ACTIVE = TokenOrder(model, vllm_config, cfg, placement, tables, plan)
+    logger.info("smoe: mode speculate: token order over %d ranks around %d MoE blocks (%s), predictor %s",
+                _ACTIVE.N, len(_ACTIVE.blocks), type(_ACTIVE.blocks[0][1]).__name__, cfg.predictor)
+    return _ACTIVE
