@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import yaml
 
-from vllm_smoe.serving import CPU_ARGS, VllmServer, free_port, vllm_executable
+from vllm_smoe.server_process import CPU_ARGS, VllmServer, free_port, vllm_executable
 from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
 from vllm_smoe.trace import open_trace, read_traces
 

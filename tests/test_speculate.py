@@ -1,4 +1,5 @@
-"""mode: speculate — the online predictor (numpy) and the served model (vLLM CPU build, TP=2)."""
+"""vLLM's expert parallelism through the plugin and mode speculate on vLLM's CPU build: greedy
+tokens identical to plain vLLM (fp32, 32 held-out prompts), logprobs within fp32 summation noise."""
 
 import json
 import os
@@ -8,13 +9,9 @@ import sys
 import numpy as np
 import pytest
 import yaml
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from vllm_smoe.config import SmoeConfig
-from vllm_smoe.placement.online import simulate
-from vllm_smoe.placement_file import load_placement, load_tables
-from vllm_smoe.speculator import Speculator
+from vllm_smoe.server_process import VllmServer
 from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
 from vllm_smoe.trace import open_trace
 
@@ -23,50 +20,19 @@ EP2 = os.path.join(REPO, "configs", "tiny-4dom-ep2.yaml")
 HELPER = os.path.join(os.path.dirname(__file__), "helpers", "vllm_generate.py")
 
 
-def test_online_prediction_is_the_offline_simulation_of_one_step():
-    """What serving computes per step equals what smoe-place evaluate scored, with the previous
-    layer's top-1 arriving as a physical slot (weights reordered at load)."""
-    p = load_placement(EP2)
-    tables = load_tables(p)
-    t = open_trace(FIXTURE_TRACES["heldout"])
-    tok, topk = t["token_ids"][:300].astype(np.int64), t["topk_ids"][:300].astype(np.int64)
-    want, _ = simulate(tables, p.holds(), tok, topk, np.zeros(300, np.int64), p.ep_size, p.capacity)
-    slot2expert = np.argsort(p.expert2rank, axis=1, kind="stable")
-    expert2slot = np.argsort(slot2expert, axis=1, kind="stable")
-    spec = Speculator("tables", p.ep_size, p.capacity, tables, slot2expert)
-    for layer in range(p.num_layers):
-        prev = expert2slot[layer - 1][topk[:, layer - 1, 0]] if layer else None
-        np.testing.assert_array_equal(spec.token2rank(layer, tok, prev), want[:, layer])
-
-
-@settings(max_examples=40, deadline=None)
-@given(T=st.integers(1, 200), N=st.sampled_from([2, 3, 4, 8]), cap=st.floats(1.0, 3.0), seed=st.integers(0, 99))
-def test_random_and_one_rank_predictors_respect_capacity(T, N, cap, seed):
-    ids = np.random.default_rng(seed).integers(0, 5000, T)
-    limit = np.ceil(T / N * cap - 1e-9)
-    for name in ("random", "one-rank"):
-        spec = Speculator(name, N, cap)
-        t2r = spec.token2rank(1, ids)
-        assert t2r.shape == (T,) and t2r.min() >= 0 and t2r.max() < N
-        assert np.bincount(t2r, minlength=N).max() <= max(limit, -(-T // N))
-        np.testing.assert_array_equal(t2r, Speculator(name, N, cap).token2rank(1, ids))  # same on every rank
-    assert (Speculator("one-rank", N, float(N)).token2rank(0, ids) == 0).all()  # uncapped: all on rank 0
-
-
 def test_speculate_settings_are_validated():
-    ok = SmoeConfig.from_dict({"mode": "speculate", "placement": EP2, "predictor": "random", "capacity": 2})
-    assert ok.capacity == 2.0 and ok.pipeline == "speculate"
+    ok = SmoeConfig.from_dict({"mode": "speculate", "placement": EP2, "predictor": "random", "all2all": "vllm"})
+    assert ok.predictor == "random" and ok.all2all == "vllm"
     assert SmoeConfig.from_dict(ok.to_dict()) == ok
     assert "predictor" not in SmoeConfig.from_dict({"placement": EP2}).to_dict()
+    assert SmoeConfig.from_dict({}) == SmoeConfig()  # --plugin smoe alone: vLLM's EP fixed on CPU, no placement
     for bad, words in [({"mode": "speculate"}, "needs field 'placement'"),
                        ({"mode": "speculate", "placement": EP2, "predictor": "oracle"}, "field 'predictor'"),
-                       ({"mode": "speculate", "placement": EP2, "capacity": 0.5}, "field 'capacity'"),
-                       ({"mode": "speculate", "placement": EP2, "pipeline": "x"}, "field 'pipeline'"),
+                       ({"mode": "speculate", "placement": EP2, "capacity": 1.1}, "unknown field"),
+                       ({"all2all": "deepep"}, "field 'all2all'"),
                        ({"placement": EP2, "predictor": "random"}, "only apply to mode 'speculate'")]:
         with pytest.raises(ValueError, match=words):
             SmoeConfig.from_dict(bad)
-    with pytest.raises(ValueError, match="tables"):
-        Speculator("tables", 2, 1.1)
 
 
 def _prompts(n):
@@ -77,9 +43,9 @@ def _prompts(n):
     return [tok[req == r][: 3 + i].tolist() for i, r in enumerate(reqs[:: max(1, len(reqs) // n)][:n])]
 
 
-def _generate(prompts, extra, max_tokens=8, compiled=False, model=FIXTURE_MODEL):
+def _generate(prompts, extra, max_tokens=8, compiled=False, model=FIXTURE_MODEL, ep=False):
     env = {**os.environ, "SMOE_TEST_TP": "2", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-           "SMOE_TEST_COMPILED": "1" if compiled else "0"}
+           "SMOE_TEST_COMPILED": "1" if compiled else "0", "SMOE_TEST_EP": "1" if ep else "0"}
     args = [sys.executable, HELPER, str(model), json.dumps(prompts), str(max_tokens)]
     r = subprocess.run(args + ([json.dumps(extra)] if extra else []), capture_output=True, text=True, timeout=900,
                        env=env)
@@ -95,57 +61,59 @@ def plain_tp2():
     return prompts, _generate(prompts, None)[0]
 
 
-# Logprob tolerance: speculate computes each expert whole on one rank, plain TP=2 splits its
-# intermediate dimension over two ranks and all-reduces, so fp32 sums differ in order (~1e-6).
+# Logprob tolerance: with expert parallelism each expert runs whole on one rank, plain TP=2 splits
+# its intermediate dimension over two ranks and all-reduces, so fp32 sums differ in order (~1e-6).
 ATOL = 1e-4
+SPEC = {"mode": "speculate", "placement": EP2, "log_interval": 0.2}
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("settings_,compiled", [
-    ({"predictor": "tables"}, False),
-    ({"predictor": "random"}, False),
-    ({"predictor": "one-rank", "capacity": 2.0}, False),  # every token shuffled to rank 0
-    ({"pipeline": "baseline"}, False),
-    ({"predictor": "tables"}, True),  # torch.compile sees smoe::ep_moe as one opaque op
-], ids=["tables", "random", "one-rank", "baseline", "tables-compiled"])
-def test_speculate_tp2_gives_plain_tp2_tokens(plain_tp2, settings_, compiled):
+@pytest.mark.parametrize("smoe,compiled,says", [
+    ({"all2all": "vllm"}, False, None),  # vLLM's own EP, experts fixed by the plugin (no SP at DP=1)
+    ({**SPEC, "predictor": "tables"}, False, "predictor tables"),
+    ({**SPEC, "predictor": "random"}, False, "predictor random"),
+    ({**SPEC, "predictor": "one-rank"}, False, "predictor one-rank"),  # rank 0 full, the rest anywhere
+    ({**SPEC, "predictor": "tables", "all2all": "vllm"}, False, "predictor tables"),  # vLLM's allgather-RS
+    ({**SPEC, "predictor": "tables"}, True, "predictor tables"),  # torch.compile keeps smoe's ops opaque
+], ids=["vllm-ep", "tables", "random", "one-rank", "tables-agrs", "tables-compiled"])
+def test_tp2_ep_gives_plain_tp2_tokens(plain_tp2, smoe, compiled, says):
     prompts, plain = plain_tp2
-    out, log = _generate(prompts, {"smoe": {"mode": "speculate", "placement": EP2, "log_interval": 0.2,
-                                            **settings_}}, compiled=compiled)
-    want = settings_.get("predictor", "tables")
-    assert f"SmoeQwen3MoeForCausalLM over 2 ranks, predictor {want}" in log  # the EP path really ran
+    out, log = _generate(prompts, {"smoe": smoe}, compiled=compiled, ep=True)
+    if says:  # the token order really ran, around vLLM's own MoE blocks, and tokens moved
+        assert f"token order over 2 ranks around 4 MoE blocks (Qwen3MoeSparseMoeBlock), {says}" in log
+        assert "of its expert activations locally" in log
+    if smoe.get("all2all", "sparse") == "sparse" and "mode" in smoe:
+        assert "sparse de-duplicated all2all manager on group ep" in log
     assert out["tokens"] == plain["tokens"]
     np.testing.assert_allclose(out["logprobs"], plain["logprobs"], rtol=0, atol=ATOL)
 
 
 @pytest.mark.vllm
-def test_speculate_refuses_a_placement_for_another_ep_size_before_serving():
+@pytest.mark.parametrize("smoe,ep,words", [
+    ({**SPEC, "placement": os.path.join(REPO, "configs", "tiny-4dom-ep4.yaml")}, True,
+     "field 'ep_size' = 4 but experts are split over 2 ranks"),
+    (SPEC, False, "needs --enable-expert-parallel"),
+])
+def test_speculate_refuses_before_serving(smoe, ep, words):
     pytest.importorskip("vllm")
-    env = {**os.environ, "SMOE_TEST_TP": "2", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    extra = {"smoe": {"mode": "speculate", "placement": os.path.join(REPO, "configs", "tiny-4dom-ep4.yaml")}}
-    r = subprocess.run([sys.executable, HELPER, FIXTURE_MODEL, "[[1, 2, 3]]", "2", json.dumps(extra)],
+    env = {**os.environ, "SMOE_TEST_TP": "2", "VLLM_CPU_OMP_THREADS_BIND": "0|1", "SMOE_TEST_EP": "1" if ep else "0"}
+    r = subprocess.run([sys.executable, HELPER, FIXTURE_MODEL, "[[1, 2, 3]]", "2", json.dumps({"smoe": smoe})],
                        capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode != 0
-    assert "field 'ep_size' = 4 but mode speculate splits the experts over the 2 tensor-parallel ranks" in r.stderr
+    assert words in r.stderr
 
 
 @pytest.mark.vllm
-def test_speculate_tp2_mixtral_gives_plain_tp2_tokens(tmp_path):
-    """A second architecture (every layer MoE, experts named w1/w3/w2), a YAML without tables
-    (random predictor), every expert moved to another slot."""
+def test_dp2_ep_serves_plain_tokens(tmp_path):
+    """vllm serve --data-parallel-size 2 --enable-expert-parallel --plugin smoe: vLLM's own
+    allgather-reducescatter path, which needs the communicator's all_gatherv / reduce_scatterv
+    on CPU, against plain single-rank vLLM; prompts one at a time."""
     pytest.importorskip("vllm")
-    model = tmp_path / "mixtral"
-    r = subprocess.run([sys.executable, "-m", "vllm_smoe.testbed.cli", "build", "--arch", "mixtral", "-o", str(model),
-                        "--layers", "2", "--experts", "8", "--top-k", "2"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    placement = tmp_path / "ep2.yaml"
-    placement.write_text(yaml.safe_dump({
-        "smoe_placement": 1, "model": {"num_layers": 2, "num_experts": 8, "top_k": 2}, "ep_size": 2,
-        "layers": [{"expert_to_rank": [(e + i) % 2 for e in range(8)]} for i in range(2)]}))
     prompts = _prompts(8)
-    plain, _ = _generate(prompts, None, model=model)
-    spec, log = _generate(prompts, {"smoe": {"mode": "speculate", "placement": str(placement), "predictor": "random"}},
-                          model=model)
-    assert "SmoeMixtralForCausalLM over 2 ranks" in log
-    assert spec["tokens"] == plain["tokens"]
-    np.testing.assert_allclose(spec["logprobs"], plain["logprobs"], rtol=0, atol=ATOL)
+    with VllmServer(FIXTURE_MODEL, log=tmp_path / "plain.log") as s:
+        plain = s.complete(prompts)
+    args = ("--data-parallel-size", "2", "--enable-expert-parallel", "--plugin", "smoe", "--smoe-all2all", "vllm")
+    with VllmServer(FIXTURE_MODEL, *args, log=tmp_path / "dp2.log", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as s:
+        dp2 = s.complete(prompts)
+    assert [t for t, _ in dp2] == [t for t, _ in plain]
+    np.testing.assert_allclose([lp for _, lp in dp2], [lp for _, lp in plain], rtol=0, atol=ATOL)

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -76,7 +77,7 @@ def _placement_arg(given: str | None, default: str, ep_size: int) -> str:
 def _plugin(a) -> int:
     import tempfile
 
-    from .serving import VllmServer
+    from .server_process import VllmServer
     from .testbed import FIXTURE_MODEL, FIXTURE_TRACES
 
     prompts = _trace_prompts(FIXTURE_TRACES["heldout"], a.requests, a.prompt_tokens)
@@ -133,17 +134,19 @@ def _serve(a) -> int:
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
 
-    from .serving import VllmServer
+    from .server_process import VllmServer
     from .testbed import FIXTURE_MODEL, FIXTURE_TRACES
 
     model = a.model or FIXTURE_MODEL
     prompts = _trace_prompts(a.prompts_trace or FIXTURE_TRACES["heldout"], a.requests, a.prompt_tokens)
     work = tempfile.mkdtemp(prefix="smoe-bench-serve-")
     placement = _placement_arg(a.placement, "tiny-4dom-ep2.yaml", a.tp)
-    smoe = ("--plugin", "smoe", "--smoe-mode", "speculate", "--smoe-placement", placement, "--smoe-log-interval", "1")
-    runs = {"plain": (), "smoe": smoe}
-    if a.with_baseline:
-        runs["smoe-baseline"] = smoe + ("--smoe-pipeline", "baseline")
+    ep = ("--enable-expert-parallel", "--plugin", "smoe", "--smoe-log-interval", "1")
+    spec = ep + ("--smoe-mode", "speculate", "--smoe-placement", placement)
+    runs = {"plain": (), "vllm-ep": ep + ("--smoe-all2all", "vllm"), "speculate": spec}
+    if a.with_baselines:
+        runs["spec-agrs"] = spec + ("--smoe-all2all", "vllm")  # smoe's order, vLLM's allgather-reducescatter
+        runs["sparse-random"] = spec + ("--smoe-predictor", "random")  # the sparse manager without speculation
     tp = ("--tensor-parallel-size", str(a.tp))
     env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(a.tp))} if a.cpu_bind else None
     res: dict = {}
@@ -165,6 +168,7 @@ def _serve(a) -> int:
             online = [ln.split("smoe: ", 1)[1].strip() for ln in open(s.log) if "smoe: speculate (" in ln]
             if online:
                 print(f"    last log line: {online[-1]}", flush=True)
+                r.setdefault("log", []).append(online[-1])
     print(f"{len(prompts)} requests x {a.max_tokens} tokens (prompts {a.prompt_tokens} tokens), TP={a.tp}, "
           f"{a.concurrency} concurrent, {a.rounds} rounds; logs in {work}")
     cols = {"tok_s": ("output tok/s", lambda v: float(np.median(v))),
@@ -173,51 +177,75 @@ def _serve(a) -> int:
             "itl": ("p90 ITL ms", lambda v: 1e3 * float(np.percentile(v, 90)))}
     print(f"{'config':>13} " + " ".join(f"{label:>14}" for label, _ in cols.values()))
     base = {k: f(res["plain"][k]) for k, (_, f) in cols.items()}
+    summary = {}
     for name, r in res.items():
         vals = {k: f(r[k]) for k, (_, f) in cols.items()}
+        summary[name] = {**vals, "vs_plain": {k: vals[k] / base[k] for k in cols}, "flags": list(runs[name]),
+                         "last_log": (r.get("log") or [None])[-1]}
         print(f"{name:>13} " + " ".join(f"{vals[k]:8.1f} {vals[k] / base[k]:4.2f}x" for k in cols))
     print("(ratios vs plain; medians over all requests of all rounds, throughput median over rounds)")
+    if "vllm-ep" in summary and "speculate" in summary:
+        print(f"speculate TPOT / vllm-ep TPOT: {summary['speculate']['tpot'] / summary['vllm-ep']['tpot']:.2f}x")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"tp": a.tp, "requests": len(prompts), "max_tokens": a.max_tokens, "rounds": a.rounds,
+                       "concurrency": a.concurrency, "model": model, "placement": placement, "configs": summary}, f,
+                      indent=1)
     return 0
 
 
 def _comm_worker(rank, world, init, plan, reps, out):
+    """One MoE layer's communication on gloo ranks, both as served: vLLM's sequence-parallel EP
+    with allgather-reducescatter on contiguous chunks, and smoe's predicted chunks with the sparse
+    exchange. Experts are a cheap stand-in (row x its local weight) so the time is communication
+    and bookkeeping."""
     import torch
     import torch.distributed as dist
 
-    from .ep_layer import CommStats, ExpertShard, moe_layer
+    from .serving.sparse_a2a import SparseExchange
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    H, I, E = plan["hidden"], plan["inter"], plan["experts"]
+    H, E = plan["hidden"], plan["experts"]
     g = torch.Generator().manual_seed(0)
-    wgu = torch.randn(E, 2 * I, H, generator=g) / H ** 0.5
-    wd = torch.randn(E, H, I, generator=g) / I ** 0.5
-    shards = {}
-    for name in ("baseline", "smoe"):
-        e2r = torch.as_tensor(plan[name]["expert2rank"])
-        mine = torch.nonzero(e2r == rank).flatten()
-        local_of = torch.full((E,), -1, dtype=torch.long)
-        local_of[mine] = torch.arange(mine.numel())
-        shards[name] = ExpertShard(wgu[mine], wd[mine], e2r, local_of)
+
+    def gather(x):
+        o = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(o, x.contiguous())
+        return o
+
+    def experts(x, w, ids, owner):
+        return x * (w * (owner[ids] == rank)).sum(dim=1, keepdim=True)
+
     times = {"baseline": [], "smoe": []}
-    nbytes = {"baseline": 0, "smoe": 0}
-    last: dict = {}
+    nbytes = {"baseline": 0.0, "smoe": 0.0}
     for step in plan["steps"]:
-        ids = torch.as_tensor(step["ids"]).long()
-        w = torch.full(ids.shape, 1.0 / ids.shape[1])
-        x = torch.randn(ids.shape[0], H, generator=g)
+        ids_all = torch.as_tensor(step["ids"]).long()
+        T, K = ids_all.shape
+        c = -(-T // world)
+        x_all = torch.randn(T, H, generator=g)
+        w_all = torch.full((T, K), 1.0 / K)
         for _ in range(reps):  # alternate the pipelines: drift of a shared machine hits both alike
             for name in ("baseline", "smoe"):
-                t2r = None if name == "baseline" else torch.as_tensor(step["token2rank"]).long()
-                stats = CommStats()
+                order = torch.as_tensor(step["order"]) if name == "smoe" else torch.arange(T)
+                owner = torch.as_tensor(plan[name]["expert2rank"]).long()
+                rows = order[rank * c: (rank + 1) * c]
+                x, w, ids = x_all[rows], w_all[rows], ids_all[rows]
                 dist.barrier()
                 t0 = time.perf_counter()
-                moe_layer(x, torch.zeros(E, H), shards[name], ids.shape[1], t2r, stats=stats, routing=(ids, w))
+                if name == "smoe":
+                    ex = SparseExchange(rank, world, owner, gather)
+                    y = ex.combine(experts(*ex.dispatch(x, w, ids), owner))
+                    sent = ex.stats["bytes"]
+                else:  # equal chunks: all-gather everything, reduce-scatter full-size partial sums
+                    full = experts(gather(x), gather(w), gather(ids), owner)
+                    part = full.new_empty((c, H))
+                    dist.reduce_scatter_tensor(part, full)
+                    y, sent = part, (world - 1) * x.shape[0] * (2 * H * x.element_size() + 8 * K)
                 dist.barrier()
                 times[name].append(time.perf_counter() - t0)
-                last[name] = stats.total  # bytes do not depend on the repetition
-        for name in nbytes:
-            nbytes[name] += last[name]
+                assert y.shape == x.shape
+            nbytes[name] += sent
     result = {n: {"seconds": float(np.median(times[n])), "bytes": nbytes[n] / len(plan["steps"])} for n in times}
     torch.save(result, os.path.join(out, f"{rank}.pt"))
     dist.destroy_process_group()
@@ -225,7 +253,7 @@ def _comm_worker(rank, world, init, plan, reps, out):
 
 def _comm_plan(a) -> dict:
     """Steps of replayed routing and both pipelines' placements/predictions (numpy only)."""
-    from .placement.assign import assign_tokens, contiguous_tokens
+    from .placement.assign import assign_tokens, chunk_caps, contiguous_tokens
     from .placement.layout import place_model
     from .placement.metrics import evaluate
     from .placement.peers import place_linear
@@ -253,8 +281,9 @@ def _comm_plan(a) -> dict:
         sl = slice(s * a.tokens, (s + 1) * a.tokens)
         tok, topk = test_tok[sl], test_topk[sl]
         pref, conf, _ = predict_layer(tables, 0, tok.astype(np.int64))
-        t2r = assign_tokens(pref, conf, np.zeros(len(tok), int), N, a.capacity)
-        steps.append({"ids": topk[:, 0].astype(np.int64), "token2rank": t2r})
+        t2r = assign_tokens(pref, conf, np.zeros(len(tok), int), N, rank_caps=chunk_caps(len(tok), N)[None])
+        steps.append({"ids": topk[:, 0].astype(np.int64), "token2rank": t2r,
+                      "order": np.argsort(t2r, kind="stable")})
     base_e2r = place_linear(E, N)
 
     def lar(expert2rank, token2rank):
@@ -263,7 +292,7 @@ def _comm_plan(a) -> dict:
 
     smoe_lar = lar(e2r[0], lambda st: st["token2rank"])
     base_lar = lar(base_e2r, lambda st: contiguous_tokens(np.zeros(len(st["ids"]), int), N))
-    return {"hidden": a.hidden, "inter": a.inter, "experts": E, "steps": steps, "lar": float(smoe_lar),
+    return {"hidden": a.hidden, "experts": E, "steps": steps, "lar": float(smoe_lar),
             "base_lar": float(base_lar), "baseline": {"expert2rank": base_e2r}, "smoe": {"expert2rank": e2r[0]},
             "top_k": int(test_topk.shape[2])}
 
@@ -283,12 +312,18 @@ def _comm(a) -> int:
     t = {n: max(r[n]["seconds"] for r in res) for n in ("baseline", "smoe")}
     b = {n: sum(r[n]["bytes"] for r in res) for n in ("baseline", "smoe")}
     print(f"routing {a.routing} layer {a.layer}: {plan['experts']} experts, top-{plan['top_k']}, {a.ranks} gloo ranks, "
-          f"{a.tokens} tokens/step x {a.steps} steps, hidden {a.hidden}, fp32, capacity {a.capacity}")
+          f"{a.tokens} tokens/step x {a.steps} steps, hidden {a.hidden}, fp32, capacity 1.0 (static chunks)")
     print(f"LAR: baseline (linear, contiguous) {plan['base_lar']:.3f}, smoe (coclust + predictor) {plan['lar']:.3f}")
+    names = {"baseline": "vLLM EP (allgather-reducescatter)", "smoe": "smoe (predicted chunks, sparse all2all)"}
     for n in ("baseline", "smoe"):
-        print(f"{n:>8}: {t[n] * 1e3:8.1f} ms per layer (median over {a.reps} reps, slowest rank), "
-              f"{b[n] / 1e6:8.2f} MB sent per step (all ranks)")
+        print(f"{names[n]:>40}: {t[n] * 1e3:8.1f} ms per layer (median over {a.reps} reps, slowest rank), "
+              f"{b[n] / 1e6:8.2f} MB per step (all ranks, point-to-point)")
     print(f"ratio smoe/baseline: time {t['smoe'] / t['baseline']:.3f}x, bytes {b['smoe'] / b['baseline']:.3f}x")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"routing": a.routing, "ranks": a.ranks, "tokens": a.tokens, "hidden": a.hidden,
+                       "lar": {"baseline": plan["base_lar"], "smoe": plan["lar"]}, "seconds": t, "bytes": b,
+                       "time_ratio": t["smoe"] / t["baseline"], "bytes_ratio": b["smoe"] / b["baseline"]}, f, indent=1)
     return 0
 
 
@@ -384,7 +419,10 @@ def main(argv=None) -> int:
     v.add_argument("--max-tokens", type=int, default=32)
     v.add_argument("--concurrency", type=int, default=8)
     v.add_argument("--rounds", type=int, default=2)
-    v.add_argument("--with-baseline", action="store_true", help="also smoe's DS-MoE-style EP pipeline")
+    v.add_argument("--with-baselines", action="store_true",
+                   help="also speculate over vLLM's allgather-reducescatter, and the sparse all2all with a random "
+                        "predictor (no speculation)")
+    v.add_argument("--json", help="write per-configuration medians and ratios here")
     v.add_argument("--no-cpu-bind", dest="cpu_bind", action="store_false",
                    help="do not set VLLM_CPU_OMP_THREADS_BIND (set it on vLLM's CPU build)")
     v.set_defaults(fn=_serve)
@@ -396,9 +434,8 @@ def main(argv=None) -> int:
     c.add_argument("--tokens", type=int, default=2048, help="tokens per step")
     c.add_argument("--steps", type=int, default=2)
     c.add_argument("--hidden", type=int, default=2048)
-    c.add_argument("--inter", type=int, default=64, help="expert intermediate size (small: measure communication)")
-    c.add_argument("--capacity", type=float, default=1.10)
     c.add_argument("--reps", type=int, default=3)
+    c.add_argument("--json", help="write times, bytes and ratios here")
     c.set_defaults(fn=_comm)
     k = sub.add_parser("kernels", help="CUDA only: shuffle kernels vs torch references, achieved bandwidth")
     k.add_argument("--tokens", type=int, default=16384)

@@ -38,7 +38,7 @@ def _workload(per_domain: int = 8, prompt_tokens: int = 96) -> list[list[int]]:
 
 
 def _serve(model: str, prompts, log: str, *flags: str, max_tokens: int = 16, env: dict | None = None):
-    from .serving import VllmServer
+    from .server_process import VllmServer
 
     with VllmServer(model, *flags, log=log, env=env) as server:
         t0 = time.monotonic()
@@ -96,7 +96,7 @@ def main() -> int:
 
     ep2 = os.path.join(work, "placement-ep2.yaml")
     _step(6, f"speculative token shuffling at TP=2: smoe-place build --ep-size 2, then vllm serve ... "
-             f"--tensor-parallel-size 2 --plugin smoe --smoe-mode speculate --smoe-placement {ep2}")
+             f"--tensor-parallel-size 2 --enable-expert-parallel --plugin smoe --smoe-mode speculate --smoe-placement {ep2}")
     rc = place_main(["build", "--trace", rec, "--ep-size", "2", "--model", FIXTURE_MODEL, "-o", ep2])
     if rc:
         return rc
@@ -105,7 +105,7 @@ def main() -> int:
     plain2 = _serve(FIXTURE_MODEL, prompts, os.path.join(work, "plain-tp2.log"), *tp2, env=env)
     spec_log = os.path.join(work, "speculate-tp2.log")
     print("    smoe speculate TP=2:")
-    spec = _serve(FIXTURE_MODEL, prompts, spec_log, *tp2, "--plugin", "smoe", "--smoe-mode", "speculate",
+    spec = _serve(FIXTURE_MODEL, prompts, spec_log, *tp2, "--enable-expert-parallel", "--plugin", "smoe", "--smoe-mode", "speculate",
                   "--smoe-placement", ep2, "--smoe-log-interval", "1", env=env)
     same = sum(a[0] == b[0] for a, b in zip(plain2, spec))
     drift = max(abs(x - y) for a, b in zip(plain2, spec) for x, y in zip(a[1], b[1]))

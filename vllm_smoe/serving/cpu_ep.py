@@ -69,6 +69,33 @@ def fix_cpu_experts() -> None:
     _FIXED = True
 
 
+_OPAQUE = False
+
+
+def opaque_moe_forward() -> None:
+    """On CPU vLLM calls its fused-MoE forward directly, so torch.compile traces into the
+    experts and the all2all; the expert-map fix and smoe's sparse exchange have data-dependent
+    sizes, so under smoe the CPU takes the opaque ``vllm::moe_forward`` custom op that vLLM uses
+    on GPUs (idempotent; must run before the model is built)."""
+    global _OPAQUE
+    if _OPAQUE:
+        return
+    from vllm.model_executor.layers.fused_moe.runner import moe_runner as mr
+
+    orig = mr.MoERunner._select_forward
+
+    def _select_forward(self):
+        forward = orig(self)
+        if forward is mr._moe_forward:
+            return torch.ops.vllm.moe_forward
+        if forward is mr._moe_forward_shared:
+            return torch.ops.vllm.moe_forward_shared
+        return forward
+
+    mr.MoERunner._select_forward = _select_forward
+    _OPAQUE = True
+
+
 def _smoe_settings():
     """smoe's settings of the vLLM config being built, or None when smoe was not asked for."""
     from vllm.config import get_current_vllm_config
@@ -86,15 +113,16 @@ class SmoeCpuCommunicator(CpuCommunicator):
                  use_all2all: bool = False):
         super().__init__(cpu_group, device, device_group, unique_name, use_all2all=use_all2all)
         fix_cpu_experts()
+        opaque_moe_forward()
         if (unique_name.startswith("ep") and self.world_size > 1 and hasattr(torch.ops._C, "init_shm_manager")
                 and not isinstance(self.dist_module, _CPUSHMDistributed)
                 and self._all_group_ranks_share_shm_group_name()):
             self.dist_module = _CPUSHMDistributed(self)
         cfg = _smoe_settings()
         if self.use_all2all and cfg is not None and cfg.all2all == "sparse":
-            from .sparse_a2a import SparseAll2AllManager
+            from .sparse_a2a import make_manager
 
-            self.all2all_manager = SparseAll2AllManager(self.cpu_group, self)
+            self.all2all_manager = make_manager(self.cpu_group, self)
             logger.info("smoe: sparse de-duplicated all2all manager on group %s", unique_name)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -122,11 +122,13 @@ class TokenOrder:
         return hook
 
     def _capture(self, topk_ids: torch.Tensor) -> None:
-        n = topk_ids.shape[0]
+        n, K = topk_ids.shape
         self.top1[:n].copy_(topk_ids[:, 0])
-        real = max(0, min(n, self.rows - self.rank * n))  # the chunk's padding rows are not tokens
-        local = (self.owner[topk_ids[:real].long()] == self.rank).sum()
-        self.counts += torch.stack([local, local.new_tensor(real * topk_ids.shape[1]), local.new_tensor(real)])
+        # the chunk's padding rows are not tokens; shapes and Python ints only, no host reads
+        real = (torch.arange(n, device=topk_ids.device) + self.rank * n) < self.rows
+        local = ((self.owner[topk_ids.long()] == self.rank) & real[:, None]).sum()
+        tokens = real.sum()
+        self.counts += torch.stack([local, tokens * K, tokens])
 
     def preferences(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.predictor == "random":
@@ -164,9 +166,18 @@ class TokenOrder:
             return
         self._last_log = now
         local, acts, tokens = self.counts.tolist()  # once per log interval, not per step
-        if acts:
-            logger.info("smoe: speculate (predictor %s): rank 0 served %.3f of its expert activations locally "
-                        "(%d tokens)", self.predictor, local / acts, tokens // self.inv.shape[0])
+        if not acts:
+            return
+        from vllm.distributed import get_ep_group
+
+        exchange = getattr(getattr(get_ep_group().device_communicator, "all2all_manager", None), "exchange", None)
+        wire = ""
+        if exchange is not None and exchange.stats["tokens"]:
+            st = exchange.stats
+            wire = (f"; sparse all2all: {st['pairs'] / st['tokens']:.3f} remote (token, rank) pairs and "
+                    f"{st['bytes'] / st['tokens']:.0f} B per token and MoE layer")
+        logger.info("smoe: speculate (predictor %s): rank 0 served %.3f of its expert activations locally "
+                    "(%d tokens)%s", self.predictor, local / acts, tokens // self.inv.shape[0], wire)
 
 
 @torch.library.custom_op("smoe::order_tokens", mutates_args=())

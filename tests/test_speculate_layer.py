@@ -1,0 +1,167 @@
+"""The speculate MoE layer across gloo ranks (world 4) against a single-process MoE reference.
+
+One layer as serving runs it: predicted token order (``device_predict``) -> vLLM's contiguous
+sequence-parallel chunk -> router -> expert-parallel MoE (smoe's sparse exchange, or vLLM's
+allgather-reducescatter) -> all-gather -> original order. Whatever the predictor says, every
+rank must end with the reference output. A second run patches ``Tensor.item/.tolist/.cpu/
+.numpy`` to raise around the token order and the static allgather-reducescatter path: nothing
+there may read device values on the host. The reference MoE below is test-only math.
+"""
+
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from vllm_smoe.placement.assign import assign_tokens
+from vllm_smoe.placement.assign import chunk_caps as np_chunk_caps
+from vllm_smoe.serving import device_predict as dp
+from vllm_smoe.serving.sparse_a2a import SparseExchange, owner_of
+
+H, I, E, K, V = 32, 16, 16, 3, 500
+WORLD = 4
+
+
+def _weights():
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(E, H, generator=g), torch.randn(E, 2 * I, H, generator=g) * 0.2,
+            torch.randn(E, H, I, generator=g) * 0.2)
+
+
+def _route(x, router):
+    w, ids = torch.softmax(x @ router.T, dim=-1).topk(K, dim=-1)
+    return w / w.sum(-1, keepdim=True), ids
+
+
+def _experts(x, w, ids, w13, w2, keep):
+    """Weighted sum over the experts ``keep`` [E] bool says this rank holds (reference math,
+    dense over experts so that it reads nothing on the host)."""
+    out = torch.zeros_like(x)
+    for e in range(E):
+        coef = ((ids == e) * w).sum(dim=1, keepdim=True) * keep[e]
+        gate, up = (x @ w13[e].T).chunk(2, dim=-1)
+        out += coef * ((torch.nn.functional.silu(gate) * up) @ w2[e].T)
+    return out
+
+
+def _gather(x):
+    out = x.new_empty((WORLD * x.shape[0],) + tuple(x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous())
+    return out
+
+
+class _NoHostSync:
+    names = ("item", "tolist", "cpu", "numpy")
+
+    def __enter__(self):
+        self.saved = {n: getattr(torch.Tensor, n) for n in self.names}
+        for n in self.names:
+            setattr(torch.Tensor, n, lambda *a, _n=n, **k: (_ for _ in ()).throw(AssertionError(f"host sync: {_n}")))
+
+    def __exit__(self, *exc):
+        for n, f in self.saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+def _layer(rank, x, ids, predictor, exchange_kind, router, w13, w2, owner):
+    T = x.shape[0]
+    pref, conf = (dp.predict_random(ids, 0, WORLD) if predictor == "random" else
+                  dp.predict_one_rank(ids) if predictor == "one-rank" else
+                  (owner[_route(x, router)[1][:, :1]], torch.ones(T)))  # "oracle": the top-1's rank
+    perm, inv = dp.permutation(dp.assign(pref, conf, dp.chunk_caps(T, WORLD)))
+    xs = x.index_select(0, perm)
+    c = -(-T // WORLD)
+    chunk = torch.nn.functional.pad(xs, (0, 0, 0, c * WORLD - T))[rank * c:(rank + 1) * c]
+    w, top = _route(chunk, router)
+    keep = owner == rank
+    if exchange_kind == "sparse":
+        ex = SparseExchange(rank, WORLD, owner, _gather)
+        hs, ws, ids_ = ex.dispatch(chunk, w, top)
+        out = ex.combine(_experts(hs, ws, ids_, w13, w2, keep))
+    else:  # vLLM's allgather-reducescatter with equal chunks: static shapes end to end
+        hs, ws, ids_ = _gather(chunk), _gather(w), _gather(top)
+        full = _experts(hs, ws, ids_, w13, w2, keep)
+        dist.all_reduce(full)
+        out = full[rank * c:(rank + 1) * c]
+    return _gather(out)[:T].index_select(0, inv)
+
+
+def _worker(rank, port, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    router, w13, w2 = _weights()
+    owner = torch.randperm(E, generator=torch.Generator().manual_seed(1)) % WORLD  # any placement
+    failures = []
+    for T in (1, 3, 8, 1000):
+        g = torch.Generator().manual_seed(T)
+        x, ids = torch.randn(T, H, generator=g), torch.randint(0, V, (T,), generator=g)
+        w, top = _route(x, router)
+        want = _experts(x, w, top, w13, w2, torch.ones(E, dtype=torch.bool))
+        for predictor in ("random", "one-rank", "oracle"):
+            got = _layer(rank, x, ids, predictor, "sparse", router, w13, w2, owner)
+            if not torch.allclose(got, want, atol=1e-5):
+                failures.append(f"sparse T={T} {predictor}: {(got - want).abs().max():.2e}")
+            with _NoHostSync():
+                got = _layer(rank, x, ids, predictor, "agrs", router, w13, w2, owner)
+            if not torch.allclose(got, want, atol=1e-5):
+                failures.append(f"agrs T={T} {predictor}: {(got - want).abs().max():.2e}")
+    results[rank] = failures
+    dist.destroy_process_group()
+
+
+def test_speculate_layer_world4_equals_the_reference():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_worker, args=(port, results), nprocs=WORLD, join=True)
+    assert {r: results[r] for r in range(WORLD)} == {r: [] for r in range(WORLD)}
+
+
+def test_owner_split_and_destinations():
+    from vllm_smoe.serving.sparse_a2a import destinations
+
+    assert owner_of(8, 4).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    with pytest.raises(ValueError, match="do not split evenly"):
+        owner_of(10, 4)
+    ids = torch.tensor([[0, 1], [2, 7], [1, 0]])  # rank 0 holds 0, 1: only token 1 leaves, to ranks 1 and 3
+    assert destinations(ids, owner_of(8, 4), 0, 4).tolist() == [0, 0b1010, 0]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_device_assignment_and_prediction_equal_numpy(seed):
+    rng = np.random.default_rng(seed)
+    T, N, P = int(rng.integers(1, 400)), int(rng.choice([2, 3, 4, 8])), int(rng.integers(1, 3))
+    pref = rng.integers(-1, N, (T, P))
+    conf = rng.choice([0.1, 0.5, 0.9, 0.3, 0.0], T).astype(np.float32)  # ties: stable order matters
+    want = assign_tokens(pref, conf, np.zeros(T, np.int64), N, rank_caps=np_chunk_caps(T, N)[None])
+    got = dp.assign(torch.from_numpy(pref), torch.from_numpy(conf), dp.chunk_caps(T, N)).numpy()
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.bincount(got, minlength=N), np_chunk_caps(T, N))
+    if T % N == 0:  # the uniform chunk is capacity 1.0 of the offline assignment
+        np.testing.assert_array_equal(got, assign_tokens(pref, conf, np.zeros(T, np.int64), N, 1.0))
+    perm, inv = dp.permutation(torch.from_numpy(got))
+    assert (torch.from_numpy(got)[perm].diff() >= 0).all() and (perm[inv] == torch.arange(T)).all()
+
+
+def test_device_tables_prediction_equals_predict_layer():
+    from vllm_smoe.placement.predict import predict_layer
+    from vllm_smoe.placement_file import load_placement, load_tables
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    t = load_tables(load_placement(os.path.join(here, "configs", "tiny-4dom-ep2.yaml")))
+    rng = np.random.default_rng(0)
+    ids, prev = rng.integers(0, t.token2rank.shape[1], 700), rng.integers(0, t.markov2rank.shape[1], 700)
+    for layer in range(t.token2rank.shape[0]):
+        pv = prev if layer else None
+        pref, conf, _ = predict_layer(t, layer, ids, pv)
+        arrays = [torch.from_numpy(np.ascontiguousarray(getattr(t, k)[layer])) for k in
+                  ("token2rank", "token_conf", "markov2rank", "markov_conf", "prior2rank")]
+        got = dp.predict_tables(*arrays, torch.from_numpy(ids), None if pv is None else torch.from_numpy(pv))
+        np.testing.assert_array_equal(got[0].numpy(), pref)
+        np.testing.assert_array_equal(got[1].numpy(), conf)

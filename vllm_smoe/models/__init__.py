@@ -1,1 +1,0 @@
-"""Model classes smoe builds for mode speculate (imported only inside vLLM workers)."""
