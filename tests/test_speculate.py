@@ -71,11 +71,12 @@ SPEC = {"mode": "speculate", "placement": EP2, "log_interval": 0.2}
 @pytest.mark.parametrize("smoe,compiled,says", [
     ({"all2all": "vllm"}, False, None),  # vLLM's own EP, experts fixed by the plugin (no SP at DP=1)
     ({**SPEC, "predictor": "tables"}, False, "predictor tables"),
+    ({**SPEC, "predictor": "tables-markov"}, False, "predictor tables-markov"),
     ({**SPEC, "predictor": "random"}, False, "predictor random"),
     ({**SPEC, "predictor": "one-rank"}, False, "predictor one-rank"),  # rank 0 full, the rest anywhere
     ({**SPEC, "predictor": "tables", "all2all": "vllm"}, False, "predictor tables"),  # vLLM's allgather-RS
     ({**SPEC, "predictor": "tables"}, True, "predictor tables"),  # torch.compile keeps smoe's ops opaque
-], ids=["vllm-ep", "tables", "random", "one-rank", "tables-agrs", "tables-compiled"])
+], ids=["vllm-ep", "tables", "tables-markov", "random", "one-rank", "tables-agrs", "tables-compiled"])
 def test_tp2_ep_gives_plain_tp2_tokens(plain_tp2, smoe, compiled, says):
     prompts, plain = plain_tp2
     out, log = _generate(prompts, {"smoe": smoe}, compiled=compiled, ep=True)

@@ -106,6 +106,10 @@ def _worker(rank, port, results):
             got = _layer(rank, x, ids, predictor, "sparse", router, w13, w2, owner)
             if not torch.allclose(got, want, atol=1e-5):
                 failures.append(f"sparse T={T} {predictor}: {(got - want).abs().max():.2e}")
+            # every expert on rank 0: ranks 1-3 receive nothing, rank 0 sends nothing
+            got = _layer(rank, x, ids, predictor, "sparse", router, w13, w2, torch.zeros(E, dtype=torch.long))
+            if not torch.allclose(got, want, atol=1e-5):
+                failures.append(f"sparse T={T} {predictor} all-on-0: {(got - want).abs().max():.2e}")
             with _NoHostSync():
                 got = _layer(rank, x, ids, predictor, "agrs", router, w13, w2, owner)
             if not torch.allclose(got, want, atol=1e-5):
@@ -165,3 +169,23 @@ def test_device_tables_prediction_equals_predict_layer():
         got = dp.predict_tables(*arrays, torch.from_numpy(ids), None if pv is None else torch.from_numpy(pv))
         np.testing.assert_array_equal(got[0].numpy(), pref)
         np.testing.assert_array_equal(got[1].numpy(), conf)
+    # every layer at once from the token table: predict_layer without a previous layer
+    arrays = [torch.from_numpy(getattr(t, k)) for k in ("token2rank", "token_conf", "prior2rank")]
+    pref_all, conf_all = dp.predict_token_tables(*arrays, torch.from_numpy(ids))
+    for layer in range(t.token2rank.shape[0]):
+        pref, conf, _ = predict_layer(t, layer, ids, None)
+        np.testing.assert_array_equal(pref_all[layer].numpy(), pref)
+        np.testing.assert_array_equal(conf_all[layer].numpy(), conf)
+
+
+def test_assignment_of_all_layers_at_once_equals_layer_by_layer():
+    rng = np.random.default_rng(7)
+    for T, N in [(1, 2), (5, 4), (64, 2), (333, 8)]:
+        pref = torch.from_numpy(rng.integers(-1, N, (4, T, 2)))
+        conf = torch.from_numpy(rng.choice([0.2, 0.7, 0.0], (4, T)).astype(np.float32))
+        caps = dp.chunk_caps(T, N)
+        both = dp.assign(pref, conf, caps)
+        for layer in range(4):
+            assert torch.equal(both[layer], dp.assign(pref[layer], conf[layer], caps))
+        perm, inv = dp.permutation(both)
+        assert torch.equal(perm.gather(1, inv), torch.arange(T).expand(4, T))

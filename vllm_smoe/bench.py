@@ -236,7 +236,7 @@ def _comm_worker(rank, world, init, plan, reps, out):
                 if name == "smoe":
                     ex = SparseExchange(rank, world, owner, gather)
                     y = ex.combine(experts(*ex.dispatch(x, w, ids), owner))
-                    sent = ex.stats["bytes"]
+                    sent = int(ex.stats[2])
                 else:  # equal chunks: all-gather everything, reduce-scatter full-size partial sums
                     full = experts(gather(x), gather(w), gather(ids), owner)
                     part = full.new_empty((c, H))

@@ -35,7 +35,7 @@ def speculate_supported(vllm_config, placement, predictor: str = "tables") -> tu
     if placement.vocab_size is not None and placement.vocab_size < hf.vocab_size:
         return False, (f"{placement.path}: field 'model.vocab_size' = {placement.vocab_size} but the model has "
                        f"{hf.vocab_size} token ids")
-    if predictor == "tables" and placement.predictor is None:
+    if predictor.startswith("tables") and placement.predictor is None:
         return False, (f"{placement.path}: field 'predictor' is empty but predictor 'tables' needs the tables "
                        f"(rebuild with smoe-place build, or set predictor 'random' / 'one-rank')")
     return True, ""

@@ -20,6 +20,7 @@ all2all manager is smoe's sparse one (:mod:`.sparse_a2a`) when the config says s
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator, _CPUSHMDistributed
@@ -135,15 +136,33 @@ class SmoeCpuCommunicator(CpuCommunicator):
         return super().all_gather(input_, dim)
 
     def all_gatherv(self, input_, dim: int = 0, sizes: list[int] | None = None):
-        if isinstance(input_, torch.Tensor):
-            return self._all_gatherv(input_, dim, sizes)
-        return [self._all_gatherv(t, dim, sizes) for t in input_]
-
-    def _all_gatherv(self, x: torch.Tensor, dim: int, sizes: list[int] | None) -> torch.Tensor:
         assert dim == 0, "smoe's all_gatherv gathers along dim 0"
+        tensors = [input_] if isinstance(input_, torch.Tensor) else list(input_)
+        n = tensors[0].shape[0]
+        assert sizes is None or sizes[self.rank_in_group] == n
+        m = n if sizes is None else max(sizes)
+        row_bytes = [math.prod(t.shape[1:]) * t.element_size() for t in tensors]
+        if any(b % 4 for b in row_bytes):
+            gathered = [self._all_gatherv(t, sizes) for t in tensors]
+            return gathered[0] if isinstance(input_, torch.Tensor) else gathered
+        # one collective for all tensors: their rows as 4-byte words side by side
+        words = [t.contiguous().view(torch.uint8).view(n, b).view(torch.float32) for t, b in zip(tensors, row_bytes)]
+        packed = torch.cat(words, dim=1) if len(words) > 1 else words[0]
+        if m != n:
+            packed = torch.cat([packed, packed.new_zeros((m - n, packed.shape[1]))])
+        g = self.all_gather(packed, 0)
+        if sizes is not None and m * self.world_size != sum(sizes):
+            g = torch.cat([g[r * m: r * m + s] for r, s in enumerate(sizes)])
+        out, col = [], 0
+        for t, w in zip(tensors, words):
+            part = g[:, col: col + w.shape[1]].contiguous().view(torch.uint8).view(t.dtype)
+            out.append(part.reshape((g.shape[0],) + tuple(t.shape[1:])))
+            col += w.shape[1]
+        return out[0] if isinstance(input_, torch.Tensor) else out
+
+    def _all_gatherv(self, x: torch.Tensor, sizes: list[int] | None) -> torch.Tensor:
         if sizes is None or len(set(sizes)) == 1:
             return self.all_gather(x.contiguous(), 0)
-        assert sizes[self.rank_in_group] == x.shape[0]
         m = max(sizes)
         padded = x.new_zeros((m,) + tuple(x.shape[1:]))
         padded[: x.shape[0]] = x

@@ -48,6 +48,17 @@ def predict_tables(token2rank: torch.Tensor, token_conf: torch.Tensor, markov2ra
     return arbitrate(cands, prior2rank)
 
 
+def predict_token_tables(token2rank: torch.Tensor, token_conf: torch.Tensor, prior2rank: torch.Tensor,
+                         token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer at once from the token table alone (what :func:`predict_tables` gives without
+    a previous layer): token2rank [L, V, 2] int, token_conf [L, V] float, prior2rank [L, 2] int,
+    token_ids [T] int. Returns (pref [L, T, 2] int64, conf [L, T] float32)."""
+    ids = token_ids.long()
+    r, c = token2rank[:, ids].long(), token_conf[:, ids].float()
+    seen = r[..., :1] >= 0
+    return torch.where(seen, r, prior2rank.long()[:, None, :]), torch.where(seen[..., 0], c, 0.0).clamp_min(0.0)
+
+
 def predict_random(token_ids: torch.Tensor, layer: int, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A hash of position, layer and token id: the same on every rank, unrelated to routing.
     Returns (pref [T, 1] int64, conf [T] float32)."""
@@ -70,36 +81,46 @@ def chunk_caps(num_tokens: int, num_ranks: int, device=None) -> torch.Tensor:
 
 
 def assign(pref: torch.Tensor, conf: torch.Tensor, caps: torch.Tensor) -> torch.Tensor:
-    """Capacity-capped assignment of one step. pref: [T, P] int, -1 = none; conf: [T] float;
-    caps: [N] int64 tokens each rank takes, summing to >= T. Most confident tokens claim their
+    """Capacity-capped assignment of one step, for one layer or several at once.
+
+    pref: [T, P] or [L, T, P] int, -1 = none; conf: [T] or [L, T] float; caps: [N] int64 tokens
+    each rank takes, summing to >= T. In each layer the most confident tokens claim their
     preferences first; tokens left over fill the free slots rank by rank, in token order.
-    Returns token2rank [T] int64."""
-    T, P = pref.shape
+    Returns token2rank [T] or [L, T] int64."""
+    if pref.dim() == 2:
+        return assign(pref[None], conf[None], caps)[0]
+    L, T, P = pref.shape
     N = caps.shape[0]
     dev = pref.device
-    order = torch.argsort(-conf, stable=True)
-    t2r = torch.full((T,), -1, dtype=torch.long, device=dev)
-    remaining = torch.cat([caps.long(), caps.new_zeros(1)])  # slot N: the "no preference" bucket
-    arange = torch.arange(T, device=dev)
+    order = torch.argsort(-conf, dim=1, stable=True)  # [L, T]
+    flat = (order + torch.arange(L, device=dev)[:, None] * T).reshape(-1)  # into [L * T]
+    base = (torch.arange(L, device=dev) * (N + 1))[:, None].expand(L, T).reshape(-1)
+    t2r = torch.full((L * T,), -1, dtype=torch.long, device=dev)
+    # slot N of each layer: the "no preference" bucket, never taken
+    remaining = torch.cat([caps.long().expand(L, N), caps.new_zeros((L, 1))], dim=1).reshape(-1)
+    arange = torch.arange(L * T, device=dev)
     for j in range(P):
-        want = pref[order, j].long()
-        key = torch.where((t2r[order] < 0) & (want >= 0), want, N)
-        srt = torch.argsort(key, stable=True)  # confidence order kept inside a rank
-        ks, idx = key[srt], order[srt]
-        counts = torch.zeros(N + 1, dtype=torch.long, device=dev).scatter_add_(0, ks, torch.ones_like(ks))
+        want = pref.reshape(L * T, P)[flat, j].long()
+        key = base + torch.where((t2r[flat] < 0) & (want >= 0), want, N)
+        srt = torch.argsort(key, stable=True)  # layer by layer, rank by rank, confidence order kept
+        ks, idx = key[srt], flat[srt]
+        counts = torch.zeros(L * (N + 1), dtype=torch.long, device=dev).scatter_add_(0, ks, torch.ones_like(ks))
         within = arange - (torch.cumsum(counts, 0) - counts)[ks]
-        take = (ks < N) & (within < remaining[ks])
-        t2r = t2r.scatter(0, idx, torch.where(take, ks, t2r[idx]))
+        take = (ks % (N + 1) < N) & (within < remaining[ks])
+        t2r = t2r.scatter(0, idx, torch.where(take, ks % (N + 1), t2r[idx]))
         remaining = remaining - torch.zeros_like(remaining).scatter_add_(0, ks, take.long())
+    t2r = t2r.view(L, T)
     left = t2r < 0
-    nth = torch.cumsum(left.long(), 0) - 1
-    fill = torch.searchsorted(torch.cumsum(remaining[:N], 0), nth, right=True)
+    nth = torch.cumsum(left.long(), dim=1) - 1
+    bounds = torch.cumsum(remaining.view(L, N + 1)[:, :N], dim=1).contiguous()
+    fill = torch.searchsorted(bounds, nth.contiguous(), right=True)
     return torch.where(left, fill, t2r)
 
 
 def permutation(token2rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(perm, inv) [T] int64: rows ``x[perm]`` are grouped rank by rank (stable), ``y[inv]``
-    restores the original order."""
-    perm = torch.argsort(token2rank, stable=True)
-    inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.shape[0], device=perm.device))
+    """(perm, inv) of token2rank's shape ([T] or [L, T]) int64: rows ``x[perm]`` are grouped
+    rank by rank (stable), ``y[inv]`` restores the original order."""
+    perm = torch.argsort(token2rank, dim=-1, stable=True)
+    ar = torch.arange(perm.shape[-1], device=perm.device).expand_as(perm)
+    inv = torch.empty_like(perm).scatter_(-1, perm, ar)
     return perm, inv

@@ -14,8 +14,8 @@ and ``combine`` returns each received row's partial sum to its source and adds i
 Transport: each rank packs its outgoing rows once (a destination bit mask per row), and the
 group's ``all_gather`` carries them (vLLM's shared-memory transport on one CPU node); a receiver
 keeps the rows whose mask names it. The byte counters count what a point-to-point transport
-carries: one row per (token, remote rank) pair. Sizes are exchanged as a tensor and read on the
-host (CPU tensors here); see the README for GPUs.
+carries: one row per (token, remote rank) pair. Both gathers have static sizes; the receiving
+side selects its rows with ``nonzero`` (CPU tensors here); see the README for GPUs.
 """
 
 from __future__ import annotations
@@ -48,77 +48,66 @@ class SparseExchange:
 
     rank, world_size: this rank in the group; owner: [E] int64 rank of each physical expert;
     gather: ``x [n, ...] -> [world_size * n, ...]`` (the same n on every rank), the transport.
-    ``stats``: cumulative tokens, (token, remote rank) pairs and bytes that a point-to-point
-    transport would carry for this rank's tokens (rows out with ids and weights, rows back)."""
+    Two gathers per layer, both of static size (``m`` rows per rank): the outgoing rows, packed
+    once each with ids, weights and a destination bit mask; and the partial results, laid out by
+    source rank and row so that a source adds them without knowing any sizes. ``stats``: [3]
+    int64 on the device (tokens, (token, remote rank) pairs, bytes a point-to-point transport
+    carries for this rank's tokens: rows out with ids and weights, rows back)."""
 
     def __init__(self, rank: int, world_size: int, owner: torch.Tensor, gather: Callable[[torch.Tensor], torch.Tensor]):
         self.rank, self.world_size, self.owner, self.gather = rank, world_size, owner, gather
-        self.stats = {"tokens": 0, "pairs": 0, "bytes": 0}
+        self.stats = torch.zeros(3, dtype=torch.long)
         self._plan = None
 
-    def dispatch(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def dispatch(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 rows_per_rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Own rows, then the rows other ranks sent here (source rank order, then source row
-        order): (hidden [t + r, H], topk_weights [t + r, K], topk_ids [t + r, K])."""
+        order): (hidden [t + r, H], topk_weights [t + r, K], topk_ids [t + r, K]).
+        rows_per_rank: the largest t of any rank (default: this rank's t, as under sequence
+        parallelism where every rank holds one equal chunk)."""
         N, me = self.world_size, self.rank
-        t, K = topk_ids.shape
+        (t, K), H = topk_ids.shape, hidden_states.shape[1]
+        m = t if rows_per_rank is None else rows_per_rank
+        dev = hidden_states.device
+        if self.owner.device != dev:
+            self.owner = self.owner.to(dev)
+            self.stats = self.stats.to(dev)
         bits = destinations(topk_ids, self.owner, me, N)
-        out_rows = torch.nonzero(bits, as_tuple=True)[0]  # [U] rows leaving this rank, once each
-        per_dest = torch.stack([((bits >> r) & 1).sum() for r in range(N)])  # [N]
-        counts = self.gather(torch.cat([out_rows.new_tensor([out_rows.numel()]), per_dest]).view(1, -1))
-        counts = counts.view(N, N + 1).tolist()  # host sizes: CPU tensors, no device to wait for
-        unique = [c[0] for c in counts]
-        pair = [c[1:] for c in counts]  # pair[src][dst]: rows src sends to dst
-        m = max(unique)
-        H = hidden_states.shape[1]
-        received_h, received_w, received_i = [], [], []
-        if m:
-            u = out_rows.numel()
-            h = hidden_states.new_zeros((m, H))
-            h[:u] = hidden_states.index_select(0, out_rows)
-            meta = torch.zeros((m, 2 * K + 1), dtype=torch.int32, device=topk_ids.device)
-            meta[:u, :K] = topk_ids.index_select(0, out_rows).to(torch.int32)
-            meta[:u, K: 2 * K] = topk_weights.index_select(0, out_rows).float().view(torch.int32)
-            meta[:u, 2 * K] = bits.index_select(0, out_rows).to(torch.int32)
-            gh, gm = self.gather(h).view(N, m, H), self.gather(meta).view(N, m, 2 * K + 1)
-            for src in range(N):
-                if src == me or not pair[src][me]:
-                    continue
-                mine = torch.nonzero((gm[src, : unique[src], 2 * K] >> me) & 1, as_tuple=True)[0]
-                received_h.append(gh[src].index_select(0, mine))
-                rm = gm[src].index_select(0, mine)
-                received_i.append(rm[:, :K].to(topk_ids.dtype))
-                received_w.append(rm[:, K: 2 * K].contiguous().view(torch.float32).to(topk_weights.dtype))
-        self._plan = (t, bits, out_rows, pair)
-        sent = sum(pair[me])
+        out_rows = torch.nonzero(bits, as_tuple=True)[0]  # rows leaving this rank, once each
         row = H * hidden_states.element_size()
-        self.stats["tokens"] += t
-        self.stats["pairs"] += sent
-        self.stats["bytes"] += sent * (2 * row + 8 * K)
-        return (torch.cat([hidden_states, *received_h]), torch.cat([topk_weights, *received_w]),
-                torch.cat([topk_ids, *received_i]))
+        words = hidden_states.contiguous().view(torch.uint8).view(t, row).view(torch.float32)  # row as 4-byte words
+        Hw = words.shape[1]
+        packed = torch.cat([words, topk_ids.to(torch.int32).view(torch.float32), topk_weights.float(),
+                            bits.to(torch.int32).view(torch.float32)[:, None]], dim=1)
+        buf = packed.new_zeros((m, packed.shape[1]))
+        buf[: out_rows.shape[0]] = packed.index_select(0, out_rows)
+        g = self.gather(buf).view(N, m, -1)
+        mine = (g[:, :, -1].contiguous().view(torch.int32) >> me) & 1
+        mine[me] = 0
+        src, pos = torch.nonzero(mine, as_tuple=True)  # source rank, then its packed row
+        rows = g[src, pos]
+        r = rows.shape[0]
+        recv_h = rows[:, :Hw].contiguous().view(torch.uint8).view(r, row).view(hidden_states.dtype).view(r, H)
+        recv_i = rows[:, Hw: Hw + K].contiguous().view(torch.int32).to(topk_ids.dtype)
+        recv_w = rows[:, Hw + K: Hw + 2 * K].to(topk_weights.dtype)
+        self._plan = (t, m, out_rows, src, pos)
+        pairs = sum((bits >> q) & 1 for q in range(N)).sum()
+        self.stats += torch.stack([pairs.new_tensor(t), pairs, pairs * (2 * row + 8 * K)])
+        return (torch.cat([hidden_states, recv_h]), torch.cat([topk_weights, recv_w]),
+                torch.cat([topk_ids, recv_i]))
 
     def combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [t + r, H] expert outputs of :meth:`dispatch`'s rows (weighted, summed
         over this rank's experts). Returns [t, H]: each own row plus what remote ranks computed."""
         assert self._plan is not None, "combine without dispatch"
-        t, bits, out_rows, pair = self._plan
+        t, m, out_rows, src, pos = self._plan
         self._plan = None
-        N, me = self.world_size, self.rank
+        N, H = self.world_size, hidden_states.shape[1]
         own = hidden_states[:t].clone()
-        m = max(sum(pair[src][dst] for src in range(N) if src != dst) for dst in range(N))
-        if not m:
-            return own
-        back = hidden_states.new_zeros((m, hidden_states.shape[1]))
-        back[: hidden_states.shape[0] - t] = hidden_states[t:]
-        g = self.gather(back).view(N, m, -1)
-        out_bits = bits.index_select(0, out_rows)
-        for peer in range(N):
-            n = pair[me][peer] if peer != me else 0
-            if n:
-                offset = sum(pair[src][peer] for src in range(me) if src != peer)
-                rows = out_rows[torch.nonzero((out_bits >> peer) & 1, as_tuple=True)[0]]
-                own.index_add_(0, rows, g[peer, offset: offset + n])
+        back = hidden_states.new_zeros((N, m, H))
+        back[src, pos] = hidden_states[t:]
+        g = self.gather(back.view(N * m, H)).view(N, N, m, H)  # [computed by, source, packed row]
+        own.index_add_(0, out_rows, g[:, self.rank, : out_rows.shape[0]].sum(dim=0))
         return own
 
 
@@ -141,7 +130,12 @@ def make_manager(cpu_group, comm):
             if extra_tensors:
                 raise NotImplementedError("smoe's sparse all2all carries no extra tensors (quantization scales, "
                                           "LoRA); set additional_config smoe.all2all to 'vllm'")
-            return self.exchange.dispatch(hidden_states, topk_weights, topk_ids)
+            rows = None
+            if not is_sequence_parallel and self.dp_world_size > 1:  # DP ranks hold different counts
+                from vllm.forward_context import get_forward_context
+
+                rows = max(get_forward_context().dp_metadata.get_chunk_sizes_across_dp_rank())
+            return self.exchange.dispatch(hidden_states, topk_weights, topk_ids, rows)
 
         def combine(self, hidden_states, is_sequence_parallel=False):
             return self.exchange.combine(hidden_states)

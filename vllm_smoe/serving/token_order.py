@@ -88,13 +88,16 @@ class TokenOrder:
         self.owner = torch.arange(E, device=device) // (E // self.N)  # physical slot -> rank
         T = vllm_config.scheduler_config.max_num_batched_tokens
         self.ids = torch.zeros(T, dtype=torch.long, device=device)
+        self.perm = torch.zeros((L, T), dtype=torch.long, device=device)
         self.inv = torch.zeros((L, T), dtype=torch.long, device=device)
         c = -(-T // self.N)
         self.top1 = torch.zeros(c, dtype=torch.long, device=device)  # this rank's chunk, physical slots
         self.prev_top1 = torch.zeros(T, dtype=torch.long, device=device)
         self.counts = torch.zeros(3, dtype=torch.long, device=device)  # local activations, activations, tokens
         self.rows = 0  # rows of the current step (host int, known to the op from its input shape)
-        self.markov = self.tables is not None
+        # tables-markov: each layer waits for the previous one's top-1 (one extra all-gather per
+        # layer); the others predict every layer at the first MoE layer of the step
+        self.markov = cfg.predictor == "tables-markov"
         self._last_log = time.monotonic()
         model.register_forward_pre_hook(self._step_ids, with_kwargs=True)
         for layer, block in self.blocks:
@@ -130,24 +133,34 @@ class TokenOrder:
         tokens = real.sum()
         self.counts += torch.stack([local, tokens * K, tokens])
 
-    def preferences(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def preferences(self, layers: list[int], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pref [len(layers), T, P], conf [len(layers), T]) for the step's token ids."""
         if self.predictor == "random":
-            return dp.predict_random(ids, layer, self.N)
+            both = [dp.predict_random(ids, layer, self.N) for layer in layers]
+            return torch.stack([p for p, _ in both]), torch.stack([c for _, c in both])
         if self.predictor == "one-rank":
-            return dp.predict_one_rank(ids)
-        t = {k: v[layer] for k, v in self.tables.items()}
+            pref, conf = dp.predict_one_rank(ids)
+            return pref.expand(len(layers), -1, -1), conf.expand(len(layers), -1)
+        t = self.tables
+        if not self.markov:
+            return dp.predict_token_tables(t["token2rank"][layers], t["token_conf"][layers], t["prior2rank"][layers],
+                                           ids)
+        (layer,) = layers
         prev = self.slot2expert[layer - 1][self.prev_top1[: ids.shape[0]]] if layer > 0 else None
-        return dp.predict_tables(t["token2rank"], t["token_conf"], t["markov2rank"], t["markov_conf"],
-                                 t["prior2rank"], ids, prev)
+        pref, conf = dp.predict_tables(*(t[k][layer] for k in ("token2rank", "token_conf", "markov2rank",
+                                                               "markov_conf", "prior2rank")), ids, prev)
+        return pref[None], conf[None]
 
     def order(self, x: torch.Tensor, layer: int) -> torch.Tensor:
         T = x.shape[0]
-        self.rows = T
-        pref, conf = self.preferences(layer, self.ids[:T])
-        token2rank = dp.assign(pref, conf, dp.chunk_caps(T, self.N, x.device))
-        perm, inv = dp.permutation(token2rank)
-        self.inv[layer, :T].copy_(inv)
-        return x.index_select(0, perm)
+        if self.markov or layer == 0:
+            self.rows = T
+            layers = [layer] if self.markov else list(range(self.perm.shape[0]))
+            pref, conf = self.preferences(layers, self.ids[:T])
+            perm, inv = dp.permutation(dp.assign(pref, conf, dp.chunk_caps(T, self.N, x.device)))
+            self.perm[layers[0]: layers[-1] + 1, :T].copy_(perm)
+            self.inv[layers[0]: layers[-1] + 1, :T].copy_(inv)
+        return x.index_select(0, self.perm[layer, :T])
 
     def restore(self, y: torch.Tensor, layer: int) -> torch.Tensor:
         T = y.shape[0]
@@ -172,10 +185,11 @@ class TokenOrder:
 
         exchange = getattr(getattr(get_ep_group().device_communicator, "all2all_manager", None), "exchange", None)
         wire = ""
-        if exchange is not None and exchange.stats["tokens"]:
-            st = exchange.stats
-            wire = (f"; sparse all2all: {st['pairs'] / st['tokens']:.3f} remote (token, rank) pairs and "
-                    f"{st['bytes'] / st['tokens']:.0f} B per token and MoE layer")
+        if exchange is not None:
+            tok, pairs, nbytes = exchange.stats.tolist()  # once per log interval
+            if tok:
+                wire = (f"; sparse all2all: {pairs / tok:.3f} remote (token, rank) pairs and {nbytes / tok:.0f} B "
+                        f"per token and MoE layer")
         logger.info("smoe: speculate (predictor %s): rank 0 served %.3f of its expert activations locally "
                     "(%d tokens)%s", self.predictor, local / acts, tokens // self.inv.shape[0], wire)
 
@@ -206,7 +220,7 @@ def install_token_order(model, vllm_config, cfg, plan) -> TokenOrder:
     from ..placement_file import load_placement, load_tables
 
     placement = load_placement(cfg.placement)
-    tables = load_tables(placement) if cfg.predictor == "tables" else None
+    tables = load_tables(placement) if cfg.predictor.startswith("tables") else None
     _ACTIVE = TokenOrder(model, vllm_config, cfg, placement, tables, plan)
     logger.info("smoe: mode speculate: token order over %d ranks around %d MoE blocks (%s), predictor %s",
                 _ACTIVE.N, len(_ACTIVE.blocks), type(_ACTIVE.blocks[0][1]).__name__, cfg.predictor)
