@@ -54,6 +54,12 @@ def _gather(x):
     return out
 
 
+def _reduce_scatter(x):
+    out = x.new_empty((x.shape[0] // WORLD,) + tuple(x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x.contiguous())
+    return out
+
+
 class _NoHostSync:
     names = ("item", "tolist", "cpu", "numpy")
 
@@ -79,7 +85,7 @@ def _layer(rank, x, ids, predictor, exchange_kind, router, w13, w2, owner):
     w, top = _route(chunk, router)
     keep = owner == rank
     if exchange_kind == "sparse":
-        ex = SparseExchange(rank, WORLD, owner, _gather)
+        ex = SparseExchange(rank, WORLD, owner, _gather, _reduce_scatter)
         hs, ws, ids_ = ex.dispatch(chunk, w, top)
         out = ex.combine(_experts(hs, ws, ids_, w13, w2, keep))
     else:  # vLLM's allgather-reducescatter with equal chunks: static shapes end to end

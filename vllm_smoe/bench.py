@@ -214,6 +214,11 @@ def _comm_worker(rank, world, init, plan, reps, out):
         dist.all_gather_into_tensor(o, x.contiguous())
         return o
 
+    def reduce_scatter(x):
+        o = x.new_empty((x.shape[0] // world,) + tuple(x.shape[1:]))
+        dist.reduce_scatter_tensor(o, x.contiguous())
+        return o
+
     def experts(x, w, ids, owner):
         return x * (w * (owner[ids] == rank)).sum(dim=1, keepdim=True)
 
@@ -234,7 +239,7 @@ def _comm_worker(rank, world, init, plan, reps, out):
                 dist.barrier()
                 t0 = time.perf_counter()
                 if name == "smoe":
-                    ex = SparseExchange(rank, world, owner, gather)
+                    ex = SparseExchange(rank, world, owner, gather, reduce_scatter)
                     y = ex.combine(experts(*ex.dispatch(x, w, ids), owner))
                     sent = int(ex.stats[2])
                 else:  # equal chunks: all-gather everything, reduce-scatter full-size partial sums

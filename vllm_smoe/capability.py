@@ -29,6 +29,9 @@ def speculate_supported(vllm_config, placement, predictor: str = "tables") -> tu
     if placement.ep_size != tp:
         return False, (f"{placement.path}: field 'ep_size' = {placement.ep_size} but mode speculate splits the "
                        f"experts over the {tp} tensor-parallel ranks; build the placement with --ep-size {tp}")
+    if (getattr(hf, "shared_expert_intermediate_size", 0) or 0) > 0:
+        return False, ("shared experts: vLLM's Qwen3-MoE-style blocks keep them tensor-parallel, and its "
+                       "sequence-parallel MoE skips their all-reduce, which vLLM only runs with DP > 1")
     E = num_experts(hf)
     if E % tp:
         return False, f"{E} experts do not split evenly over {tp} ranks"

@@ -176,7 +176,9 @@ class SmoeCpuCommunicator(CpuCommunicator):
         if sizes is None:
             assert input_.shape[0] % self.world_size == 0
             sizes = [input_.shape[0] // self.world_size] * self.world_size
-        summed = input_.contiguous().clone()
+        if len(set(sizes)) == 1 and not isinstance(self.dist_module, _CPUSHMDistributed):
+            return self.reduce_scatter(input_, 0)  # gloo has reduce_scatter_tensor: less traffic than all-reduce
+        summed = input_.clone(memory_format=torch.contiguous_format)  # shared memory has no reduce-scatter
         self.all_reduce(summed)
         start = sum(sizes[: self.rank_in_group])
         return summed[start: start + sizes[self.rank_in_group]]

@@ -47,15 +47,19 @@ class SparseExchange:
     """The sparse dispatch/combine of one expert-parallel group, over any row all-gather.
 
     rank, world_size: this rank in the group; owner: [E] int64 rank of each physical expert;
-    gather: ``x [n, ...] -> [world_size * n, ...]`` (the same n on every rank), the transport.
-    Two gathers per layer, both of static size (``m`` rows per rank): the outgoing rows, packed
-    once each with ids, weights and a destination bit mask; and the partial results, laid out by
-    source rank and row so that a source adds them without knowing any sizes. ``stats``: [3]
+    gather: ``x [n, ...] -> [world_size * n, ...]`` (the same n on every rank) and reduce_scatter:
+    ``x [world_size * n, ...] -> [n, ...]`` summed over ranks, the transport. Two collectives per
+    layer, both of static size (``m`` rows per rank): a gather of the outgoing rows, packed once
+    each with ids, weights and a destination bit mask; and a reduce-scatter of the partial
+    results, laid out by source rank and row so that a source adds them without knowing any sizes. ``stats``: [3]
     int64 on the device (tokens, (token, remote rank) pairs, bytes a point-to-point transport
     carries for this rank's tokens: rows out with ids and weights, rows back)."""
 
-    def __init__(self, rank: int, world_size: int, owner: torch.Tensor, gather: Callable[[torch.Tensor], torch.Tensor]):
-        self.rank, self.world_size, self.owner, self.gather = rank, world_size, owner, gather
+    def __init__(self, rank: int, world_size: int, owner: torch.Tensor, gather: Callable[[torch.Tensor], torch.Tensor],
+                 reduce_scatter: Callable[[torch.Tensor], torch.Tensor]):
+        assert world_size <= 31, "destination masks are int32 bit sets"
+        self.rank, self.world_size, self.owner = rank, world_size, owner
+        self.gather, self.reduce_scatter = gather, reduce_scatter
         self.stats = torch.zeros(3, dtype=torch.long)
         self._plan = None
 
@@ -81,9 +85,8 @@ class SparseExchange:
                             bits.to(torch.int32).view(torch.float32)[:, None]], dim=1)
         buf = packed.new_zeros((m, packed.shape[1]))
         buf[: out_rows.shape[0]] = packed.index_select(0, out_rows)
-        g = self.gather(buf).view(N, m, -1)
-        mine = (g[:, :, -1].contiguous().view(torch.int32) >> me) & 1
-        mine[me] = 0
+        g = self.gather(buf).view(N, m, packed.shape[1])
+        mine = (g[:, :, -1].contiguous().view(torch.int32) >> me) & 1  # own bit never set
         src, pos = torch.nonzero(mine, as_tuple=True)  # source rank, then its packed row
         rows = g[src, pos]
         r = rows.shape[0]
@@ -106,8 +109,8 @@ class SparseExchange:
         own = hidden_states[:t].clone()
         back = hidden_states.new_zeros((N, m, H))
         back[src, pos] = hidden_states[t:]
-        g = self.gather(back.view(N * m, H)).view(N, N, m, H)  # [computed by, source, packed row]
-        own.index_add_(0, out_rows, g[:, self.rank, : out_rows.shape[0]].sum(dim=0))
+        summed = self.reduce_scatter(back.view(N * m, H))  # [m, H]: this rank's rows, summed over ranks
+        own.index_add_(0, out_rows, summed[: out_rows.shape[0]])
         return own
 
 
@@ -124,17 +127,17 @@ def make_manager(cpu_group, comm):
             hf = get_current_vllm_config().model_config.hf_text_config
             self.exchange = SparseExchange(comm.rank_in_group, comm.world_size,
                                            owner_of(num_experts(hf), comm.world_size),
-                                           lambda x: comm.all_gather(x.contiguous(), 0))
+                                           lambda x: comm.all_gather(x.contiguous(), 0),
+                                           lambda x: comm.reduce_scatterv(x, 0))
 
         def dispatch(self, hidden_states, topk_weights, topk_ids, is_sequence_parallel=False, extra_tensors=None):
             if extra_tensors:
                 raise NotImplementedError("smoe's sparse all2all carries no extra tensors (quantization scales, "
                                           "LoRA); set additional_config smoe.all2all to 'vllm'")
-            rows = None
-            if not is_sequence_parallel and self.dp_world_size > 1:  # DP ranks hold different counts
-                from vllm.forward_context import get_forward_context
+            from vllm.forward_context import get_forward_context
 
-                rows = max(get_forward_context().dp_metadata.get_chunk_sizes_across_dp_rank())
+            dpm = get_forward_context().dp_metadata  # set with DP or sequence parallelism: ranks' row counts
+            rows = max(dpm.get_chunk_sizes_across_dp_rank()) if dpm is not None else None
             return self.exchange.dispatch(hidden_states, topk_weights, topk_ids, rows)
 
         def combine(self, hidden_states, is_sequence_parallel=False):

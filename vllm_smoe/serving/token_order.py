@@ -52,7 +52,11 @@ def block_supported(block: torch.nn.Module) -> tuple[bool, str]:
     name = type(block).__name__
     if not getattr(block, "is_sequence_parallel", False):
         return False, f"{name} does not run sequence parallel (vLLM's use_sequence_parallel_moe is off)"
-    src = inspect.getsource(type(block).forward)
+    forward = type(block).forward
+    if "already_sequence_parallel" in inspect.signature(forward).parameters:
+        return False, (f"{name} can be called on rows its decoder layer already split (already_sequence_parallel), "
+                       f"so smoe cannot order its tokens without model code")
+    src = inspect.getsource(forward)
     if "sequence_parallel_chunk(" not in src or "all_gather(" not in src:
         return False, (f"{name}.forward does not chunk and all-gather its own rows (its decoder layer "
                        f"reduce-scatters instead), so smoe cannot order its tokens without model code")
@@ -63,7 +67,7 @@ class TokenOrder:
     """Per-worker state: device tables, the step's token ids, per-layer inverse permutations,
     the previous layer's top-1, and device-side counters read only when logging."""
 
-    def __init__(self, model, vllm_config, cfg, placement, tables, plan):
+    def __init__(self, model, vllm_config, cfg, tables, plan):
         from vllm.distributed import get_tp_group
 
         self.tp = get_tp_group()
@@ -78,12 +82,11 @@ class TokenOrder:
             if not ok:
                 raise ValueError(f"smoe mode speculate: {reason}")
         L, E = plan.slot2expert.shape
-        self.E = E
         self.tables = None
         if tables is not None:
             self.tables = {k: torch.as_tensor(getattr(tables, k)).to(device) for k in
                            ("token2rank", "token_conf", "markov2rank", "markov_conf", "prior2rank")}
-            self.tables = {k: v.float() if v.dtype == torch.float16 else v.long() for k, v in self.tables.items()}
+            self.tables = {k: v.float() if v.is_floating_point() else v for k, v in self.tables.items()}
         self.slot2expert = torch.as_tensor(plan.slot2expert, device=device)
         self.owner = torch.arange(E, device=device) // (E // self.N)  # physical slot -> rank
         T = vllm_config.scheduler_config.max_num_batched_tokens
@@ -111,6 +114,7 @@ class TokenOrder:
         if ids is None:
             raise ValueError("smoe mode speculate predicts from token ids; this request came as embeddings")
         self.ids[: ids.shape[0]].copy_(ids)
+        self._maybe_log()  # the previous steps' counters, outside smoe's ops
 
     @staticmethod
     def _pre(layer: int):
@@ -142,9 +146,8 @@ class TokenOrder:
             pref, conf = dp.predict_one_rank(ids)
             return pref.expand(len(layers), -1, -1), conf.expand(len(layers), -1)
         t = self.tables
-        if not self.markov:
-            return dp.predict_token_tables(t["token2rank"][layers], t["token_conf"][layers], t["prior2rank"][layers],
-                                           ids)
+        if not self.markov:  # always every layer: whole tables, no index copies
+            return dp.predict_token_tables(t["token2rank"], t["token_conf"], t["prior2rank"], ids)
         (layer,) = layers
         prev = self.slot2expert[layer - 1][self.prev_top1[: ids.shape[0]]] if layer > 0 else None
         pref, conf = dp.predict_tables(*(t[k][layer] for k in ("token2rank", "token_conf", "markov2rank",
@@ -169,14 +172,14 @@ class TokenOrder:
             c = -(-T // self.N)
             top1 = self.tp.all_gather(self.top1[:c].contiguous(), 0)[:T]  # sorted order -> original
             self.prev_top1[:T].copy_(top1.index_select(0, inv))
-        if layer == self.inv.shape[0] - 1:
-            self._maybe_log()
         return y.index_select(0, inv)
 
     def _maybe_log(self) -> None:
         now = time.monotonic()
         if self.rank != 0 or now - self._last_log < self.log_interval:
             return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return  # reading device counters would break a CUDA graph capture
         self._last_log = now
         local, acts, tokens = self.counts.tolist()  # once per log interval, not per step
         if not acts:
@@ -194,6 +197,8 @@ class TokenOrder:
                     "(%d tokens)%s", self.predictor, local / acts, tokens // self.inv.shape[0], wire)
 
 
+# The two ops keep per-step state on TokenOrder (perm, inv, top-1, counters) rather than in their
+# signatures; their order is fixed by data: restore_tokens consumes what order_tokens fed the block.
 @torch.library.custom_op("smoe::order_tokens", mutates_args=())
 def order_tokens(x: torch.Tensor, layer: int) -> torch.Tensor:
     return _ACTIVE.order(x, layer)
@@ -221,7 +226,7 @@ def install_token_order(model, vllm_config, cfg, plan) -> TokenOrder:
 
     placement = load_placement(cfg.placement)
     tables = load_tables(placement) if cfg.predictor.startswith("tables") else None
-    _ACTIVE = TokenOrder(model, vllm_config, cfg, placement, tables, plan)
+    _ACTIVE = TokenOrder(model, vllm_config, cfg, tables, plan)
     logger.info("smoe: mode speculate: token order over %d ranks around %d MoE blocks (%s), predictor %s",
                 _ACTIVE.N, len(_ACTIVE.blocks), type(_ACTIVE.blocks[0][1]).__name__, cfg.predictor)
     return _ACTIVE
