@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import yaml
 
-from vllm_smoe.load_plan import make_load_plan
+from vllm_smoe.serving.load_plan import make_load_plan
 from vllm_smoe.testbed import FIXTURE_MODEL
 
 torch = pytest.importorskip("torch")
@@ -29,7 +29,7 @@ def test_permuted_checkpoint_is_the_same_function(tmp_path):
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from vllm_smoe.loader import permute_weights
+    from vllm_smoe.serving.loader import permute_weights
 
     cfg = AutoConfig.from_pretrained(FIXTURE_MODEL)
     plan = make_load_plan(_derangement_yaml(tmp_path / "p.yaml"), cfg, FIXTURE_MODEL, None)

@@ -73,7 +73,7 @@ class _NoHostSync:
             setattr(torch.Tensor, n, f)
 
 
-def _layer(rank, x, ids, predictor, exchange_kind, router, w13, w2, owner):
+def _layer(rank, x, ids, predictor, exchange_kind, router, w13, w2, owner, exact=False):
     T = x.shape[0]
     pref, conf = (dp.predict_random(ids, 0, WORLD) if predictor == "random" else
                   dp.predict_one_rank(ids) if predictor == "one-rank" else
@@ -85,7 +85,7 @@ def _layer(rank, x, ids, predictor, exchange_kind, router, w13, w2, owner):
     w, top = _route(chunk, router)
     keep = owner == rank
     if exchange_kind == "sparse":
-        ex = SparseExchange(rank, WORLD, owner, _gather, _reduce_scatter)
+        ex = SparseExchange(rank, WORLD, owner, _gather, _reduce_scatter, exact)
         hs, ws, ids_ = ex.dispatch(chunk, w, top)
         out = ex.combine(_experts(hs, ws, ids_, w13, w2, keep))
     else:  # vLLM's allgather-reducescatter with equal chunks: static shapes end to end
@@ -109,9 +109,10 @@ def _worker(rank, port, results):
         w, top = _route(x, router)
         want = _experts(x, w, top, w13, w2, torch.ones(E, dtype=torch.bool))
         for predictor in ("random", "one-rank", "oracle"):
-            got = _layer(rank, x, ids, predictor, "sparse", router, w13, w2, owner)
-            if not torch.allclose(got, want, atol=1e-5):
-                failures.append(f"sparse T={T} {predictor}: {(got - want).abs().max():.2e}")
+            for exact in (False, True):
+                got = _layer(rank, x, ids, predictor, "sparse", router, w13, w2, owner, exact)
+                if not torch.allclose(got, want, atol=1e-5):
+                    failures.append(f"sparse T={T} {predictor} exact={exact}: {(got - want).abs().max():.2e}")
             # every expert on rank 0: ranks 1-3 receive nothing, rank 0 sends nothing
             got = _layer(rank, x, ids, predictor, "sparse", router, w13, w2, torch.zeros(E, dtype=torch.long))
             if not torch.allclose(got, want, atol=1e-5):

@@ -224,6 +224,7 @@ def _comm_worker(rank, world, init, plan, reps, out):
 
     times = {"baseline": [], "smoe": []}
     nbytes = {"baseline": 0.0, "smoe": 0.0}
+    last = {}
     for step in plan["steps"]:
         ids_all = torch.as_tensor(step["ids"]).long()
         T, K = ids_all.shape
@@ -239,7 +240,7 @@ def _comm_worker(rank, world, init, plan, reps, out):
                 dist.barrier()
                 t0 = time.perf_counter()
                 if name == "smoe":
-                    ex = SparseExchange(rank, world, owner, gather, reduce_scatter)
+                    ex = SparseExchange(rank, world, owner, gather, reduce_scatter, exact=True)
                     y = ex.combine(experts(*ex.dispatch(x, w, ids), owner))
                     sent = int(ex.stats[2])
                 else:  # equal chunks: all-gather everything, reduce-scatter full-size partial sums
@@ -250,7 +251,9 @@ def _comm_worker(rank, world, init, plan, reps, out):
                 dist.barrier()
                 times[name].append(time.perf_counter() - t0)
                 assert y.shape == x.shape
-            nbytes[name] += sent
+                last[name] = sent  # bytes do not depend on the repetition
+        for name in nbytes:
+            nbytes[name] += last[name]
     result = {n: {"seconds": float(np.median(times[n])), "bytes": nbytes[n] / len(plan["steps"])} for n in times}
     torch.save(result, os.path.join(out, f"{rank}.pt"))
     dist.destroy_process_group()

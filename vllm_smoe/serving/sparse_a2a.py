@@ -53,11 +53,14 @@ class SparseExchange:
     each with ids, weights and a destination bit mask; and a reduce-scatter of the partial
     results, laid out by source rank and row so that a source adds them without knowing any sizes. ``stats``: [3]
     int64 on the device (tokens, (token, remote rank) pairs, bytes a point-to-point transport
-    carries for this rank's tokens: rows out with ids and weights, rows back)."""
+    carries for this rank's tokens: rows out with ids and weights, rows back). exact: first
+    gather the number of outgoing rows and size both collectives by the largest (one more tiny
+    collective and a host read; worth it where bytes cost time, e.g. over a network)."""
 
     def __init__(self, rank: int, world_size: int, owner: torch.Tensor, gather: Callable[[torch.Tensor], torch.Tensor],
-                 reduce_scatter: Callable[[torch.Tensor], torch.Tensor]):
+                 reduce_scatter: Callable[[torch.Tensor], torch.Tensor], exact: bool = False):
         assert world_size <= 31, "destination masks are int32 bit sets"
+        self.exact = exact
         self.rank, self.world_size, self.owner = rank, world_size, owner
         self.gather, self.reduce_scatter = gather, reduce_scatter
         self.stats = torch.zeros(3, dtype=torch.long)
@@ -78,6 +81,8 @@ class SparseExchange:
             self.stats = self.stats.to(dev)
         bits = destinations(topk_ids, self.owner, me, N)
         out_rows = torch.nonzero(bits, as_tuple=True)[0]  # rows leaving this rank, once each
+        if self.exact:  # size both collectives by the most rows any rank sends, not by the chunk
+            m = max(1, int(self.gather(out_rows.new_tensor([[out_rows.shape[0]]])).max()))
         row = H * hidden_states.element_size()
         words = hidden_states.contiguous().view(torch.uint8).view(t, row).view(torch.float32)  # row as 4-byte words
         Hw = words.shape[1]
@@ -125,10 +130,15 @@ def make_manager(cpu_group, comm):
         def __init__(self):
             super().__init__(cpu_group)
             hf = get_current_vllm_config().model_config.hf_text_config
+            from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+            # over shared memory a copy is cheap and a collective is not: static sizes; over a
+            # network (gloo) the bytes cost time: collectives sized by the rows that really leave
+            network = not isinstance(comm.dist_module, _CPUSHMDistributed)
             self.exchange = SparseExchange(comm.rank_in_group, comm.world_size,
                                            owner_of(num_experts(hf), comm.world_size),
                                            lambda x: comm.all_gather(x.contiguous(), 0),
-                                           lambda x: comm.reduce_scatterv(x, 0))
+                                           lambda x: comm.reduce_scatterv(x, 0), exact=network)
 
         def dispatch(self, hidden_states, topk_weights, topk_ids, is_sequence_parallel=False, extra_tensors=None):
             if extra_tensors:

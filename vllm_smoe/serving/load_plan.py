@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .model_info import expert_groups, moe_layer_indices, num_experts, top_k
-from .placement_file import Placement, load_placement, model_fingerprint
+from ..model_info import expert_groups, moe_layer_indices, num_experts, top_k
+from ..placement_file import Placement, load_placement, model_fingerprint
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ the built model (the MoE block chunks and all-gathers its own rows) is checked a
 
 from __future__ import annotations
 
-from .model_info import num_experts
+from ..model_info import num_experts
 
 
 def speculate_supported(vllm_config, placement, predictor: str = "tables") -> tuple[bool, str]:

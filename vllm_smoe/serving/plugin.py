@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from .config import ALL2ALL, MODES, PREDICTORS
+from ..config import ALL2ALL, MODES, PREDICTORS
 
 logger = logging.getLogger("vllm.smoe")  # under vLLM's logger: same handlers and level
 
@@ -63,7 +63,7 @@ def _smoe_from_args(args: argparse.Namespace) -> dict | None:
 def _install_hooks() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
-    from .config import SmoeConfig
+    from ..config import SmoeConfig
 
     for attr in ("add_cli_args", "from_cli_args", "create_load_config", "create_engine_config"):
         if not hasattr(EngineArgs, attr):
@@ -120,7 +120,7 @@ def _install_hooks() -> None:
             plan_for(cfg.placement, vllm_config)
             if cfg.mode == "speculate":
                 from .capability import speculate_supported
-                from .placement_file import load_placement
+                from ..placement_file import load_placement
 
                 ok, reason = speculate_supported(vllm_config, load_placement(cfg.placement), cfg.predictor)
                 if not ok:
@@ -141,7 +141,7 @@ def register() -> None:
         return
     _done = True
     _install_hooks()
-    from .serving.cpu_ep import install
+    from .cpu_ep import install
 
     install()
     from .loader import register_loader

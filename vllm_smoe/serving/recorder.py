@@ -27,9 +27,9 @@ from functools import partial
 import numpy as np
 import torch
 
-from .config import SmoeConfig
-from .model_info import moe_layer_indices, num_experts, top_k
-from .trace import TraceMeta, TraceWriter
+from ..config import SmoeConfig
+from ..model_info import moe_layer_indices, num_experts, top_k
+from ..trace import TraceMeta, TraceWriter
 
 logger = logging.getLogger("vllm.smoe")
 _ACTIVE: "Recorder | None" = None

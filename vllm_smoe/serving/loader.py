@@ -19,7 +19,7 @@ import torch
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from .config import SmoeConfig
+from ..config import SmoeConfig
 from .load_plan import LoadPlan, plan_for
 
 logger = logging.getLogger("vllm.smoe")  # under vLLM's logger: same handlers and level
@@ -73,7 +73,7 @@ class SmoeModelLoader(DefaultModelLoader):
 
             install_recorder(model, vllm_config, cfg, self.plan)
         if cfg is not None and cfg.mode == "speculate":
-            from .serving.token_order import install_token_order
+            from .token_order import install_token_order
 
             install_token_order(model, vllm_config, cfg, self.plan)
         return model
