@@ -118,3 +118,39 @@ def test_dp2_ep_serves_plain_tokens(tmp_path):
         dp2 = s.complete(prompts)
     assert [t for t, _ in dp2] == [t for t, _ in plain]
     np.testing.assert_allclose([lp for _, lp in dp2], [lp for _, lp in plain], rtol=0, atol=ATOL)
+
+
+@pytest.fixture(scope="module")
+def deepseek_v2(tmp_path_factory):
+    """A random tiny DeepSeek-V2: MLA (kv_lora_rank 512, rope 64), one shared expert, first
+    layer dense, 32 routed experts top-4."""
+    pytest.importorskip("vllm")
+    model = tmp_path_factory.mktemp("dsv2") / "model"
+    r = subprocess.run([sys.executable, "-m", "vllm_smoe.testbed.cli", "build", "--arch", "deepseek_v2", "-o",
+                        str(model), "--layers", "3"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return model
+
+
+@pytest.mark.vllm
+def test_deepseek_v2_tp2_ep_gives_plain_tp2_tokens(deepseek_v2, tmp_path):
+    """vLLM's own EP through the plugin on an architecture with shared experts and MLA; speculate
+    refuses it at load, naming the reason. Random weights give near-tied logits, so prompts go
+    one at a time."""
+    prompts = _prompts(6)
+    tp2, env = ("--tensor-parallel-size", "2"), {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    with VllmServer(str(deepseek_v2), *tp2, log=tmp_path / "plain.log", env=env) as s:
+        plain = s.complete(prompts)
+    args = (*tp2, "--enable-expert-parallel", "--plugin", "smoe", "--smoe-all2all", "vllm")
+    with VllmServer(str(deepseek_v2), *args, log=tmp_path / "ep.log", env=env) as s:
+        ep = s.complete(prompts)
+    assert [t for t, _ in ep] == [t for t, _ in plain]
+    np.testing.assert_allclose([lp for _, lp in ep], [lp for _, lp in plain], rtol=0, atol=ATOL)
+    placement = tmp_path / "ep2.yaml"
+    placement.write_text(yaml.safe_dump({
+        "smoe_placement": 1, "model": {"num_layers": 2, "num_experts": 32, "top_k": 4}, "ep_size": 2,
+        "layers": [{"expert_to_rank": [e % 2 for e in range(32)]} for _ in range(2)]}))
+    spec = (*args, "--smoe-mode", "speculate", "--smoe-placement", str(placement), "--smoe-predictor", "random")
+    with pytest.raises(RuntimeError, match="exited"):
+        VllmServer(str(deepseek_v2), *spec, log=tmp_path / "spec.log", env=env).wait()
+    assert "DeepseekV2MoE can be called on rows its decoder layer already split" in open(tmp_path / "spec.log").read()

@@ -46,13 +46,13 @@ def make_config(arch: str, vocab_size: int, hidden_size: int = 128, num_layers: 
     if arch == "deepseek_v2":
         from transformers import DeepseekV2Config
 
-        # vLLM's MLA backend needs kv_lora_rank + qk_rope_head_dim in {320, 512, 576}; one dense
-        # layer first, as DeepSeek-V2 has.
+        # vLLM 0.32's CPU MLA decode kernel takes only kv_lora_rank 512 with qk_rope_head_dim 64
+        # (head 576); one dense layer first, as DeepSeek-V2 has.
         return DeepseekV2Config(
             **common, num_key_value_heads=hidden_size // 32, intermediate_size=4 * hidden_size,
             moe_intermediate_size=moe_intermediate_size, n_routed_experts=num_experts,
             n_shared_experts=1, num_experts_per_tok=top_k, first_k_dense_replace=1, moe_layer_freq=1,
-            kv_lora_rank=256, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+            kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
             n_group=1, topk_group=1, topk_method="greedy", routed_scaling_factor=1.0,
             norm_topk_prob=False, scoring_func="softmax",
         )
