@@ -154,3 +154,14 @@ def test_deepseek_v2_tp2_ep_gives_plain_tp2_tokens(deepseek_v2, tmp_path):
     with pytest.raises(RuntimeError, match="exited"):
         VllmServer(str(deepseek_v2), *spec, log=tmp_path / "spec.log", env=env).wait()
     assert "DeepseekV2MoE can be called on rows its decoder layer already split" in open(tmp_path / "spec.log").read()
+
+
+def test_bench_serve_reads_the_numbers_of_speculate_log_line():
+    from vllm_smoe.bench import _log_numbers
+
+    line = ("speculate (predictor tables): rank 0 served 0.648 of its expert activations locally (1512 tokens); "
+            "sparse all2all: 0.773 remote (token, rank) pairs and 816 B per token and MoE layer")
+    assert _log_numbers(line) == {"local_share": 0.648, "remote_pairs_per_token": 0.773, "bytes_per_token_layer": 816.0}
+    assert _log_numbers("speculate (predictor random): rank 0 served 0.5 of its expert activations locally (3 tokens)"
+                        ) == {"local_share": 0.5}
+    assert _log_numbers(None) == {}

@@ -130,6 +130,21 @@ def _stream(client, model: str, prompt, max_tokens: int) -> tuple[float, list[fl
     return t0, times, n
 
 
+def _log_numbers(line: str | None) -> dict:
+    """Local activation share, remote (token, rank) pairs and bytes per token and MoE layer from
+    speculate's log line (the sparse all2all's counters), where it gives them."""
+    import re
+
+    out = {}
+    for key, pattern in (("local_share", r"served ([0-9.]+) of its expert activations"),
+                         ("remote_pairs_per_token", r"([0-9.]+) remote \(token, rank\) pairs"),
+                         ("bytes_per_token_layer", r"and ([0-9.]+) B per token")):
+        m = re.search(pattern, line or "")
+        if m:
+            out[key] = float(m.group(1))
+    return out
+
+
 def _serve(a) -> int:
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
@@ -180,8 +195,9 @@ def _serve(a) -> int:
     summary = {}
     for name, r in res.items():
         vals = {k: f(r[k]) for k, (_, f) in cols.items()}
+        last = (r.get("log") or [None])[-1]
         summary[name] = {**vals, "vs_plain": {k: vals[k] / base[k] for k in cols}, "flags": list(runs[name]),
-                         "last_log": (r.get("log") or [None])[-1]}
+                         "last_log": last, **_log_numbers(last)}
         print(f"{name:>13} " + " ".join(f"{vals[k]:8.1f} {vals[k] / base[k]:4.2f}x" for k in cols))
     print("(ratios vs plain; medians over all requests of all rounds, throughput median over rounds)")
     if "vllm-ep" in summary and "speculate" in summary:
