@@ -104,7 +104,7 @@ class TokenOrder:
         self._last_log = time.monotonic()
         model.register_forward_pre_hook(self._step_ids, with_kwargs=True)
         for layer, block in self.blocks:
-            block.register_forward_pre_hook(self._pre(layer))
+            block.register_forward_pre_hook(self._pre(layer), with_kwargs=True)
             block.register_forward_hook(self._post(layer))
             router = next(c.router for c in block.children() if hasattr(getattr(c, "router", None), "set_capture_fn"))
             router.set_capture_fn(self._capture)
@@ -118,8 +118,10 @@ class TokenOrder:
 
     @staticmethod
     def _pre(layer: int):
-        def hook(module, args):
-            return (torch.ops.smoe.order_tokens(args[0], layer), *args[1:])
+        def hook(module, args, kwargs):  # the rows come first, positional or as hidden_states=
+            if args:
+                return (torch.ops.smoe.order_tokens(args[0], layer), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": torch.ops.smoe.order_tokens(kwargs["hidden_states"], layer)}
         return hook
 
     @staticmethod
