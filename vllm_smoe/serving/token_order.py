@@ -33,9 +33,10 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 _ACTIVE: "TokenOrder | None" = None
 
 
-def find_moe_blocks(model: torch.nn.Module, moe_layers: tuple[int, ...]) -> list[tuple[int, torch.nn.Module]]:
-    """(MoE ordinal, block) of every MoE block: the module that owns a FusedMoE (a child with a
-    ``router``), in layer order."""
+def find_moe_blocks(model: torch.nn.Module, moe_layers: tuple[int, ...]
+                    ) -> list[tuple[int, torch.nn.Module, torch.nn.Module]]:
+    """(MoE ordinal, block, router) of every MoE block: the module that owns a FusedMoE (a child
+    with a ``router`` that takes a capture function), in layer order."""
     found = {}
     for name, module in model.named_modules():
         for child in module.children():
@@ -43,8 +44,8 @@ def find_moe_blocks(model: torch.nn.Module, moe_layers: tuple[int, ...]) -> list
             if router is not None and hasattr(router, "set_capture_fn"):
                 m = _LAYER.search("." + name + ".")
                 if m is not None and int(m.group(1)) in moe_layers:
-                    found[moe_layers.index(int(m.group(1)))] = module
-    return sorted(found.items())
+                    found[moe_layers.index(int(m.group(1)))] = (module, router)
+    return [(layer, block, router) for layer, (block, router) in sorted(found.items())]
 
 
 def block_supported(block: torch.nn.Module) -> tuple[bool, str]:
@@ -77,7 +78,7 @@ class TokenOrder:
         self.blocks = find_moe_blocks(model, plan.moe_layers)
         if len(self.blocks) != len(plan.moe_layers):
             raise RuntimeError(f"smoe speculate: found {len(self.blocks)} MoE blocks, expected {len(plan.moe_layers)}")
-        for _, block in self.blocks:
+        for _, block, _ in self.blocks:
             ok, reason = block_supported(block)
             if not ok:
                 raise ValueError(f"smoe mode speculate: {reason}")
@@ -103,10 +104,9 @@ class TokenOrder:
         self.markov = cfg.predictor == "tables-markov"
         self._last_log = time.monotonic()
         model.register_forward_pre_hook(self._step_ids, with_kwargs=True)
-        for layer, block in self.blocks:
+        for layer, block, router in self.blocks:
             block.register_forward_pre_hook(self._pre(layer), with_kwargs=True)
             block.register_forward_hook(self._post(layer))
-            router = next(c.router for c in block.children() if hasattr(getattr(c, "router", None), "set_capture_fn"))
             router.set_capture_fn(self._capture)
 
     def _step_ids(self, module, args, kwargs):
