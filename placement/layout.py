@@ -53,6 +53,35 @@ def _hierarchical(solver, A: sp.csr_matrix, occ: np.ndarray, ep_size: int, nodes
     return e2r
 
 
+def align_ranks(ref: np.ndarray, scores: np.ndarray, nodes: int = 1) -> np.ndarray:
+    """The relabelling of one layer's ranks that best agrees with the layers before it.
+
+    A layer's rank labels are arbitrary (any permutation of them is an equally good placement),
+    but a token keeps one rank across layers when the model keeps its rows split between layers
+    (DeepSeek-style sequence parallelism: one token order per step). ref: [V', N] float, the
+    aligned layers' rank scores per token summed; scores: [V', N] float, this layer's. Ranks
+    move only within nodes and nodes as a whole, so a hierarchical placement stays one.
+    Returns new2old [N] int64: new rank a is old rank new2old[a]."""
+    from scipy.optimize import linear_sum_assignment
+
+    N = ref.shape[1]
+    per = N // nodes
+    share = ref / np.maximum(ref.sum(axis=1, keepdims=True), 1e-12)  # per token: weighted by its traffic once
+    M = share.T @ scores  # [N, N] activations that would agree if old rank b were named a
+    best = np.empty((nodes, nodes))  # node a named after node b: best rank matching inside
+    inner = {}
+    for a in range(nodes):
+        for b in range(nodes):
+            sub = M[a * per:(a + 1) * per, b * per:(b + 1) * per]
+            rows, cols = linear_sum_assignment(-sub)
+            best[a, b], inner[a, b] = sub[rows, cols].sum(), cols
+    _, node_of = linear_sum_assignment(-best)
+    new2old = np.empty(N, dtype=np.int64)
+    for a, b in enumerate(node_of):
+        new2old[a * per:(a + 1) * per] = b * per + inner[a, b]
+    return new2old
+
+
 def add_replicas(A: sp.csr_matrix, occ: np.ndarray, expert2rank: np.ndarray, ep_size: int, replicas: int,
                  capacity: float = 1.10) -> np.ndarray:
     """Extra copies: each rank gets replicas/N more experts, those its scheduled tokens use most
@@ -100,12 +129,20 @@ def place_model(method: str, token_ids: np.ndarray, topk_ids: np.ndarray, num_ex
     tables = empty_tables(L, vocab_size, num_experts) if vocab_size else None
     nearest = nearest_token_map(embeddings, ids, vocab_size) if vocab_size else None
     layers = range(L) if progress is None else progress(range(L))
+    agreed = np.zeros((ids.size, ep_size))  # aligned layers' rank scores per token
     for layer in layers:
         A = count_matrix(rows, topk_ids[:, layer, :].reshape(-1), ids.size, num_experts)
         if nodes > 1:
             e2r[layer] = _hierarchical(solver, A, occ, ep_size, nodes, capacity, theta, seed + layer, max_expert_load)
         else:
             e2r[layer] = solver(A, occ, ep_size, capacity, theta, seed + layer, max_expert_load)
+        if method in PREDICTED:  # same token, same rank in every layer where possible
+            scores = rank_scores(A, e2r[layer], ep_size)
+            if layer:
+                new2old = align_ranks(agreed, scores, nodes)
+                e2r[layer] = np.argsort(new2old)[e2r[layer]]  # old rank -> new rank
+                scores = scores[:, new2old]
+            agreed += scores
         if replicas:
             reps[layer] = add_replicas(A, occ, e2r[layer], ep_size, replicas, capacity)
         if tables is not None:

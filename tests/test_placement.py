@@ -7,7 +7,7 @@ from vllm_smoe.placement.assign import assign_tokens, batch_capacity, contiguous
 from vllm_smoe.placement.coclust import place_coclust
 from vllm_smoe.placement.counts import assign_token_ids, layer_counts, local_count, rank_scores
 from vllm_smoe.placement.ilp import solve_ilp
-from vllm_smoe.placement.layout import SOLVERS, place_model
+from vllm_smoe.placement.layout import SOLVERS, align_ranks, place_model
 from vllm_smoe.placement.metrics import evaluate, holds_from_expert2rank
 from vllm_smoe.placement.online import simulate
 from vllm_smoe.placement.peers import place_linear, place_metis, place_round_robin
@@ -205,3 +205,51 @@ def test_attention_dp_requests_follow_affinity_and_stay_balanced():
     # all requests prefer rank 0: the balance mask still splits them evenly
     out = assign_requests(np.tile([[5.0, 0.0]], (8, 1)), np.full(8, 5), 2, capacity=1.0, window=8)
     assert np.bincount(out, minlength=2).tolist() == [4, 4]
+
+
+def test_align_ranks_golden():
+    """Layer 1 is layer 0 with ranks 0 <-> 2 and 1 <-> 3 swapped: the relabelling undoes it.
+    With 2 nodes of 2 ranks it may only swap nodes and ranks within nodes: here it swaps nodes."""
+    ref = np.array([[5, 0, 0, 0], [0, 4, 0, 0], [0, 0, 3, 0], [0, 0, 0, 2]], dtype=float)
+    scores = ref[:, [2, 3, 0, 1]]
+    assert align_ranks(ref, scores).tolist() == [2, 3, 0, 1]
+    assert align_ranks(ref, scores, nodes=2).tolist() == [2, 3, 0, 1]
+    # a relabelling that would split nodes is not allowed: ranks (0, 1) must stay together
+    crossed = ref[:, [0, 2, 1, 3]]
+    got = align_ranks(ref, crossed, nodes=2)
+    assert sorted(got[:2] // 2) == [got[0] // 2] * 2 and sorted(got) == [0, 1, 2, 3]
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), nodes=st.sampled_from([1, 2]))
+def test_place_model_aligns_layers_without_changing_them(seed, nodes):
+    """Each layer's placement is only relabelled: the same expert groups as the solver alone
+    gives, and of all relabellings of layer 1 (within nodes) the one chosen agrees best with
+    layer 0 (activations a token would find on the rank layer 0 prefers for it)."""
+    import itertools
+
+    rng = np.random.default_rng(seed)
+    T, E, K, N = 600, 16, 2, 4
+    tok = rng.integers(0, 40, T)
+    first = np.stack([(tok * 3 + j) % E for j in range(K)], axis=1)
+    topk = np.stack([first, (first + rng.integers(0, E, T)[:, None] * (rng.random(T) < 0.3)[:, None]) % E], axis=1)
+    e2r, _, _ = place_model("coclust", tok, topk, E, N, nodes=nodes, seed=seed)
+    counts = [layer_counts(tok, topk[:, layer], E) for layer in range(2)]
+    for layer, (_, A, occ) in enumerate(counts):
+        assert (np.bincount(e2r[layer], minlength=N) == E // N).all()
+        if nodes == 1:
+            alone = SOLVERS["coclust"](A, occ, N, 1.10, 0.5, seed + layer, 1.10)
+            groups = {frozenset(np.flatnonzero(alone == r)) for r in range(N)}
+            assert groups == {frozenset(np.flatnonzero(e2r[layer] == r)) for r in range(N)}
+    s0 = rank_scores(counts[0][1], e2r[0], N)
+    share0 = s0 / np.maximum(s0.sum(axis=1, keepdims=True), 1e-12)
+
+    def agreement(e2r1):
+        return float((share0 * rank_scores(counts[1][1], e2r1, N)).sum())
+
+    chosen = agreement(e2r[1])
+    for perm in itertools.permutations(range(N)):
+        perm = np.asarray(perm)
+        if nodes == 2 and not all(perm[2 * n] // 2 == perm[2 * n + 1] // 2 for n in range(2)):
+            continue  # would split a node
+        assert agreement(perm[e2r[1]]) <= chosen + 1e-9

@@ -81,7 +81,7 @@ def test_tp2_ep_gives_plain_tp2_tokens(plain_tp2, smoe, compiled, says):
     prompts, plain = plain_tp2
     out, log = _generate(prompts, {"smoe": smoe}, compiled=compiled, ep=True)
     if says:  # the token order really ran, around vLLM's own MoE blocks, and tokens moved
-        assert f"token order over 2 ranks around 4 MoE blocks (Qwen3MoeSparseMoeBlock), {says}" in log
+        assert f"token order over 2 ranks around 4 MoE blocks (Qwen3MoeSparseMoeBlock), one order per layer, {says}" in log
         assert "of its expert activations locally" in log
     if smoe.get("all2all", "sparse") == "sparse" and "mode" in smoe:
         assert "sparse de-duplicated all2all manager on group ep" in log
@@ -136,28 +136,55 @@ def deepseek_v2(tmp_path_factory):
     return model
 
 
+def _synthetic_placement(model, out, ep_size=2):
+    """A placement with predictor tables for ``model`` from a synthetic trace (each token id
+    routes to a fixed expert set per layer): lossless serving does not depend on its quality."""
+    import json as _json
+
+    from vllm_smoe.trace import TraceMeta, write_trace
+
+    cfg = _json.loads((model / "config.json").read_text())
+    L = cfg["num_hidden_layers"] - cfg.get("first_k_dense_replace", 0)
+    E, K, V = cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["vocab_size"]
+    rng = np.random.default_rng(0)
+    T = 4000
+    tok = rng.integers(0, V, T).astype(np.int32)
+    base = (tok.astype(np.int64)[:, None, None] * 7 + np.arange(L)[None, :, None] * 3 + np.arange(K)) % E
+    trace = write_trace(out.with_suffix(".npz"), TraceMeta(num_experts=E, top_k=K, num_layers=L, vocab_size=V),
+                        token_ids=tok, request_ids=(np.arange(T) // 100).astype(np.int32),
+                        positions=(np.arange(T) % 100).astype(np.int32), topk_ids=base.astype(np.int16))
+    r = subprocess.run([sys.executable, "-m", "vllm_smoe.place_cli", "build", "--trace", str(trace),
+                        "--ep-size", str(ep_size), "-o", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
 @pytest.mark.vllm
-def test_deepseek_v2_tp2_ep_gives_plain_tp2_tokens(deepseek_v2, tmp_path):
-    """vLLM's own EP through the plugin on an architecture with shared experts and MLA; speculate
-    refuses it at load, naming the reason. Random weights give near-tied logits, so prompts go
-    one at a time."""
+def test_deepseek_v2_tp2_ep_and_speculate_give_plain_tp2_tokens(deepseek_v2, tmp_path):
+    """vLLM's own EP through the plugin, and speculate with the tables, a random and an
+    all-to-one-rank predictor, on an architecture with MLA, a shared expert, a dense first layer
+    and decoder layers that keep their rows split between layers (one token order per step).
+    Random weights give near-tied logits, so prompts go one at a time."""
     prompts = _prompts(6)
     tp2, env = ("--tensor-parallel-size", "2"), {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     with VllmServer(str(deepseek_v2), *tp2, log=tmp_path / "plain.log", env=env) as s:
         plain = s.complete(prompts)
-    args = (*tp2, "--enable-expert-parallel", "--plugin", "smoe", "--smoe-all2all", "vllm")
-    with VllmServer(str(deepseek_v2), *args, log=tmp_path / "ep.log", env=env) as s:
-        ep = s.complete(prompts)
-    assert [t for t, _ in ep] == [t for t, _ in plain]
-    np.testing.assert_allclose([lp for _, lp in ep], [lp for _, lp in plain], rtol=0, atol=ATOL)
-    placement = tmp_path / "ep2.yaml"
-    placement.write_text(yaml.safe_dump({
-        "smoe_placement": 1, "model": {"num_layers": 2, "num_experts": 32, "top_k": 4}, "ep_size": 2,
-        "layers": [{"expert_to_rank": [e % 2 for e in range(32)]} for _ in range(2)]}))
-    spec = (*args, "--smoe-mode", "speculate", "--smoe-placement", str(placement), "--smoe-predictor", "random")
-    with pytest.raises(RuntimeError, match="exited"):
-        VllmServer(str(deepseek_v2), *spec, log=tmp_path / "spec.log", env=env).wait()
-    assert "DeepseekV2MoE can be called on rows its decoder layer already split" in open(tmp_path / "spec.log").read()
+    placement = _synthetic_placement(deepseek_v2, tmp_path / "ep2.yaml")
+    ep = (*tp2, "--enable-expert-parallel", "--plugin", "smoe")
+    runs = {"vllm-ep": (*ep, "--smoe-all2all", "vllm")}
+    for predictor in ("tables", "random", "one-rank"):
+        runs[predictor] = (*ep, "--smoe-mode", "speculate", "--smoe-placement", str(placement),
+                           "--smoe-predictor", predictor, "--smoe-log-interval", "0.2")
+    for name, args in runs.items():
+        with VllmServer(str(deepseek_v2), *args, log=tmp_path / f"{name}.log", env=env) as s:
+            out = s.complete(prompts)
+        log = open(tmp_path / f"{name}.log").read()
+        if name != "vllm-ep":
+            assert (f"token order over 2 ranks around 2 MoE blocks (DeepseekV2MoE), one order per step, "
+                    f"predictor {name}") in log
+            assert "of its expert activations locally" in log
+        assert [t for t, _ in out] == [t for t, _ in plain], name
+        np.testing.assert_allclose([lp for _, lp in out], [lp for _, lp in plain], rtol=0, atol=ATOL, err_msg=name)
 
 
 def test_bench_serve_reads_the_numbers_of_speculate_log_line():

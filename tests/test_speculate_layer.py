@@ -196,3 +196,28 @@ def test_assignment_of_all_layers_at_once_equals_layer_by_layer():
             assert torch.equal(both[layer], dp.assign(pref[layer], conf[layer], caps))
         perm, inv = dp.permutation(both)
         assert torch.equal(perm.gather(1, inv), torch.arange(T).expand(4, T))
+
+
+def test_vote_of_layers_golden():
+    """Three layers, three ranks. Token 0: layers say 2, 2, 1 -> 2 then 1. Token 1: no layer has
+    data (-1) -> any order, the floor votes nothing. Token 2: one confident layer for 0 beats two
+    unsure ones for 1 (0.9 > 2 * 0.1). Token 3: a tie between 0 and 1 goes to the lower rank."""
+    pref = torch.tensor([[[2, 0], [-1, -1], [0, -1], [0, -1]],
+                         [[2, -1], [-1, -1], [1, -1], [1, -1]],
+                         [[1, -1], [-1, -1], [1, -1], [2, -1]]])
+    conf = torch.tensor([[0.5, 0.0, 0.9, 0.4], [0.5, 0.0, 0.1, 0.4], [0.5, 0.0, 0.1, 0.0]])
+    best, c = dp.vote(pref, conf, 3)
+    assert best[0].tolist() == [2, 1] and best[2].tolist() == [0, 1] and best[3].tolist() == [0, 1]
+    assert c[1] == 0 and abs(c[0] - (1.002 / 3)) < 1e-6
+    assert torch.equal(dp.vote(pref, conf, 3)[0], best)  # same input, same order, on every rank
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_vote_agrees_with_a_plain_count(seed):
+    rng = np.random.default_rng(seed)
+    L, T, N = 5, 200, 4
+    pref = torch.from_numpy(rng.integers(0, N, (L, T, 1)))
+    conf = torch.ones(L, T)
+    best, _ = dp.vote(pref, conf, N)
+    counts = np.stack([np.bincount(pref[:, t, 0].numpy(), minlength=N) for t in range(T)])
+    np.testing.assert_array_equal(best[:, 0].numpy(), counts.argmax(1))  # argmax: first on ties

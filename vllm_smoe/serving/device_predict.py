@@ -59,6 +59,22 @@ def predict_token_tables(token2rank: torch.Tensor, token_conf: torch.Tensor, pri
     return torch.where(seen, r, prior2rank.long()[:, None, :]), torch.where(seen[..., 0], c, 0.0).clamp_min(0.0)
 
 
+def vote(pref: torch.Tensor, conf: torch.Tensor, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One preference list per token from every layer's (the order a whole step keeps when the
+    decoder layers keep their rows split between layers). Each layer votes for its preferences,
+    weighted by its confidence (plus a floor, so layers without data still count), the second
+    preference half as much. pref: [L, T, P] int, -1 = none; conf: [L, T] float.
+    Returns (pref [T, min(2, N)] int64, the ranks with the most votes first; conf [T] float32,
+    the winner's mean vote per layer)."""
+    L, T, P = pref.shape
+    weight = (conf.float() + 1e-3)[..., None] * (0.5 ** torch.arange(P, device=pref.device))  # [L, T, P]
+    rank = torch.where(pref >= 0, pref.long(), num_ranks)  # slot N: no preference, dropped
+    score = torch.zeros((T, num_ranks + 1), device=pref.device).scatter_add_(
+        1, rank.permute(1, 0, 2).reshape(T, L * P), weight.permute(1, 0, 2).reshape(T, L * P))[:, :num_ranks]
+    best = torch.argsort(-score, dim=1, stable=True)[:, : min(2, num_ranks)]  # ties: lower rank first
+    return best, score.gather(1, best[:, :1])[:, 0] / L
+
+
 def predict_random(token_ids: torch.Tensor, layer: int, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A hash of position, layer and token id: the same on every rank, unrelated to routing.
     Returns (pref [T, 1] int64, conf [T] float32)."""

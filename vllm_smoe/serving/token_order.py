@@ -15,6 +15,15 @@ Everything runs on the device from device-resident tables with static shapes: no
 synchronisation, capturable by torch.compile and CUDA graphs. A misprediction only means the
 token's experts sit elsewhere; vLLM's all2all (smoe's sparse manager by default on CPU) takes it
 there and back. The block computes exactly what it computed before, row by row.
+
+DeepSeek-family decoder layers (DeepSeek-V2/V3, Kimi K2, GLM-4.5, ...) split the rows themselves:
+attention skips its all-reduce, the layer reduce-scatters into contiguous chunks, the MoE block
+runs ``already_sequence_parallel`` and the residual stays split until the next layer all-gathers.
+No per-block order fits there, so smoe orders the whole step once ("stack" order): the embedding's
+rows are permuted (one prediction from every MoE layer's table), every attention sees them in the
+original order (restore before, order after: row-wise ops commute with a permutation), and the
+final norm gets them back in the original order. The contiguous chunk of rank r then holds the
+tokens predicted for r in every MoE layer, and the residual stays consistent across layers.
 """
 
 from __future__ import annotations
@@ -48,20 +57,54 @@ def find_moe_blocks(model: torch.nn.Module, moe_layers: tuple[int, ...]
     return [(layer, block, router) for layer, (block, router) in sorted(found.items())]
 
 
-def block_supported(block: torch.nn.Module) -> tuple[bool, str]:
-    """Does this MoE block chunk, compute and all-gather inside its own forward?"""
+# the children a decoder layer may have for the stack order: one attention, whose rows smoe
+# restores and orders again, and row-wise modules that do not care about the order
+_STACK_LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+
+
+def find_stack(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The decoder stack: the module holding ``embed_tokens``, ``layers`` and ``norm``."""
+    for module in model.modules():
+        if all(hasattr(module, a) for a in ("embed_tokens", "layers", "norm")):
+            return module
+    return None
+
+
+def stack_supported(model: torch.nn.Module, name: str) -> tuple[bool, str]:
+    """Can one order per step, set at the embedding and undone at the final norm, hold for this
+    model? Every decoder layer must mix tokens only in ``self_attn``."""
+    stack = find_stack(model)
+    if stack is None:
+        return False, f"{name} is called on rows its decoder layer already split, and no decoder stack " \
+                      f"(embed_tokens, layers, norm) was found to order the whole step"
+    if getattr(stack, "aux_hidden_state_layers", ()):
+        return False, "auxiliary hidden states (EAGLE-3 drafting) are read in the middle of the stack"
+    for i, layer in enumerate(stack.layers):
+        other = {n for n, _ in layer.named_children()} - _STACK_LAYER_CHILDREN
+        if other or not hasattr(layer, "self_attn"):
+            return False, (f"{name}: decoder layer {i} ({type(layer).__name__}) has modules {sorted(other)} "
+                           f"besides attention and row-wise ones; smoe cannot order its rows without model code")
+    return True, ""
+
+
+def block_supported(block: torch.nn.Module, model: torch.nn.Module | None = None) -> tuple[bool, str, str]:
+    """``(ok, reason, kind)``: kind "block" when the MoE block chunks, computes and all-gathers
+    inside its own forward (ordered per layer around the block), "stack" when its decoder layer
+    splits the rows and the whole step is ordered once (``model`` is then checked)."""
     name = type(block).__name__
     if not getattr(block, "is_sequence_parallel", False):
-        return False, f"{name} does not run sequence parallel (vLLM's use_sequence_parallel_moe is off)"
+        return False, f"{name} does not run sequence parallel (vLLM's use_sequence_parallel_moe is off)", ""
     forward = type(block).forward
     if "already_sequence_parallel" in inspect.signature(forward).parameters:
-        return False, (f"{name} can be called on rows its decoder layer already split (already_sequence_parallel), "
-                       f"so smoe cannot order its tokens without model code")
+        if model is None:
+            return False, f"{name} is called on rows its decoder layer already split", ""
+        ok, reason = stack_supported(model, name)
+        return ok, reason, "stack" if ok else ""
     src = inspect.getsource(forward)
     if "sequence_parallel_chunk(" not in src or "all_gather(" not in src:
         return False, (f"{name}.forward does not chunk and all-gather its own rows (its decoder layer "
-                       f"reduce-scatters instead), so smoe cannot order its tokens without model code")
-    return True, ""
+                       f"reduce-scatters instead), so smoe cannot order its tokens without model code"), ""
+    return True, "", "block"
 
 
 class TokenOrder:
@@ -78,10 +121,19 @@ class TokenOrder:
         self.blocks = find_moe_blocks(model, plan.moe_layers)
         if len(self.blocks) != len(plan.moe_layers):
             raise RuntimeError(f"smoe speculate: found {len(self.blocks)} MoE blocks, expected {len(plan.moe_layers)}")
+        kinds = set()
         for _, block, _ in self.blocks:
-            ok, reason = block_supported(block)
+            ok, reason, kind = block_supported(block, model)
             if not ok:
                 raise ValueError(f"smoe mode speculate: {reason}")
+            kinds.add(kind)
+        if len(kinds) != 1:
+            raise ValueError(f"smoe mode speculate: MoE blocks of mixed kinds {sorted(kinds)}")
+        self.stack = kinds == {"stack"}
+        if self.stack and cfg.predictor == "tables-markov":
+            raise ValueError(f"smoe mode speculate: predictor 'tables-markov' orders each layer after the previous "
+                             f"one, but {type(self.blocks[0][1]).__name__}'s decoder layers keep their rows split "
+                             f"between layers, so one order holds for the whole step; use predictor 'tables'")
         L, E = plan.slot2expert.shape
         self.tables = None
         if tables is not None:
@@ -105,9 +157,20 @@ class TokenOrder:
         self._last_log = time.monotonic()
         model.register_forward_pre_hook(self._step_ids, with_kwargs=True)
         for layer, block, router in self.blocks:
-            block.register_forward_pre_hook(self._pre(layer), with_kwargs=True)
-            block.register_forward_hook(self._post(layer))
+            if not self.stack:
+                block.register_forward_pre_hook(self._pre(layer), with_kwargs=True)
+                block.register_forward_hook(self._post(layer))
             router.set_capture_fn(self._capture)
+        if self.stack:
+            stack = find_stack(model)
+            stack.embed_tokens.register_forward_hook(self._embedded)
+            split = [bool(getattr(d, "use_sequence_parallel_moe", False)) for d in stack.layers]
+            for i, decoder_layer in enumerate(stack.layers):
+                decoder_layer.self_attn.register_forward_pre_hook(self._attn_in, with_kwargs=True)
+                decoder_layer.self_attn.register_forward_hook(self._attn_out)
+                if i > 0 and split[i - 1]:
+                    decoder_layer.register_forward_pre_hook(self._one_row_layer, with_kwargs=True)
+            stack.norm.register_forward_pre_hook(self._one_row_final if split[-1] else self._final)
 
     def _step_ids(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -120,9 +183,53 @@ class TokenOrder:
     def _pre(layer: int):
         def hook(module, args, kwargs):  # the rows come first, positional or as hidden_states=
             if args:
-                return (torch.ops.smoe.order_tokens(args[0], layer), *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": torch.ops.smoe.order_tokens(kwargs["hidden_states"], layer)}
+                return (torch.ops.smoe.order_tokens(args[0], layer, True), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": torch.ops.smoe.order_tokens(kwargs["hidden_states"], layer, True)}
         return hook
+
+    # stack order: predict at the embedding, keep the order through the stack
+    @staticmethod
+    def _embedded(module, args, output):
+        return torch.ops.smoe.order_tokens(output, 0, True)
+
+    @staticmethod
+    def _attn_in(module, args, kwargs):  # attention(positions, hidden_states, ...)
+        if len(args) >= 2:
+            return (args[0], torch.ops.smoe.restore_tokens(args[1], 0), *args[2:]), kwargs
+        return args, {**kwargs, "hidden_states": torch.ops.smoe.restore_tokens(kwargs["hidden_states"], 0)}
+
+    @staticmethod
+    def _attn_out(module, args, output):
+        return torch.ops.smoe.order_tokens(output, 0, False)
+
+    @staticmethod
+    def _final(module, args):  # norm(hidden_states, residual)
+        return tuple(torch.ops.smoe.restore_tokens(a, 0) if isinstance(a, torch.Tensor) else a for a in args)
+
+    # vLLM bug (0.32, DeepSeek-family decoder layers and stack): "are my rows split?" is asked as
+    # rows != positions.shape[0], which is false for one token (ceil(1 / N) = 1), so with a single
+    # decode token the split row (on rank 0; zero padding elsewhere) is taken as the whole step:
+    # the other ranks attend over padding and the next layers read it. For one token, smoe
+    # all-gathers the split rows itself before such a layer and before the final norm.
+    def _gather_one_row(self, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        both = self.tp.all_gather(torch.cat([hidden, residual], dim=-1), 0)[:1]
+        return both[:, : hidden.shape[1]].contiguous(), both[:, hidden.shape[1]:].contiguous()
+
+    def _one_row_layer(self, module, args, kwargs):  # layer(positions, hidden_states, residual, ...)
+        positions = args[0] if args else kwargs["positions"]
+        if positions.shape[0] != 1:
+            return None
+        if len(args) < 3:  # vLLM's stack passes them positionally; anything else is a new model
+            raise RuntimeError(f"smoe speculate: {type(module).__name__} called without positional "
+                               f"(positions, hidden_states, residual)")
+        rest = args[1:]
+        hidden, residual = self._gather_one_row(rest[0], rest[1])
+        return (positions, hidden, residual, *rest[2:]), kwargs
+
+    def _one_row_final(self, module, args):  # after a split last layer: norm(hidden_states, residual)
+        if len(args) >= 2 and args[0].shape[0] == 1:
+            args = (*self._gather_one_row(args[0], args[1]), *args[2:])
+        return self._final(module, args)
 
     @staticmethod
     def _post(layer: int):
@@ -141,6 +248,16 @@ class TokenOrder:
 
     def preferences(self, layers: list[int], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(pref [len(layers), T, P], conf [len(layers), T]) for the step's token ids."""
+        if self.stack:  # one order for every layer
+            if self.predictor == "random":
+                pref, conf = dp.predict_random(ids, 0, self.N)
+            elif self.predictor == "one-rank":
+                pref, conf = dp.predict_one_rank(ids)
+            else:
+                t = self.tables
+                pref, conf = dp.vote(*dp.predict_token_tables(t["token2rank"], t["token_conf"], t["prior2rank"], ids),
+                                     self.N)
+            return pref[None], conf[None]
         if self.predictor == "random":
             both = [dp.predict_random(ids, layer, self.N) for layer in layers]
             return torch.stack([p for p, _ in both]), torch.stack([c for _, c in both])
@@ -156,11 +273,11 @@ class TokenOrder:
                                                                "markov_conf", "prior2rank")), ids, prev)
         return pref[None], conf[None]
 
-    def order(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+    def order(self, x: torch.Tensor, layer: int, predict: bool) -> torch.Tensor:
         T = x.shape[0]
-        if self.markov or layer == 0:
+        if predict and (self.stack or self.markov or layer == 0):
             self.rows = T
-            layers = [layer] if self.markov else list(range(self.perm.shape[0]))
+            layers = [layer] if self.markov or self.stack else list(range(self.perm.shape[0]))
             pref, conf = self.preferences(layers, self.ids[:T])
             perm, inv = dp.permutation(dp.assign(pref, conf, dp.chunk_caps(T, self.N, x.device)))
             self.perm[layers[0]: layers[-1] + 1, :T].copy_(perm)
@@ -202,12 +319,12 @@ class TokenOrder:
 # The two ops keep per-step state on TokenOrder (perm, inv, top-1, counters) rather than in their
 # signatures; their order is fixed by data: restore_tokens consumes what order_tokens fed the block.
 @torch.library.custom_op("smoe::order_tokens", mutates_args=())
-def order_tokens(x: torch.Tensor, layer: int) -> torch.Tensor:
-    return _ACTIVE.order(x, layer)
+def order_tokens(x: torch.Tensor, layer: int, predict: bool) -> torch.Tensor:
+    return _ACTIVE.order(x, layer, predict)
 
 
 @order_tokens.register_fake
-def _(x, layer):
+def _(x, layer, predict):
     return torch.empty_like(x)
 
 
@@ -229,6 +346,7 @@ def install_token_order(model, vllm_config, cfg, plan) -> TokenOrder:
     placement = load_placement(cfg.placement)
     tables = load_tables(placement) if cfg.predictor.startswith("tables") else None
     _ACTIVE = TokenOrder(model, vllm_config, cfg, tables, plan)
-    logger.info("smoe: mode speculate: token order over %d ranks around %d MoE blocks (%s), predictor %s",
-                _ACTIVE.N, len(_ACTIVE.blocks), type(_ACTIVE.blocks[0][1]).__name__, cfg.predictor)
+    logger.info("smoe: mode speculate: token order over %d ranks around %d MoE blocks (%s), %s, predictor %s",
+                _ACTIVE.N, len(_ACTIVE.blocks), type(_ACTIVE.blocks[0][1]).__name__,
+                "one order per step" if _ACTIVE.stack else "one order per layer", cfg.predictor)
     return _ACTIVE

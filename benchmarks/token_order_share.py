@@ -1,0 +1,77 @@
+"""Local activation share of speculate's token orders on a trace, offline (no vLLM, CPU torch).
+
+    python benchmarks/token_order_share.py --placement configs/tiny-4dom-ep2.yaml \
+        --trace vllm_smoe/testbed/assets/traces/heldout.npz --step 64 [--json out.json]
+
+Cuts the trace into steps of ``--step`` tokens and runs the served device code
+(``vllm_smoe.serving.device_predict``: token tables, capped assignment at exactly vLLM's chunk
+sizes) for three orders: one per MoE layer (Qwen3-MoE-style blocks), one per step voted over all
+layers (the DeepSeek family, whose decoder layers keep rows split between layers), and the random
+predictor. Prints the share of expert activations whose expert lives on the token's rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+import torch
+
+from vllm_smoe.placement_file import load_placement, load_tables
+from vllm_smoe.serving import device_predict as dp
+from vllm_smoe.trace import open_trace
+
+
+def shares(placement_path: str, trace_path: str, step: int) -> dict[str, float]:
+    placement = load_placement(placement_path)
+    tables = load_tables(placement)
+    trace = open_trace(trace_path)
+    ids, topk = trace["token_ids"], trace["topk_ids"].astype(np.int64)  # [T], [T, L, K]
+    N = placement.ep_size
+    e2r = torch.from_numpy(placement.expert2rank.astype(np.int64))  # [L, E]
+    arrays = [torch.from_numpy(getattr(tables, k)) for k in ("token2rank", "token_conf", "prior2rank")]
+    local = {"per_layer": 0, "per_step": 0, "random": 0}
+    acts = 0
+    for s in range(0, len(ids) - step + 1, step):
+        i = torch.from_numpy(ids[s: s + step].astype(np.int64))
+        owner = e2r.gather(1, torch.from_numpy(topk[s: s + step]).permute(1, 0, 2).reshape(e2r.shape[0], -1))
+        owner = owner.view(e2r.shape[0], step, -1)  # [L, T, K] home rank of each activation
+        caps = dp.chunk_caps(step, N)
+        pref, conf = dp.predict_token_tables(*arrays, i)
+        orders = {"per_layer": dp.assign(pref, conf, caps)[..., None],
+                  "per_step": dp.assign(*dp.vote(pref, conf, N), caps)[None, :, None],
+                  "random": dp.assign(*dp.predict_random(i, 0, N), caps)[None, :, None]}
+        for name, t2r in orders.items():
+            local[name] += int((owner == t2r).sum())
+        acts += owner.numel()
+    if not acts:
+        raise ValueError(f"{trace_path}: fewer than --step {step} tokens")
+    return {name: v / acts for name, v in local.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--placement", required=True)
+    ap.add_argument("--trace", required=True)
+    ap.add_argument("--step", type=int, default=64, help="tokens per step (default 64)")
+    ap.add_argument("--json", help="write the shares here")
+    a = ap.parse_args(argv)
+    if a.step < 1:
+        ap.error(f"--step must be >= 1, got {a.step}")
+    try:
+        out = shares(a.placement, a.trace, a.step)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for name, v in out.items():
+        print(f"{name:10s} {v:.3f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"placement": a.placement, "trace": a.trace, "step": a.step, **out}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
