@@ -176,3 +176,72 @@ def test_cli_exit_codes(tmp_path):
     assert r.returncode == 0 and "ok" in r.stdout
     r = subprocess.run([sys.executable, "-m", "vllm_smoe.trace", "validate", str(bad)], capture_output=True, text=True)
     assert r.returncode == 2 and "'token_ids'" in r.stderr and "Traceback" not in r.stderr
+
+
+_KILLED_WRITER = """
+import os, signal, sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+from test_trace import META, arrays
+from vllm_smoe.trace import TraceWriter
+w = TraceWriter({path!r}, META)
+a = arrays(30)
+for s in range(0, 30, 10):  # three steps, then a crash before close
+    w.append(**{{k: v[s:s + 10] for k, v in a.items()}})
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _killed_writer(tmp_path):
+    path = tmp_path / "rec" / "trace-dp0-1-00000.npz"
+    path.parent.mkdir()
+    code = _KILLED_WRITER.format(tests=os.path.dirname(__file__), path=str(path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == -9, r.stderr
+    assert not path.exists()
+    (spill,) = [d for d in os.listdir(path.parent) if d.startswith(".trace-")]
+    return path, path.parent / spill
+
+
+def test_a_killed_writer_is_recovered_whole(tmp_path, capsys):
+    """Every appended step survives SIGKILL (unbuffered spill files); smoe-trace recover turns
+    the spill directory into the trace the writer would have closed."""
+    path, spill = _killed_writer(tmp_path)
+    with pytest.raises(ValueError, match="smoe-trace recover"):  # readers say what to do, no crash
+        from vllm_smoe.trace import read_traces
+
+        read_traces([str(path.parent)])
+    assert main(["recover", str(path.parent)]) == 0
+    assert f"recovered {path}: 30 tokens" in capsys.readouterr().out
+    assert not spill.exists()
+    assert main(["validate", str(path)]) == 0
+    t = open_trace(path)
+    for k, v in arrays(30).items():
+        np.testing.assert_array_equal(t[k], v)
+    assert main(["recover", str(path.parent)]) == 0  # nothing left: says so
+    assert "nothing to recover" in capsys.readouterr().out
+
+
+def test_a_step_cut_in_the_middle_is_dropped_and_the_rest_kept(tmp_path, capsys):
+    path, spill = _killed_writer(tmp_path)
+    with open(spill / "topk_ids", "r+b") as f:  # the kill came while the third step was written
+        f.truncate(os.path.getsize(spill / "topk_ids") - 5)
+    assert main(["recover", str(path.parent)]) == 0
+    assert "29 tokens" in capsys.readouterr().out
+    np.testing.assert_array_equal(open_trace(path, validate=True)["token_ids"], arrays(30)["token_ids"][:29])
+
+
+def test_recover_leaves_live_writers_and_names_damaged_spills(tmp_path, capsys):
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    w = TraceWriter(rec / "live.npz", META)  # this process: alive
+    w.append(**arrays(4))
+    assert main(["recover", str(rec)]) == 0
+    assert "skipped" in capsys.readouterr().out and not (rec / "live.npz").exists()
+    w.close()
+    broken = rec / ".trace-broken"
+    broken.mkdir()
+    (broken / "spill.json").write_text("{not json")
+    assert main(["recover", "--force", str(rec)]) == 2
+    assert "damaged spill index" in capsys.readouterr().err
+    assert main(["recover", str(tmp_path / "nope")]) == 2

@@ -50,9 +50,17 @@ class SmoeConfig:
         unknown = sorted(set(d) - set(_KEYS))
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {unknown}; known: {', '.join(_KEYS)}")
-        mode = d.get("mode", "record" if d.get("record") and not d.get("placement") else "place")
+        # a record directory always records: with a placement too (routing is mapped back to
+        # logical experts), never silently ignored
+        mode = d.get("mode", "record" if d.get("record") else "place")
         if mode not in MODES:
             raise ValueError(f"{where}: field 'mode' must be one of {', '.join(MODES)}, got {mode!r}")
+        if d.get("record") is not None and mode != "record":
+            raise ValueError(f"{where}: field 'record' is given but mode is {mode!r}: "
+                             + ("mode 'speculate' does not record (its routers' capture hooks count local "
+                                "activations); record with mode 'record' and the same placement"
+                                if mode == "speculate" else
+                                "mode 'record' applies a placement as well; drop the mode or set it to 'record'"))
         placement = d.get("placement")
         record = d.get("record")
         for key, v in (("placement", placement), ("record", record)):
@@ -73,10 +81,11 @@ class SmoeConfig:
         if mode == "record" and record is None:
             raise ValueError(f"{where}: mode 'record' needs field 'record' (a directory for traces)")
         interval = d.get("log_interval", 10.0)
-        if not isinstance(interval, (int, float)) or interval <= 0:
+        if not isinstance(interval, (int, float)) or isinstance(interval, bool) or not interval > 0 \
+                or interval == float("inf"):
             raise ValueError(f"{where}: field 'log_interval' must be a positive number, got {interval!r}")
         chunk = d.get("record_chunk_tokens", 1 << 18)
-        if not isinstance(chunk, int) or chunk <= 0:
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
             raise ValueError(f"{where}: field 'record_chunk_tokens' must be a positive integer, got {chunk!r}")
         return cls(mode=mode, placement=os.path.abspath(placement) if placement else None,
                    record=os.path.abspath(record) if record else None, log_interval=float(interval),

@@ -319,11 +319,48 @@ def _check_values(trace: Trace, chunk_tokens: int, loaded: dict[str, np.ndarray]
         start += tok.shape[0]
 
 
+SPILL_PREFIX = ".trace-"
+SPILL_INDEX = "spill.json"
+
+
+def _assemble(path: str, meta: TraceMeta, spill_dir: str, dtypes: Mapping[str, np.dtype],
+              tails: Mapping[str, tuple[int, ...]], num_tokens: int, compresslevel: int = 1) -> None:
+    """The ``.npz`` at ``path`` from the first ``num_tokens`` rows of each raw spill file,
+    written to a temporary name and renamed (readers never see a half-written trace)."""
+    tmp = path + ".tmp"
+    try:
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=compresslevel) as zf:
+            for name, dtype in dtypes.items():
+                shape = (num_tokens, *tails[name])
+                with zf.open(name + ".npy", "w", force_zip64=True) as out:
+                    np.lib.format.write_array_header_2_0(
+                        out, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
+                    )
+                    left = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                    with open(os.path.join(spill_dir, name), "rb") as src:
+                        while left > 0:
+                            block = src.read(min(left, 1 << 22))
+                            if not block:
+                                raise ValueError(f"{spill_dir}: spill file {name!r} ends early")
+                            out.write(block)
+                            left -= len(block)
+            with zf.open("meta.npy", "w") as out:
+                np.lib.format.write_array(out, np.array(meta.to_json()), allow_pickle=False)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 class TraceWriter:
     """Append-only writer: ``append`` chunks, ``close`` assembles the ``.npz`` atomically.
 
-    Each field is spilled to a raw file in a temporary directory next to the output, so memory
-    holds one chunk at a time. Fields present in the first chunk must be present in every chunk.
+    Each field is spilled to a raw file in a temporary directory next to the output
+    (``.trace-*``), so memory holds one chunk at a time. Fields present in the first chunk must be
+    present in every chunk. Spill writes are unbuffered and the directory holds an index
+    (``spill.json``: output path, meta, dtypes, writer pid), so if the process dies before
+    ``close`` every appended chunk is already in the operating system's hands and
+    :func:`recover_spill` (``smoe-trace recover DIR``) turns the directory into the trace.
     """
 
     def __init__(self, path: str | os.PathLike, meta: TraceMeta, compresslevel: int = 1):
@@ -333,12 +370,22 @@ class TraceWriter:
         parent = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(parent):
             raise ValueError(f"{self.path}: directory {parent} does not exist")
-        self._dir = tempfile.mkdtemp(prefix=".trace-", dir=parent)
+        self._dir = tempfile.mkdtemp(prefix=SPILL_PREFIX, dir=parent)
         self._files: dict[str, object] = {}
         self._dtypes: dict[str, np.dtype] = {}
         self._tail: dict[str, tuple[int, ...]] = {}
         self.num_tokens = 0
         self._closed = False
+
+    def _write_index(self) -> None:
+        index = {"path": os.path.abspath(self.path), "meta": self.meta.to_json(), "pid": os.getpid(),
+                 "host": os.uname().nodename, "compresslevel": self.compresslevel,
+                 "fields": {n: {"dtype": np.lib.format.dtype_to_descr(d), "tail": list(self._tail[n])}
+                            for n, d in self._dtypes.items()}}
+        tmp = os.path.join(self._dir, SPILL_INDEX + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(index, f)
+        os.replace(tmp, os.path.join(self._dir, SPILL_INDEX))
 
     def append(self, **arrays: np.ndarray) -> None:
         if self._closed:
@@ -363,7 +410,7 @@ class TraceWriter:
             if a.ndim != rank or a.shape[0] != n:
                 raise ValueError(f"{self.path}: field {name!r} chunk has shape {a.shape}, expected {n} rows, rank {rank}")
             if name not in self._files:
-                self._files[name] = open(os.path.join(self._dir, name), "wb")
+                self._files[name] = open(os.path.join(self._dir, name), "wb", buffering=0)
                 self._dtypes[name] = a.dtype
                 self._tail[name] = a.shape[1:]
             elif a.dtype != self._dtypes[name] or a.shape[1:] != self._tail[name]:
@@ -371,6 +418,8 @@ class TraceWriter:
                 if a.shape[1:] != self._tail[name]:
                     raise ValueError(f"{self.path}: field {name!r} row shape changed to {a.shape[1:]}")
             self._files[name].write(np.ascontiguousarray(a).tobytes())
+        if self.num_tokens == 0:
+            self._write_index()
         self.num_tokens += n
 
     def _topk_dtype(self) -> np.dtype:
@@ -384,24 +433,9 @@ class TraceWriter:
             raise ValueError(f"{self.path}: no tokens were appended")
         for f in self._files.values():
             f.close()
-        tmp = self.path + ".tmp"
         try:
-            with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=self.compresslevel) as zf:
-                for name, dtype in self._dtypes.items():
-                    shape = (self.num_tokens, *self._tail[name])
-                    with zf.open(name + ".npy", "w", force_zip64=True) as out:
-                        np.lib.format.write_array_header_2_0(
-                            out, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
-                        )
-                        with open(os.path.join(self._dir, name), "rb") as src:
-                            shutil.copyfileobj(src, out, 1 << 22)
-                meta = np.array(self.meta.to_json())
-                with zf.open("meta.npy", "w") as out:
-                    np.lib.format.write_array(out, meta, allow_pickle=False)
-            os.replace(tmp, self.path)
+            _assemble(self.path, self.meta, self._dir, self._dtypes, self._tail, self.num_tokens, self.compresslevel)
         finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
             shutil.rmtree(self._dir, ignore_errors=True)
             self._closed = True
         return self.path
@@ -422,6 +456,89 @@ class TraceWriter:
             self.abort()
 
 
+def spill_owner_alive(spill_dir: str) -> bool:
+    """Is the process that writes ``spill_dir`` still running (on this host)? A directory
+    without an index, or from another host, counts as alive: only ``--force`` touches it."""
+    try:
+        with open(os.path.join(spill_dir, SPILL_INDEX)) as f:
+            index = json.load(f)
+        pid, host = int(index["pid"]), index["host"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+    if host != os.uname().nodename:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # killed but not yet reaped by its parent: a zombie writes nothing more
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def recover_spill(spill_dir: str) -> tuple[str | None, int]:
+    """Turn the spill directory of a writer that died before ``close`` into its trace.
+
+    Keeps the rows every field holds completely (a kill in the middle of a step loses that step
+    only), writes the ``.npz`` the writer would have written (or ``<name>-recovered.npz`` if that
+    exists) and removes the directory. Returns (path or None when no row was complete, tokens).
+    Raises ValueError naming the directory when its index is missing or damaged (the directory is
+    then left alone)."""
+    claimed = f"{spill_dir.rstrip(os.sep)}.recovering-{os.getpid()}"
+    try:  # one recoverer per directory: the rename is atomic, a second one finds nothing
+        os.rename(spill_dir, claimed)
+    except FileNotFoundError:
+        raise ValueError(f"{spill_dir}: gone (recovered by another process meanwhile)") from None
+    spill_dir = claimed
+    where = os.path.join(spill_dir, SPILL_INDEX)
+    try:
+        with open(where) as f:
+            index = json.load(f)
+        meta = TraceMeta.from_json(index["meta"], where)
+        fields = {n: (np.dtype(np.lib.format.descr_to_dtype(v["dtype"])), tuple(int(x) for x in v["tail"]))
+                  for n, v in index["fields"].items()}
+        path = os.path.join(os.path.dirname(spill_dir), os.path.basename(os.fspath(index["path"])))  # dir may have moved
+    except FileNotFoundError:
+        raise ValueError(f"{spill_dir}: no {SPILL_INDEX}: unrecoverable (the writer died before its first "
+                         f"rows, or this is not a smoe spill directory)") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{where}: damaged spill index ({e}): unrecoverable") from None
+    missing = [n for n in REQUIRED_FIELDS if n not in fields]
+    if missing:
+        raise ValueError(f"{where}: field(s) {missing} missing: unrecoverable")
+    rows = []
+    for name, (dtype, tail) in fields.items():
+        row_bytes = dtype.itemsize * int(np.prod(tail, dtype=np.int64))
+        try:
+            rows.append(os.path.getsize(os.path.join(spill_dir, name)) // row_bytes)
+        except OSError:
+            rows.append(0)
+    n = min(rows)
+    out = None
+    if n > 0:
+        out = path
+        if os.path.exists(out):
+            out = path[: -len(".npz")] + "-recovered.npz" if path.endswith(".npz") else path + "-recovered"
+        _assemble(out, meta, spill_dir, {k: d for k, (d, _) in fields.items()},
+                  {k: t for k, (_, t) in fields.items()}, n, int(index.get("compresslevel", 1)))
+    shutil.rmtree(spill_dir, ignore_errors=True)
+    return out, n
+
+
+def find_spills(directory: str) -> list[str]:
+    """Spill directories (``.trace-*``) directly inside ``directory``, sorted."""
+    try:
+        names = os.listdir(directory)
+    except OSError as e:
+        raise ValueError(f"{directory}: cannot list ({e.strerror})") from None
+    return sorted(os.path.join(directory, n) for n in names
+                  if n.startswith(SPILL_PREFIX) and os.path.isdir(os.path.join(directory, n)))
+
+
 def write_trace(path: str | os.PathLike, meta: TraceMeta, **arrays: np.ndarray) -> str:
     """Write a whole in-memory trace (convenience over :class:`TraceWriter`)."""
     with TraceWriter(path, meta) as w:
@@ -438,6 +555,15 @@ def expand_trace_paths(specs: Sequence[str]) -> list[str]:
     for spec in specs:
         if os.path.isdir(spec):
             found = sorted(glob.glob(os.path.join(spec, "*.npz")))
+            spills = find_spills(spec)
+            if spills and not found:
+                raise ValueError(f"{spec}: no trace files, but {len(spills)} spill director{'ies' if len(spills) > 1 else 'y'}"
+                                 f" of a recorder that did not close its file: run smoe-trace recover {spec}")
+            if spills:
+                import warnings
+
+                warnings.warn(f"{spec}: {len(spills)} spill director{'ies' if len(spills) > 1 else 'y'} not read "
+                              f"(a recorder still writing, or killed: smoe-trace recover {spec})", stacklevel=2)
         elif os.path.exists(spec):
             found = [spec]
         else:
@@ -508,17 +634,52 @@ def summary(trace: Trace) -> dict[str, object]:
     }
 
 
+def _recover_main(dirs: Sequence[str], force: bool) -> int:
+    status = 0
+    for d in dirs:
+        if not os.path.isdir(d):
+            print(f"error: {d}: not a directory", file=sys.stderr)
+            return 2
+        try:
+            spills = find_spills(d)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if not spills:
+            print(f"{d}: nothing to recover")
+        for sd in spills:
+            if not force and spill_owner_alive(sd):
+                print(f"skipped {sd}: its writer is still running, ran on another host, or left no index "
+                      f"(--force to recover anyway)")
+                continue
+            try:
+                out, n = recover_spill(sd)
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr)
+                status = 2
+                continue
+            print(f"recovered {out}: {n} tokens" if out else f"removed {sd}: no complete row")
+    return status
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="smoe-trace",
-        description="Validate and inspect smoe routing traces (.npz). Also: python -m vllm_smoe.trace",
+        description="Validate, inspect and recover smoe routing traces (.npz). Also: python -m vllm_smoe.trace",
     )
     sub = p.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("validate", help="check every field and every row; exit 2 on the first problem")
     v.add_argument("files", nargs="+", help="trace .npz files")
     i = sub.add_parser("info", help="print meta, fields and token count (reads no rows)")
     i.add_argument("files", nargs="+")
+    r = sub.add_parser("recover", help="turn the spill data a recorder left behind (killed before it closed "
+                                       "its file) into traces")
+    r.add_argument("dirs", nargs="+", help="record directories (their .trace-* spill directories are read)")
+    r.add_argument("--force", action="store_true",
+                   help="also spill directories whose writer looks alive or ran on another host")
     args = p.parse_args(argv)
+    if args.cmd == "recover":
+        return _recover_main(args.dirs, args.force)
     for f in args.files:
         try:
             t = open_trace(f, validate=args.cmd == "validate")

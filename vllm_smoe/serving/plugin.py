@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from ..config import ALL2ALL, MODES, PREDICTORS
 
@@ -41,7 +42,7 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--smoe-placement", default=None, help="placement YAML written by smoe-place build")
     g.add_argument("--smoe-record", default=None, help="directory to write routing traces into")
     g.add_argument("--smoe-mode", choices=MODES, default=None,
-                   help="place (default with a placement) | record (default with --smoe-record) | speculate")
+                   help="place (default with a placement) | record (default with --smoe-record; applies --smoe-placement too) | speculate")
     g.add_argument("--smoe-log-interval", type=float, default=None, help="seconds between recorder / speculate logs")
     g.add_argument("--smoe-predictor", choices=PREDICTORS, default=None,
                    help="speculate: token -> rank predictor (default tables: the placement's trained tables)")
@@ -110,6 +111,8 @@ def _install_hooks() -> None:
             cfg.check_files()
             self.additional_config = {**self.additional_config, "smoe": cfg.to_dict()}  # normalised paths
         vllm_config = orig_engine(self, *args, **kwargs)
+        if cfg is not None and cfg.mode == "record":
+            _recover_at_exit(cfg.record)
         if cfg is not None and cfg.mode == "speculate":
             # smoe's token order sits around vLLM's sequence-parallel MoE, which vLLM turns on
             # only with DP > 1; the flag carries to every worker inside the parallel config
@@ -132,6 +135,47 @@ def _install_hooks() -> None:
     EngineArgs.from_cli_args = classmethod(from_cli_args)
     EngineArgs.create_load_config = create_load_config
     EngineArgs.create_engine_config = create_engine_config
+
+
+_recovering: set[str] = set()
+
+
+def _recover_at_exit(record_dir: str) -> None:
+    """vLLM stops its engine and workers with a signal and, at its default shutdown timeout of
+    0 s, kills them at once, so a recorder there may never close its file. The process that
+    started them (``vllm serve``, or the ``LLM`` user's) outlives them: at its exit it turns the
+    spill data they left into traces."""
+    if record_dir in _recovering:
+        return
+    _recovering.add(record_dir)
+    import atexit
+
+    atexit.register(_recover_spills, record_dir)
+
+
+def _recover_spills(record_dir: str, wait_s: float = 10.0) -> None:
+    import time
+
+    from ..trace import find_spills, recover_spill, spill_owner_alive
+
+    deadline = time.monotonic() + wait_s
+    try:
+        spills = find_spills(record_dir)
+    except ValueError as e:
+        logger.warning("smoe record: %s", e)
+        return
+    for spill in spills:
+        while spill_owner_alive(spill) and time.monotonic() < deadline:
+            time.sleep(0.1)  # a worker still finishing its own close
+        if spill_owner_alive(spill) or not os.path.isdir(spill):
+            continue
+        try:
+            out, n = recover_spill(spill)
+        except ValueError as e:
+            logger.warning("smoe record: %s", e)
+            continue
+        logger.info("smoe record: wrote %s at shutdown (the worker was stopped before closing it): %d tokens",
+                    out or spill, n)
 
 
 def register() -> None:

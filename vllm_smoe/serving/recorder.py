@@ -10,14 +10,20 @@
 - Only tensor-parallel rank 0 writes (other TP ranks see the same tokens); each data-parallel
   rank writes its own files, ``trace-dp{rank}-{pid}-{chunk:05d}.npz``, rotated every
   ``record_chunk_tokens`` tokens, and closed by a background thread once no step has come for
-  ``IDLE_CLOSE_S`` seconds (vLLM may kill workers at shutdown without running exit hooks, so a
-  chunk must not wait for exit to become a valid file).
+  ``IDLE_CLOSE_S`` seconds.
+- Durability: every step's rows go to the writer's spill files with unbuffered writes, so once
+  a step is appended it survives the process. A clean stop (Ctrl-C, SIGTERM, vLLM's shutdown of
+  its engine and workers) closes the open file: vLLM's engine and workers are multiprocessing
+  children, which skip ``atexit``, so the close is registered with ``multiprocessing.util.Finalize``
+  as well. A hard kill leaves a spill directory; the next recorder start on the same directory
+  (or ``smoe-trace recover DIR``) turns it into a trace, losing at most the step being written.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import multiprocessing.util
 import os
 import re
 import threading
@@ -29,7 +35,7 @@ import torch
 
 from ..config import SmoeConfig
 from ..model_info import moe_layer_indices, num_experts, top_k
-from ..trace import TraceMeta, TraceWriter
+from ..trace import TraceMeta, TraceWriter, find_spills, recover_spill, spill_owner_alive
 
 logger = logging.getLogger("vllm.smoe")
 _ACTIVE: "Recorder | None" = None
@@ -76,16 +82,37 @@ class Recorder:
         self.last_log = time.monotonic()
         self.last_step = time.monotonic()
         self.lock = threading.Lock()
-        atexit.register(self.close)
+        if self.writes:
+            self._recover_leftovers()
+        atexit.register(self.close)  # a main process (LLM offline, uniprocess)
+        multiprocessing.util.Finalize(self, self.close, exitpriority=100)  # vLLM's engine / worker processes
         threading.Thread(target=self._close_when_idle, name="smoe-record", daemon=True).start()
+
+    def _recover_leftovers(self) -> None:
+        """Spill directories of recorders killed before closing their file (earlier runs)."""
+        for spill in find_spills(self.cfg.record):
+            if spill_owner_alive(spill):
+                continue
+            try:
+                out, n = recover_spill(spill)
+            except ValueError as e:
+                logger.warning("smoe record: %s", e)
+                continue
+            logger.info("smoe record: recovered %s from an earlier run: %d tokens", out or spill, n)
+
+    def _close_writer(self) -> None:
+        """Under self.lock."""
+        n = self.writer.num_tokens
+        path = self.writer.close()
+        self.writer = None
+        logger.info("smoe record: wrote %s: %d tokens", path, n)
 
     def _close_when_idle(self) -> None:
         while True:
             time.sleep(IDLE_CLOSE_S / 4)
             with self.lock:
                 if self.writer is not None and time.monotonic() - self.last_step > IDLE_CLOSE_S:
-                    self.writer.close()
-                    self.writer = None
+                    self._close_writer()
 
     def _capture(self, layer: int, topk_ids: torch.Tensor) -> None:
         n = topk_ids.shape[0]
@@ -123,8 +150,7 @@ class Recorder:
             self.total += n
             self.last_step = time.monotonic()
             if self.writer.num_tokens >= self.cfg.record_chunk_tokens:
-                self.writer.close()
-                self.writer = None
+                self._close_writer()
         now = time.monotonic()
         if now - self.last_log >= self.cfg.log_interval:
             logger.info("smoe record: %d tokens in %d steps written to %s", self.total, self.step, self.cfg.record)
@@ -133,8 +159,9 @@ class Recorder:
     def close(self) -> None:
         with self.lock:
             if self.writer is not None:
-                self.writer.close()
-                self.writer = None
+                self._close_writer()
+                logger.info("smoe record: closed at shutdown; %d tokens in %d steps recorded to %s in all",
+                            self.total, self.step, self.cfg.record)
 
 
 def _wrap_runner() -> None:

@@ -1,0 +1,114 @@
+"""Recording loses nothing when the server stops: Ctrl-C, SIGTERM right after the last answer,
+and a killed engine (recovered by the next start on the same directory)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from vllm_smoe.config import SmoeConfig
+from vllm_smoe.server_process import VllmServer
+from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
+from vllm_smoe.trace import main as trace_main
+from vllm_smoe.trace import open_trace, read_traces
+
+
+def test_a_record_directory_always_records_or_is_refused(tmp_path):
+    rec, placement = str(tmp_path / "rec"), str(tmp_path / "p.yaml")
+    assert SmoeConfig.from_dict({"record": rec, "placement": placement}).mode == "record"
+    assert SmoeConfig.from_dict({"record": rec}).mode == "record"
+    for mode, words in [("place", "mode 'record' applies a placement as well"),
+                        ("speculate", "mode 'speculate' does not record")]:
+        with pytest.raises(ValueError, match=words):
+            SmoeConfig.from_dict({"record": rec, "placement": placement, "mode": mode})
+    for bad in [{"log_interval": True}, {"log_interval": float("nan")}, {"record_chunk_tokens": True}]:
+        with pytest.raises(ValueError, match=f"field '{next(iter(bad))}'"):
+            SmoeConfig.from_dict(bad)
+
+
+def _prompts(n=4):
+    t = open_trace(FIXTURE_TRACES["heldout"])
+    tok, req = t["token_ids"], t["request_ids"]
+    reqs = np.unique(req)[:n]
+    return [tok[req == r][: 5 + 3 * i].tolist() for i, r in enumerate(reqs)]
+
+
+def _served_tokens(prompts, out):
+    """Tokens the model processed per request: the prompt and every generated token but the last."""
+    return sorted(len(p) + len(lp) - 1 for p, (_, lp) in zip(prompts, out))
+
+
+def _recorded_tokens(rec):
+    _, arr, files = read_traces([str(rec)])
+    for f in files:
+        assert trace_main(["validate", f]) == 0
+    return sorted(np.bincount(arr["request_ids"]).tolist())
+
+
+def _descendants(pid):
+    import psutil
+
+    return psutil.Process(pid).children(recursive=True)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_a_clean_stop_right_after_the_last_answer_loses_nothing(tmp_path, how):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) and SIGTERM to the
+    server process only (as a container runtime sends it), with no idle wait."""
+    pytest.importorskip("vllm")
+    rec = tmp_path / "rec"
+    s = VllmServer(FIXTURE_MODEL, "--plugin", "smoe", "--smoe-record", str(rec), log=tmp_path / "serve.log").wait()
+    try:
+        prompts = _prompts()
+        out = s.complete(prompts)
+        if how == "ctrl-c":
+            os.killpg(s.proc.pid, signal.SIGINT)
+        else:
+            os.kill(s.proc.pid, signal.SIGTERM)
+        s.proc.wait(120)
+    finally:
+        s.stop()
+    log = open(tmp_path / "serve.log").read()
+    assert _recorded_tokens(rec) == _served_tokens(prompts, out), log[-3000:]
+    assert "smoe record: wrote" in log and "tokens" in log
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("killed", ["workers", "everything"])
+def test_killed_processes_lose_no_finished_step(tmp_path, killed):
+    """SIGKILL of the engine and its workers right after the last answer: the server process
+    turns their spill data into the trace when it exits. SIGKILL of every process (an OOM kill, a
+    lost machine): the next start on the same directory does."""
+    pytest.importorskip("vllm")
+    rec = tmp_path / "rec"
+    s = VllmServer(FIXTURE_MODEL, "--plugin", "smoe", "--smoe-record", str(rec), log=tmp_path / "first.log").wait()
+    try:
+        prompts = _prompts()
+        out = s.complete(prompts)
+        if killed == "everything":
+            os.killpg(s.proc.pid, signal.SIGKILL)
+        else:
+            for p in _descendants(s.proc.pid):
+                p.send_signal(signal.SIGKILL)
+        try:
+            s.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+    finally:
+        s.stop()
+    spills = [d for d in os.listdir(rec) if d.startswith(".trace-")]
+    if killed == "workers":
+        assert "at shutdown (the worker was stopped before closing it)" in open(tmp_path / "first.log").read()
+        assert not spills
+    else:
+        with VllmServer(FIXTURE_MODEL, "--plugin", "smoe", "--smoe-record", str(rec), log=tmp_path / "second.log"):
+            time.sleep(1)
+        if spills:  # killed before the recorder's idle close (2 s after the last step)
+            assert "from an earlier run" in open(tmp_path / "second.log").read()
+    assert not [d for d in os.listdir(rec) if d.startswith(".trace-")]
+    assert _recorded_tokens(rec) == _served_tokens(prompts, out)
