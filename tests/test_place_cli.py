@@ -142,3 +142,35 @@ def test_evaluate_attention_dp_mode(built, tmp_path):
     ours, lin = res["placement (coclust)"], res["linear"]
     assert ours["lar"] > lin["lar"]  # requests scheduled by affinity beat round robin
     assert ours["token_load"] <= 1.2 and lin["token_load"] == 1.0  # 64-request windows, capacity 1.10
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_build_reads_embeddings_of_sharded_half_precision_checkpoints(tmp_path, dtype):
+    """Real checkpoints ship bf16 and sharded: the embedding is read from the shard the index
+    names, rows converted exactly as torch converts them."""
+    import json as _json
+    import shutil
+
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file, save_file
+
+    from vllm_smoe.place_cli import _embeddings
+
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(os.path.join(FIXTURE_MODEL, "config.json"), model / "config.json")
+    weights = load_file(os.path.join(FIXTURE_MODEL, "model.safetensors"))
+    emb_key = next(k for k in weights if k.endswith("embed_tokens.weight"))
+    half = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in weights.items()}
+    first = {k: v for i, (k, v) in enumerate(sorted(half.items())) if k != emb_key and i % 2 == 0}
+    second = {k: v for k, v in half.items() if k not in first}
+    save_file(first, str(model / "model-00001-of-00002.safetensors"))
+    save_file(second, str(model / "model-00002-of-00002.safetensors"))
+    (model / "model.safetensors.index.json").write_text(_json.dumps({"weight_map": {
+        **{k: "model-00001-of-00002.safetensors" for k in first},
+        **{k: "model-00002-of-00002.safetensors" for k in second}}}))
+    got = _embeddings(str(model), 1000)
+    want = half[emb_key][:1000].float().numpy()
+    np.testing.assert_array_equal(got, want)
+    out = tmp_path / "p.yaml"
+    assert main(["build", "--trace", TRAIN, "--ep-size", "2", "--model", str(model), "-o", str(out)]) == 0

@@ -59,17 +59,59 @@ def _model_info(model_dir: str | None, vocab_size: int):
     return model_fingerprint(cfg), _embeddings(model_dir, vocab_size)
 
 
-def _embeddings(model_dir: str, vocab_size: int):
+_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+
+def _embedding_shard(model_dir: str) -> list[str]:
+    """The safetensors files that may hold the input embedding: the one the sharded index names,
+    else every ``*.safetensors`` (sorted)."""
     import glob
 
-    from safetensors import safe_open
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: unreadable shard index ({e})") from None
+        shards = sorted({v for k, v in weight_map.items() if k.endswith("embed_tokens.weight")})
+        if shards:
+            return [os.path.join(model_dir, s) for s in shards]
+    return sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
 
-    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
-        with safe_open(path, "np") as f:
-            for key in f.keys():
-                if key.endswith("embed_tokens.weight"):
-                    emb = f.get_tensor(key)
-                    return emb[:vocab_size].astype(np.float32)
+
+def _embeddings(model_dir: str, vocab_size: int):
+    """[vocab_size, H] float32 rows of ``*embed_tokens.weight``, read straight from the
+    safetensors header and byte range (only the rows needed, any of F64/F32/F16/BF16)."""
+    import struct
+
+    for path in _embedding_shard(model_dir):
+        try:
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+                key = next((k for k in header if k.endswith("embed_tokens.weight")), None)
+                if key is None:
+                    continue
+                info = header[key]
+                dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+                if dtype is None:
+                    raise ValueError(f"{path}: tensor {key!r} has dtype {info['dtype']}; embeddings are read "
+                                     f"in {', '.join(_SAFETENSORS_DTYPES)}")
+                rows, hidden = (int(x) for x in info["shape"])
+                take = min(rows, vocab_size)
+                start = 8 + n + int(info["data_offsets"][0])
+                f.seek(start)
+                raw = np.frombuffer(f.read(take * hidden * np.dtype(dtype).itemsize), dtype=dtype)
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+            if isinstance(e, ValueError) and str(e).startswith(path):
+                raise
+            raise ValueError(f"{path}: cannot read the embedding ({e})") from None
+        if raw.size != take * hidden:
+            raise ValueError(f"{path}: tensor {key!r} is truncated")
+        if info["dtype"] == "BF16":  # the upper half of a float32
+            raw = (raw.astype(np.uint32) << 16).view(np.float32)
+        return raw.reshape(take, hidden).astype(np.float32)
     raise ValueError(f"{model_dir}: no '*embed_tokens.weight' tensor in its safetensors files")
 
 
