@@ -174,3 +174,83 @@ def test_build_reads_embeddings_of_sharded_half_precision_checkpoints(tmp_path, 
     np.testing.assert_array_equal(got, want)
     out = tmp_path / "p.yaml"
     assert main(["build", "--trace", TRAIN, "--ep-size", "2", "--model", str(model), "-o", str(out)]) == 0
+
+
+def _pair(tmp_path, name, ep):
+    out = tmp_path / name
+    out.mkdir(exist_ok=True)
+    assert main(["build", "--trace", TRAIN, "--ep-size", str(ep), "-o", str(out / "p.yaml"),
+                 "--metrics-tokens", "4096"]) == 0
+    return out / "p.yaml"
+
+
+def test_an_interrupted_build_leaves_the_old_pair_and_a_mixed_pair_is_refused(tmp_path, monkeypatch):
+    import shutil
+
+    import vllm_smoe.placement_file as pf
+
+    p2 = _pair(tmp_path, "a", 2)
+    old_tables = load_placement(str(p2)).predictor
+    real = pf._atomic_write
+
+    def fail_on_yaml(path, data):  # the build dies between its two writes
+        if path.endswith(".yaml"):
+            raise OSError(28, "No space left on device")
+        real(path, data)
+
+    monkeypatch.setattr(pf, "_atomic_write", fail_on_yaml)
+    with pytest.raises(OSError):
+        main(["build", "--trace", TRAIN, "--ep-size", "2", "--seed", "3", "-o", str(p2), "--metrics-tokens", "4096"])
+    monkeypatch.setattr(pf, "_atomic_write", real)
+    placement = load_placement(str(p2))
+    assert placement.predictor == old_tables
+    load_tables(placement)  # the old pair still belongs together
+    # tables of another build copied under the name this YAML expects: refused, named
+    p4 = _pair(tmp_path, "b", 4)
+    shutil.copy(load_placement(str(p4)).predictor, old_tables)
+    r = _cli("evaluate", "--trace", HELDOUT, "--placement", str(p2))
+    assert r.returncode == 2 and "predictor_sha256" in r.stderr and old_tables in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    # a YAML of an older smoe without the hash: the tables' own expert2rank gives the mix away
+    doc = yaml.safe_load(open(p2))
+    del doc["predictor_sha256"]
+    p2.write_text(yaml.safe_dump(doc))
+    r = _cli("evaluate", "--trace", HELDOUT, "--placement", str(p2))
+    assert r.returncode == 2 and "expert2rank differs" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("damage,words", [
+    (lambda b: b[: len(b) // 2], "not a readable tables file"),
+    (lambda b: b"", "not a readable tables file"),
+    (lambda b: b"token2rank,token_conf\n1,2\n", "not a readable tables file"),
+])
+def test_damaged_tables_are_refused_with_their_name(tmp_path, damage, words):
+    p = _pair(tmp_path, "c", 2)
+    doc = yaml.safe_load(open(p))
+    del doc["predictor_sha256"]  # reach the reader itself (with the hash, any damage is a mismatch)
+    p.write_text(yaml.safe_dump(doc))
+    tables = load_placement(str(p)).predictor
+    data = open(tables, "rb").read()
+    open(tables, "wb").write(damage(data))
+    r = _cli("evaluate", "--trace", HELDOUT, "--placement", str(p))
+    assert r.returncode == 2 and words in r.stderr and tables in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_tables_of_the_wrong_shape_or_ranks_are_refused(tmp_path):
+    import io
+
+    p = _pair(tmp_path, "d", 2)
+    placement = load_placement(str(p))
+    z = dict(np.load(placement.predictor))
+    for key, bad, words in [("token2rank", lambda a: np.where(a == 1, 5, a), "ranks outside"),
+                            ("markov_conf", lambda a: a[:, :3], "has shape"),
+                            ("token_conf", lambda a: np.full_like(a, np.nan), "non-finite")]:
+        broken = {**z, key: bad(z[key])}
+        buf = io.BytesIO()
+        np.savez_compressed(buf, **broken)
+        open(placement.predictor, "wb").write(buf.getvalue())
+        doc = yaml.safe_load(open(p))
+        doc.pop("predictor_sha256", None)
+        p.write_text(yaml.safe_dump(doc))
+        with pytest.raises(ValueError, match=words):
+            load_tables(load_placement(str(p)))

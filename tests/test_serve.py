@@ -1,5 +1,6 @@
 """Real `vllm serve ... --plugin smoe` servers (vLLM CPU build, fp32, the trained fixture)."""
 
+import os
 import subprocess
 import time
 
@@ -17,6 +18,7 @@ pytest.importorskip("openai")
 
 VLLM = vllm_executable()
 BASE = list(CPU_ARGS)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _prompts(n=6):
@@ -114,3 +116,24 @@ def test_smoe_flags_need_the_plugin_flag(tmp_path):
     r = subprocess.run([VLLM, "serve", FIXTURE_MODEL, "--port", str(free_port()), *BASE, "--smoe-placement", "x.yaml"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "--smoe-placement given without --plugin smoe" in r.stdout + r.stderr
+
+
+def test_speculate_with_a_mixed_placement_pair_never_starts_an_engine(tmp_path):
+    """Tables of another build under the name the YAML expects: refused by the pre-serve check,
+    before any engine or worker starts (no weights loaded, nothing to leak)."""
+    import shutil
+
+    from vllm_smoe.placement_file import load_placement
+
+    ep2 = os.path.join(REPO, "configs", "tiny-4dom-ep2.yaml")
+    ep4 = os.path.join(REPO, "configs", "tiny-4dom-ep4.yaml")
+    shutil.copy(ep2, tmp_path / "p.yaml")
+    mine = tmp_path / os.path.basename(load_placement(ep2).predictor)
+    shutil.copy(load_placement(ep4).predictor, mine)
+    r = subprocess.run([VLLM, "serve", FIXTURE_MODEL, "--port", str(free_port()), *BASE, "--plugin", "smoe",
+                        "--tensor-parallel-size", "2", "--enable-expert-parallel", "--smoe-mode", "speculate",
+                        "--smoe-placement", str(tmp_path / "p.yaml")], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "predictor_sha256" in out and str(mine) in out, out[-3000:]
+    assert "EngineCore" not in out and "Starting to load model" not in out

@@ -10,7 +10,8 @@ method: coclust
 layers:                       # one entry per MoE layer, in order
   - expert_to_rank: [0, 3, 1, ...]     # [E] home rank of each expert
     replicas: [[7, 2], ...]            # optional extra copies: [expert, rank]
-predictor: placement.tables.npz        # tables, relative to this file
+predictor: placement.1928c4ef4627.tables.npz   # tables, relative to this file, named by content
+predictor_sha256: 1928c4ef4627...      # sha256 of that file: a YAML and tables always belong together
 built_from: {traces: [...], tokens: 131072}
 metrics: {lar: 0.44, ...}              # on the training trace
 ```
@@ -45,6 +46,7 @@ class Placement:
     method: str
     capacity: float
     metrics: dict = field(default_factory=dict)
+    predictor_sha256: str | None = None  # content hash of the tables file the YAML was written with
 
     def holds(self) -> np.ndarray:
         """[L, N, E] bool: rank holds a copy of expert."""
@@ -76,13 +78,24 @@ def write_placement(path: str, *, expert2rank: np.ndarray, ep_size: int, nodes: 
                     vocab_size: int | None, method: str, capacity: float, tables: dict[str, np.ndarray] | None,
                     replicas: np.ndarray | None = None, fingerprint: str | None = None,
                     built_from: dict | None = None, metrics: dict | None = None) -> str:
-    """Write the YAML (and its tables ``<stem>.tables.npz`` beside it), each atomically; the
-    tables land first so a YAML never names missing tables."""
+    """Write the YAML (and its tables ``<stem>.<sha256[:12]>.tables.npz`` beside it), each
+    atomically. The tables land first, under a name of their own content, and the YAML records
+    their hash; the tables the previous YAML named are removed only after the new YAML is in
+    place. So an interrupted build leaves the old pair intact, two concurrent builds leave
+    whichever YAML landed last with its own tables, and no reader ever gets a mixed pair."""
+    import io
+
     import yaml
 
     L, E = expert2rank.shape
     stem = os.path.splitext(os.path.basename(path))[0]
-    tables_name = f"{stem}.tables.npz" if tables is not None else None
+    data = sha = tables_name = None
+    if tables is not None:
+        buf = io.BytesIO()
+        np.savez_compressed(buf, expert2rank=expert2rank.astype(np.int32), **tables)
+        data = buf.getvalue()
+        sha = hashlib.sha256(data).hexdigest()
+        tables_name = f"{stem}.{sha[:12]}.tables.npz"
     layers = []
     for layer in range(L):
         entry: dict = {"expert_to_rank": [int(x) for x in expert2rank[layer]]}
@@ -106,20 +119,40 @@ def write_placement(path: str, *, expert2rank: np.ndarray, ep_size: int, nodes: 
         "method": method,
         "layers": layers,
         "predictor": tables_name,
+        **({"predictor_sha256": sha} if sha else {}),
         "built_from": built_from or {},
         "metrics": {k: (round(float(v), 6) if isinstance(v, (float, np.floating)) else v)
                     for k, v in (metrics or {}).items() if not isinstance(v, (list, dict))},
     }
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    if tables is not None:
-        import io
-
-        buf = io.BytesIO()
-        np.savez_compressed(buf, expert2rank=expert2rank.astype(np.int32), **tables)
-        _atomic_write(os.path.join(parent, tables_name), buf.getvalue())
+    previous = _tables_named_by(path, stem)
+    if data is not None:
+        _atomic_write(os.path.join(parent, tables_name), data)
     _atomic_write(path, yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=120).encode())
+    if previous is not None and previous != tables_name:
+        try:
+            os.remove(os.path.join(parent, previous))
+        except FileNotFoundError:
+            pass  # a concurrent build of the same output removed it first
     return path
+
+
+def _tables_named_by(path: str, stem: str) -> str | None:
+    """The tables file an existing YAML at ``path`` names, if it looks like one this module
+    wrote for it (``<stem>.*tables.npz`` beside it): the one to remove once replaced."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            doc = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return None
+    name = doc.get("predictor") if isinstance(doc, dict) else None
+    if isinstance(name, str) and os.path.basename(name) == name and name.startswith(stem + ".") \
+            and name.endswith("tables.npz"):
+        return name
+    return None
 
 
 def _int(doc: dict, key: str, where: str, minimum: int = 1) -> int:
@@ -199,23 +232,72 @@ def load_placement(path: str) -> Placement:
         pred_path = os.path.join(os.path.dirname(os.path.abspath(path)), pred)
         if not os.path.isfile(pred_path):
             raise ValueError(f"{path}: field 'predictor': tables file {pred_path} not found")
+    sha = doc.get("predictor_sha256")
+    if sha is not None and (not isinstance(sha, str) or len(sha) != 64):
+        raise ValueError(f"{path}: field 'predictor_sha256' must be a 64-digit hex string, got {sha!r}")
     cap = doc.get("capacity", 1.10)
-    if not isinstance(cap, (int, float)) or cap < 1.0:
-        raise ValueError(f"{path}: field 'capacity' must be a number >= 1.0, got {cap!r}")
+    if not isinstance(cap, (int, float)) or isinstance(cap, bool) or not 1.0 <= cap < float("inf"):
+        raise ValueError(f"{path}: field 'capacity' must be a finite number >= 1.0, got {cap!r}")
     return Placement(path=path, ep_size=N, nodes=nodes, num_layers=L, num_experts=E, top_k=K,
                      vocab_size=vocab, fingerprint=model.get("fingerprint"), expert2rank=e2r, replicas=replicas,
                      predictor=pred_path, method=str(doc.get("method", "unknown")), capacity=float(cap),
-                     metrics=doc.get("metrics") or {})
+                     metrics=doc.get("metrics") or {}, predictor_sha256=sha)
 
 
 def load_tables(placement: Placement):
     """The predictor tables of a placement (``placement.predict.PredictorTables``)."""
     from .placement.predict import PredictorTables
 
+    import zipfile
+    import zlib
+
     if placement.predictor is None:
         raise ValueError(f"{placement.path}: field 'predictor' is empty; this placement has no tables")
-    with np.load(placement.predictor) as z:
-        missing = [k for k in PredictorTables.__dataclass_fields__ if k not in z]
-        if missing:
-            raise ValueError(f"{placement.predictor}: tables lack {missing}")
-        return PredictorTables(**{k: z[k] for k in PredictorTables.__dataclass_fields__})
+    path = placement.predictor
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read tables ({e.strerror})") from None
+    if placement.predictor_sha256 is not None and hashlib.sha256(data).hexdigest() != placement.predictor_sha256:
+        raise ValueError(f"{path}: these tables are not the ones {placement.path} was built with (field "
+                         f"'predictor_sha256' differs: an interrupted or concurrent smoe-place build?); rebuild")
+    import io
+
+    names = ("expert2rank", *PredictorTables.__dataclass_fields__)
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            arrays = {k: z[k] for k in names if k in z}
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable tables file ({type(e).__name__}: {e})") from None
+    missing = [k for k in names if k not in arrays]
+    if missing:
+        raise ValueError(f"{path}: tables lack {missing}")
+    e2r = arrays.pop("expert2rank")
+    tables = PredictorTables(**arrays)
+    if not np.array_equal(e2r, placement.expert2rank):
+        raise ValueError(f"{path}: its expert2rank differs from {placement.path}'s field 'layers' (tables of "
+                         f"another placement)")
+    _check_tables(path, tables, placement)
+    return tables
+
+
+def _check_tables(path: str, t, placement: Placement) -> None:
+    """Shapes, rank ranges and finite confidences: what a serving worker would index with."""
+    L, E, N = placement.num_layers, placement.num_experts, placement.ep_size
+    V = t.token2rank.shape[1] if t.token2rank.ndim == 3 else -1
+    want = {"token2rank": (L, V, 2), "token_conf": (L, V), "markov2rank": (L, E, 2), "markov_conf": (L, E),
+            "prior2rank": (L, 2), "prior_conf": (L,)}
+    for name, shape in want.items():
+        a = getattr(t, name)
+        if a.shape != shape or V < 1:
+            raise ValueError(f"{path}: table '{name}' has shape {a.shape}, expected {shape} for {L} layers, "
+                             f"{E} experts")
+        if name.endswith("2rank"):
+            if a.dtype.kind not in "iu" or a.size and (a.min() < -1 or a.max() >= N):
+                raise ValueError(f"{path}: table '{name}' holds ranks outside -1..{N - 1} (ep_size {N})")
+        elif not np.isfinite(a.astype(np.float32)).all():
+            raise ValueError(f"{path}: table '{name}' holds non-finite confidences")
+    if placement.vocab_size is not None and V < placement.vocab_size:
+        raise ValueError(f"{path}: table 'token2rank' covers {V} token ids but field 'model.vocab_size' is "
+                         f"{placement.vocab_size}")

@@ -125,9 +125,14 @@ def _install_hooks() -> None:
                 from .capability import speculate_supported
                 from ..placement_file import load_placement
 
-                ok, reason = speculate_supported(vllm_config, load_placement(cfg.placement), cfg.predictor)
+                placement = load_placement(cfg.placement)
+                ok, reason = speculate_supported(vllm_config, placement, cfg.predictor)
                 if not ok:
                     raise ValueError(f"smoe mode speculate: {reason}")
+                if cfg.predictor.startswith("tables"):
+                    from ..placement_file import load_tables
+
+                    load_tables(placement)  # everything a worker will index with, before any worker starts
             logger.info("smoe: placement %s checked against %s", cfg.placement, vllm_config.model_config.model)
         return vllm_config
 
