@@ -196,3 +196,18 @@ def test_bench_serve_reads_the_numbers_of_speculate_log_line():
     assert _log_numbers("speculate (predictor random): rank 0 served 0.5 of its expert activations locally (3 tokens)"
                         ) == {"local_share": 0.5}
     assert _log_numbers(None) == {}
+
+
+@pytest.mark.vllm
+def test_deepseek_v2_speculate_compiled_gives_plain_compiled_tokens(deepseek_v2, tmp_path):
+    """The stack order's hooks under vLLM's default compilation (smoe's ops stay opaque): the
+    same tokens as plain TP=2 compiled (compiled and eager differ from each other in fp32
+    rounding, so each is compared with its own kind)."""
+    prompts = _prompts(4)
+    placement = _synthetic_placement(deepseek_v2, tmp_path / "ep2.yaml")
+    plain, _ = _generate(prompts, None, max_tokens=6, compiled=True, model=deepseek_v2)
+    spec, log = _generate(prompts, {"smoe": {"mode": "speculate", "placement": str(placement)}}, max_tokens=6,
+                          compiled=True, model=deepseek_v2, ep=True)
+    assert "one order per step, predictor tables" in log
+    assert spec["tokens"] == plain["tokens"]
+    np.testing.assert_allclose(spec["logprobs"], plain["logprobs"], rtol=0, atol=ATOL)

@@ -200,7 +200,7 @@ def test_assignment_of_all_layers_at_once_equals_layer_by_layer():
 
 def test_vote_of_layers_golden():
     """Three layers, three ranks. Token 0: layers say 2, 2, 1 -> 2 then 1. Token 1: no layer has
-    data (-1) -> any order, the floor votes nothing. Token 2: one confident layer for 0 beats two
+    data (-1) -> no preference. Token 2: one confident layer for 0 beats two
     unsure ones for 1 (0.9 > 2 * 0.1). Token 3: a tie between 0 and 1 goes to the lower rank."""
     pref = torch.tensor([[[2, 0], [-1, -1], [0, -1], [0, -1]],
                          [[2, -1], [-1, -1], [1, -1], [1, -1]],
@@ -208,8 +208,11 @@ def test_vote_of_layers_golden():
     conf = torch.tensor([[0.5, 0.0, 0.9, 0.4], [0.5, 0.0, 0.1, 0.4], [0.5, 0.0, 0.1, 0.0]])
     best, c = dp.vote(pref, conf, 3)
     assert best[0].tolist() == [2, 1] and best[2].tolist() == [0, 1] and best[3].tolist() == [0, 1]
-    assert c[1] == 0 and abs(c[0] - (1.002 / 3)) < 1e-6
+    assert best[1].tolist() == [-1, -1] and c[1] == 0  # no layer has data: no preference
+    assert abs(c[0] - 2004 / 6006) < 1e-6  # rank 2 got 2 * 1002 of at most 3 * 2 * 1001
     assert torch.equal(dp.vote(pref, conf, 3)[0], best)  # same input, same order, on every rank
+    one = dp.vote(torch.tensor([[[2, -1]], [[2, -1]]]), torch.tensor([[0.3], [0.8]]), 3)[0]
+    assert one.tolist() == [[2, -1]]  # a rank nobody voted for is no second preference
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -149,7 +149,11 @@ def _serve(a) -> int:
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
 
+    from .cli_util import check_output_file
     from .server_process import VllmServer
+
+    if a.json:
+        check_output_file(a.json, "--json")
     from .testbed import FIXTURE_MODEL, FIXTURE_TRACES
 
     model = a.model or FIXTURE_MODEL
@@ -325,6 +329,11 @@ def _comm(a) -> int:
     import tempfile
 
     import torch.multiprocessing as mp
+
+    from .cli_util import check_output_file
+
+    if a.json:
+        check_output_file(a.json, "--json")
 
     plan = _comm_plan(a)
     out = tempfile.mkdtemp(prefix="smoe-comm-")

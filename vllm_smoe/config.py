@@ -105,10 +105,11 @@ class SmoeConfig:
             from .placement_file import load_placement
 
             load_placement(self.placement)
-        if self.record is not None:
-            try:
-                os.makedirs(self.record, exist_ok=True)
-            except OSError as e:
-                raise ValueError(f"{self.record}: field 'record': cannot create directory ({e.strerror})") from None
-            if not os.access(self.record, os.W_OK | os.X_OK):
-                raise ValueError(f"{self.record}: field 'record': directory is not writable")
+        if self.record is not None:  # checked, not created: a refused server leaves nothing behind
+            base = self.record
+            while not os.path.exists(base):
+                base = os.path.dirname(base)
+            if not os.path.isdir(base):
+                raise ValueError(f"{self.record}: field 'record': {base} is a file, not a directory")
+            if not os.access(base, os.W_OK | os.X_OK):
+                raise ValueError(f"{self.record}: field 'record': directory {base} is not writable")

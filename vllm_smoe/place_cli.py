@@ -12,7 +12,7 @@ import tracemalloc
 
 import numpy as np
 
-from .cli_util import run_cli
+from .cli_util import check_output_dir, check_output_file, number, run_cli
 from .placement.assign import batches_from_windows, contiguous_tokens
 from .placement.dp import assign_requests, request_affinity, round_robin_requests
 from .placement.layout import PREDICTED, SOLVERS, place_model
@@ -37,6 +37,8 @@ def _progress(desc: str):
 def _load(specs, batch_tokens: int):
     """Traces -> (meta, arrays sorted by batch, batch_ids [T], files)."""
     meta, arr, files = read_traces(specs)
+    if arr["token_ids"].size == 0:
+        raise ValueError(f"{', '.join(files)}: the trace holds no tokens")
     if "step_ids" in arr:
         order = np.argsort(arr["step_ids"], kind="stable")
         if (order != np.arange(order.size)).any():
@@ -169,6 +171,7 @@ def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, 
 
 
 def cmd_build(a) -> int:
+    check_output_file(a.output, "-o")
     meta, arr, batch, files = _load(a.trace, a.batch_tokens)
     if a.replicas and a.method not in PREDICTED:
         raise ValueError(f"--replicas needs a locality method ({', '.join(PREDICTED)}), not {a.method!r}")
@@ -269,6 +272,8 @@ def _print_table(results: dict[str, dict]) -> None:
 
 
 def cmd_evaluate(a) -> int:
+    if a.json:
+        check_output_file(a.json, "--json")
     results = _evaluate_all(a)[1]
     _print_table(results)
     if a.json:
@@ -282,6 +287,7 @@ def cmd_evaluate(a) -> int:
 def cmd_report(a) -> int:
     from .report import write_report
 
+    check_output_dir(a.output, "-o")
     p, results, meta, arr = _evaluate_all(a)
     _print_table(results)
     os.makedirs(a.output, exist_ok=True)
@@ -297,27 +303,31 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(s):
-        s.add_argument("--capacity", type=float, default=1.10,
-                       help="per-batch token cap per rank, as a multiple of the fair share (default 1.10)")
-        s.add_argument("--batch-tokens", type=int, default=512,
+        s.add_argument("--capacity", type=number(float, 1.0), default=1.10,
+                       help="per-batch token cap per rank, as a multiple of the fair share, >= 1 (default 1.10)")
+        s.add_argument("--batch-tokens", type=number(int, 1), default=512,
                        help="batch size for traces without step_ids (default 512)")
-        s.add_argument("--theta", type=float, default=0.5, help="balance weight of ceo/alternating (default 0.5)")
-        s.add_argument("--max-expert-load", type=float, default=1.10,
-                       help="coclust: cap on each rank's expert (compute) load, x mean (default 1.10)")
-        s.add_argument("--seed", type=int, default=0)
-        s.add_argument("--hidden-size", type=int, default=4096,
+        s.add_argument("--theta", type=number(float, 0.0, 1.0), default=0.5,
+                       help="balance weight of ceo/alternating, in [0, 1] (default 0.5)")
+        s.add_argument("--max-expert-load", type=number(float, 1.0), default=1.10,
+                       help="coclust: cap on each rank's expert (compute) load, x mean, >= 1 (default 1.10)")
+        s.add_argument("--seed", type=number(int, 0), default=0)
+        s.add_argument("--hidden-size", type=number(int, 1), default=4096,
                        help="for a2a bytes when the trace meta has no hidden_size (default 4096)")
-        s.add_argument("--dtype-bytes", type=int, default=2, help="activation bytes per element (default 2)")
+        s.add_argument("--dtype-bytes", type=number(int, 1), default=2,
+                       help="activation bytes per element (default 2)")
 
     b = sub.add_parser("build", help="place experts and build predictor tables; writes YAML + .tables.npz")
     b.add_argument("--trace", nargs="+", required=True, help="trace files, directories or globs")
-    b.add_argument("--ep-size", type=int, required=True)
+    b.add_argument("--ep-size", type=number(int, 1), required=True)
     b.add_argument("--method", choices=tuple(SOLVERS) + ("eplb",), default="coclust")
-    b.add_argument("--nodes", type=int, default=1, help="hierarchical: nodes first, then ranks inside a node")
-    b.add_argument("--replicas", type=int, default=0, help="redundant copies per layer (multiple of ep-size)")
+    b.add_argument("--nodes", type=number(int, 1), default=1,
+                   help="hierarchical: nodes first, then ranks inside a node")
+    b.add_argument("--replicas", type=number(int, 0), default=0,
+                   help="redundant copies per layer (multiple of ep-size)")
     b.add_argument("--model", help="checkpoint directory: fingerprint + embeddings for unseen tokens")
     b.add_argument("-o", "--output", required=True, help="placement YAML to write")
-    b.add_argument("--metrics-tokens", type=int, default=131072,
+    b.add_argument("--metrics-tokens", type=number(int, 1), default=131072,
                    help="in-sample metrics stored in the YAML use this many leading tokens (default 131072)")
     common(b)
     b.set_defaults(fn=cmd_build)

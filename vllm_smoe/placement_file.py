@@ -67,11 +67,15 @@ def model_fingerprint(config: dict) -> str:
 
 def _atomic_write(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def write_placement(path: str, *, expert2rank: np.ndarray, ep_size: int, nodes: int, top_k: int,
@@ -129,7 +133,15 @@ def write_placement(path: str, *, expert2rank: np.ndarray, ep_size: int, nodes: 
     previous = _tables_named_by(path, stem)
     if data is not None:
         _atomic_write(os.path.join(parent, tables_name), data)
-    _atomic_write(path, yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=120).encode())
+    try:
+        _atomic_write(path, yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=120).encode())
+    except BaseException:
+        if data is not None and tables_name != previous:  # no YAML names the new tables: no orphan
+            try:
+                os.remove(os.path.join(parent, tables_name))
+            except FileNotFoundError:
+                pass
+        raise
     if previous is not None and previous != tables_name:
         try:
             os.remove(os.path.join(parent, previous))
@@ -173,6 +185,10 @@ def load_placement(path: str) -> Placement:
             doc = yaml.safe_load(f)
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: malformed YAML ({e})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text (YAML) file") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror})") from None
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: top level must be a mapping, got {type(doc).__name__}")
     ver = doc.get("smoe_placement")
@@ -202,8 +218,11 @@ def load_placement(path: str) -> Placement:
         if not isinstance(entry, dict) or not isinstance(entry.get("expert_to_rank"), list):
             raise ValueError(f"{where} is missing")
         row = entry["expert_to_rank"]
-        if len(row) != E or not all(isinstance(x, int) and not isinstance(x, bool) for x in row):
+        if len(row) != E:
             raise ValueError(f"{where} must hold {E} integers (model.num_experts), got {len(row)} entries")
+        odd = [x for x in row if not isinstance(x, int) or isinstance(x, bool)]
+        if odd:
+            raise ValueError(f"{where} must hold integer ranks, got {odd[0]!r}")
         arr = np.asarray(row, dtype=np.int64)
         bad = np.flatnonzero((arr < 0) | (arr >= N))
         if bad.size:
@@ -216,9 +235,16 @@ def load_placement(path: str) -> Placement:
         rep = entry.get("replicas", [])
         if not isinstance(rep, list) or not all(isinstance(p, list) and len(p) == 2 for p in rep):
             raise ValueError(f"{path}: field 'layers[{i}].replicas' must be a list of [expert, rank] pairs")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for p in rep for x in p):
+            raise ValueError(f"{path}: field 'layers[{i}].replicas' must hold integer [expert, rank] pairs")
         rep = np.asarray(rep, dtype=np.int64).reshape(-1, 2)
         if rep.size and ((rep[:, 0] < 0) | (rep[:, 0] >= E) | (rep[:, 1] < 0) | (rep[:, 1] >= N)).any():
             raise ValueError(f"{path}: field 'layers[{i}].replicas' names an expert >= {E} or a rank >= {N}")
+        if rep.size and (arr[rep[:, 0]] == rep[:, 1]).any():
+            e = int(rep[arr[rep[:, 0]] == rep[:, 1]][0, 0])
+            raise ValueError(f"{path}: field 'layers[{i}].replicas': expert {e} copied to its own home rank")
+        if rep.size and np.unique(rep, axis=0).shape[0] != rep.shape[0]:
+            raise ValueError(f"{path}: field 'layers[{i}].replicas' lists an (expert, rank) pair twice")
         reps.append(rep)
     R = max((r.shape[0] for r in reps), default=0)
     replicas = np.full((L, R, 2), -1, dtype=np.int32)

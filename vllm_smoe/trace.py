@@ -28,12 +28,14 @@ a half-written file).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import sys
 import tempfile
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
 
@@ -131,6 +133,17 @@ class _Member:
     row_bytes: int
 
 
+@contextlib.contextmanager
+def _reading(path: str, what: str = ""):
+    """I/O and compression failures while reading ``path`` become ValueErrors naming it."""
+    try:
+        yield
+    except (zipfile.BadZipFile, zlib.error, EOFError) as e:
+        raise ValueError(f"{path}: {what}damaged data ({type(e).__name__}: {e})") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
 def _read_npy_header(fp) -> tuple[tuple[int, ...], bool, np.dtype]:
     version = np.lib.format.read_magic(fp)
     if version == (1, 0):
@@ -160,7 +173,7 @@ class Trace:
         """Whole array of one field (materialised in memory)."""
         if name not in self._members:
             raise KeyError(f"{self.path}: trace has no field {name!r}")
-        with np.load(self.path, allow_pickle=False) as z:
+        with _reading(self.path, f"field {name!r}: "), np.load(self.path, allow_pickle=False) as z:
             return z[name]
 
     def __getitem__(self, name: str) -> np.ndarray:
@@ -174,15 +187,17 @@ class Trace:
         for f in fields:
             if f not in self._members:
                 raise KeyError(f"{self.path}: trace has no field {f!r}")
-        zf = zipfile.ZipFile(self.path)
+        with _reading(self.path):
+            zf = zipfile.ZipFile(self.path)
         handles = {}
         try:
             for f in fields:
                 m = self._members[f]
                 if m.fortran:
                     raise ValueError(f"{self.path}: field {f!r} is stored in Fortran order; rewrite it C-ordered")
-                fp = zf.open(m.name)
-                _read_npy_header(fp)
+                with _reading(self.path, f"field {f!r}: "):
+                    fp = zf.open(m.name)
+                    _read_npy_header(fp)
                 handles[f] = fp
             for start in range(0, self.num_tokens, chunk_tokens):
                 n = min(chunk_tokens, self.num_tokens - start)
@@ -190,7 +205,8 @@ class Trace:
                 for f in fields:
                     m = self._members[f]
                     want = n * m.row_bytes
-                    buf = handles[f].read(want)
+                    with _reading(self.path, f"field {f!r}: "):
+                        buf = handles[f].read(want)
                     if len(buf) != want:
                         raise ValueError(f"{self.path}: field {f!r} is truncated at token {start}")
                     out[f] = np.frombuffer(buf, dtype=m.dtype).reshape((n, *m.shape[1:]))
@@ -204,11 +220,15 @@ class Trace:
 def _inspect_members(path: str) -> tuple[TraceMeta, dict[str, _Member]]:
     if not os.path.exists(path):
         raise ValueError(f"{path}: no such trace file")
+    if os.path.isdir(path):
+        raise ValueError(f"{path}: is a directory, not a trace file (smoe-place --trace takes directories)")
     try:
         zf = zipfile.ZipFile(path)
     except zipfile.BadZipFile:
         raise ValueError(f"{path}: not an .npz (zip) file") from None
-    with zf:
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
+    with zf, _reading(path):
         members: dict[str, _Member] = {}
         meta_text = None
         for info in zf.infolist():
@@ -303,6 +323,11 @@ def _check_values(trace: Trace, chunk_tokens: int, loaded: dict[str, np.ndarray]
         if topk.size and (topk.min() < 0 or topk.max() >= meta.num_experts):
             bad("topk_ids", (topk < 0) | (topk >= meta.num_experts),
                 f"expert id out of range [0, num_experts={meta.num_experts})")
+        if topk.shape[-1] > 1:
+            srt = np.sort(topk, axis=-1)
+            twice = (srt[..., 1:] == srt[..., :-1]).any(axis=-1)
+            if twice.any():
+                bad("topk_ids", twice, "an expert appears twice in one token's top-k")
         pos = ch["positions"]
         if pos.size and pos.min() < 0:
             bad("positions", pos < 0, "negative position")
@@ -662,7 +687,20 @@ def _recover_main(dirs: Sequence[str], force: bool) -> int:
     return status
 
 
+def _files_main(args) -> int:
+    for f in args.files:
+        t = open_trace(f, validate=args.cmd == "validate")
+        if args.cmd == "validate":
+            print(f"ok: {f}: {t.num_tokens} tokens, {t.meta.num_layers} layers, "
+                  f"{t.meta.num_experts} experts, top-{t.meta.top_k}")
+        else:
+            print(json.dumps(summary(t), indent=2))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from .cli_util import run_cli
+
     p = argparse.ArgumentParser(
         prog="smoe-trace",
         description="Validate, inspect and recover smoe routing traces (.npz). Also: python -m vllm_smoe.trace",
@@ -670,28 +708,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("validate", help="check every field and every row; exit 2 on the first problem")
     v.add_argument("files", nargs="+", help="trace .npz files")
+    v.set_defaults(fn=_files_main)
     i = sub.add_parser("info", help="print meta, fields and token count (reads no rows)")
     i.add_argument("files", nargs="+")
+    i.set_defaults(fn=_files_main)
     r = sub.add_parser("recover", help="turn the spill data a recorder left behind (killed before it closed "
                                        "its file) into traces")
     r.add_argument("dirs", nargs="+", help="record directories (their .trace-* spill directories are read)")
     r.add_argument("--force", action="store_true",
                    help="also spill directories whose writer looks alive or ran on another host")
-    args = p.parse_args(argv)
-    if args.cmd == "recover":
-        return _recover_main(args.dirs, args.force)
-    for f in args.files:
-        try:
-            t = open_trace(f, validate=args.cmd == "validate")
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        if args.cmd == "validate":
-            print(f"ok: {f}: {t.num_tokens} tokens, {t.meta.num_layers} layers, "
-                  f"{t.meta.num_experts} experts, top-{t.meta.top_k}")
-        else:
-            print(json.dumps(summary(t), indent=2))
-    return 0
+    r.set_defaults(fn=lambda a: _recover_main(a.dirs, a.force))
+    return run_cli(p, argv)
 
 
 if __name__ == "__main__":

@@ -61,18 +61,23 @@ def predict_token_tables(token2rank: torch.Tensor, token_conf: torch.Tensor, pri
 
 def vote(pref: torch.Tensor, conf: torch.Tensor, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One preference list per token from every layer's (the order a whole step keeps when the
-    decoder layers keep their rows split between layers). Each layer votes for its preferences,
-    weighted by its confidence (plus a floor, so layers without data still count), the second
-    preference half as much. pref: [L, T, P] int, -1 = none; conf: [L, T] float.
-    Returns (pref [T, min(2, N)] int64, the ranks with the most votes first; conf [T] float32,
-    the winner's mean vote per layer)."""
+    decoder layers keep their rows split between layers). Each layer votes for its first
+    preference with 2 * (1 + round(1000 * conf)) and for its second with half that, so layers
+    without data still count. Votes are integers: every rank sums them to the same scores in any
+    order (float sums on a GPU need not be bit-identical across ranks, and the ranks must agree
+    on one permutation). pref: [L, T, P] int, -1 = none; conf: [L, T] float.
+    Returns (pref [T, min(2, N)] int64, most votes first, lower rank on ties, -1 = no vote;
+    conf [T] float32, the winner's votes as a share of the most a token can get)."""
     L, T, P = pref.shape
-    weight = (conf.float() + 1e-3)[..., None] * (0.5 ** torch.arange(P, device=pref.device))  # [L, T, P]
+    unit = 1 + torch.round(conf.float().clamp(0, 1) * 1000).long()  # [L, T]
+    weight = unit[..., None] * (2 // (2 ** torch.arange(P, device=pref.device))).clamp_min(0)  # 2, 1, 0, ...
     rank = torch.where(pref >= 0, pref.long(), num_ranks)  # slot N: no preference, dropped
-    score = torch.zeros((T, num_ranks + 1), device=pref.device).scatter_add_(
+    score = torch.zeros((T, num_ranks + 1), dtype=torch.long, device=pref.device).scatter_add_(
         1, rank.permute(1, 0, 2).reshape(T, L * P), weight.permute(1, 0, 2).reshape(T, L * P))[:, :num_ranks]
-    best = torch.argsort(-score, dim=1, stable=True)[:, : min(2, num_ranks)]  # ties: lower rank first
-    return best, score.gather(1, best[:, :1])[:, 0] / L
+    best = torch.argsort(-score, dim=1, stable=True)[:, : min(2, num_ranks)]
+    top = score.gather(1, best)
+    best = torch.where(top > 0, best, -1)
+    return best, top[:, 0].float() / (L * 2 * 1001)
 
 
 def predict_random(token_ids: torch.Tensor, layer: int, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:

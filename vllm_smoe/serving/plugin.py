@@ -164,6 +164,8 @@ def _recover_spills(record_dir: str, wait_s: float = 10.0) -> None:
     from ..trace import find_spills, recover_spill, spill_owner_alive
 
     deadline = time.monotonic() + wait_s
+    if not os.path.isdir(record_dir):
+        return  # nothing was recorded
     try:
         spills = find_spills(record_dir)
     except ValueError as e:

@@ -83,6 +83,7 @@ class Recorder:
         self.last_step = time.monotonic()
         self.lock = threading.Lock()
         if self.writes:
+            os.makedirs(cfg.record, exist_ok=True)  # checked before serving, created once serving
             self._recover_leftovers()
         atexit.register(self.close)  # a main process (LLM offline, uniprocess)
         multiprocessing.util.Finalize(self, self.close, exitpriority=100)  # vLLM's engine / worker processes

@@ -19,8 +19,8 @@ there and back. The block computes exactly what it computed before, row by row.
 DeepSeek-family decoder layers (DeepSeek-V2/V3, Kimi K2, GLM-4.5, ...) split the rows themselves:
 attention skips its all-reduce, the layer reduce-scatters into contiguous chunks, the MoE block
 runs ``already_sequence_parallel`` and the residual stays split until the next layer all-gathers.
-No per-block order fits there, so smoe orders the whole step once ("stack" order): the embedding's
-rows are permuted (one prediction from every MoE layer's table), every attention sees them in the
+No per-block order fits there, so smoe orders the whole step once ("stack" order): the first
+decoder layer's input rows are permuted (one prediction from every MoE layer's table), every attention sees them in the
 original order (restore before, order after: row-wise ops commute with a permutation), and the
 final norm gets them back in the original order. The contiguous chunk of rank r then holds the
 tokens predicted for r in every MoE layer, and the residual stays consistent across layers.
@@ -71,7 +71,7 @@ def find_stack(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def stack_supported(model: torch.nn.Module, name: str) -> tuple[bool, str]:
-    """Can one order per step, set at the embedding and undone at the final norm, hold for this
+    """Can one order per step, set at the first decoder layer and undone at the final norm, hold for this
     model? Every decoder layer must mix tokens only in ``self_attn``."""
     stack = find_stack(model)
     if stack is None:
@@ -130,6 +130,10 @@ class TokenOrder:
         if len(kinds) != 1:
             raise ValueError(f"smoe mode speculate: MoE blocks of mixed kinds {sorted(kinds)}")
         self.stack = kinds == {"stack"}
+        if self.stack and getattr(vllm_config, "speculative_config", None) is not None:
+            raise ValueError(f"smoe mode speculate: speculative decoding with {type(self.blocks[0][1]).__name__}: its "
+                             f"drafters read the stack's hidden states (MTP, EAGLE-3), which smoe keeps in its own "
+                             f"order between layers")
         if self.stack and cfg.predictor == "tables-markov":
             raise ValueError(f"smoe mode speculate: predictor 'tables-markov' orders each layer after the previous "
                              f"one, but {type(self.blocks[0][1]).__name__}'s decoder layers keep their rows split "
@@ -163,7 +167,8 @@ class TokenOrder:
             router.set_capture_fn(self._capture)
         if self.stack:
             stack = find_stack(model)
-            stack.embed_tokens.register_forward_hook(self._embedded)
+            # on the first layer's input, not on embed_tokens: drafters may share the embedding
+            stack.layers[0].register_forward_pre_hook(self._first_layer, with_kwargs=True)
             split = [bool(getattr(d, "use_sequence_parallel_moe", False)) for d in stack.layers]
             for i, decoder_layer in enumerate(stack.layers):
                 decoder_layer.self_attn.register_forward_pre_hook(self._attn_in, with_kwargs=True)
@@ -187,10 +192,15 @@ class TokenOrder:
             return args, {**kwargs, "hidden_states": torch.ops.smoe.order_tokens(kwargs["hidden_states"], layer, True)}
         return hook
 
-    # stack order: predict at the embedding, keep the order through the stack
+    # stack order: predict at the first layer's input, keep the order through the stack
     @staticmethod
-    def _embedded(module, args, output):
-        return torch.ops.smoe.order_tokens(output, 0, True)
+    def _first_layer(module, args, kwargs):  # layer(positions, hidden_states, residual=None, ...)
+        residual = args[2] if len(args) > 2 else kwargs.get("residual")
+        if residual is not None:
+            raise RuntimeError("smoe speculate: the first decoder layer got a residual (pipeline parallel?)")
+        if len(args) > 1:
+            return (args[0], torch.ops.smoe.order_tokens(args[1], 0, True), *args[2:]), kwargs
+        return args, {**kwargs, "hidden_states": torch.ops.smoe.order_tokens(kwargs["hidden_states"], 0, True)}
 
     @staticmethod
     def _attn_in(module, args, kwargs):  # attention(positions, hidden_states, ...)
@@ -207,10 +217,12 @@ class TokenOrder:
         return tuple(torch.ops.smoe.restore_tokens(a, 0) if isinstance(a, torch.Tensor) else a for a in args)
 
     # vLLM bug (0.32, DeepSeek-family decoder layers and stack): "are my rows split?" is asked as
-    # rows != positions.shape[0], which is false for one token (ceil(1 / N) = 1), so with a single
-    # decode token the split row (on rank 0; zero padding elsewhere) is taken as the whole step:
-    # the other ranks attend over padding and the next layers read it. For one token, smoe
-    # all-gathers the split rows itself before such a layer and before the final norm.
+    # rows != positions.shape[0], which is false for one token (ceil(1 / N) = 1; for N >= 2 only
+    # T <= 1), so with a single decode token the split row (on rank 0; zero padding elsewhere) is
+    # taken as the whole step: the other ranks attend over padding and the next layers read it.
+    # For one token, smoe all-gathers the split rows itself before such a layer and before the
+    # final norm. Eager only in effect: compiled with vLLM's (backed, guard-free) dynamic shapes
+    # both vLLM's test and this one are fixed at trace time on the general path.
     def _gather_one_row(self, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         both = self.tp.all_gather(torch.cat([hidden, residual], dim=-1), 0)[:1]
         return both[:, : hidden.shape[1]].contiguous(), both[:, hidden.shape[1]:].contiguous()
