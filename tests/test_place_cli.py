@@ -255,3 +255,39 @@ def test_tables_of_the_wrong_shape_or_ranks_are_refused(tmp_path):
         p.write_text(yaml.safe_dump(doc))
         with pytest.raises(ValueError, match=words):
             load_tables(load_placement(str(p)))
+
+
+@pytest.mark.parametrize("fmt,scale", [("float8_e4m3fn", "block"), ("float8_e5m2", "tensor")])
+def test_embeddings_of_fp8_checkpoints_are_dequantised(tmp_path, fmt, scale):
+    """fp8 embeddings with DeepSeek-style block scales (weight_scale_inv, 128 x 128 blocks) or a
+    per-tensor weight_scale, against torch's own fp8 -> float32 conversion."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    from vllm_smoe.place_cli import _embeddings
+
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(300, 200, generator=gen) * 3).to(getattr(torch, fmt))
+    if scale == "block":
+        s = torch.rand(3, 2, generator=gen) + 0.5
+        tensors = {"model.embed_tokens.weight": w, "model.embed_tokens.weight_scale_inv": s}
+        want = w.float() * s.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200]
+    else:
+        s = torch.tensor(0.25)
+        tensors = {"model.embed_tokens.weight": w, "model.embed_tokens.weight_scale": s}
+        want = w.float() * s
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    got = _embeddings(str(tmp_path), 250)
+    np.testing.assert_array_equal(got, want[:250].numpy())
+
+
+def test_two_concurrent_builds_of_one_output_leave_a_consistent_pair(tmp_path):
+    out = tmp_path / "p.yaml"
+    procs = [subprocess.Popen([sys.executable, "-m", "vllm_smoe.place_cli", "build", "--trace", TRAIN, "--ep-size",
+                               str(ep), "-o", str(out), "--metrics-tokens", "2048"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for ep in (2, 4)]
+    assert [p.wait(300) for p in procs] == [0, 0]
+    placement = load_placement(str(out))
+    tables = load_tables(placement)  # hash, expert2rank and shapes agree with the YAML that landed last
+    assert int(tables.token2rank.max()) < placement.ep_size
+    assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]
