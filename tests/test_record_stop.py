@@ -1,6 +1,7 @@
 """Recording loses nothing when the server stops: Ctrl-C, SIGTERM right after the last answer,
 and a killed engine (recovered by the next start on the same directory)."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -49,6 +50,17 @@ def _recorded_tokens(rec):
     return sorted(np.bincount(arr["request_ids"]).tolist())
 
 
+@contextlib.contextmanager
+def _answered(rec, log):
+    """A recording server that has answered four requests: (server, prompts, answers)."""
+    s = VllmServer(FIXTURE_MODEL, "--plugin", "smoe", "--smoe-record", str(rec), log=log).wait()
+    try:
+        prompts = _prompts()
+        yield s, prompts, s.complete(prompts)
+    finally:
+        s.stop()
+
+
 def _descendants(pid):
     import psutil
 
@@ -62,17 +74,12 @@ def test_a_clean_stop_right_after_the_last_answer_loses_nothing(tmp_path, how):
     server process only (as a container runtime sends it), with no idle wait."""
     pytest.importorskip("vllm")
     rec = tmp_path / "rec"
-    s = VllmServer(FIXTURE_MODEL, "--plugin", "smoe", "--smoe-record", str(rec), log=tmp_path / "serve.log").wait()
-    try:
-        prompts = _prompts()
-        out = s.complete(prompts)
+    with _answered(rec, tmp_path / "serve.log") as (s, prompts, out):
         if how == "ctrl-c":
             os.killpg(s.proc.pid, signal.SIGINT)
         else:
             os.kill(s.proc.pid, signal.SIGTERM)
         s.proc.wait(120)
-    finally:
-        s.stop()
     log = open(tmp_path / "serve.log").read()
     assert _recorded_tokens(rec) == _served_tokens(prompts, out), log[-3000:]
     assert "smoe record: wrote" in log and "tokens" in log
@@ -86,10 +93,7 @@ def test_killed_processes_lose_no_finished_step(tmp_path, killed):
     lost machine): the next start on the same directory does."""
     pytest.importorskip("vllm")
     rec = tmp_path / "rec"
-    s = VllmServer(FIXTURE_MODEL, "--plugin", "smoe", "--smoe-record", str(rec), log=tmp_path / "first.log").wait()
-    try:
-        prompts = _prompts()
-        out = s.complete(prompts)
+    with _answered(rec, tmp_path / "first.log") as (s, prompts, out):
         if killed == "everything":
             os.killpg(s.proc.pid, signal.SIGKILL)
         else:
@@ -99,8 +103,6 @@ def test_killed_processes_lose_no_finished_step(tmp_path, killed):
             s.proc.wait(60)
         except subprocess.TimeoutExpired:
             pass
-    finally:
-        s.stop()
     spills = [d for d in os.listdir(rec) if d.startswith(".trace-")]
     if killed == "workers":
         assert "at shutdown (the worker was stopped before closing it)" in open(tmp_path / "first.log").read()

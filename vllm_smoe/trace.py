@@ -554,6 +554,27 @@ def recover_spill(spill_dir: str) -> tuple[str | None, int]:
     return out, n
 
 
+def recover_dead_spills(directory: str, wait_s: float = 0.0) -> list[tuple[str, str | None, int, str | None]]:
+    """Recover the spill directories in ``directory`` whose writer is gone, waiting up to
+    ``wait_s`` for writers still running (e.g. a worker finishing its own close).
+    Returns [(spill dir, trace path or None, tokens, error or None)]; skipped ones are left out."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    done = []
+    for spill in find_spills(directory):
+        while spill_owner_alive(spill) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if spill_owner_alive(spill) or not os.path.isdir(spill):
+            continue
+        try:
+            out, n = recover_spill(spill)
+            done.append((spill, out, n, None))
+        except ValueError as e:
+            done.append((spill, None, 0, str(e)))
+    return done
+
+
 def find_spills(directory: str) -> list[str]:
     """Spill directories (``.trace-*``) directly inside ``directory``, sorted."""
     try:

@@ -159,30 +159,21 @@ def _recover_at_exit(record_dir: str) -> None:
 
 
 def _recover_spills(record_dir: str, wait_s: float = 10.0) -> None:
-    import time
+    from ..trace import recover_dead_spills
 
-    from ..trace import find_spills, recover_spill, spill_owner_alive
-
-    deadline = time.monotonic() + wait_s
     if not os.path.isdir(record_dir):
         return  # nothing was recorded
     try:
-        spills = find_spills(record_dir)
+        done = recover_dead_spills(record_dir, wait_s)
     except ValueError as e:
         logger.warning("smoe record: %s", e)
         return
-    for spill in spills:
-        while spill_owner_alive(spill) and time.monotonic() < deadline:
-            time.sleep(0.1)  # a worker still finishing its own close
-        if spill_owner_alive(spill) or not os.path.isdir(spill):
-            continue
-        try:
-            out, n = recover_spill(spill)
-        except ValueError as e:
-            logger.warning("smoe record: %s", e)
-            continue
-        logger.info("smoe record: wrote %s at shutdown (the worker was stopped before closing it): %d tokens",
-                    out or spill, n)
+    for spill, out, n, error in done:
+        if error:
+            logger.warning("smoe record: %s", error)
+        else:
+            logger.info("smoe record: wrote %s at shutdown (the worker was stopped before closing it): %d tokens",
+                        out or spill, n)
 
 
 def register() -> None:

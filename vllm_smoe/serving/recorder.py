@@ -35,7 +35,7 @@ import torch
 
 from ..config import SmoeConfig
 from ..model_info import moe_layer_indices, num_experts, top_k
-from ..trace import TraceMeta, TraceWriter, find_spills, recover_spill, spill_owner_alive
+from ..trace import TraceMeta, TraceWriter, recover_dead_spills
 
 logger = logging.getLogger("vllm.smoe")
 _ACTIVE: "Recorder | None" = None
@@ -91,15 +91,11 @@ class Recorder:
 
     def _recover_leftovers(self) -> None:
         """Spill directories of recorders killed before closing their file (earlier runs)."""
-        for spill in find_spills(self.cfg.record):
-            if spill_owner_alive(spill):
-                continue
-            try:
-                out, n = recover_spill(spill)
-            except ValueError as e:
-                logger.warning("smoe record: %s", e)
-                continue
-            logger.info("smoe record: recovered %s from an earlier run: %d tokens", out or spill, n)
+        for spill, out, n, error in recover_dead_spills(self.cfg.record):
+            if error:
+                logger.warning("smoe record: %s", error)
+            else:
+                logger.info("smoe record: recovered %s from an earlier run: %d tokens", out or spill, n)
 
     def _close_writer(self) -> None:
         """Under self.lock."""
