@@ -10,6 +10,9 @@ Notation: T tokens, L MoE layers, K top-k, E experts, N = ep_size ranks.
 - ``remote_unique_per_token``: distinct remote ranks per token per MoE layer (de-duplicated
   dispatch: a token crosses each link once).
 - ``a2a_bytes_per_token``: remote_unique_per_token x hidden x dtype bytes x 2 (dispatch + combine).
+  With ``nodes`` > 1 (ranks ``n * N/nodes ...`` form node n) also split into
+  ``internode_bytes_per_token`` (pairs whose remote rank is on another node) and
+  ``intranode_bytes_per_token``.
 - ``hit_rate``: share of (token, layer) whose rank holds at least one of its experts;
   ``oracle_hit_rate``: share whose rank holds as many of its experts as the best rank does.
 """
@@ -37,7 +40,7 @@ def holds_from_expert2rank(expert2rank: np.ndarray, ep_size: int,
 
 def evaluate(topk_ids: np.ndarray, token2rank: np.ndarray, expert2rank: np.ndarray, batch_ids: np.ndarray,
              ep_size: int, holds: np.ndarray | None = None, hidden_size: int = 4096,
-             dtype_bytes: int = 2) -> dict[str, float]:
+             dtype_bytes: int = 2, nodes: int = 1) -> dict[str, float]:
     """All metrics of one method on one trace.
 
     topk_ids: [T, L, K] int; token2rank: [T, L] int in [0, N); expert2rank: [L, E] int home
@@ -51,7 +54,8 @@ def evaluate(topk_ids: np.ndarray, token2rank: np.ndarray, expert2rank: np.ndarr
         holds = holds_from_expert2rank(expert2rank, N)
     _, batch = np.unique(batch_ids, return_inverse=True)
     B = int(batch.max()) + 1 if T else 0
-    local_total = remote_unique = hits = oracle_hits = 0
+    local_total = remote_unique = internode = hits = oracle_hits = 0
+    per_node = N // nodes
     lar_layer = np.zeros(L)
     token_load = np.zeros(L)
     expert_load = np.zeros(L)
@@ -81,6 +85,9 @@ def evaluate(topk_ids: np.ndarray, token2rank: np.ndarray, expert2rank: np.ndarr
         srt = np.sort(remote_rank, axis=1)
         distinct = (srt[:, 1:] != srt[:, :-1]) & (srt[:, 1:] >= 0)
         remote_unique += int(((srt[:, 0] >= 0).sum()) + distinct.sum())
+        if nodes > 1:  # the distinct remote ranks on another node than the token's rank
+            first = np.concatenate([srt[:, :1] >= 0, distinct], axis=1)
+            internode += int((first & (srt // per_node != (r // per_node)[:, None])).sum())
         counts = np.bincount(batch * N + r, minlength=B * N).reshape(B, N)
         sizes = counts.sum(axis=1)
         token_load[layer] = float(np.mean(counts.max(axis=1) / (sizes / N)))
@@ -91,7 +98,12 @@ def evaluate(topk_ids: np.ndarray, token2rank: np.ndarray, expert2rank: np.ndarr
         rank_compute += comp
     pairs = T * L
     rup = remote_unique / max(1, pairs)
-    return {
+    split = {}
+    if nodes > 1:
+        inter = internode / max(1, pairs)
+        split = {"internode_bytes_per_token": inter * hidden_size * dtype_bytes * 2,
+                 "intranode_bytes_per_token": (rup - inter) * hidden_size * dtype_bytes * 2}
+    return {**split,
         "lar": local_total / max(1, pairs * K),
         "token_load": float(token_load.mean()),
         "expert_load": float(expert_load.mean()),

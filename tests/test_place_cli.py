@@ -291,3 +291,29 @@ def test_two_concurrent_builds_of_one_output_leave_a_consistent_pair(tmp_path):
     tables = load_tables(placement)  # hash, expert2rank and shapes agree with the YAML that landed last
     assert int(tables.token2rank.max()) < placement.ep_size
     assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]
+
+
+def test_fp8_embeddings_without_a_scale_are_refused(tmp_path):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    save_file({"model.embed_tokens.weight": torch.zeros(10, 8).to(torch.float8_e4m3fn)},
+              str(tmp_path / "model.safetensors"))
+    from vllm_smoe.place_cli import _embeddings
+
+    with pytest.raises(ValueError, match="without model.embed_tokens.weight_scale_inv"):
+        _embeddings(str(tmp_path), 10)
+
+
+def test_a_rebuild_keeps_tables_other_yamls_name(tmp_path):
+    import shutil
+
+    out = tmp_path / "placement.yaml"
+    assert main(["build", "--trace", TRAIN, "--ep-size", "2", "-o", str(out), "--metrics-tokens", "2048"]) == 0
+    shutil.copy(out, tmp_path / "placement.bak.yaml")  # a backup names the same tables
+    v2 = tmp_path / "placement.v2.yaml"
+    assert main(["build", "--trace", TRAIN, "--ep-size", "4", "-o", str(v2), "--metrics-tokens", "2048"]) == 0
+    assert main(["build", "--trace", TRAIN, "--ep-size", "4", "--seed", "1", "-o", str(out),
+                 "--metrics-tokens", "2048"]) == 0
+    for y in (out, tmp_path / "placement.bak.yaml", v2):  # every YAML still has its own tables
+        load_tables(load_placement(str(y)))

@@ -253,3 +253,16 @@ def test_place_model_aligns_layers_without_changing_them(seed, nodes):
         if nodes == 2 and not all(perm[2 * n] // 2 == perm[2 * n + 1] // 2 for n in range(2)):
             continue  # would split a node
         assert agreement(perm[e2r[1]]) <= chosen + 1e-9
+
+
+def test_internode_and_intranode_bytes_golden():
+    """4 ranks on 2 nodes (ranks 0-1, 2-3). Token on rank 0, experts homed on ranks 0, 1, 2, 3:
+    remote ranks 1 (same node) and 2, 3 (other node) -> 1 intra, 2 inter. Token on rank 3 with
+    experts on 1, 2, 0, 3: remote 2 (same node) and 1, 0 (other) -> 1 intra, 2 inter."""
+    e2r = np.array([[0, 1, 2, 3]], dtype=np.int32)
+    topk = np.array([[[0, 1, 2, 3]], [[1, 2, 0, 3]]])
+    t2r = np.array([[0], [3]])
+    m = evaluate(topk, t2r, e2r, np.zeros(2), 4, hidden_size=1, dtype_bytes=1, nodes=2)
+    assert m["internode_bytes_per_token"] == (2 + 2) / 2 * 2 and m["intranode_bytes_per_token"] == (1 + 1) / 2 * 2
+    assert m["a2a_bytes_per_token"] == m["internode_bytes_per_token"] + m["intranode_bytes_per_token"]
+    assert "internode_bytes_per_token" not in evaluate(topk, t2r, e2r, np.zeros(2), 4)

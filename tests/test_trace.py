@@ -245,3 +245,42 @@ def test_recover_leaves_live_writers_and_names_damaged_spills(tmp_path, capsys):
     assert main(["recover", "--force", str(rec)]) == 2
     assert "damaged spill index" in capsys.readouterr().err
     assert main(["recover", str(tmp_path / "nope")]) == 2
+
+
+def test_a_held_spill_is_never_taken_and_a_closing_writer_is_not_waited_for(tmp_path):
+    import threading
+    import time
+
+    from vllm_smoe.trace import recover_dead_spills, recover_spill
+
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    w = TraceWriter(rec / "t.npz", META)
+    w.append(**arrays(4))
+    (spill,) = [rec / d for d in os.listdir(rec)]
+    with pytest.raises(ValueError, match="still held"):  # its writer holds the lock (any process)
+        recover_spill(str(spill))
+    threading.Timer(0.3, w.close).start()
+    t0 = time.monotonic()
+    assert recover_dead_spills(str(rec), wait_s=30) == []  # closed meanwhile: nothing to recover
+    assert time.monotonic() - t0 < 10 and open_trace(rec / "t.npz").num_tokens == 4
+
+
+def test_a_failed_close_keeps_the_spill_for_recovery(tmp_path, monkeypatch):
+    import vllm_smoe.trace as tr
+
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    w = TraceWriter(rec / "t.npz", META)
+    w.append(**arrays(6))
+    real = tr._assemble
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tr, "_assemble", full_disk)
+    with pytest.raises(OSError):
+        w.close()
+    monkeypatch.setattr(tr, "_assemble", real)
+    assert [n for n in tr.recover_dead_spills(str(rec)) if n[2] == 6]  # the writer is done: lock released
+    assert open_trace(rec / "t.npz").num_tokens == 6

@@ -18,6 +18,11 @@ def run_cli(parser: argparse.ArgumentParser, argv=None) -> int:
     named by the code that raised it) and I/O failures (an OSError names its file) become
     ``error: ...`` and exit code 2, not a traceback; ``--debug`` shows the traceback too."""
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
+    for action in parser._actions:  # also after a subcommand (argparse keeps no public list of them)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                                 help="show the Python traceback of an error")
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
@@ -63,19 +68,25 @@ def _probe_dir(directory: str, path: str, flag: str) -> None:
         d = os.path.dirname(d)
     if not os.path.isdir(d):
         raise ValueError(f"{path}: {flag}: {d} is a file, not a directory")
+    created = []
     try:
         for m in reversed(made):
-            os.mkdir(m)
+            try:
+                os.mkdir(m)
+                created.append(m)
+            except FileExistsError:  # made meanwhile by someone else (a concurrent build): theirs
+                if not os.path.isdir(m):
+                    raise
         with tempfile.TemporaryFile(dir=directory):
             pass
     except OSError as e:
         raise ValueError(f"{path}: {flag}: cannot write in {e.filename or directory} ({e.strerror})") from None
     finally:
-        for m in made:
+        for m in reversed(created):
             try:
                 os.rmdir(m)
             except OSError:
-                pass
+                pass  # not empty: someone else writes there now
 
 
 def check_output_file(path: str, flag: str) -> None:

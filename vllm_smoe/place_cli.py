@@ -22,8 +22,8 @@ from .placement_file import load_placement, load_tables, model_fingerprint, writ
 from .trace import read_traces
 
 METRIC_KEYS = ("lar", "token_load", "expert_load", "remote_pairs_per_token", "remote_unique_per_token",
-               "a2a_bytes_per_token", "hit_rate", "oracle_hit_rate", "solve_seconds", "peak_mem_mb",
-               "table_bytes")
+               "a2a_bytes_per_token", "internode_bytes_per_token", "intranode_bytes_per_token", "hit_rate",
+               "oracle_hit_rate", "solve_seconds", "peak_mem_mb", "table_bytes")
 DP_WINDOW = 64  # requests per attention-DP scheduling window
 COMPARE_ALL = ("linear", "round_robin", "eplb", "metis", "ceo", "alternating", "coclust")
 
@@ -146,6 +146,32 @@ def _embedding_shard(model_dir: str) -> list[str]:
     return sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
 
 
+def _tensor(path: str, key: str) -> np.ndarray | None:
+    """One whole tensor of a safetensors file as float32, None when the file lacks it."""
+    import struct
+
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        return _read_rows(f, 8 + n, header[key]) if key in header else None
+
+
+def _fp8_scale(model_dir: str, path: str, key: str) -> tuple[np.ndarray, bool]:
+    """(scale, is block-inverse) of an fp8 tensor: ``<key>_scale_inv`` or ``<key>_scale``, in its
+    own shard or in the one the index names."""
+    weight_map = {}
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+    for suffix, inverse in (("_scale_inv", True), ("_scale", False)):
+        for shard in (path, os.path.join(model_dir, weight_map.get(key + suffix, os.path.basename(path)))):
+            scale = _tensor(shard, key + suffix)
+            if scale is not None:
+                return scale, inverse
+    raise ValueError(f"fp8 tensor without {key}_scale_inv or {key}_scale (it would be read unscaled)")
+
+
 def _weight_block_size(model_dir: str) -> list[int] | None:
     try:
         with open(os.path.join(model_dir, "config.json")) as f:
@@ -174,11 +200,8 @@ def _embeddings(model_dir: str, vocab_size: int):
                     raise ValueError(f"shape {info['shape']}, expected [vocab, hidden]")
                 emb = _read_rows(f, 8 + n, info, vocab_size)
                 if info["dtype"] in _FP8:
-                    for suffix, inverse in (("_scale_inv", True), ("_scale", False)):
-                        if key + suffix in header:
-                            emb = _dequantise(emb, _read_rows(f, 8 + n, header[key + suffix]),
-                                              int(info["shape"][0]), inverse, _weight_block_size(model_dir))
-                            break
+                    scale, inverse = _fp8_scale(model_dir, path, key)
+                    emb = _dequantise(emb, scale, int(info["shape"][0]), inverse, _weight_block_size(model_dir))
         except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
             raise ValueError(f"{path}: cannot read tensor {locals().get('key') or 'embed_tokens'!r} ({e})") from None
         return emb
@@ -210,7 +233,8 @@ def _solve(method, arr, meta, args, ep_size, nodes, embeddings=None):
     return e2r, reps, tables, secs, peak
 
 
-def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, hidden, dtype_bytes, mode="tp"):
+def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, hidden, dtype_bytes, mode="tp",
+             nodes=1):
     holds = holds_from_expert2rank(e2r, ep_size, reps)
     if mode == "dp":  # whole requests on attention-DP ranks
         rq = arr["request_ids"]
@@ -235,7 +259,7 @@ def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, 
                           arr.get("request_ids"), arr.get("is_prefill"))
     else:
         t2r = np.repeat(contiguous_tokens(batch, ep_size)[:, None], meta.num_layers, axis=1)
-    return evaluate(arr["topk_ids"], t2r, e2r, batch, ep_size, holds, hidden, dtype_bytes)
+    return evaluate(arr["topk_ids"], t2r, e2r, batch, ep_size, holds, hidden, dtype_bytes, nodes)
 
 
 def cmd_build(a) -> int:
@@ -251,7 +275,7 @@ def cmd_build(a) -> int:
     n = min(arr["token_ids"].size, a.metrics_tokens)
     sub = {k: v[:n] for k, v in arr.items()}
     m = _measure(sub, batch[:n], meta, e2r, reps, tables, a.ep_size, a.capacity, a.method in PREDICTED,
-                 meta.hidden_size or a.hidden_size, a.dtype_bytes)
+                 meta.hidden_size or a.hidden_size, a.dtype_bytes, nodes=a.nodes)
     m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tables.nbytes if tables is not None else 0)
     write_placement(a.output, expert2rank=e2r, ep_size=a.ep_size, nodes=a.nodes, top_k=meta.top_k,
                     vocab_size=meta.vocab_size, method=a.method, capacity=a.capacity,
@@ -261,8 +285,10 @@ def cmd_build(a) -> int:
                                 "batch_tokens": a.batch_tokens, "theta": a.theta, "seed": a.seed,
                                 "max_expert_load": a.max_expert_load},
                     metrics={k: m[k] for k in METRIC_KEYS if k in m})
+    nodes = (f", a2a bytes/token {m['internode_bytes_per_token']:.0f} inter-node + "
+             f"{m['intranode_bytes_per_token']:.0f} intra-node" if a.nodes > 1 else "")
     print(f"wrote {a.output}: in-sample LAR {m['lar']:.3f}, token load {m['token_load']:.3f}, "
-          f"expert load {m['expert_load']:.3f}, solve {secs:.1f} s, tables {m['table_bytes'] / 1e6:.2f} MB")
+          f"expert load {m['expert_load']:.3f}{nodes}, solve {secs:.1f} s, tables {m['table_bytes'] / 1e6:.2f} MB")
     return 0
 
 
@@ -278,7 +304,7 @@ def _evaluate_all(a):
     tables = load_tables(p) if p.predictor else None
     label = f"placement ({p.method})"
     m = _measure(arr, batch, meta, p.expert2rank, p.replicas, tables, p.ep_size, p.capacity, tables is not None,
-                 hidden, a.dtype_bytes, a.mode)
+                 hidden, a.dtype_bytes, a.mode, p.nodes)
     m.update({k: p.metrics[k] for k in ("solve_seconds", "peak_mem_mb", "table_bytes") if k in p.metrics})
     results[label] = m
     methods = [] if not a.compare else (COMPARE_ALL if a.compare == "all" else a.compare.split(","))
@@ -301,7 +327,7 @@ def _evaluate_all(a):
                     continue
             e2r, reps, tab, secs, peak = _solve(method, tarr, tmeta, a, p.ep_size, p.nodes)
             m = _measure(arr, batch, meta, e2r, reps, tab, p.ep_size, p.capacity, method in PREDICTED, hidden,
-                         a.dtype_bytes, a.mode)
+                         a.dtype_bytes, a.mode, p.nodes)
             m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tab.nbytes if tab is not None else 0)
             results[method + ("+pred" if method in PREDICTED else "")] = m
     return p, results, meta, arr
@@ -329,13 +355,16 @@ def _print_table(results: dict[str, dict]) -> None:
             "a2a_bytes_per_token", "hit_rate", "oracle_hit_rate", "solve_seconds")
     head = ("method", "LAR", "tok_load", "exp_load", "remote/tok", "uniq/tok", "a2a B/tok", "hit", "oracle_hit",
             "solve_s")
+    if any("internode_bytes_per_token" in m for m in results.values()):  # --nodes > 1
+        cols = cols[:6] + ("internode_bytes_per_token", "intranode_bytes_per_token") + cols[6:]
+        head = head[:7] + ("inter B/tok", "intra B/tok") + head[7:]
     w = max(len(k) for k in results) + 2
     print(f"{head[0]:<{w}}" + "".join(f"{h:>11}" for h in head[1:]))
     for name, m in results.items():
         cells = []
         for c in cols:
             v = m.get(c)
-            cells.append(f"{'-':>11}" if v is None else (f"{v:>11.0f}" if c == "a2a_bytes_per_token" else f"{v:>11.3f}"))
+            cells.append(f"{'-':>11}" if v is None else (f"{v:>11.0f}" if "bytes" in c else f"{v:>11.3f}"))
         print(f"{name:<{w}}" + "".join(cells))
 
 

@@ -160,11 +160,21 @@ def _tables_named_by(path: str, stem: str) -> str | None:
             doc = yaml.safe_load(f)
     except (OSError, yaml.YAMLError, UnicodeDecodeError):
         return None
+    import re
+
     name = doc.get("predictor") if isinstance(doc, dict) else None
-    if isinstance(name, str) and os.path.basename(name) == name and name.startswith(stem + ".") \
-            and name.endswith("tables.npz"):
-        return name
-    return None
+    if not isinstance(name, str) or not re.fullmatch(re.escape(stem) + r"\.([0-9a-f]{12}\.)?tables\.npz", name):
+        return None
+    parent = os.path.dirname(os.path.abspath(path))
+    for other in os.listdir(parent):  # a copy of the YAML (a backup, a second name) keeps its tables
+        if other.endswith((".yaml", ".yml")) and other != os.path.basename(path):
+            try:
+                with open(os.path.join(parent, other), errors="replace") as f:
+                    if name in f.read():
+                        return None
+            except OSError:
+                return None
+    return name
 
 
 def _int(doc: dict, key: str, where: str, minimum: int = 1) -> int:
@@ -303,7 +313,7 @@ def load_tables(placement: Placement):
     tables = PredictorTables(**arrays)
     if not np.array_equal(e2r, placement.expert2rank):
         raise ValueError(f"{path}: its expert2rank differs from {placement.path}'s field 'layers' (tables of "
-                         f"another placement)")
+                         f"another placement, or the YAML's layers were edited: rebuild the tables)")
     _check_tables(path, tables, placement)
     return tables
 

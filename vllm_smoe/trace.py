@@ -346,6 +346,24 @@ def _check_values(trace: Trace, chunk_tokens: int, loaded: dict[str, np.ndarray]
 
 SPILL_PREFIX = ".trace-"
 SPILL_INDEX = "spill.json"
+SPILL_LOCK = "lock"  # flock-ed by the writer for its whole life: the kernel drops it when the writer dies
+
+
+def _try_lock(spill_dir: str):
+    """The spill's lock file, flock-ed exclusively without waiting, or None when its writer (or
+    another recoverer) still holds it, or it has no lock file."""
+    import fcntl
+
+    try:
+        fd = open(os.path.join(spill_dir, SPILL_LOCK), "a")
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fd.close()
+        return None
+    return fd
 
 
 def _assemble(path: str, meta: TraceMeta, spill_dir: str, dtypes: Mapping[str, np.dtype],
@@ -383,9 +401,10 @@ class TraceWriter:
     Each field is spilled to a raw file in a temporary directory next to the output
     (``.trace-*``), so memory holds one chunk at a time. Fields present in the first chunk must be
     present in every chunk. Spill writes are unbuffered and the directory holds an index
-    (``spill.json``: output path, meta, dtypes, writer pid), so if the process dies before
-    ``close`` every appended chunk is already in the operating system's hands and
-    :func:`recover_spill` (``smoe-trace recover DIR``) turns the directory into the trace.
+    (``spill.json``: output path, meta, dtypes) and a lock the writer holds while it lives, so if
+    the process dies before ``close`` every appended chunk is already in the operating system's
+    hands and :func:`recover_spill` (``smoe-trace recover DIR``) turns the directory into the
+    trace. A failed ``close`` (disk full) keeps the directory for that recovery.
     """
 
     def __init__(self, path: str | os.PathLike, meta: TraceMeta, compresslevel: int = 1):
@@ -396,6 +415,7 @@ class TraceWriter:
         if not os.path.isdir(parent):
             raise ValueError(f"{self.path}: directory {parent} does not exist")
         self._dir = tempfile.mkdtemp(prefix=SPILL_PREFIX, dir=parent)
+        self._lock = _try_lock(self._dir)  # a fresh directory: always ours
         self._files: dict[str, object] = {}
         self._dtypes: dict[str, np.dtype] = {}
         self._tail: dict[str, tuple[int, ...]] = {}
@@ -404,7 +424,7 @@ class TraceWriter:
 
     def _write_index(self) -> None:
         index = {"path": os.path.abspath(self.path), "meta": self.meta.to_json(), "pid": os.getpid(),
-                 "host": os.uname().nodename, "compresslevel": self.compresslevel,
+                 "compresslevel": self.compresslevel,
                  "fields": {n: {"dtype": np.lib.format.dtype_to_descr(d), "tail": list(self._tail[n])}
                             for n, d in self._dtypes.items()}}
         tmp = os.path.join(self._dir, SPILL_INDEX + ".tmp")
@@ -458,17 +478,24 @@ class TraceWriter:
             raise ValueError(f"{self.path}: no tokens were appended")
         for f in self._files.values():
             f.close()
+        self._closed = True
         try:
             _assemble(self.path, self.meta, self._dir, self._dtypes, self._tail, self.num_tokens, self.compresslevel)
-        finally:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._closed = True
+        except BaseException:
+            if self._lock is not None:
+                self._lock.close()  # the spill data stays, recoverable
+            raise
+        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._lock is not None:
+            self._lock.close()
         return self.path
 
     def abort(self) -> None:
         for f in self._files.values():
             f.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+        if self._lock is not None:
+            self._lock.close()
         self._closed = True
 
     def __enter__(self) -> "TraceWriter":
@@ -482,95 +509,97 @@ class TraceWriter:
 
 
 def spill_owner_alive(spill_dir: str) -> bool:
-    """Is the process that writes ``spill_dir`` still running (on this host)? A directory
-    without an index, or from another host, counts as alive: only ``--force`` touches it."""
-    try:
-        with open(os.path.join(spill_dir, SPILL_INDEX)) as f:
-            index = json.load(f)
-        pid, host = int(index["pid"]), index["host"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return True
-    if host != os.uname().nodename:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # killed but not yet reaped by its parent: a zombie writes nothing more
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+    """Is someone (its writer, or a recoverer) still holding ``spill_dir``? Asked of the lock
+    the writer holds while it lives, which the kernel drops when it dies, whatever its pid
+    namespace. A directory without a lock file counts as held: only ``--force`` touches it."""
+    fd = _try_lock(spill_dir)
+    if fd is None:
+        return os.path.isdir(spill_dir)
+    fd.close()
+    return False
 
 
-def recover_spill(spill_dir: str) -> tuple[str | None, int]:
+def _free_name(path: str) -> str:
+    if not os.path.exists(path):
+        return path
+    stem = path[: -len(".npz")] if path.endswith(".npz") else path
+    n = 1
+    while os.path.exists(f"{stem}-recovered{'' if n == 1 else f'-{n}'}.npz"):
+        n += 1
+    return f"{stem}-recovered{'' if n == 1 else f'-{n}'}.npz"
+
+
+def recover_spill(spill_dir: str, force: bool = False) -> tuple[str | None, int]:
     """Turn the spill directory of a writer that died before ``close`` into its trace.
 
-    Keeps the rows every field holds completely (a kill in the middle of a step loses that step
-    only), writes the ``.npz`` the writer would have written (or ``<name>-recovered.npz`` if that
-    exists) and removes the directory. Returns (path or None when no row was complete, tokens).
-    Raises ValueError naming the directory when its index is missing or damaged (the directory is
-    then left alone)."""
-    claimed = f"{spill_dir.rstrip(os.sep)}.recovering-{os.getpid()}"
-    try:  # one recoverer per directory: the rename is atomic, a second one finds nothing
-        os.rename(spill_dir, claimed)
-    except FileNotFoundError:
-        raise ValueError(f"{spill_dir}: gone (recovered by another process meanwhile)") from None
-    spill_dir = claimed
-    where = os.path.join(spill_dir, SPILL_INDEX)
+    Takes the spill's lock first (refused while the writer or another recoverer holds it, unless
+    ``force``). Keeps the rows every field holds completely (a kill in the middle of a step
+    loses that step only), writes the ``.npz`` the writer would have written (or a free
+    ``<name>-recovered[-n].npz`` beside it) and removes the directory. Returns (path or None when
+    no row was complete, tokens). Raises ValueError naming the directory when it is held, or its
+    index is damaged (the directory is then left alone)."""
+    lock = _try_lock(spill_dir)
+    if lock is None and not force:
+        raise ValueError(f"{spill_dir}: still held by its writer or another recoverer (or has no lock file); "
+                         f"--force to recover it anyway")
     try:
-        with open(where) as f:
-            index = json.load(f)
-        meta = TraceMeta.from_json(index["meta"], where)
-        fields = {n: (np.dtype(np.lib.format.descr_to_dtype(v["dtype"])), tuple(int(x) for x in v["tail"]))
-                  for n, v in index["fields"].items()}
-        path = os.path.join(os.path.dirname(spill_dir), os.path.basename(os.fspath(index["path"])))  # dir may have moved
-    except FileNotFoundError:
-        raise ValueError(f"{spill_dir}: no {SPILL_INDEX}: unrecoverable (the writer died before its first "
-                         f"rows, or this is not a smoe spill directory)") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{where}: damaged spill index ({e}): unrecoverable") from None
-    missing = [n for n in REQUIRED_FIELDS if n not in fields]
-    if missing:
-        raise ValueError(f"{where}: field(s) {missing} missing: unrecoverable")
-    rows = []
-    for name, (dtype, tail) in fields.items():
-        row_bytes = dtype.itemsize * int(np.prod(tail, dtype=np.int64))
+        where = os.path.join(spill_dir, SPILL_INDEX)
+        if not os.path.exists(where):
+            if not any(n not in (SPILL_LOCK, SPILL_INDEX + ".tmp") for n in os.listdir(spill_dir)):
+                shutil.rmtree(spill_dir, ignore_errors=True)  # died before its first rows: nothing to keep
+                return None, 0
+            raise ValueError(f"{spill_dir}: no {SPILL_INDEX}: unrecoverable (not a smoe spill directory?)")
         try:
-            rows.append(os.path.getsize(os.path.join(spill_dir, name)) // row_bytes)
-        except OSError:
-            rows.append(0)
-    n = min(rows)
-    out = None
-    if n > 0:
-        out = path
-        if os.path.exists(out):
-            out = path[: -len(".npz")] + "-recovered.npz" if path.endswith(".npz") else path + "-recovered"
-        _assemble(out, meta, spill_dir, {k: d for k, (d, _) in fields.items()},
-                  {k: t for k, (_, t) in fields.items()}, n, int(index.get("compresslevel", 1)))
-    shutil.rmtree(spill_dir, ignore_errors=True)
-    return out, n
+            with open(where) as f:
+                index = json.load(f)
+            meta = TraceMeta.from_json(index["meta"], where)
+            fields = {n: (np.dtype(np.lib.format.descr_to_dtype(v["dtype"])), tuple(int(x) for x in v["tail"]))
+                      for n, v in index["fields"].items()}
+            # the output beside the spill: the record directory may have moved since
+            path = os.path.join(os.path.dirname(os.path.abspath(spill_dir)), os.path.basename(os.fspath(index["path"])))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{where}: damaged spill index ({e}): unrecoverable") from None
+        missing = [n for n in REQUIRED_FIELDS if n not in fields]
+        if missing:
+            raise ValueError(f"{where}: field(s) {missing} missing: unrecoverable")
+        rows = []
+        for name, (dtype, tail) in fields.items():
+            row_bytes = dtype.itemsize * int(np.prod(tail, dtype=np.int64))
+            try:
+                rows.append(os.path.getsize(os.path.join(spill_dir, name)) // row_bytes)
+            except OSError:
+                rows.append(0)
+        n = min(rows)
+        out = None
+        if n > 0:
+            out = _free_name(path)
+            _assemble(out, meta, spill_dir, {k: d for k, (d, _) in fields.items()},
+                      {k: t for k, (_, t) in fields.items()}, n, int(index.get("compresslevel", 1)))
+        shutil.rmtree(spill_dir, ignore_errors=True)
+        return out, n
+    finally:
+        if lock is not None:
+            lock.close()
 
 
 def recover_dead_spills(directory: str, wait_s: float = 0.0) -> list[tuple[str, str | None, int, str | None]]:
     """Recover the spill directories in ``directory`` whose writer is gone, waiting up to
-    ``wait_s`` for writers still running (e.g. a worker finishing its own close).
-    Returns [(spill dir, trace path or None, tokens, error or None)]; skipped ones are left out."""
+    ``wait_s`` for writers still running (e.g. a worker finishing its own close; one that
+    closes meanwhile leaves nothing to do). Returns [(spill dir, trace path or None, tokens,
+    error or None)]; spills still held are left out."""
     import time
 
     deadline = time.monotonic() + wait_s
     done = []
     for spill in find_spills(directory):
-        while spill_owner_alive(spill) and time.monotonic() < deadline:
+        while os.path.isdir(spill) and spill_owner_alive(spill) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if spill_owner_alive(spill) or not os.path.isdir(spill):
+        if not os.path.isdir(spill) or spill_owner_alive(spill):
             continue
         try:
             out, n = recover_spill(spill)
             done.append((spill, out, n, None))
-        except ValueError as e:
+        except (ValueError, OSError) as e:  # held again meanwhile, damaged, or a full disk: named, not fatal
             done.append((spill, None, 0, str(e)))
     return done
 
@@ -695,11 +724,11 @@ def _recover_main(dirs: Sequence[str], force: bool) -> int:
             print(f"{d}: nothing to recover")
         for sd in spills:
             if not force and spill_owner_alive(sd):
-                print(f"skipped {sd}: its writer is still running, ran on another host, or left no index "
-                      f"(--force to recover anyway)")
+                print(f"skipped {sd}: its writer is still running (it holds the spill's lock) or it has no "
+                      f"lock file (--force to recover anyway)")
                 continue
             try:
-                out, n = recover_spill(sd)
+                out, n = recover_spill(sd, force=force)
             except ValueError as e:
                 print(f"error: {e}", file=sys.stderr)
                 status = 2
@@ -737,7 +766,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                        "its file) into traces")
     r.add_argument("dirs", nargs="+", help="record directories (their .trace-* spill directories are read)")
     r.add_argument("--force", action="store_true",
-                   help="also spill directories whose writer looks alive or ran on another host")
+                   help="also spill directories still locked (a writer on another machine of a shared file "
+                        "system, where locks may not be seen): only when no writer can be running")
     r.set_defaults(fn=lambda a: _recover_main(a.dirs, a.force))
     return run_cli(p, argv)
 

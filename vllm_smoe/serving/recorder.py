@@ -8,7 +8,7 @@
   Warm-up and profiling runs never pass through ``execute_model``, so they are never written.
 - Physical slots are mapped back to logical expert ids when a placement is applied.
 - Only tensor-parallel rank 0 writes (other TP ranks see the same tokens); each data-parallel
-  rank writes its own files, ``trace-dp{rank}-{pid}-{chunk:05d}.npz``, rotated every
+  rank writes its own files, ``trace-dp{rank}-{start time}-{pid}-{chunk:05d}.npz``, rotated every
   ``record_chunk_tokens`` tokens, and closed by a background thread once no step has come for
   ``IDLE_CLOSE_S`` seconds.
 - Durability: every step's rows go to the writer's spill files with unbuffered writes, so once
@@ -74,6 +74,7 @@ class Recorder:
                               model=vllm_config.model_config.model, hidden_size=hf.hidden_size,
                               extra={"recorded_by": "vllm-smoe", "placement": cfg.placement,
                                      "recording": f"{os.uname().nodename}-{os.getpid()}-{time.time_ns()}"})
+        self.started = time.strftime("%Y%m%dT%H%M%S")
         self.req_index: dict[str, int] = {}
         self.step = 0
         self.chunk = 0
@@ -98,11 +99,16 @@ class Recorder:
                 logger.info("smoe record: recovered %s from an earlier run: %d tokens", out or spill, n)
 
     def _close_writer(self) -> None:
-        """Under self.lock."""
-        n = self.writer.num_tokens
-        path = self.writer.close()
-        self.writer = None
-        logger.info("smoe record: wrote %s: %d tokens", path, n)
+        """Under self.lock. A failed close (disk full) must not stop serving: its spill data
+        stays for recovery and the next step opens a new file."""
+        writer, self.writer = self.writer, None
+        try:
+            path = writer.close()
+        except (OSError, ValueError) as e:
+            logger.error("smoe record: could not write %s (%s); its %d tokens stay in %s for smoe-trace recover",
+                         writer.path, e, writer.num_tokens, os.path.dirname(writer.path))
+            return
+        logger.info("smoe record: wrote %s: %d tokens", path, writer.num_tokens)
 
     def _close_when_idle(self) -> None:
         while True:
@@ -116,7 +122,8 @@ class Recorder:
         self.buf[:n, layer].copy_(topk_ids)
 
     def _open(self) -> TraceWriter:
-        path = os.path.join(self.cfg.record, f"trace-dp{self.dp_rank}-{os.getpid()}-{self.chunk:05d}.npz")
+        # the start time keeps names unique when a restarted container reuses the same pids
+        path = os.path.join(self.cfg.record, f"trace-dp{self.dp_rank}-{self.started}-{os.getpid()}-{self.chunk:05d}.npz")
         self.chunk += 1
         return TraceWriter(path, self.meta)
 
