@@ -77,8 +77,6 @@ def stack_supported(model: torch.nn.Module, name: str) -> tuple[bool, str]:
     if stack is None:
         return False, f"{name} is called on rows its decoder layer already split, and no decoder stack " \
                       f"(embed_tokens, layers, norm) was found to order the whole step"
-    if getattr(stack, "aux_hidden_state_layers", ()):
-        return False, "auxiliary hidden states (EAGLE-3 drafting) are read in the middle of the stack"
     for i, layer in enumerate(stack.layers):
         other = {n for n, _ in layer.named_children()} - _STACK_LAYER_CHILDREN
         if other or not hasattr(layer, "self_attn"):
