@@ -146,14 +146,19 @@ def _embedding_shard(model_dir: str) -> list[str]:
     return sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
 
 
-def _tensor(path: str, key: str) -> np.ndarray | None:
-    """One whole tensor of a safetensors file as float32, None when the file lacks it."""
+def _safetensors_header(f) -> tuple[dict, int]:
+    """(header, offset of the data) of an open safetensors file."""
     import struct
 
+    (n,) = struct.unpack("<Q", f.read(8))
+    return json.loads(f.read(n)), 8 + n
+
+
+def _tensor(path: str, key: str) -> np.ndarray | None:
+    """One whole tensor of a safetensors file as float32, None when the file lacks it."""
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        return _read_rows(f, 8 + n, header[key]) if key in header else None
+        header, start = _safetensors_header(f)
+        return _read_rows(f, start, header[key]) if key in header else None
 
 
 def _fp8_scale(model_dir: str, path: str, key: str) -> tuple[np.ndarray, bool]:
@@ -188,22 +193,22 @@ def _embeddings(model_dir: str, vocab_size: int):
     import struct
 
     for path in _embedding_shard(model_dir):
+        key = "embed_tokens.weight"
         try:
             with open(path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
+                header, start = _safetensors_header(f)
                 key = next((k for k in header if k.endswith("embed_tokens.weight")), None)
                 if key is None:
                     continue
                 info = header[key]
                 if len(info["shape"]) != 2:
                     raise ValueError(f"shape {info['shape']}, expected [vocab, hidden]")
-                emb = _read_rows(f, 8 + n, info, vocab_size)
+                emb = _read_rows(f, start, info, vocab_size)
                 if info["dtype"] in _FP8:
                     scale, inverse = _fp8_scale(model_dir, path, key)
                     emb = _dequantise(emb, scale, int(info["shape"][0]), inverse, _weight_block_size(model_dir))
         except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
-            raise ValueError(f"{path}: cannot read tensor {locals().get('key') or 'embed_tokens'!r} ({e})") from None
+            raise ValueError(f"{path}: cannot read tensor {key!r} ({e})") from None
         return emb
     raise ValueError(f"{model_dir}: no '*embed_tokens.weight' tensor in its safetensors files")
 
