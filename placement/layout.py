@@ -14,10 +14,11 @@ import scipy.sparse as sp
 from .alternating import place_alternating
 from .ceo import place_ceo
 from .coclust import place_coclust
-from .counts import assign_token_ids, check_ep_size, coactivation, count_matrix, expert_gains, rank_scores
+from .counts import assign_token_ids, check_ep_size, coactivation, expert_gains, rank_scores
 from .metrics import holds_from_expert2rank
 from .peers import place_linear, place_metis, place_round_robin
-from .predict import PredictorTables, empty_tables, fill_layer, nearest_token_map
+from .predict import PredictorTables, empty_tables, fill_layer, local_counts, nearest_token_map
+from .routing_counts import RoutingCounts
 
 # name -> solver(A [V', E] csr, occ [V'], groups, capacity, theta, seed, max_expert_load) -> [E] int
 SOLVERS: dict[str, Callable[..., np.ndarray]] = {
@@ -82,16 +83,21 @@ def align_ranks(ref: np.ndarray, scores: np.ndarray, nodes: int = 1) -> np.ndarr
     return new2old
 
 
+def _check_replicas(replicas: int, num_experts: int, ep_size: int) -> None:
+    if replicas % ep_size:
+        raise ValueError(f"replicas {replicas} must be a multiple of ep_size {ep_size}")
+    if replicas // ep_size > num_experts - num_experts // ep_size:
+        raise ValueError(f"replicas {replicas}: at most {num_experts - num_experts // ep_size} extra experts fit "
+                         f"per rank")
+
+
 def add_replicas(A: sp.csr_matrix, occ: np.ndarray, expert2rank: np.ndarray, ep_size: int, replicas: int,
                  capacity: float = 1.10) -> np.ndarray:
     """Extra copies: each rank gets replicas/N more experts, those its scheduled tokens use most
     among experts it does not hold. Returns [replicas, 2] int32 (expert, rank) pairs."""
-    if replicas % ep_size:
-        raise ValueError(f"replicas {replicas} must be a multiple of ep_size {ep_size}")
+    _check_replicas(replicas, A.shape[1], ep_size)
     per = replicas // ep_size
     E = A.shape[1]
-    if per > E - E // ep_size:
-        raise ValueError(f"replicas {replicas}: at most {E - E // ep_size} extra experts fit per rank")
     t2r = assign_token_ids(rank_scores(A, expert2rank, ep_size), occ, capacity)
     G = expert_gains(A, t2r, ep_size)
     G[np.arange(E), expert2rank] = -np.inf  # already home there
@@ -102,50 +108,66 @@ def add_replicas(A: sp.csr_matrix, occ: np.ndarray, expert2rank: np.ndarray, ep_
     return np.asarray(out, dtype=np.int32).reshape(-1, 2)
 
 
-def place_model(method: str, token_ids: np.ndarray, topk_ids: np.ndarray, num_experts: int, ep_size: int,
-                nodes: int = 1, capacity: float = 1.10, theta: float = 0.5, replicas: int = 0, seed: int = 0,
-                max_expert_load: float = 1.10,
-                vocab_size: int | None = None, embeddings: np.ndarray | None = None,
-                progress: Callable | None = None) -> tuple[np.ndarray, np.ndarray, PredictorTables | None]:
-    """Place every layer; with ``vocab_size`` also count the predictor tables in the same pass
-    (each layer's token-expert counts are built once and shared).
+def _solve_layer(counts: RoutingCounts, layer: int, method: str, ep_size: int, nodes: int, capacity: float,
+                 theta: float, seed: int, max_expert_load: float) -> tuple[np.ndarray, np.ndarray | None]:
+    """One layer's expert2rank [E] int32 and, for predicted methods, its rank scores [V', N] float64."""
+    _, occ = counts.seen()
+    A = counts.layer_matrix(layer)
+    solver = SOLVERS[method]
+    if nodes > 1:
+        e2r = _hierarchical(solver, A, occ, ep_size, nodes, capacity, theta, seed + layer, max_expert_load)
+    else:
+        e2r = np.asarray(solver(A, occ, ep_size, capacity, theta, seed + layer, max_expert_load), dtype=np.int32)
+    return e2r, (rank_scores(A, e2r, ep_size) if method in PREDICTED else None)
 
-    token_ids: [T] int; topk_ids: [T, L, K] int; embeddings: [V, H] for the unseen-token fallback.
+
+def place_model(method: str, counts: RoutingCounts, ep_size: int, nodes: int = 1, capacity: float = 1.10,
+                theta: float = 0.5, replicas: int = 0, seed: int = 0, max_expert_load: float = 1.10,
+                vocab_size: int | None = None, embeddings: np.ndarray | None = None,
+                progress: Callable | None = None, map_layers: Callable = map
+                ) -> tuple[np.ndarray, np.ndarray, PredictorTables | None]:
+    """Place every layer of ``counts``; with ``vocab_size`` also fill the predictor tables.
+
+    Layers are solved independently, through ``map_layers(fn, layers)`` (the builtin ``map``, or
+    any ordered parallel map: results do not depend on it); then, in layer order, each layer's
+    ranks are renamed to agree with the layers before it and its replicas and table rows are made.
+    embeddings: [V, H] for the unseen-token fallback; progress: wraps the per-layer iterator.
     Returns (expert2rank [L, E] int32, replicas [L, R, 2] int32 (expert, rank), R = ``replicas``;
     tables or None).
     """
     if method not in SOLVERS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(SOLVERS)}")
+    num_experts, L = counts.num_experts, counts.num_layers
     check_ep_size(num_experts, ep_size)
     if nodes < 1 or ep_size % nodes or num_experts % nodes:
         raise ValueError(f"nodes {nodes} must divide ep_size {ep_size} and num_experts {num_experts}")
-    T, L, K = topk_ids.shape
-    ids, row = np.unique(token_ids, return_inverse=True)
-    occ = np.bincount(row, minlength=ids.size).astype(np.float64)
-    rows = np.repeat(row, K)
-    solver = SOLVERS[method]
+    _check_replicas(replicas, num_experts, ep_size)  # before any solving
+    ids, occ = counts.seen()
     e2r = np.empty((L, num_experts), dtype=np.int32)
     reps = np.full((L, replicas, 2), -1, dtype=np.int32)
     tables = empty_tables(L, vocab_size, num_experts) if vocab_size else None
     nearest = nearest_token_map(embeddings, ids, vocab_size) if vocab_size else None
-    layers = range(L) if progress is None else progress(range(L))
+
+    def solve(layer: int):
+        return _solve_layer(counts, layer, method, ep_size, nodes, capacity, theta, seed, max_expert_load)
+
+    solved = map_layers(solve, range(L))
+    if progress is not None:
+        solved = progress(solved)
     agreed = np.zeros((ids.size, ep_size))  # aligned layers' rank scores per token
-    for layer in layers:
-        A = count_matrix(rows, topk_ids[:, layer, :].reshape(-1), ids.size, num_experts)
-        if nodes > 1:
-            e2r[layer] = _hierarchical(solver, A, occ, ep_size, nodes, capacity, theta, seed + layer, max_expert_load)
-        else:
-            e2r[layer] = solver(A, occ, ep_size, capacity, theta, seed + layer, max_expert_load)
-        if method in PREDICTED:  # same token, same rank in every layer where possible
-            scores = rank_scores(A, e2r[layer], ep_size)
+    for layer, (e2r[layer], scores) in enumerate(solved):
+        if scores is not None:  # same token, same rank in every layer where possible
             if layer:
                 new2old = align_ranks(agreed, scores, nodes)
                 e2r[layer] = np.argsort(new2old)[e2r[layer]]  # old rank -> new rank
                 scores = scores[:, new2old]
             agreed += scores
+        # with one copy per expert the rank scores are the table's counts; else count them again
+        A = counts.layer_matrix(layer) if replicas or (tables is not None and scores is None) else None
         if replicas:
             reps[layer] = add_replicas(A, occ, e2r[layer], ep_size, replicas, capacity)
         if tables is not None:
             holds = holds_from_expert2rank(e2r[layer: layer + 1], ep_size, reps[layer: layer + 1])[0]
-            fill_layer(tables, layer, A, ids, occ, topk_ids, holds, nearest)
+            R = scores if A is None else local_counts(A, holds)
+            fill_layer(tables, layer, R, ids, occ, counts.markov_matrix(layer), holds, counts.top_k, nearest)
     return e2r, reps, tables

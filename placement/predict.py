@@ -82,24 +82,23 @@ def nearest_seen(embeddings: np.ndarray, seen: np.ndarray, block: int = 4096) ->
     return nn, sim
 
 
-def _local_counts(A: sp.csr_matrix, holds_layer: np.ndarray) -> np.ndarray:
+def local_counts(A: sp.csr_matrix, holds_layer: np.ndarray) -> np.ndarray:
     """[rows, N] activations of each row that rank r holds; A: [rows, E] csr; holds_layer: [N, E]."""
     if (holds_layer.sum(axis=0) == 1).all():  # one copy per expert: a bincount, no matmul
         return rank_scores(A, holds_layer.argmax(axis=0), holds_layer.shape[0])
     return np.asarray(A @ holds_layer.T.astype(np.float64))
 
 
-def token_table(A: sp.csr_matrix, ids: np.ndarray, occ: np.ndarray, holds_layer: np.ndarray, vocab_size: int,
-                top_k: int, nearest: tuple[np.ndarray, np.ndarray] | None = None
+def token_table(R: np.ndarray, ids: np.ndarray, occ: np.ndarray, vocab_size: int, top_k: int,
+                nearest: tuple[np.ndarray, np.ndarray] | None = None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One layer's token table and prior from its counts.
 
-    A: [V', E] csr activations of seen ids ``ids`` ([V'] int); occ: [V'] occurrences;
-    holds_layer: [N, E] bool; nearest: output of :func:`nearest_seen` for the unseen fallback.
+    R: [V', N] float activations of the seen ids ``ids`` ([V'] int) that rank r holds;
+    occ: [V'] occurrences; nearest: output of :func:`nearest_seen` for the unseen fallback.
     Returns (token2rank [V, 2] int16, token_conf [V] float16, prior2rank [2] int16,
     prior_conf float16 0-d).
     """
-    R = _local_counts(A, holds_layer)  # [V', N] activations local on each rank
     t2r_seen, conf_seen = _top2(R, occ * top_k)
     t2r = np.full((vocab_size, 2), -1, dtype=np.int16)
     conf = np.zeros(vocab_size, dtype=np.float16)
@@ -116,15 +115,12 @@ def token_table(A: sp.csr_matrix, ids: np.ndarray, occ: np.ndarray, holds_layer:
     return t2r, conf, prior, np.float16(tot[order[0]] / max(1.0, occ.sum() * top_k))
 
 
-def markov_table(prev_top1: np.ndarray, topk_layer: np.ndarray, holds_layer: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """Previous layer's top-1 expert -> this layer's rank. prev_top1: [T] int; topk_layer: [T, K];
-    holds_layer: [N, E] bool. Returns ([E, 2] int16, -1 = never seen; [E] float16)."""
-    E = holds_layer.shape[1]
-    K = topk_layer.shape[1]
-    P = count_matrix(np.repeat(prev_top1, K), topk_layer.reshape(-1), E, E)
-    M = _local_counts(P, holds_layer)
-    return _top2(M, np.bincount(prev_top1, minlength=E) * float(K))
+def markov_table(transitions: np.ndarray, holds_layer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Previous layer's top-1 expert -> this layer's rank. transitions: [E, E] counts, [i, j] =
+    tokens with previous top-1 expert i choosing expert j here (K per token); holds_layer: [N, E]
+    bool. Returns ([E, 2] int16, -1 = never seen; [E] float16)."""
+    P = sp.csr_matrix(transitions.astype(np.float64))
+    return _top2(local_counts(P, holds_layer), transitions.sum(axis=1).astype(np.float64))
 
 
 def empty_tables(num_layers: int, vocab_size: int, num_experts: int) -> PredictorTables:
@@ -138,18 +134,16 @@ def empty_tables(num_layers: int, vocab_size: int, num_experts: int) -> Predicto
     )
 
 
-def fill_layer(tables: PredictorTables, layer: int, A: sp.csr_matrix, ids: np.ndarray, occ: np.ndarray,
-               topk_ids: np.ndarray, holds_layer: np.ndarray,
+def fill_layer(tables: PredictorTables, layer: int, R: np.ndarray, ids: np.ndarray, occ: np.ndarray,
+               transitions: np.ndarray, holds_layer: np.ndarray, top_k: int,
                nearest: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-    """Write one layer's rows of ``tables`` in place. A, ids, occ: :func:`token_table`'s inputs;
-    topk_ids: [T, L, K] of the trace A was counted from (for the Markov table)."""
+    """Write one layer's rows of ``tables`` in place. R, ids, occ: :func:`token_table`'s inputs;
+    transitions: :func:`markov_table`'s (ignored at layer 0)."""
     V = tables.token2rank.shape[1]
-    K = topk_ids.shape[2]
     (tables.token2rank[layer], tables.token_conf[layer], tables.prior2rank[layer],
-     tables.prior_conf[layer]) = token_table(A, ids, occ, holds_layer, V, K, nearest)
+     tables.prior_conf[layer]) = token_table(R, ids, occ, V, top_k, nearest)
     if layer > 0:
-        tables.markov2rank[layer], tables.markov_conf[layer] = markov_table(
-            topk_ids[:, layer - 1, 0].astype(np.int64), topk_ids[:, layer, :], holds_layer)
+        tables.markov2rank[layer], tables.markov_conf[layer] = markov_table(transitions, holds_layer)
 
 
 def build_predictor(token_ids: np.ndarray, topk_ids: np.ndarray, holds: np.ndarray, vocab_size: int,
@@ -159,16 +153,15 @@ def build_predictor(token_ids: np.ndarray, topk_ids: np.ndarray, holds: np.ndarr
     token_ids: [T] int; topk_ids: [T, L, K] int; holds: [L, N, E] bool (rank holds expert);
     embeddings: [V, H] float input embeddings for the unseen-token fallback (optional).
     """
-    T, L, K = topk_ids.shape
-    E = holds.shape[2]
-    ids, row = np.unique(token_ids, return_inverse=True)
-    occ = np.bincount(row, minlength=ids.size).astype(np.float64)
+    from .routing_counts import RoutingCounts
+
+    counts = RoutingCounts.from_arrays(token_ids, topk_ids, holds.shape[2], vocab_size)
+    ids, occ = counts.seen()
     nearest = nearest_token_map(embeddings, ids, vocab_size)
-    tables = empty_tables(L, vocab_size, E)
-    rows = np.repeat(row, K)
-    for layer in range(L):
-        A = count_matrix(rows, topk_ids[:, layer, :].reshape(-1), ids.size, E)
-        fill_layer(tables, layer, A, ids, occ, topk_ids, holds[layer], nearest)
+    tables = empty_tables(counts.num_layers, vocab_size, counts.num_experts)
+    for layer in range(counts.num_layers):
+        R = local_counts(counts.layer_matrix(layer), holds[layer])
+        fill_layer(tables, layer, R, ids, occ, counts.markov_matrix(layer), holds[layer], counts.top_k, nearest)
     return tables
 
 
@@ -195,7 +188,7 @@ def request_prefill_candidates(request_ids: np.ndarray, is_prefill: np.ndarray, 
     uniq, req = np.unique(request_ids, return_inverse=True)
     pre = np.flatnonzero(is_prefill)
     A = count_matrix(np.repeat(req[pre], K), topk_layer[pre].reshape(-1), uniq.size, holds_layer.shape[1])
-    R = _local_counts(A, holds_layer)
+    R = local_counts(A, holds_layer)
     ranks, conf = _top2(R, np.bincount(req[pre], minlength=uniq.size) * float(K))
     out, c = ranks[req], conf[req]
     out[is_prefill] = -1

@@ -8,6 +8,7 @@ from vllm_smoe.placement.coclust import place_coclust
 from vllm_smoe.placement.counts import assign_token_ids, layer_counts, local_count, rank_scores
 from vllm_smoe.placement.ilp import solve_ilp
 from vllm_smoe.placement.layout import SOLVERS, align_ranks, place_model
+from vllm_smoe.placement.routing_counts import RoutingCounts
 from vllm_smoe.placement.metrics import evaluate, holds_from_expert2rank
 from vllm_smoe.placement.online import simulate
 from vllm_smoe.placement.peers import place_linear, place_metis, place_round_robin
@@ -147,7 +148,7 @@ def test_peers_shapes_and_errors():
     e2r = place_metis(C, 2)
     assert len(set(e2r[:4])) == 1 and len(set(e2r[4:])) == 1 and e2r[0] != e2r[4]
     with pytest.raises(ValueError, match="unknown method"):
-        place_model("magic", GOLD_TOK, GOLD_TOPK, 4, 2)
+        place_model("magic", RoutingCounts.from_arrays(GOLD_TOK, GOLD_TOPK, 4), 2)
 
 
 def test_predictor_golden_and_unseen_fallback():
@@ -179,15 +180,15 @@ def test_markov_table_follows_previous_layer():
 def test_hierarchical_and_replicas():
     tok, topk = _instance(3, V=30, E=16, K=2, T=600)
     topk3 = np.stack([topk, topk], 1)
-    e2r, reps, _ = place_model("coclust", tok, topk3, 16, 4, nodes=2, replicas=4)
+    e2r, reps, _ = place_model("coclust", RoutingCounts.from_arrays(tok, topk3, 16), 4, nodes=2, replicas=4)
     assert (np.bincount(e2r[0], minlength=4) == 4).all()
     assert reps.shape == (2, 4, 2)
     assert (np.bincount(reps[0, :, 1], minlength=4) == 1).all()  # one extra copy per rank
     assert (e2r[0][reps[0, :, 0]] != reps[0, :, 1]).all()  # never a copy of a home expert
     with pytest.raises(ValueError, match="nodes 3"):
-        place_model("coclust", tok, topk3, 16, 4, nodes=3)
+        place_model("coclust", RoutingCounts.from_arrays(tok, topk3, 16), 4, nodes=3)
     with pytest.raises(ValueError, match="multiple of ep_size"):
-        place_model("coclust", tok, topk3, 16, 4, replicas=3)
+        place_model("coclust", RoutingCounts.from_arrays(tok, topk3, 16), 4, replicas=3)
 
 
 def test_attention_dp_requests_follow_affinity_and_stay_balanced():
@@ -233,7 +234,7 @@ def test_place_model_aligns_layers_without_changing_them(seed, nodes):
     tok = rng.integers(0, 40, T)
     first = np.stack([(tok * 3 + j) % E for j in range(K)], axis=1)
     topk = np.stack([first, (first + rng.integers(0, E, T)[:, None] * (rng.random(T) < 0.3)[:, None]) % E], axis=1)
-    e2r, _, _ = place_model("coclust", tok, topk, E, N, nodes=nodes, seed=seed)
+    e2r, _, _ = place_model("coclust", RoutingCounts.from_arrays(tok, topk, E), N, nodes=nodes, seed=seed)
     counts = [layer_counts(tok, topk[:, layer], E) for layer in range(2)]
     for layer, (_, A, occ) in enumerate(counts):
         assert (np.bincount(e2r[layer], minlength=N) == E // N).all()

@@ -286,6 +286,7 @@ def _comm_plan(a) -> dict:
     from .placement.metrics import evaluate
     from .placement.peers import place_linear
     from .placement.predict import predict_layer
+    from .placement.routing_counts import RoutingCounts
     from .synthetic import SHAPES, generate
     from .testbed import FIXTURE_TRACES
     from .trace import open_trace
@@ -303,7 +304,8 @@ def _comm_plan(a) -> dict:
         test_tok, test_topk = chunks[-1]["token_ids"], chunks[-1]["topk_ids"][:, a.layer: a.layer + 1]
         vocab, E = shape.vocab_size, shape.num_experts
     N = a.ranks
-    e2r, _, tables = place_model("coclust", train_tok, train_topk, E, N, vocab_size=vocab)
+    counts = RoutingCounts.from_arrays(train_tok, train_topk, E, vocab)
+    e2r, _, tables = place_model("coclust", counts, N, vocab_size=vocab)
     steps = []
     for s in range(a.steps):
         sl = slice(s * a.tokens, (s + 1) * a.tokens)

@@ -19,7 +19,9 @@ from .placement.layout import PREDICTED, SOLVERS, place_model
 from .placement.metrics import evaluate, holds_from_expert2rank
 from .placement.online import simulate
 from .placement_file import load_placement, load_tables, model_fingerprint, write_placement
-from .trace import read_traces
+from .parallel import default_jobs, fork_map
+from .placement.routing_counts import RoutingCounts
+from .trace import iter_traces, open_traces
 
 METRIC_KEYS = ("lar", "token_load", "expert_load", "remote_pairs_per_token", "remote_unique_per_token",
                "a2a_bytes_per_token", "internode_bytes_per_token", "intranode_bytes_per_token", "hit_rate",
@@ -28,25 +30,61 @@ DP_WINDOW = 64  # requests per attention-DP scheduling window
 COMPARE_ALL = ("linear", "round_robin", "eplb", "metis", "ceo", "alternating", "coclust")
 
 
-def _progress(desc: str):
+SAMPLE_FIELDS = ("token_ids", "request_ids", "positions", "topk_ids", "step_ids", "is_prefill")
+EVAL_WINDOWS = 16  # evenly spaced windows a bounded evaluation sample is cut into
+
+
+def _bar(desc: str, total: int, unit: str):
     from tqdm import tqdm
 
-    return lambda it: tqdm(it, desc=desc, unit="layer", leave=False, file=sys.stderr)
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "tok", leave=False, file=sys.stderr,
+                mininterval=1.0)
 
 
-def _load(specs, batch_tokens: int):
-    """Traces -> (meta, arrays sorted by batch, batch_ids [T], files)."""
-    meta, arr, files = read_traces(specs)
-    if arr["token_ids"].size == 0:
+def _windows(total: int, max_tokens: int) -> list[tuple[int, int]]:
+    """[start, stop) token ranges to evaluate: everything, or ``EVAL_WINDOWS`` evenly spaced
+    contiguous windows totalling ``max_tokens`` (0 = no bound)."""
+    if max_tokens == 0 or total <= max_tokens:
+        return [(0, total)]
+    w = max_tokens // EVAL_WINDOWS
+    return [(s, s + w) for s in (i * total // EVAL_WINDOWS for i in range(EVAL_WINDOWS))]
+
+
+def _stream(specs, windows=None, counts: bool = True, desc: str = "counting"):
+    """One pass over the traces: routing counts of every token (when ``counts``) and the rows
+    inside ``windows`` (a function of the total token count -> [start, stop) ranges) as arrays.
+    Returns (meta, RoutingCounts or None, {field: rows} sorted by step, batch ids [n], files, total)."""
+    meta, traces = open_traces(specs)
+    files = [t.path for t in traces]
+    total = sum(t.num_tokens for t in traces)
+    if total == 0:
         raise ValueError(f"{', '.join(files)}: the trace holds no tokens")
+    rc = RoutingCounts(meta.num_layers, meta.num_experts, meta.top_k, meta.vocab_size) if counts else None
+    wins = windows(total) if windows else []
+    parts, start = [], 0
+    with _bar(desc, total, "tok") as bar:
+        for ch in iter_traces(traces, SAMPLE_FIELDS):
+            n = ch["token_ids"].shape[0]
+            if rc is not None:
+                rc.add(ch["token_ids"], ch["topk_ids"])
+            for lo, hi in wins:
+                a, b = max(lo - start, 0), min(hi - start, n)
+                if a < b:
+                    parts.append({k: v[a:b].copy() for k, v in ch.items()})
+            start += n
+            bar.update(n)
+    sample = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]} if parts else {}
+    return meta, rc, sample, files, total
+
+
+def _batched(arr, batch_tokens: int):
+    """Rows sorted by engine step, and their batch ids [n] (steps, else windows of batch_tokens)."""
     if "step_ids" in arr:
         order = np.argsort(arr["step_ids"], kind="stable")
         if (order != np.arange(order.size)).any():
             arr = {k: v[order] for k, v in arr.items()}
-        batch = arr["step_ids"]
-    else:
-        batch = batches_from_windows(arr["token_ids"].size, batch_tokens)
-    return meta, arr, batch, files
+        return arr, arr["step_ids"]
+    return arr, batches_from_windows(arr["token_ids"].size, batch_tokens)
 
 
 def _model_info(model_dir: str | None, vocab_size: int):
@@ -213,29 +251,56 @@ def _embeddings(model_dir: str, vocab_size: int):
     raise ValueError(f"{model_dir}: no '*embed_tokens.weight' tensor in its safetensors files")
 
 
-def _solve(method, arr, meta, args, ep_size, nodes, embeddings=None):
-    """Run one method; returns (expert2rank, replicas, tables or None, seconds, peak MiB).
-    The time and memory cover placement plus predictor tables."""
+def _map_layers(jobs: int, peaks: list):
+    """place_model's ``map_layers``: layers over ``jobs`` forked workers, each reporting the
+    peak of its traced memory (appended to ``peaks``, bytes)."""
+    if jobs <= 1:
+        return map
+
+    def run(fn, layers):
+        def measured(layer):
+            cur = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            out = fn(layer)
+            return out, tracemalloc.get_traced_memory()[1] - cur
+
+        for out, peak in fork_map(measured, layers, jobs):
+            peaks.append(peak)
+            yield out
+    return run
+
+
+def _solve(method, counts, meta, args, ep_size, nodes, embeddings=None):
+    """Run one method on a trace's counts; returns (expert2rank, replicas, tables or None,
+    seconds, peak MiB). Time and memory cover placement plus predictor tables: this process's
+    traced peak plus, with --jobs > 1, the largest worker's times the number of workers."""
     tracemalloc.start()
     t0 = time.perf_counter()
+    peaks: list[int] = []
     if method == "eplb":
         from .peers import place_eplb
 
-        load = np.stack([np.bincount(arr["topk_ids"][:, layer].reshape(-1), minlength=meta.num_experts)
-                         for layer in range(meta.num_layers)]).astype(np.float64)
-        e2r, reps, tables = place_eplb(load, ep_size, nodes), np.zeros((meta.num_layers, 0, 2), np.int32), None
+        e2r, reps, tables = (place_eplb(counts.expert_load(), ep_size, nodes),
+                             np.zeros((meta.num_layers, 0, 2), np.int32), None)
     else:
         predicted = method in PREDICTED
+        bar = _bar(method, meta.num_layers, "layer")
         e2r, reps, tables = place_model(
-            method, arr["token_ids"], arr["topk_ids"], meta.num_experts, ep_size, nodes=nodes,
-            capacity=args.capacity, theta=args.theta, replicas=args.replicas if predicted else 0, seed=args.seed,
-            max_expert_load=args.max_expert_load,
+            method, counts, ep_size, nodes=nodes, capacity=args.capacity, theta=args.theta,
+            replicas=args.replicas if predicted else 0, seed=args.seed, max_expert_load=args.max_expert_load,
             vocab_size=meta.vocab_size if predicted else None, embeddings=embeddings if predicted else None,
-            progress=_progress(method))
+            progress=lambda it: _ticking(it, bar), map_layers=_map_layers(args.jobs, peaks))
+        bar.close()
     secs = time.perf_counter() - t0
-    peak = tracemalloc.get_traced_memory()[1] / 2**20
+    peak = tracemalloc.get_traced_memory()[1] + (max(peaks) * min(args.jobs, len(peaks)) if peaks else 0)
     tracemalloc.stop()
-    return e2r, reps, tables, secs, peak
+    return e2r, reps, tables, secs, peak / 2**20
+
+
+def _ticking(it, bar):
+    for x in it:
+        yield x
+        bar.update(1)
 
 
 def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, hidden, dtype_bytes, mode="tp",
@@ -269,41 +334,49 @@ def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, 
 
 def cmd_build(a) -> int:
     check_output_file(a.output, "-o")
-    meta, arr, batch, files = _load(a.trace, a.batch_tokens)
     if a.replicas and a.method not in PREDICTED:
         raise ValueError(f"--replicas needs a locality method ({', '.join(PREDICTED)}), not {a.method!r}")
+    t0 = time.perf_counter()
+    # one pass: counts of every token, and the leading rows for the in-sample metrics
+    meta, counts, sample, files, total = _stream(a.trace, lambda T: [(0, min(T, a.metrics_tokens))])
+    count_s = time.perf_counter() - t0
     fingerprint, emb = _model_info(a.model, meta.vocab_size)
-    print(f"placing {arr['token_ids'].size} tokens x {meta.num_layers} layers, {meta.num_experts} experts "
-          f"on {a.ep_size} ranks with {a.method}", file=sys.stderr)
-    e2r, reps, tables, secs, peak = _solve(a.method, arr, meta, a, a.ep_size, a.nodes, emb)
-    # in-sample metrics on a prefix of the training trace (bounded cost on huge traces)
-    n = min(arr["token_ids"].size, a.metrics_tokens)
-    sub = {k: v[:n] for k, v in arr.items()}
-    m = _measure(sub, batch[:n], meta, e2r, reps, tables, a.ep_size, a.capacity, a.method in PREDICTED,
+    print(f"counted {total} tokens x {meta.num_layers} layers in {count_s:.1f} s ({total / count_s:,.0f} tokens/s, "
+          f"{counts.nbytes / 2**20:.0f} MiB of counts); placing {meta.num_experts} experts on {a.ep_size} ranks "
+          f"with {a.method}, {a.jobs} job{'s' if a.jobs > 1 else ''}", file=sys.stderr)
+    e2r, reps, tables, secs, peak = _solve(a.method, counts, meta, a, a.ep_size, a.nodes, emb)
+    del counts
+    sub, batch = _batched(sample, a.batch_tokens)
+    m = _measure(sub, batch, meta, e2r, reps, tables, a.ep_size, a.capacity, a.method in PREDICTED,
                  meta.hidden_size or a.hidden_size, a.dtype_bytes, nodes=a.nodes)
     m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tables.nbytes if tables is not None else 0)
     write_placement(a.output, expert2rank=e2r, ep_size=a.ep_size, nodes=a.nodes, top_k=meta.top_k,
                     vocab_size=meta.vocab_size, method=a.method, capacity=a.capacity,
                     tables=tables.arrays() if tables is not None else None,
                     replicas=reps if a.replicas else None, fingerprint=fingerprint,
-                    built_from={"traces": [_rel(f, a.output) for f in files], "tokens": int(arr["token_ids"].size),
+                    built_from={"traces": [_rel(f, a.output) for f in files], "tokens": int(total),
                                 "batch_tokens": a.batch_tokens, "theta": a.theta, "seed": a.seed,
                                 "max_expert_load": a.max_expert_load},
                     metrics={k: m[k] for k in METRIC_KEYS if k in m})
     nodes = (f", a2a bytes/token {m['internode_bytes_per_token']:.0f} inter-node + "
              f"{m['intranode_bytes_per_token']:.0f} intra-node" if a.nodes > 1 else "")
     print(f"wrote {a.output}: in-sample LAR {m['lar']:.3f}, token load {m['token_load']:.3f}, "
-          f"expert load {m['expert_load']:.3f}{nodes}, solve {secs:.1f} s, tables {m['table_bytes'] / 1e6:.2f} MB")
+          f"expert load {m['expert_load']:.3f}{nodes} (first {sub['token_ids'].size} tokens), "
+          f"solve {secs:.1f} s, tables {m['table_bytes'] / 1e6:.2f} MB, total {time.perf_counter() - t0:.1f} s")
     return 0
 
 
 def _evaluate_all(a):
     p = load_placement(a.placement)
-    meta, arr, batch, _ = _load(a.trace, a.batch_tokens)
+    meta, _, arr, _, total = _stream(a.trace, lambda T: _windows(T, a.max_tokens), counts=False, desc="reading")
     for key, want in (("num_layers", p.num_layers), ("num_experts", p.num_experts), ("top_k", p.top_k)):
         if getattr(meta, key) != want:
             raise ValueError(f"{a.trace[0]}: trace meta.{key} = {getattr(meta, key)} but placement "
                              f"{a.placement} has model.{key} = {want}")
+    if arr["token_ids"].size < total:
+        print(f"evaluating {arr['token_ids'].size} of {total} tokens: {EVAL_WINDOWS} evenly spaced windows "
+              f"(--max-tokens 0 for all)", file=sys.stderr)
+    arr, batch = _batched(arr, a.batch_tokens)
     hidden = meta.hidden_size or a.hidden_size
     results: dict[str, dict] = {}
     tables = load_tables(p) if p.predictor else None
@@ -318,7 +391,7 @@ def _evaluate_all(a):
         raise ValueError(f"--compare: unknown method(s) {unknown}; choose from {', '.join(COMPARE_ALL)} or 'all'")
     if methods:
         train_specs = a.train or (load_train_specs(a.placement))
-        tmeta, tarr, _, _ = _load(train_specs, a.batch_tokens)
+        tmeta, counts, _, _, _ = _stream(train_specs)
         if (tmeta.num_layers, tmeta.num_experts) != (meta.num_layers, meta.num_experts):
             raise ValueError(f"--train traces have a different model shape than {a.trace[0]}")
         a.replicas = 0
@@ -330,7 +403,7 @@ def _evaluate_all(a):
                 if not ok:
                     print(f"skipping eplb: {why}", file=sys.stderr)
                     continue
-            e2r, reps, tab, secs, peak = _solve(method, tarr, tmeta, a, p.ep_size, p.nodes)
+            e2r, reps, tab, secs, peak = _solve(method, counts, tmeta, a, p.ep_size, p.nodes)
             m = _measure(arr, batch, meta, e2r, reps, tab, p.ep_size, p.capacity, method in PREDICTED, hidden,
                          a.dtype_bytes, a.mode, p.nodes)
             m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tab.nbytes if tab is not None else 0)
@@ -418,6 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="for a2a bytes when the trace meta has no hidden_size (default 4096)")
         s.add_argument("--dtype-bytes", type=number(int, 1), default=2,
                        help="activation bytes per element (default 2)")
+        s.add_argument("--jobs", type=number(int, 1), default=default_jobs(),
+                       help=f"worker processes solving layers in parallel (default: all cores, here "
+                            f"{default_jobs()}); the result does not depend on it")
 
     b = sub.add_parser("build", help="place experts and build predictor tables; writes YAML + .tables.npz")
     b.add_argument("--trace", nargs="+", required=True, help="trace files, directories or globs")
@@ -441,6 +517,9 @@ def build_parser() -> argparse.ArgumentParser:
         e.add_argument("--placement", required=True)
         e.add_argument("--compare", help="'all' or a comma list of " + ", ".join(COMPARE_ALL))
         e.add_argument("--train", nargs="+", help="training traces for --compare (default: the placement's)")
+        e.add_argument("--max-tokens", type=number(int, 0), default=1 << 20,
+                       help=f"evaluate at most this many test tokens, in {EVAL_WINDOWS} evenly spaced windows "
+                            "(default 1048576; 0 = all, held in memory)")
         e.add_argument("--mode", choices=("tp", "dp"), default="tp",
                        help="tp: attention in tensor parallel, tokens shuffled per layer (default); "
                             "dp: attention data parallel, whole requests scheduled on ranks")

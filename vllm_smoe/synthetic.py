@@ -178,23 +178,54 @@ def _coprime_stride(E: int, rng: np.random.Generator) -> int:
 
 
 def write_synthetic(path: str, shape_name: str, num_tokens: int, seed: int = 0, progress: bool = False,
-                    **knobs) -> str:
-    """Generate ``num_tokens`` rows of ``SHAPES[shape_name]`` into the trace file ``path``."""
+                    file_tokens: int | None = None, **knobs) -> str:
+    """Generate ``num_tokens`` rows of ``SHAPES[shape_name]`` into the trace file ``path``, or, with
+    ``file_tokens``, into the directory ``path`` as ``trace-00000.npz ...`` of ``file_tokens`` rows
+    each: one recording, like the recorder's rotated files (request and step ids run on)."""
+    import os
+    import time
+
     if shape_name not in SHAPES:
         raise ValueError(f"unknown shape {shape_name!r}; choose one of {', '.join(SHAPES)}")
     shape = SHAPES[shape_name]
     num_domains = knobs.get("num_domains", 4)
+    chunk = knobs.get("chunk_tokens", 1 << 16)
     meta = TraceMeta(num_experts=shape.num_experts, top_k=shape.top_k, num_layers=shape.num_layers,
                      vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
                      domains=tuple(f"domain{d}" for d in range(num_domains)),
-                     model=f"synthetic:{shape_name}", extra={"synthetic": dict(seed=seed, **knobs)})
+                     model=f"synthetic:{shape_name}",
+                     extra={"synthetic": dict(seed=seed, **knobs), "recording": f"synthetic-{seed}-{time.time_ns()}"})
+    if file_tokens is not None and file_tokens < 1:
+        raise ValueError(f"file_tokens must be positive, got {file_tokens}")
     chunks = generate(shape, num_tokens, seed=seed, **knobs)
     if progress:
         from tqdm import tqdm
 
-        chunk = knobs.get("chunk_tokens", 1 << 16)
         chunks = tqdm(chunks, total=-(-num_tokens // chunk), desc=f"synth {shape_name}", unit="chunk")
-    with TraceWriter(path, meta) as w:
+    if file_tokens is None:
+        with TraceWriter(path, meta) as w:
+            for ch in chunks:
+                w.append(**ch)
+        return path
+    os.makedirs(path, exist_ok=True)
+    w, index, rows = None, 0, 0
+    try:
         for ch in chunks:
-            w.append(**ch)
+            n, s = ch["token_ids"].shape[0], 0
+            while s < n:  # a chunk may straddle two files
+                if w is None:
+                    w = TraceWriter(os.path.join(path, f"trace-{index:05d}.npz"), meta)
+                    index += 1
+                m = min(n - s, file_tokens - rows)
+                w.append(**{k: v[s: s + m] for k, v in ch.items()})
+                s, rows = s + m, rows + m
+                if rows == file_tokens:
+                    w.close()
+                    w, rows = None, 0
+        if w is not None:
+            w.close()
+    except BaseException:
+        if w is not None:
+            w.abort()
+        raise
     return path

@@ -300,25 +300,28 @@ def open_trace(path: str | os.PathLike, validate: bool = False, chunk_tokens: in
     return trace
 
 
-def _check_values(trace: Trace, chunk_tokens: int, loaded: dict[str, np.ndarray] | None = None) -> None:
-    """Scan rows for out-of-range ids and bad weights: streamed from the file, or sliced from
-    ``loaded`` arrays when the caller already holds them (saves a second decompression)."""
-    meta, path = trace.meta, trace.path
+def _check_values(trace: Trace, chunk_tokens: int) -> None:
+    """Scan every row of ``trace`` (streamed) for out-of-range ids and bad weights."""
     start = 0
-    if loaded is None:
-        chunks = trace.iter_chunks(chunk_tokens=chunk_tokens)
-    else:
-        chunks = ({k: v[i: i + chunk_tokens] for k, v in loaded.items()}
-                  for i in range(0, trace.num_tokens, chunk_tokens))
-    for ch in chunks:
-        def bad(name: str, mask: np.ndarray, what: str) -> None:
-            i = int(np.flatnonzero(mask.reshape(mask.shape[0], -1).any(axis=1))[0])
-            raise ValueError(f"{path}: field {name!r} at token {start + i}: {what}")
+    for ch in trace.iter_chunks(chunk_tokens=chunk_tokens):
+        _check_chunk(trace, ch, start)
+        start += ch["token_ids"].shape[0]
 
+
+def _check_chunk(trace: Trace, ch: Mapping[str, np.ndarray], start: int) -> None:
+    """Check the value fields present in one chunk of rows starting at token ``start``."""
+    meta, path = trace.meta, trace.path
+
+    def bad(name: str, mask: np.ndarray, what: str) -> None:
+        i = int(np.flatnonzero(mask.reshape(mask.shape[0], -1).any(axis=1))[0])
+        raise ValueError(f"{path}: field {name!r} at token {start + i}: {what}")
+
+    if "token_ids" in ch:
         tok = ch["token_ids"]
         if tok.size and (tok.min() < 0 or tok.max() >= meta.vocab_size):
             bad("token_ids", (tok < 0) | (tok >= meta.vocab_size),
                 f"token id out of range [0, vocab_size={meta.vocab_size})")
+    if "topk_ids" in ch:
         topk = ch["topk_ids"]
         if topk.size and (topk.min() < 0 or topk.max() >= meta.num_experts):
             bad("topk_ids", (topk < 0) | (topk >= meta.num_experts),
@@ -328,20 +331,20 @@ def _check_values(trace: Trace, chunk_tokens: int, loaded: dict[str, np.ndarray]
             twice = (srt[..., 1:] == srt[..., :-1]).any(axis=-1)
             if twice.any():
                 bad("topk_ids", twice, "an expert appears twice in one token's top-k")
+    if "positions" in ch:
         pos = ch["positions"]
         if pos.size and pos.min() < 0:
             bad("positions", pos < 0, "negative position")
-        if "domain" in ch:
-            d = ch["domain"]
-            if d.size and (d.min() < 0 or d.max() >= len(meta.domains)):
-                bad("domain", (d < 0) | (d >= len(meta.domains)),
-                    f"domain label out of range [0, len(meta.domains)={len(meta.domains)})")
-        if "topk_weights" in ch:
-            w = ch["topk_weights"]
-            finite = np.isfinite(w)
-            if not finite.all():
-                bad("topk_weights", ~finite, "NaN or infinite router weight")
-        start += tok.shape[0]
+    if "domain" in ch:
+        d = ch["domain"]
+        if d.size and (d.min() < 0 or d.max() >= len(meta.domains)):
+            bad("domain", (d < 0) | (d >= len(meta.domains)),
+                f"domain label out of range [0, len(meta.domains)={len(meta.domains)})")
+    if "topk_weights" in ch:
+        w = ch["topk_weights"]
+        finite = np.isfinite(w)
+        if not finite.all():
+            bad("topk_weights", ~finite, "NaN or infinite router weight")
 
 
 SPILL_PREFIX = ".trace-"
@@ -649,28 +652,34 @@ def expand_trace_paths(specs: Sequence[str]) -> list[str]:
     return out
 
 
-def read_traces(specs: Sequence[str], fields: Sequence[str] = ("token_ids", "request_ids", "positions", "topk_ids",
-                                                               "step_ids", "is_prefill"),
-                validate: bool = True) -> tuple[TraceMeta, dict[str, np.ndarray], list[str]]:
-    """Concatenate the traces named by ``specs`` (see :func:`expand_trace_paths`) in memory.
-
-    All files must agree on num_layers, num_experts, top_k and vocab_size. request_ids and
-    step_ids are offset per recording (files whose meta has the same ``recording`` id, e.g. the
-    rotated chunks of one server, share them) so that separate recordings stay distinct; an
-    optional field is returned only when every file has it. Returns (meta of the first file, {field: array}, file list).
-    """
-    paths = expand_trace_paths(specs)
-    traces = [open_trace(p) for p in paths]
+def open_traces(specs: Sequence[str]) -> tuple[TraceMeta, list[Trace]]:
+    """Open the traces named by ``specs`` (see :func:`expand_trace_paths`) lazily and check that
+    they agree on num_layers, num_experts, top_k and vocab_size. Returns (meta of the first, traces)."""
+    traces = [open_trace(p) for p in expand_trace_paths(specs)]
     m0 = traces[0].meta
     for t in traces[1:]:
         for key in ("num_layers", "num_experts", "top_k", "vocab_size"):
             if getattr(t.meta, key) != getattr(m0, key):
                 raise ValueError(f"{t.path}: field 'meta.{key}' = {getattr(t.meta, key)} differs from "
                                  f"{traces[0].path} ({getattr(m0, key)})")
+    return m0, traces
+
+
+_VALUE_FIELDS = ("token_ids", "topk_ids", "positions", "domain", "topk_weights")
+
+
+def iter_traces(traces: Sequence[Trace], fields: Sequence[str] = ("token_ids", "request_ids", "positions",
+                                                                   "topk_ids", "step_ids", "is_prefill"),
+                chunk_tokens: int = 1 << 16, validate: bool = True) -> Iterator[dict[str, np.ndarray]]:
+    """Stream the rows of ``traces`` in order as ``{field: [n, ...]}`` chunks of at most
+    ``chunk_tokens`` rows; an optional field is yielded only when every trace has it.
+
+    request_ids and step_ids are offset per recording (files whose meta has the same ``recording``
+    id, e.g. the rotated chunks of one server, share them) so that separate recordings stay
+    distinct. With ``validate``, rows are checked as they pass (ids in range, no expert twice in a
+    top-k, positions, domains and weights when read) and errors name the file, field and token.
+    """
     present = [f for f in fields if all(t.has(f) for t in traces)]
-    out: dict[str, list[np.ndarray]] = {f: [] for f in present}
-    # Chunk files of one recording (same meta "recording" id) share request and step ids;
-    # separate recordings get disjoint ids.
     offsets: dict[str, tuple[int, int]] = {}
     next_req = next_step = 0
     for t in traces:
@@ -678,20 +687,35 @@ def read_traces(specs: Sequence[str], fields: Sequence[str] = ("token_ids", "req
         if group not in offsets:
             offsets[group] = (next_req, next_step)
         req_off, step_off = offsets[group]
-        loaded = {f: t[f] for f in present}
-        if validate:
-            value_fields = [f for f in ("token_ids", "topk_ids", "positions", "domain", "topk_weights") if t.has(f)]
-            _check_values(t, 1 << 18, {f: loaded[f] if f in loaded else t[f] for f in value_fields})
-        for f in present:
-            a = loaded[f]
-            if f == "request_ids":
-                a = a.astype(np.int64) + req_off
-                next_req = max(next_req, int(a.max()) + 1) if a.size else next_req
-            elif f == "step_ids":
-                a = a.astype(np.int64) + step_off
-                next_step = max(next_step, int(a.max()) + 1) if a.size else next_step
-            out[f].append(a)
-    return m0, {f: np.concatenate(v) for f, v in out.items()}, paths
+        read = present + [f for f in ("token_ids", "topk_ids", "positions") if validate and f not in present]
+        start = 0
+        for ch in t.iter_chunks(read, chunk_tokens):
+            if validate:
+                _check_chunk(t, {f: ch[f] for f in _VALUE_FIELDS if f in ch}, start)
+            start += ch["token_ids"].shape[0] if "token_ids" in ch else 0
+            out = {}
+            for f in present:
+                a = ch[f]
+                if f == "request_ids":
+                    a = a.astype(np.int64) + req_off
+                    next_req = max(next_req, int(a.max()) + 1) if a.size else next_req
+                elif f == "step_ids":
+                    a = a.astype(np.int64) + step_off
+                    next_step = max(next_step, int(a.max()) + 1) if a.size else next_step
+                out[f] = a
+            yield out
+
+
+def read_traces(specs: Sequence[str], fields: Sequence[str] = ("token_ids", "request_ids", "positions", "topk_ids",
+                                                               "step_ids", "is_prefill"),
+                validate: bool = True) -> tuple[TraceMeta, dict[str, np.ndarray], list[str]]:
+    """Concatenate the traces named by ``specs`` in memory (:func:`iter_traces` streams them).
+    Returns (meta of the first file, {field: array}, file list)."""
+    meta, traces = open_traces(specs)
+    chunks = list(iter_traces(traces, fields, chunk_tokens=1 << 18, validate=validate))
+    present = [f for f in fields if all(t.has(f) for t in traces)]
+    out = {f: np.concatenate([c[f] for c in chunks]) if chunks else np.zeros(0) for f in present}
+    return meta, out, [t.path for t in traces]
 
 
 def summary(trace: Trace) -> dict[str, object]:

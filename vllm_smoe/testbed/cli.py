@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from ..cli_util import run_cli
+from ..cli_util import number, run_cli
 from . import FIXTURE_MODEL, FIXTURE_TRACES
 
 
@@ -94,7 +94,7 @@ def _cmd_synth(a) -> int:
 
     t0 = time.time()
     write_synthetic(a.output, a.shape, a.tokens, seed=a.seed, progress=True, hotness=a.hotness,
-                    affinity=a.affinity, domain_skew=a.domain_skew, num_domains=a.domains)
+                    affinity=a.affinity, domain_skew=a.domain_skew, num_domains=a.domains, file_tokens=a.file_tokens)
     print(f"wrote {a.tokens} tokens of {a.shape} to {a.output} in {time.time() - t0:.1f} s")
     return 0
 
@@ -153,7 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--domain-skew", type=float, default=1.0)
     y.add_argument("--domains", type=int, default=4)
     y.add_argument("--seed", type=int, default=0)
-    y.add_argument("-o", "--output", required=True)
+    y.add_argument("--file-tokens", type=number(int, 1),
+                   help="write a directory of trace files of this many tokens each, like the recorder's "
+                        "rotated files (default: one file)")
+    y.add_argument("-o", "--output", required=True, help="trace file, or directory with --file-tokens")
     y.set_defaults(fn=_cmd_synth)
 
     q = sub.add_parser("path", help="print where the embedded fixture lives")

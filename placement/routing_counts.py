@@ -1,0 +1,166 @@
+"""The counts every placement method and predictor table needs, summed chunk by chunk.
+
+Placement never needs the trace itself, only sums over its tokens: per layer, how often each
+token id activated each expert (A [V', E]), how often each id occurred, and the inter-layer
+transitions (previous layer's top-1 expert -> this layer's experts). :class:`RoutingCounts`
+accumulates them from chunks of any trace length, so memory follows the vocabulary, experts and
+layers, not the number of tokens.
+
+Storage: an id's counts live in one of two forms, whichever is smaller for it. A frequent id
+(seen ``dense_after`` times or more) gets a dense row of E counters per layer; a rare id keeps its
+raw routing rows (K small ints per layer per occurrence) until it becomes frequent, and those
+rows are counted when a layer's matrix is asked for. Counts are exact in either form.
+
+Notation: T tokens, L layers, K top-k, E experts, V vocabulary, V' ids seen, F frequent ids.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+
+from .counts import count_matrix
+
+
+def _small_int(num_experts: int) -> np.dtype:
+    return np.dtype(np.uint8) if num_experts <= 256 else np.dtype(np.uint16) if num_experts <= 65536 else np.dtype(
+        np.int32)
+
+
+def _add_counts(flat: np.ndarray, keys: np.ndarray) -> None:
+    """flat[k] += occurrences of k in ``keys`` (flat: 1-d integer counters, keys: [M] int)."""
+    if keys.size == 0:
+        return
+    if flat.size <= 4 * keys.size:  # dense bincount beats sorting
+        flat += np.bincount(keys, minlength=flat.size).astype(flat.dtype)
+        return
+    srt = np.sort(keys)
+    starts = np.r_[0, np.flatnonzero(srt[1:] != srt[:-1]) + 1]
+    flat[srt[starts]] += np.diff(np.r_[starts, srt.size]).astype(flat.dtype)
+
+
+class RoutingCounts:
+    """Sufficient statistics of a routing trace for :func:`~.layout.place_model`.
+
+    Build with :meth:`add` per chunk (or :meth:`from_arrays`), then read :meth:`seen`,
+    :meth:`layer_matrix`, :meth:`markov_matrix` and :meth:`expert_load`.
+
+    dense_after: occurrences after which an id's counts move to a dense row (default: where a
+    dense row [L, E] of uint32 costs what the id's raw rows [L, K] would).
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, top_k: int, vocab_size: int,
+                 dense_after: int | None = None):
+        if min(num_layers, num_experts, top_k, vocab_size) < 1 or top_k > num_experts:
+            raise ValueError(f"bad routing shape: num_layers {num_layers}, num_experts {num_experts}, "
+                             f"top_k {top_k}, vocab_size {vocab_size}")
+        self.num_layers, self.num_experts, self.top_k, self.vocab_size = num_layers, num_experts, top_k, vocab_size
+        self._raw_dtype = _small_int(num_experts)
+        raw_bytes = num_layers * top_k * self._raw_dtype.itemsize + 4
+        self.dense_after = dense_after or max(1, -(-num_layers * num_experts * 4 // raw_bytes))
+        self.num_tokens = 0
+        self.occ = np.zeros(vocab_size, dtype=np.int64)  # [V] occurrences per token id
+        self.dense_row = np.full(vocab_size, -1, dtype=np.int64)  # [V] row in ``_dense``, -1 = raw
+        self._dense_ids = np.zeros(0, dtype=np.int64)  # [F] token id of each dense row
+        self._dense = np.zeros((num_layers, 0, num_experts), dtype=np.uint32)  # [L, F_cap, E]
+        self._raw_ids: list[np.ndarray] = []  # per chunk [n] int32 token ids of raw rows
+        self._raw_topk: list[np.ndarray] = []  # per chunk [L, n, K] small ints
+        # [L, E, E]: [l, i, j] = tokens whose layer l-1 top-1 expert was i and that chose j at l
+        self._markov = np.zeros((num_layers, num_experts, num_experts), dtype=np.int64)
+
+    @classmethod
+    def from_arrays(cls, token_ids: np.ndarray, topk_ids: np.ndarray, num_experts: int,
+                    vocab_size: int | None = None, **kw) -> "RoutingCounts":
+        """Counts of one in-memory trace. token_ids: [T] int; topk_ids: [T, L, K] int."""
+        _, L, K = topk_ids.shape
+        V = vocab_size if vocab_size is not None else int(token_ids.max(initial=-1)) + 1
+        c = cls(L, num_experts, K, max(V, 1), **kw)
+        c.add(token_ids, topk_ids)
+        return c
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (the dense block at its capacity, raw rows, tables)."""
+        return int(self.occ.nbytes + self.dense_row.nbytes + self._dense.nbytes + self._markov.nbytes
+                   + sum(a.nbytes for a in self._raw_ids) + sum(a.nbytes for a in self._raw_topk))
+
+    def _promote(self, ids: np.ndarray) -> None:
+        F = self._dense_ids.size
+        need = F + ids.size
+        if need > self._dense.shape[1]:  # grow by doubling: amortised copies
+            grown = np.zeros((self.num_layers, max(need, 2 * self._dense.shape[1], 16), self.num_experts),
+                             dtype=np.uint32)
+            grown[:, :F] = self._dense[:, :F]
+            self._dense = grown
+        self.dense_row[ids] = np.arange(F, need)
+        self._dense_ids = np.concatenate([self._dense_ids, ids])
+
+    def add(self, token_ids: np.ndarray, topk_ids: np.ndarray) -> None:
+        """Count one chunk. token_ids: [n] int in [0, V); topk_ids: [n, L, K] int in [0, E)."""
+        n = token_ids.shape[0]
+        L, E, K = self.num_layers, self.num_experts, self.top_k
+        if topk_ids.shape != (n, L, K):
+            raise ValueError(f"topk_ids has shape {topk_ids.shape}, expected ({n}, {L}, {K})")
+        if self.num_tokens + n >= 2**32:  # a dense counter could overflow uint32
+            raise ValueError(f"more than {2**32 - 1} tokens in one count")
+        if n == 0:
+            return
+        tok = token_ids.astype(np.int64)
+        self.occ += np.bincount(tok, minlength=self.vocab_size)
+        self.num_tokens += n
+        fresh = np.flatnonzero((self.occ >= self.dense_after) & (self.dense_row < 0))
+        if fresh.size:
+            self._promote(fresh)
+        row = self.dense_row[tok]
+        dense = row >= 0
+        if dense.any():
+            d = row[dense] * E
+            sub = topk_ids[dense]
+            for layer in range(L):
+                keys = (d[:, None] + sub[:, layer, :]).reshape(-1)
+                _add_counts(self._dense[layer].reshape(-1), keys)
+        if not dense.all():
+            rare = ~dense
+            self._raw_ids.append(token_ids[rare].astype(np.int32))
+            self._raw_topk.append(np.ascontiguousarray(topk_ids[rare].transpose(1, 0, 2), dtype=self._raw_dtype))
+        for layer in range(1, L):
+            keys = (topk_ids[:, layer - 1, :1].astype(np.int64) * E + topk_ids[:, layer, :]).reshape(-1)
+            _add_counts(self._markov[layer].reshape(-1), keys)
+
+    def seen(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids [V'] int64 token ids seen, ascending; occ [V'] float64 occurrences of each)."""
+        ids = np.flatnonzero(self.occ)
+        return ids, self.occ[ids].astype(np.float64)
+
+    def layer_matrix(self, layer: int) -> sp.csr_matrix:
+        """A: [V', E] csr float64, activations of expert e by the i-th seen id (rows as :meth:`seen`)."""
+        ids, _ = self.seen()
+        E, K = self.num_experts, self.top_k
+        row_of = np.full(self.vocab_size, -1, dtype=np.int64)
+        row_of[ids] = np.arange(ids.size)
+        F = self._dense_ids.size
+        block = self._dense[layer, :F]
+        r, c = np.nonzero(block)
+        rows = [row_of[self._dense_ids[r]]]
+        cols = [c]
+        weights = [block[r, c].astype(np.float64)]
+        if self._raw_ids:
+            raw_rows = row_of[np.concatenate(self._raw_ids)]
+            rows.append(np.repeat(raw_rows, K))
+            cols.append(np.concatenate([t[layer] for t in self._raw_topk]).reshape(-1).astype(np.int64))
+            weights.append(np.ones(raw_rows.size * K))
+        return count_matrix(np.concatenate(rows), np.concatenate(cols), ids.size, E, np.concatenate(weights))
+
+    def markov_matrix(self, layer: int) -> np.ndarray:
+        """[E, E] int64: tokens whose top-1 expert at ``layer - 1`` was i that chose expert j at
+        ``layer`` (all zero at layer 0)."""
+        return self._markov[layer]
+
+    def expert_load(self) -> np.ndarray:
+        """[L, E] float64 activations of each expert."""
+        F = self._dense_ids.size
+        load = self._dense[:, :F].sum(axis=1, dtype=np.float64)
+        for t in self._raw_topk:
+            for layer in range(self.num_layers):
+                load[layer] += np.bincount(t[layer].reshape(-1), minlength=self.num_experts)
+        return load
