@@ -6,10 +6,11 @@ transitions (previous layer's top-1 expert -> this layer's experts). :class:`Rou
 accumulates them from chunks of any trace length, so memory follows the vocabulary, experts and
 layers, not the number of tokens.
 
-Storage: an id's counts live in one of two forms, whichever is smaller for it. A frequent id
-(seen ``dense_after`` times or more) gets a dense row of E counters per layer; a rare id keeps its
-raw routing rows (K small ints per layer per occurrence) until it becomes frequent, and those
-rows are counted when a layer's matrix is asked for. Counts are exact in either form.
+Storage: an id's counts live in the smallest of three forms for it. A rare id keeps its raw routing
+rows (K small ints per layer per occurrence); once seen ``dense_after`` times it gets a dense row of
+E counters per layer, 8-bit while it has occurred fewer than 256 times, then 16-bit, then 32-bit
+(a counter never exceeds its id's occurrences, so none can overflow). Raw rows are counted when a
+layer's matrix is asked for. Counts are exact in every form.
 
 Notation: T tokens, L layers, K top-k, E experts, V vocabulary, V' ids seen, F frequent ids.
 """
@@ -45,9 +46,12 @@ class RoutingCounts:
     Build with :meth:`add` per chunk (or :meth:`from_arrays`), then read :meth:`seen`,
     :meth:`layer_matrix`, :meth:`markov_matrix` and :meth:`expert_load`.
 
-    dense_after: occurrences after which an id's counts move to a dense row (default: where a
-    dense row [L, E] of uint32 costs what the id's raw rows [L, K] would).
+    dense_after: occurrences after which an id's counts move to a dense row (default: where an
+    8-bit dense row [L, E] costs what the id's raw rows [L, K] would).
     """
+
+    # dense tiers: (counter dtype, most occurrences an id may have to live in it)
+    TIERS = ((np.dtype(np.uint8), 255), (np.dtype(np.uint16), 65535), (np.dtype(np.uint32), 2**32 - 1))
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, vocab_size: int,
                  dense_after: int | None = None):
@@ -57,12 +61,15 @@ class RoutingCounts:
         self.num_layers, self.num_experts, self.top_k, self.vocab_size = num_layers, num_experts, top_k, vocab_size
         self._raw_dtype = _small_int(num_experts)
         raw_bytes = num_layers * top_k * self._raw_dtype.itemsize + 4
-        self.dense_after = dense_after or max(1, -(-num_layers * num_experts * 4 // raw_bytes))
+        self.dense_after = dense_after or max(1, -(-num_layers * num_experts // raw_bytes))
         self.num_tokens = 0
         self.occ = np.zeros(vocab_size, dtype=np.int64)  # [V] occurrences per token id
-        self.dense_row = np.full(vocab_size, -1, dtype=np.int64)  # [V] row in ``_dense``, -1 = raw
-        self._dense_ids = np.zeros(0, dtype=np.int64)  # [F] token id of each dense row
-        self._dense = np.zeros((num_layers, 0, num_experts), dtype=np.uint32)  # [L, F_cap, E]
+        self.tier = np.full(vocab_size, -1, dtype=np.int8)  # [V] dense tier of each id, -1 = raw
+        self.dense_row = np.full(vocab_size, -1, dtype=np.int64)  # [V] row in its tier's block
+        # per tier: [F_t] token id of each row (an id that moved up leaves a stale row behind) and
+        # the counters [L, F_cap, E]
+        self._dense_ids = [np.zeros(0, dtype=np.int64) for _ in self.TIERS]
+        self._dense = [np.zeros((num_layers, 0, num_experts), dtype=dt) for dt, _ in self.TIERS]
         self._raw_ids: list[np.ndarray] = []  # per chunk [n] int32 token ids of raw rows
         self._raw_topk: list[np.ndarray] = []  # per chunk [L, n, K] small ints
         # [L, E, E]: [l, i, j] = tokens whose layer l-1 top-1 expert was i and that chose j at l
@@ -80,20 +87,34 @@ class RoutingCounts:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held (the dense block at its capacity, raw rows, tables)."""
-        return int(self.occ.nbytes + self.dense_row.nbytes + self._dense.nbytes + self._markov.nbytes
-                   + sum(a.nbytes for a in self._raw_ids) + sum(a.nbytes for a in self._raw_topk))
+        """Bytes held (dense blocks at their capacity, raw rows, tables)."""
+        return int(self.occ.nbytes + self.tier.nbytes + self.dense_row.nbytes + self._markov.nbytes
+                   + sum(d.nbytes for d in self._dense) + sum(a.nbytes for a in self._raw_ids)
+                   + sum(a.nbytes for a in self._raw_topk))
 
-    def _promote(self, ids: np.ndarray) -> None:
-        F = self._dense_ids.size
+    def _live_rows(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, token ids) of tier ``t`` whose id still lives there."""
+        ids = self._dense_ids[t]
+        live = np.flatnonzero(self.tier[ids] == t)
+        return live, ids[live]
+
+    def _promote(self, t: int, ids: np.ndarray) -> None:
+        """Give ``ids`` rows in tier ``t``, carrying over the counts of a lower tier."""
+        F = self._dense_ids[t].size
         need = F + ids.size
-        if need > self._dense.shape[1]:  # grow by doubling: amortised copies
-            grown = np.zeros((self.num_layers, max(need, 2 * self._dense.shape[1], 16), self.num_experts),
-                             dtype=np.uint32)
-            grown[:, :F] = self._dense[:, :F]
-            self._dense = grown
-        self.dense_row[ids] = np.arange(F, need)
-        self._dense_ids = np.concatenate([self._dense_ids, ids])
+        block = self._dense[t]
+        if need > block.shape[1]:  # grow by doubling: amortised copies
+            grown = np.zeros((self.num_layers, max(need, 2 * block.shape[1], 16), self.num_experts), dtype=block.dtype)
+            grown[:, :F] = block[:, :F]
+            self._dense[t] = block = grown
+        rows = np.arange(F, need)
+        was = self.tier[ids]
+        for lower in np.unique(was[was >= 0]):
+            sel = was == lower
+            block[:, rows[sel]] = self._dense[lower][:, self.dense_row[ids[sel]]]
+        self.tier[ids] = t
+        self.dense_row[ids] = rows
+        self._dense_ids[t] = np.concatenate([self._dense_ids[t], ids])
 
     def add(self, token_ids: np.ndarray, topk_ids: np.ndarray) -> None:
         """Count one chunk. token_ids: [n] int in [0, V); topk_ids: [n, L, K] int in [0, E)."""
@@ -101,26 +122,29 @@ class RoutingCounts:
         L, E, K = self.num_layers, self.num_experts, self.top_k
         if topk_ids.shape != (n, L, K):
             raise ValueError(f"topk_ids has shape {topk_ids.shape}, expected ({n}, {L}, {K})")
-        if self.num_tokens + n >= 2**32:  # a dense counter could overflow uint32
+        if self.num_tokens + n >= 2**32:  # a 32-bit counter could overflow
             raise ValueError(f"more than {2**32 - 1} tokens in one count")
         if n == 0:
             return
         tok = token_ids.astype(np.int64)
         self.occ += np.bincount(tok, minlength=self.vocab_size)
         self.num_tokens += n
-        fresh = np.flatnonzero((self.occ >= self.dense_after) & (self.dense_row < 0))
-        if fresh.size:
-            self._promote(fresh)
-        row = self.dense_row[tok]
-        dense = row >= 0
-        if dense.any():
-            d = row[dense] * E
-            sub = topk_ids[dense]
-            for layer in range(L):
-                keys = (d[:, None] + sub[:, layer, :]).reshape(-1)
-                _add_counts(self._dense[layer].reshape(-1), keys)
-        if not dense.all():
-            rare = ~dense
+        # every id's tier before counting this chunk: the lowest whose counters hold its occurrences
+        for t, (_, most) in reversed(list(enumerate(self.TIERS))):
+            low = max(self.TIERS[t - 1][1] if t else 0, self.dense_after - 1)
+            up = np.flatnonzero((self.occ > low) & (self.occ <= most) & (self.tier < t))
+            if up.size:
+                self._promote(t, up)
+        tier = self.tier[tok]
+        for t in range(len(self.TIERS)):
+            sel = tier == t
+            if sel.any():
+                d = self.dense_row[tok[sel]] * E
+                sub = topk_ids[sel]
+                for layer in range(L):
+                    _add_counts(self._dense[t][layer].reshape(-1), (d[:, None] + sub[:, layer, :]).reshape(-1))
+        rare = tier < 0
+        if rare.any():
             self._raw_ids.append(token_ids[rare].astype(np.int32))
             self._raw_topk.append(np.ascontiguousarray(topk_ids[rare].transpose(1, 0, 2), dtype=self._raw_dtype))
         for layer in range(1, L):
@@ -138,12 +162,14 @@ class RoutingCounts:
         E, K = self.num_experts, self.top_k
         row_of = np.full(self.vocab_size, -1, dtype=np.int64)
         row_of[ids] = np.arange(ids.size)
-        F = self._dense_ids.size
-        block = self._dense[layer, :F]
-        r, c = np.nonzero(block)
-        rows = [row_of[self._dense_ids[r]]]
-        cols = [c]
-        weights = [block[r, c].astype(np.float64)]
+        rows, cols, weights = [], [], []
+        for t in range(len(self.TIERS)):
+            live, tids = self._live_rows(t)
+            block = self._dense[t][layer, live]
+            r, c = np.nonzero(block)
+            rows.append(row_of[tids[r]])
+            cols.append(c)
+            weights.append(block[r, c].astype(np.float64))
         if self._raw_ids:
             raw_rows = row_of[np.concatenate(self._raw_ids)]
             rows.append(np.repeat(raw_rows, K))
@@ -158,8 +184,10 @@ class RoutingCounts:
 
     def expert_load(self) -> np.ndarray:
         """[L, E] float64 activations of each expert."""
-        F = self._dense_ids.size
-        load = self._dense[:, :F].sum(axis=1, dtype=np.float64)
+        load = np.zeros((self.num_layers, self.num_experts))
+        for t in range(len(self.TIERS)):
+            live, _ = self._live_rows(t)
+            load += self._dense[t][:, live].sum(axis=1, dtype=np.float64)
         for t in self._raw_topk:
             for layer in range(self.num_layers):
                 load[layer] += np.bincount(t[layer].reshape(-1), minlength=self.num_experts)

@@ -5,6 +5,7 @@
   smoe-bench serve   -- vllm serve at TP=2: plain vs mode speculate (tok/s, TTFT, TPOT, p90 ITL)
   smoe-bench comm    -- one EP MoE layer on N gloo ranks: baseline EP vs speculative shuffling
   smoe-bench kernels -- on a CUDA GPU: shuffle kernels vs their torch references, bandwidth vs peak
+  smoe-bench place-scale -- smoe-place build/evaluate on a large trace: wall time, peak memory of all its processes
 """
 
 from __future__ import annotations
@@ -418,6 +419,85 @@ def _kernels(a) -> int:
     return 0
 
 
+def _tree_memory(pid: int) -> tuple[int, int]:
+    """(sum of proportional set sizes, largest resident set) of ``pid`` and its descendants, bytes
+    (Linux /proc; PSS shares copy-on-write pages between forked workers instead of counting them twice)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    pss = rss = 0
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        todo.extend(children.get(p, []))
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        pss += int(line.split()[1]) * 1024
+                    elif line.startswith("Rss:"):
+                        rss = max(rss, int(line.split()[1]) * 1024)
+        except OSError:
+            continue
+    return pss, rss
+
+
+def _measure_command(cmd: list[str], interval: float = 0.5) -> dict:
+    import subprocess
+
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak_pss = peak_rss = 0
+    while proc.poll() is None:
+        pss, rss = _tree_memory(proc.pid)
+        peak_pss, peak_rss = max(peak_pss, pss), max(peak_rss, rss)
+        time.sleep(interval)
+    out, err = proc.communicate()
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {err[-2000:]}")
+    return {"command": " ".join(cmd), "wall_s": round(wall, 1), "peak_pss_mb": round(peak_pss / 2**20),
+            "peak_rss_one_process_mb": round(peak_rss / 2**20), "stdout": out.strip().splitlines()[-1:],
+            "log": [x for x in err.replace("\r", "\n").splitlines() if x.startswith(("counted", "wrote", "evaluating"))]}
+
+
+def _place_scale(a) -> int:
+    """Build (and evaluate) a placement from each trace spec, measuring time and memory."""
+    import tempfile
+
+    from .trace import open_traces
+
+    results = []
+    for spec in a.trace:
+        _, traces = open_traces([spec])
+        tokens = sum(t.num_tokens for t in traces)
+        with tempfile.TemporaryDirectory() as d:
+            yaml_path = os.path.join(d, "p.yaml")
+            base = [sys.executable, "-m", "vllm_smoe.place_cli"]
+            jobs = ["--jobs", str(a.jobs)] if a.jobs else []
+            row = {"trace": spec, "tokens": tokens, "files": len(traces), "ep_size": a.ep_size,
+                   "build": _measure_command(base + ["build", "--trace", spec, "--ep-size", str(a.ep_size), "-o",
+                                                     yaml_path] + jobs)}
+            if a.evaluate:
+                row["evaluate"] = _measure_command(base + ["evaluate", "--trace", spec, "--placement", yaml_path] + jobs)
+        results.append(row)
+        for what in ("build", "evaluate"):
+            if what in row:
+                r = row[what]
+                print(f"{spec}: {tokens} tokens, {what}: {r['wall_s']} s, peak {r['peak_pss_mb']} MiB PSS over all "
+                      f"processes (largest process {r['peak_rss_one_process_mb']} MiB RSS)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"machine": f"{os.cpu_count()} cores", "results": results}, f, indent=2)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="smoe-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -480,6 +560,14 @@ def main(argv=None) -> int:
     k.add_argument("--ranks", type=int, default=8)
     k.add_argument("--peak-gbs", type=float, default=4800.0, help="device memory bandwidth (H200: 4800 GB/s)")
     k.set_defaults(fn=_kernels)
+    s = sub.add_parser("place-scale", help="smoe-place build (and evaluate) on large traces: wall time and peak "
+                                           "memory summed over its processes")
+    s.add_argument("--trace", nargs="+", required=True, help="one trace spec (file, directory or glob) per run")
+    s.add_argument("--ep-size", type=int, default=64)
+    s.add_argument("--jobs", type=int, default=0, help="smoe-place --jobs (default: its own default, all cores)")
+    s.add_argument("--evaluate", action="store_true", help="also time smoe-place evaluate on the same trace")
+    s.add_argument("--json", help="write the measurements here")
+    s.set_defaults(fn=_place_scale)
     from .cli_util import run_cli
 
     return run_cli(p, argv)

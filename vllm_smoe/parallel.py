@@ -43,3 +43,47 @@ def children_peak_rss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+
+def prefetch(iterable: Iterable, depth: int = 2) -> Iterator:
+    """Iterate ``iterable`` in a background thread, ``depth`` items ahead: reading and
+    decompressing the next chunk (zlib and numpy release the GIL) overlaps counting this one.
+    Exceptions reach the consumer at the item where they happened."""
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+    stop = threading.Event()
+
+    def put(x) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(x, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce():
+        try:
+            for item in iterable:
+                if not put((item, None)):
+                    return
+            put((done, None))
+        except BaseException as e:  # handed to the consumer, raised there
+            put((done, e))
+
+    t = threading.Thread(target=produce, name="smoe-prefetch", daemon=True)
+    t.start()
+    try:
+        while True:
+            item, err = q.get()
+            if item is done:
+                if err is not None:
+                    raise err
+                return
+            yield item
+    finally:
+        stop.set()
+        t.join(timeout=5)

@@ -19,7 +19,7 @@ from .placement.layout import PREDICTED, SOLVERS, place_model
 from .placement.metrics import evaluate, holds_from_expert2rank
 from .placement.online import simulate
 from .placement_file import load_placement, load_tables, model_fingerprint, write_placement
-from .parallel import default_jobs, fork_map
+from .parallel import default_jobs, fork_map, prefetch
 from .placement.routing_counts import RoutingCounts
 from .trace import iter_traces, open_traces
 
@@ -63,7 +63,7 @@ def _stream(specs, windows=None, counts: bool = True, desc: str = "counting"):
     wins = windows(total) if windows else []
     parts, start = [], 0
     with _bar(desc, total, "tok") as bar:
-        for ch in iter_traces(traces, SAMPLE_FIELDS):
+        for ch in prefetch(iter_traces(traces, SAMPLE_FIELDS)):
             n = ch["token_ids"].shape[0]
             if rc is not None:
                 rc.add(ch["token_ids"], ch["topk_ids"])
