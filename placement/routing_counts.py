@@ -20,7 +20,6 @@ from __future__ import annotations
 import numpy as np
 import scipy.sparse as sp
 
-from .counts import count_matrix
 
 
 def _small_int(num_experts: int) -> np.dtype:
@@ -48,13 +47,17 @@ class RoutingCounts:
 
     dense_after: occurrences after which an id's counts move to a dense row (default: where an
     8-bit dense row [L, E] costs what the id's raw rows [L, K] would).
+    occurrences: [V] int, each id's occurrences in the whole stream when known beforehand (a cheap
+    pass over ``token_ids``): ids then start in their final form, so no id keeps raw rows it will
+    outgrow, no row moves between tiers and every block has its exact size. Counts are exact
+    either way; a stream that exceeds the plan is handled as without one.
     """
 
     # dense tiers: (counter dtype, most occurrences an id may have to live in it)
     TIERS = ((np.dtype(np.uint8), 255), (np.dtype(np.uint16), 65535), (np.dtype(np.uint32), 2**32 - 1))
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, vocab_size: int,
-                 dense_after: int | None = None):
+                 dense_after: int | None = None, occurrences: np.ndarray | None = None):
         if min(num_layers, num_experts, top_k, vocab_size) < 1 or top_k > num_experts:
             raise ValueError(f"bad routing shape: num_layers {num_layers}, num_experts {num_experts}, "
                              f"top_k {top_k}, vocab_size {vocab_size}")
@@ -74,6 +77,16 @@ class RoutingCounts:
         self._raw_topk: list[np.ndarray] = []  # per chunk [L, n, K] small ints
         # [L, E, E]: [l, i, j] = tokens whose layer l-1 top-1 expert was i and that chose j at l
         self._markov = np.zeros((num_layers, num_experts, num_experts), dtype=np.int64)
+        if occurrences is not None:
+            if occurrences.shape != (vocab_size,):
+                raise ValueError(f"occurrences has shape {occurrences.shape}, expected ({vocab_size},)")
+            for t, (dt, most) in enumerate(self.TIERS):
+                low = max(self.TIERS[t - 1][1] if t else 0, self.dense_after - 1)
+                ids = np.flatnonzero((occurrences > low) & (occurrences <= most))
+                self._dense[t] = np.zeros((num_layers, ids.size, num_experts), dtype=dt)
+                self._dense_ids[t] = ids.astype(np.int64)
+                self.tier[ids] = t
+                self.dense_row[ids] = np.arange(ids.size)
 
     @classmethod
     def from_arrays(cls, token_ids: np.ndarray, topk_ids: np.ndarray, num_experts: int,
@@ -103,7 +116,7 @@ class RoutingCounts:
         F = self._dense_ids[t].size
         need = F + ids.size
         block = self._dense[t]
-        if need > block.shape[1]:  # grow by doubling: amortised copies
+        if need > block.shape[1]:  # grow by doubling: amortised copies (untouched capacity costs no memory)
             grown = np.zeros((self.num_layers, max(need, 2 * block.shape[1], 16), self.num_experts), dtype=block.dtype)
             grown[:, :F] = block[:, :F]
             self._dense[t] = block = grown
@@ -157,25 +170,47 @@ class RoutingCounts:
         return ids, self.occ[ids].astype(np.float64)
 
     def layer_matrix(self, layer: int) -> sp.csr_matrix:
-        """A: [V', E] csr float64, activations of expert e by the i-th seen id (rows as :meth:`seen`)."""
+        """A: [V', E] csr float64 (canonical), activations of expert e by the i-th seen id (rows as
+        :meth:`seen`). Raw rows are counted by an in-place sort of 4-byte keys, so the temporary
+        memory is about 4 bytes per raw activation of this layer."""
         ids, _ = self.seen()
         E, K = self.num_experts, self.top_k
         row_of = np.full(self.vocab_size, -1, dtype=np.int64)
         row_of[ids] = np.arange(ids.size)
-        rows, cols, weights = [], [], []
+        # dense tiers: each id lives in one tier, so their (row, expert) keys are distinct
+        keys, weights = [], []
         for t in range(len(self.TIERS)):
             live, tids = self._live_rows(t)
             block = self._dense[t][layer, live]
             r, c = np.nonzero(block)
-            rows.append(row_of[tids[r]])
-            cols.append(c)
+            keys.append(row_of[tids[r]] * E + c)
             weights.append(block[r, c].astype(np.float64))
+        key = np.concatenate(keys)
+        order = np.argsort(key, kind="stable")
+        key, weight = key[order], np.concatenate(weights)[order]
         if self._raw_ids:
-            raw_rows = row_of[np.concatenate(self._raw_ids)]
-            rows.append(np.repeat(raw_rows, K))
-            cols.append(np.concatenate([t[layer] for t in self._raw_topk]).reshape(-1).astype(np.int64))
-            weights.append(np.ones(raw_rows.size * K))
-        return count_matrix(np.concatenate(rows), np.concatenate(cols), ids.size, E, np.concatenate(weights))
+            n = sum(x.size for x in self._raw_ids) * K
+            raw = np.empty(n, dtype=np.uint32 if ids.size * E < 2**32 else np.int64)
+            pos = 0
+            for tok, topk in zip(self._raw_ids, self._raw_topk):
+                m = tok.size * K
+                raw[pos: pos + m] = (row_of[tok][:, None] * E + topk[layer]).reshape(-1)
+                pos += m
+            raw.sort()
+            starts = np.r_[0, np.flatnonzero(raw[1:] != raw[:-1]) + 1]
+            raw_key = raw[starts].astype(np.int64)
+            raw_weight = np.diff(np.r_[starts, n]).astype(np.float64)
+            del raw
+            # merge the two sorted key lists, adding the counts of keys in both
+            at = np.searchsorted(raw_key, key)
+            both = at < raw_key.size
+            both[both] = raw_key[at[both]] == key[both]
+            raw_weight[at[both]] += weight[both]
+            key = np.insert(raw_key, at[~both], key[~both])
+            weight = np.insert(raw_weight, at[~both], weight[~both])
+        rows = key // E
+        indptr = np.r_[0, np.cumsum(np.bincount(rows, minlength=ids.size))]
+        return sp.csr_matrix((weight, (key % E).astype(np.int32), indptr), shape=(ids.size, E))
 
     def markov_matrix(self, layer: int) -> np.ndarray:
         """[E, E] int64: tokens whose top-1 expert at ``layer - 1`` was i that chose expert j at

@@ -317,3 +317,16 @@ def test_a_rebuild_keeps_tables_other_yamls_name(tmp_path):
                  "--metrics-tokens", "2048"]) == 0
     for y in (out, tmp_path / "placement.bak.yaml", v2):  # every YAML still has its own tables
         load_tables(load_placement(str(y)))
+
+
+def test_evaluate_bounds_its_sample(built, tmp_path, capsys):
+    from vllm_smoe.place_cli import _windows
+
+    assert _windows(100, 0) == [(0, 100)] and _windows(100, 100) == [(0, 100)]
+    assert _windows(160, 32) == [(10 * i, 10 * i + 2) for i in range(16)]  # 16 evenly spaced windows
+    js = tmp_path / "e.json"
+    assert main(["evaluate", "--trace", HELDOUT, "--placement", str(built), "--max-tokens", "4096",
+                 "--json", str(js)]) == 0
+    assert "evaluating 4096 of" in capsys.readouterr().err
+    m = json.load(open(js))["placement (coclust)"]
+    assert sum(m["rank_tokens"]) == 4096 * 4 and 0 < m["lar"] <= 1  # tokens x layers

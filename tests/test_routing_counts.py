@@ -47,11 +47,12 @@ def test_golden_counts():
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), chunk=st.integers(1, 97), dense_after=st.sampled_from([None, 1, 3, 10**9]),
-       E=st.sampled_from([4, 9, 300]))
-def test_streamed_counts_equal_in_memory_counts(seed, chunk, dense_after, E):
+       E=st.sampled_from([4, 9, 300]), plan=st.sampled_from([None, "exact", "short"]))
+def test_streamed_counts_equal_in_memory_counts(seed, chunk, dense_after, E, plan):
     T, L, K, V = 211, 3, 3, 50
     tok, topk = _random_trace(seed, T, L, E, K, V)
-    c = RoutingCounts(L, E, K, V, dense_after=dense_after)
+    occurrences = None if plan is None else np.bincount(tok[: T if plan == "exact" else T // 3], minlength=V)
+    c = RoutingCounts(L, E, K, V, dense_after=dense_after, occurrences=occurrences)
     for s in range(0, T, chunk):
         c.add(tok[s: s + chunk], topk[s: s + chunk])
     ids, occ = c.seen()
@@ -106,6 +107,12 @@ def test_counters_move_up_before_they_could_overflow():
         c1.add(tok[s: s + 100], topk[s: s + 100])
     np.testing.assert_array_equal(c1.layer_matrix(0).toarray(), A.toarray())
     np.testing.assert_array_equal(c1.expert_load()[0], A.toarray().sum(axis=0))
+    planned = RoutingCounts(1, E, K, 9, dense_after=2, occurrences=np.bincount(tok, minlength=9))
+    assert planned.tier[7] == 2  # planned: straight into the 32-bit tier, rows sized exactly
+    for s in range(0, T, 7000):
+        planned.add(tok[s: s + 7000], topk[s: s + 7000])
+    assert [b.shape[1] for b in planned._dense] == [int((planned.tier == t).sum()) for t in range(3)]
+    np.testing.assert_array_equal(planned.layer_matrix(0).toarray(), A.toarray())
 
 
 def test_counts_refuse_bad_chunks():
@@ -124,6 +131,8 @@ def test_build_predictor_streams_like_the_trace():
     for s in range(0, tok.size, 5000):
         c.add(tok[s: s + 5000], topk[s: s + 5000])
     e2r, _, tables = place_model("coclust", c, N, vocab_size=meta.vocab_size)
+    whole = RoutingCounts.from_arrays(tok, topk, E, meta.vocab_size, dense_after=10**9)  # raw rows only
+    np.testing.assert_array_equal(place_model("coclust", whole, N)[0], e2r)
     ref = build_predictor(tok, topk, holds_from_expert2rank(e2r, N), meta.vocab_size)
     for k, v in ref.arrays().items():
         np.testing.assert_array_equal(v, tables.arrays()[k], err_msg=k)

@@ -8,7 +8,6 @@ import json
 import os
 import sys
 import time
-import tracemalloc
 
 import numpy as np
 
@@ -19,7 +18,7 @@ from .placement.layout import PREDICTED, SOLVERS, place_model
 from .placement.metrics import evaluate, holds_from_expert2rank
 from .placement.online import simulate
 from .placement_file import load_placement, load_tables, model_fingerprint, write_placement
-from .parallel import default_jobs, fork_map, prefetch
+from .parallel import default_jobs, fork_map, peak_rss_since, prefetch, start_peak_rss
 from .placement.routing_counts import RoutingCounts
 from .trace import iter_traces, open_traces
 
@@ -59,7 +58,15 @@ def _stream(specs, windows=None, counts: bool = True, desc: str = "counting"):
     total = sum(t.num_tokens for t in traces)
     if total == 0:
         raise ValueError(f"{', '.join(files)}: the trace holds no tokens")
-    rc = RoutingCounts(meta.num_layers, meta.num_experts, meta.top_k, meta.vocab_size) if counts else None
+    rc = None
+    if counts:  # a pass over the small token_ids column first: every id's counts start in their final form
+        occ = np.zeros(meta.vocab_size, dtype=np.int64)
+        with _bar("scanning token ids", total, "tok") as bar:
+            for ch in iter_traces(traces, ("token_ids",), chunk_tokens=1 << 20, validate=False):
+                tok = ch["token_ids"]
+                occ += np.bincount(tok[(tok >= 0) & (tok < meta.vocab_size)], minlength=meta.vocab_size)
+                bar.update(tok.size)
+        rc = RoutingCounts(meta.num_layers, meta.num_experts, meta.top_k, meta.vocab_size, occurrences=occ)
     wins = windows(total) if windows else []
     parts, start = [], 0
     with _bar(desc, total, "tok") as bar:
@@ -253,16 +260,15 @@ def _embeddings(model_dir: str, vocab_size: int):
 
 def _map_layers(jobs: int, peaks: list):
     """place_model's ``map_layers``: layers over ``jobs`` forked workers, each reporting the
-    peak of its traced memory (appended to ``peaks``, bytes)."""
+    peak of its resident memory above what it shared at the fork (appended to ``peaks``, bytes)."""
     if jobs <= 1:
         return map
 
     def run(fn, layers):
         def measured(layer):
-            cur = tracemalloc.get_traced_memory()[0]
-            tracemalloc.reset_peak()
+            base = start_peak_rss()
             out = fn(layer)
-            return out, tracemalloc.get_traced_memory()[1] - cur
+            return out, peak_rss_since(base)
 
         for out, peak in fork_map(measured, layers, jobs):
             peaks.append(peak)
@@ -272,9 +278,9 @@ def _map_layers(jobs: int, peaks: list):
 
 def _solve(method, counts, meta, args, ep_size, nodes, embeddings=None):
     """Run one method on a trace's counts; returns (expert2rank, replicas, tables or None,
-    seconds, peak MiB). Time and memory cover placement plus predictor tables: this process's
-    traced peak plus, with --jobs > 1, the largest worker's times the number of workers."""
-    tracemalloc.start()
+    seconds, peak MiB). Time and memory cover placement plus predictor tables: the peak resident
+    memory this process added, plus with --jobs > 1 the largest worker's times the workers."""
+    base = start_peak_rss()
     t0 = time.perf_counter()
     peaks: list[int] = []
     if method == "eplb":
@@ -292,8 +298,7 @@ def _solve(method, counts, meta, args, ep_size, nodes, embeddings=None):
             progress=lambda it: _ticking(it, bar), map_layers=_map_layers(args.jobs, peaks))
         bar.close()
     secs = time.perf_counter() - t0
-    peak = tracemalloc.get_traced_memory()[1] + (max(peaks) * min(args.jobs, len(peaks)) if peaks else 0)
-    tracemalloc.stop()
+    peak = peak_rss_since(base) + (max(peaks) * min(args.jobs, len(peaks)) if peaks else 0)
     return e2r, reps, tables, secs, peak / 2**20
 
 

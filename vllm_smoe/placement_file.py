@@ -78,6 +78,20 @@ def _atomic_write(path: str, data: bytes) -> None:
             os.remove(tmp)
 
 
+def _npz_bytes(**arrays: np.ndarray) -> bytes:
+    """An ``.npz`` (what ``np.load`` reads) deflated at level 1: tables of large vocabularies
+    compress about as well as at savez_compressed's level 6, in a fifth of the time."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
+        for name, a in arrays.items():
+            with zf.open(name + ".npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, np.asanyarray(a), allow_pickle=False)
+    return buf.getvalue()
+
+
 def write_placement(path: str, *, expert2rank: np.ndarray, ep_size: int, nodes: int, top_k: int,
                     vocab_size: int | None, method: str, capacity: float, tables: dict[str, np.ndarray] | None,
                     replicas: np.ndarray | None = None, fingerprint: str | None = None,
@@ -95,9 +109,7 @@ def write_placement(path: str, *, expert2rank: np.ndarray, ep_size: int, nodes: 
     stem = os.path.splitext(os.path.basename(path))[0]
     data = sha = tables_name = None
     if tables is not None:
-        buf = io.BytesIO()
-        np.savez_compressed(buf, expert2rank=expert2rank.astype(np.int32), **tables)
-        data = buf.getvalue()
+        data = _npz_bytes(expert2rank=expert2rank.astype(np.int32), **tables)
         sha = hashlib.sha256(data).hexdigest()
         tables_name = f"{stem}.{sha[:12]}.tables.npz"
     layers = []
