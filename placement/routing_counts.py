@@ -130,7 +130,9 @@ class RoutingCounts:
         self._dense_ids[t] = np.concatenate([self._dense_ids[t], ids])
 
     def add(self, token_ids: np.ndarray, topk_ids: np.ndarray) -> None:
-        """Count one chunk. token_ids: [n] int in [0, V); topk_ids: [n, L, K] int in [0, E)."""
+        """Count one chunk. token_ids: [n] int in [0, V); topk_ids: [n, L, K] int in [0, E), no
+        expert twice in one top-k (a trace's validation guarantees it; counters are sized by
+        occurrences, so a repeat could overflow an 8-bit one)."""
         n = token_ids.shape[0]
         L, E, K = self.num_layers, self.num_experts, self.top_k
         if topk_ids.shape != (n, L, K):
@@ -139,6 +141,10 @@ class RoutingCounts:
             raise ValueError(f"more than {2**32 - 1} tokens in one count")
         if n == 0:
             return
+        if token_ids.min() < 0 or token_ids.max() >= self.vocab_size:
+            raise ValueError(f"token_ids outside [0, vocab_size={self.vocab_size})")
+        if topk_ids.min() < 0 or topk_ids.max() >= E:
+            raise ValueError(f"topk_ids outside [0, num_experts={E})")
         tok = token_ids.astype(np.int64)
         self.occ += np.bincount(tok, minlength=self.vocab_size)
         self.num_tokens += n

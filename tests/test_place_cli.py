@@ -324,6 +324,7 @@ def test_evaluate_bounds_its_sample(built, tmp_path, capsys):
 
     assert _windows(100, 0) == [(0, 100)] and _windows(100, 100) == [(0, 100)]
     assert _windows(160, 32) == [(10 * i, 10 * i + 2) for i in range(16)]  # 16 evenly spaced windows
+    assert _windows(100, 5) == [(20 * i, 20 * i + 1) for i in range(5)]  # tiny bounds: fewer windows
     js = tmp_path / "e.json"
     assert main(["evaluate", "--trace", HELDOUT, "--placement", str(built), "--max-tokens", "4096",
                  "--json", str(js)]) == 0

@@ -119,6 +119,10 @@ def test_counts_refuse_bad_chunks():
     c = RoutingCounts(2, 4, 2, 10)
     with pytest.raises(ValueError, match="shape"):
         c.add(np.zeros(3, np.int32), np.zeros((3, 2, 3), np.int16))
+    with pytest.raises(ValueError, match="vocab_size"):
+        c.add(np.full(3, 10, np.int32), np.zeros((3, 2, 2), np.int16))
+    with pytest.raises(ValueError, match="num_experts"):
+        c.add(np.zeros(3, np.int32), np.full((3, 2, 2), 4, np.int16))
     with pytest.raises(ValueError, match="top_k"):
         RoutingCounts(2, 4, 5, 10)
 
@@ -138,10 +142,40 @@ def test_build_predictor_streams_like_the_trace():
         np.testing.assert_array_equal(v, tables.arrays()[k], err_msg=k)
 
 
+def _parked():
+    return [f for f in os.listdir("/dev/shm") if f.startswith(f"smoe-{os.getpid()}-")] if os.path.isdir("/dev/shm") else []
+
+
 def test_fork_map_keeps_order_and_closures():
     big = np.arange(10)
     assert list(fork_map(lambda i: int(big[i] * 2), range(10), 2)) == [2 * i for i in range(10)]
     assert list(fork_map(lambda i: i, [], 2)) == []
+    # large arrays come back through shared-memory files, equal and in order
+    out = list(fork_map(lambda i: (i, np.full((300, 1000), i, np.float64)), range(5), 2))
+    assert [o[0] for o in out] == list(range(5)) and all((o[1] == i).all() for i, o in enumerate(out))
+    assert not _parked()
+
+
+def test_fork_map_fails_cleanly():
+    def boom(i):
+        if i == 3:
+            raise ValueError("layer 3 is bad")
+        return np.zeros((400, 1000))
+
+    with pytest.raises(ValueError, match="layer 3"):
+        list(fork_map(boom, range(8), 2))
+    g = fork_map(lambda i: np.zeros((400, 1000)), range(8), 2)
+    next(g)
+    g.close()  # the consumer stops early: results already parked are removed
+    assert not _parked()
+
+    def die(i):
+        if i == 1:
+            os._exit(9)  # as the OOM killer would
+        return i
+
+    with pytest.raises(ChildProcessError, match="worker process died"):
+        list(fork_map(die, range(4), 2))
 
 
 def test_jobs_and_rotated_files_give_the_same_placement(tmp_path):
@@ -172,3 +206,5 @@ def test_synth_rotated_files_read_as_one_recording(tmp_path):
     assert main(["build", "--trace", one, "--ep-size", "4", "--jobs", "1", "-o", str(pa)]) == 0
     assert main(["build", "--trace", many, "--ep-size", "4", "--jobs", "2", "-o", str(pb)]) == 0
     assert yaml.safe_load(open(pa))["layers"] == yaml.safe_load(open(pb))["layers"]
+    with pytest.raises(ValueError, match="already holds trace files"):
+        write_synthetic(many, "mixtral-8x7b", 100, seed=3, file_tokens=50)

@@ -284,3 +284,15 @@ def test_a_failed_close_keeps_the_spill_for_recovery(tmp_path, monkeypatch):
     monkeypatch.setattr(tr, "_assemble", real)
     assert [n for n in tr.recover_dead_spills(str(rec)) if n[2] == 6]  # the writer is done: lock released
     assert open_trace(rec / "t.npz").num_tokens == 6
+
+
+def test_read_traces_checks_every_value_field_and_keeps_empty_shapes(tmp_path):
+    from vllm_smoe.trace import read_traces
+
+    with pytest.raises(ValueError, match="'domain'.*out of range"):
+        read_traces([str(_savez(tmp_path / "d.npz", domain=np.full(10, 2, np.int8)))])
+    with pytest.raises(ValueError, match="'topk_weights'.*NaN"):
+        read_traces([str(_savez(tmp_path / "w.npz", topk_weights=np.full((10, 3, 2), np.nan, np.float16)))])
+    empty = {k: v[:0] for k, v in arrays(10).items()}
+    _, arr, _ = read_traces([str(_savez(tmp_path / "e.npz", **empty))])
+    assert arr["topk_ids"].shape == (0, 3, 2) and arr["topk_ids"].dtype == np.int16

@@ -1,64 +1,80 @@
 """An ordered map over worker processes that reach the caller's data by fork, not by pickling.
 
 smoe-place solves layers independently from counts that can take gigabytes; forked workers read
-them copy-on-write, and only each layer's small result travels back.
+them copy-on-write, and only each layer's result travels back: large arrays as files in shared
+memory (``/dev/shm``), the rest through the pool's pipe.
 """
 
 from __future__ import annotations
 
+import errno
+import itertools
 import multiprocessing
 import os
+import tempfile
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
 _FN: Callable | None = None  # set in the parent just before the fork, inherited by the workers
+_PARK: str | None = None  # path prefix of this call's parked arrays, inherited likewise
+_SHARE_BYTES = 1 << 20  # arrays from this size are parked in a file, not pickled through the pipe
+_CALLS = itertools.count()
 
 
-_SHARE_BYTES = 1 << 20  # arrays from this size travel through shared memory, not the result pipe
+class _Parked:
+    """A worker's array written to a file in shared memory: one memcpy each way instead of
+    pickling through a pipe in 64 KiB pieces. The parent reads it back and removes the file."""
 
+    def __init__(self, path: str, shape, dtype):
+        self.path, self.shape, self.dtype = path, shape, dtype
 
-class _Shared:
-    """A worker's array parked in POSIX shared memory: the parent copies it out and unlinks it
-    (one memcpy each way instead of pickling through a pipe in 64 KiB pieces)."""
-
-    def __init__(self, a):
-        from multiprocessing import shared_memory
-
-        from multiprocessing import resource_tracker
-
-        shm = shared_memory.SharedMemory(create=True, size=max(a.nbytes, 1))
-        # the parent unlinks it: the worker's tracker must not (nor warn at exit that it leaked)
-        resource_tracker.unregister(shm._name, "shared_memory")
-        np.ndarray(a.shape, a.dtype, buffer=shm.buf)[...] = a
-        self.name, self.shape, self.dtype = shm.name, a.shape, a.dtype
-        shm.close()
-
-    def take(self):
-        from multiprocessing import shared_memory
-
-        shm = shared_memory.SharedMemory(name=self.name)
+    def take(self) -> np.ndarray:
         try:
-            return np.ndarray(self.shape, self.dtype, buffer=shm.buf).copy()
+            return np.fromfile(self.path, dtype=self.dtype).reshape(self.shape)
         finally:
-            shm.close()
-            shm.unlink()
+            os.unlink(self.path)
 
 
-def _pack(x):
+def _park(a: np.ndarray, path: str):
+    """The array as a :class:`_Parked` file, or itself when the space is not there (a small
+    ``/dev/shm`` in a container): the pipe is slower, never wrong."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, max(a.nbytes, 1))  # ENOSPC now, not SIGBUS later
+        with os.fdopen(fd, "wb", closefd=False) as f:
+            np.ascontiguousarray(a).tofile(f)
+    except OSError as e:
+        os.close(fd)
+        os.unlink(path)
+        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            return a
+        raise
+    os.close(fd)
+    return _Parked(path, a.shape, a.dtype)
+
+
+def _pack(x, path: str):
     if isinstance(x, np.ndarray) and x.nbytes >= _SHARE_BYTES:
-        return _Shared(x)
-    return tuple(_pack(v) for v in x) if isinstance(x, tuple) else x
+        return _park(x, path)
+    if isinstance(x, tuple):
+        return tuple(_pack(v, f"{path}.{i}") for i, v in enumerate(x))
+    return x
 
 
 def _unpack(x):
-    if isinstance(x, _Shared):
+    if isinstance(x, _Parked):
         return x.take()
     return tuple(_unpack(v) for v in x) if isinstance(x, tuple) else x
 
 
-def _call(item):
-    return _pack(_FN(item))
+def _call(index_item):
+    index, item = index_item
+    return _pack(_FN(item), f"{_PARK}{index}")
+
+
+def _park_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
 def default_jobs() -> int:
@@ -68,30 +84,51 @@ def default_jobs() -> int:
 
 def fork_map(fn: Callable, items: Iterable, jobs: int) -> Iterator:
     """``map(fn, items)`` in order, over ``jobs`` forked processes (in this process when
-    ``jobs`` <= 1 or fork is unavailable). ``fn`` may be any callable, closures included."""
+    ``jobs`` <= 1 or fork is unavailable). ``fn`` may be any callable, closures included.
+
+    At most ``jobs + 1`` items are in flight, so finished results never pile up. A worker that
+    dies (killed, out of memory) raises ``ChildProcessError`` here instead of hanging; an
+    exception in ``fn`` is raised at its item. Parked arrays are removed however the map ends."""
     items = list(items)
     if jobs <= 1 or len(items) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         yield from map(fn, items)
         return
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
     from threadpoolctl import threadpool_limits
 
-    global _FN
-    _FN = fn
+    global _FN, _PARK
+    prefix = os.path.join(_park_dir(), f"smoe-{os.getpid()}-{next(_CALLS)}-")
+    _FN, _PARK = fn, prefix
+    pool = ProcessPoolExecutor(min(jobs, len(items)), mp_context=multiprocessing.get_context("fork"))
+    pending = {}
     # one BLAS thread per process: jobs processes already fill the cores, and BLAS threads
     # spinning against them slowed smoe-place's solve 1.6x on 2 cores
+    limits = threadpool_limits(limits=1)
     try:
-        with threadpool_limits(limits=1), multiprocessing.get_context("fork").Pool(min(jobs, len(items))) as pool:
-            for out in pool.imap(_call, items):
-                yield _unpack(out)
+        todo = iter(enumerate(items))
+        for index, item in itertools.islice(todo, jobs + 1):
+            pending[index] = pool.submit(_call, (index, item))
+        for index in range(len(items)):
+            try:
+                out = pending.pop(index).result()
+            except BrokenProcessPool:
+                raise ChildProcessError(f"a worker process died while working on item {index} (killed, or out "
+                                        f"of memory: fewer jobs need less)") from None
+            nxt = next(todo, None)
+            if nxt is not None:
+                pending[nxt[0]] = pool.submit(_call, nxt)
+            yield _unpack(out)
     finally:
-        _FN = None
+        for f in pending.values():
+            f.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)
+        limits.restore_original_limits()
+        _FN = _PARK = None
+        import glob
 
-
-def children_peak_rss_mb() -> float:
-    """Largest peak resident memory of any waited-for child process, MiB (Linux: ru_maxrss in KiB)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+        for path in glob.glob(glob.escape(prefix) + "*"):  # results nobody took
+            os.unlink(path)
 
 
 def prefetch(iterable: Iterable, depth: int = 2) -> Iterator:

@@ -41,12 +41,12 @@ def _bar(desc: str, total: int, unit: str):
 
 
 def _windows(total: int, max_tokens: int) -> list[tuple[int, int]]:
-    """[start, stop) token ranges to evaluate: everything, or ``EVAL_WINDOWS`` evenly spaced
-    contiguous windows totalling ``max_tokens`` (0 = no bound)."""
+    """[start, stop) token ranges to evaluate: everything, or ``EVAL_WINDOWS`` (fewer for tiny
+    bounds) evenly spaced contiguous windows totalling about ``max_tokens`` (0 = no bound)."""
     if max_tokens == 0 or total <= max_tokens:
         return [(0, total)]
-    w = max_tokens // EVAL_WINDOWS
-    return [(s, s + w) for s in (i * total // EVAL_WINDOWS for i in range(EVAL_WINDOWS))]
+    n = min(EVAL_WINDOWS, max_tokens)
+    return [(s, s + max_tokens // n) for s in (i * total // n for i in range(n))]
 
 
 def _stream(specs, windows=None, counts: bool = True, desc: str = "counting"):
@@ -58,6 +58,9 @@ def _stream(specs, windows=None, counts: bool = True, desc: str = "counting"):
     total = sum(t.num_tokens for t in traces)
     if total == 0:
         raise ValueError(f"{', '.join(files)}: the trace holds no tokens")
+    if counts and total >= 2**32:
+        raise ValueError(f"{', '.join(files[:3])}{' ...' if len(files) > 3 else ''}: {total} tokens; smoe-place counts "
+                         f"at most {2**32 - 1} (pass a sample of the recording)")
     rc = None
     if counts:  # a pass over the small token_ids column first: every id's counts start in their final form
         occ = np.zeros(meta.vocab_size, dtype=np.int64)

@@ -182,8 +182,8 @@ def write_synthetic(path: str, shape_name: str, num_tokens: int, seed: int = 0, 
     """Generate ``num_tokens`` rows of ``SHAPES[shape_name]`` into the trace file ``path``, or, with
     ``file_tokens``, into the directory ``path`` as ``trace-00000.npz ...`` of ``file_tokens`` rows
     each: one recording, like the recorder's rotated files (request and step ids run on)."""
+    import dataclasses
     import os
-    import time
 
     if shape_name not in SHAPES:
         raise ValueError(f"unknown shape {shape_name!r}; choose one of {', '.join(SHAPES)}")
@@ -194,7 +194,9 @@ def write_synthetic(path: str, shape_name: str, num_tokens: int, seed: int = 0, 
                      vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
                      domains=tuple(f"domain{d}" for d in range(num_domains)),
                      model=f"synthetic:{shape_name}",
-                     extra={"synthetic": dict(seed=seed, **knobs), "recording": f"synthetic-{seed}-{time.time_ns()}"})
+                     extra={"synthetic": dict(seed=seed, **knobs)})
+    if file_tokens is not None:  # rotated files of one recording, like the recorder's
+        meta = dataclasses.replace(meta, extra={**meta.extra, "recording": f"synthetic:{os.path.abspath(path)}"})
     if file_tokens is not None and file_tokens < 1:
         raise ValueError(f"file_tokens must be positive, got {file_tokens}")
     chunks = generate(shape, num_tokens, seed=seed, **knobs)
@@ -208,6 +210,8 @@ def write_synthetic(path: str, shape_name: str, num_tokens: int, seed: int = 0, 
                 w.append(**ch)
         return path
     os.makedirs(path, exist_ok=True)
+    if any(f.endswith(".npz") for f in os.listdir(path)):  # they would be read as a second recording
+        raise ValueError(f"{path}: already holds trace files; write rotated files into an empty directory")
     w, index, rows = None, 0, 0
     try:
         for ch in chunks:

@@ -670,14 +670,17 @@ _VALUE_FIELDS = ("token_ids", "topk_ids", "positions", "domain", "topk_weights")
 
 def iter_traces(traces: Sequence[Trace], fields: Sequence[str] = ("token_ids", "request_ids", "positions",
                                                                    "topk_ids", "step_ids", "is_prefill"),
-                chunk_tokens: int = 1 << 16, validate: bool = True) -> Iterator[dict[str, np.ndarray]]:
+                chunk_tokens: int = 1 << 16, validate: bool = True,
+                check: Sequence[str] = ("token_ids", "topk_ids", "positions", "domain")
+                ) -> Iterator[dict[str, np.ndarray]]:
     """Stream the rows of ``traces`` in order as ``{field: [n, ...]}`` chunks of at most
     ``chunk_tokens`` rows; an optional field is yielded only when every trace has it.
 
     request_ids and step_ids are offset per recording (files whose meta has the same ``recording``
     id, e.g. the rotated chunks of one server, share them) so that separate recordings stay
-    distinct. With ``validate``, rows are checked as they pass (ids in range, no expert twice in a
-    top-k, positions, domains and weights when read) and errors name the file, field and token.
+    distinct. With ``validate``, the ``check`` fields a trace has (read for it when not asked for)
+    and any value field asked for are checked as they pass (ids in range, no expert twice in a
+    top-k, positions, domains, finite weights); errors name the file, field and token.
     """
     present = [f for f in fields if all(t.has(f) for t in traces)]
     offsets: dict[str, tuple[int, int]] = {}
@@ -687,7 +690,7 @@ def iter_traces(traces: Sequence[Trace], fields: Sequence[str] = ("token_ids", "
         if group not in offsets:
             offsets[group] = (next_req, next_step)
         req_off, step_off = offsets[group]
-        read = present + [f for f in ("token_ids", "topk_ids", "positions") if validate and f not in present]
+        read = present + [f for f in check if validate and t.has(f) and f not in present]
         start = 0
         for ch in t.iter_chunks(read, chunk_tokens):
             if validate:
@@ -712,9 +715,11 @@ def read_traces(specs: Sequence[str], fields: Sequence[str] = ("token_ids", "req
     """Concatenate the traces named by ``specs`` in memory (:func:`iter_traces` streams them).
     Returns (meta of the first file, {field: array}, file list)."""
     meta, traces = open_traces(specs)
-    chunks = list(iter_traces(traces, fields, chunk_tokens=1 << 18, validate=validate))
+    chunks = list(iter_traces(traces, fields, chunk_tokens=1 << 18, validate=validate, check=_VALUE_FIELDS))
     present = [f for f in fields if all(t.has(f) for t in traces)]
-    out = {f: np.concatenate([c[f] for c in chunks]) if chunks else np.zeros(0) for f in present}
+    if not chunks:  # no rows: empty arrays of each field's own dtype and row shape
+        chunks = [{f: traces[0].load(f) for f in present}]
+    out = {f: np.concatenate([c[f] for c in chunks]) for f in present}
     return meta, out, [t.path for t in traces]
 
 
