@@ -208,3 +208,22 @@ def test_synth_rotated_files_read_as_one_recording(tmp_path):
     assert yaml.safe_load(open(pa))["layers"] == yaml.safe_load(open(pb))["layers"]
     with pytest.raises(ValueError, match="already holds trace files"):
         write_synthetic(many, "mixtral-8x7b", 100, seed=3, file_tokens=50)
+
+
+@pytest.mark.parametrize("ep", [2, 8])
+def test_rebuild_reproduces_the_committed_placements(tmp_path, ep):
+    """configs/tiny-4dom-ep*.yaml were built by the in-memory code before streaming: the streamed,
+    parallel build of the same trace, model and defaults gives the same experts and tables (when
+    the algorithm changes on purpose, rebuild the configs with it)."""
+    from vllm_smoe.testbed import FIXTURE_MODEL
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ref = os.path.join(repo, "configs", f"tiny-4dom-ep{ep}.yaml")
+    out = tmp_path / "p.yaml"
+    assert main(["build", "--trace", FIXTURE_TRACES["train"], "--ep-size", str(ep), "--model", FIXTURE_MODEL,
+                 "--jobs", "2", "-o", str(out)]) == 0
+    a, b = yaml.safe_load(open(ref)), yaml.safe_load(open(out))
+    assert a["layers"] == b["layers"]
+    ta, tb = np.load(os.path.join(os.path.dirname(ref), a["predictor"])), np.load(tmp_path / b["predictor"])
+    for k in ta.files:
+        np.testing.assert_array_equal(ta[k], tb[k], err_msg=k)
