@@ -146,16 +146,13 @@ def fill_layer(tables: PredictorTables, layer: int, R: np.ndarray, ids: np.ndarr
         tables.markov2rank[layer], tables.markov_conf[layer] = markov_table(transitions, holds_layer)
 
 
-def build_predictor(token_ids: np.ndarray, topk_ids: np.ndarray, holds: np.ndarray, vocab_size: int,
-                    embeddings: np.ndarray | None = None) -> PredictorTables:
-    """Count the training trace into predictor tables for a placement.
+def tables_for_placement(counts, holds: np.ndarray, vocab_size: int, embeddings: np.ndarray | None = None
+                         ) -> PredictorTables:
+    """Predictor tables for a given placement from a training trace's counts.
 
-    token_ids: [T] int; topk_ids: [T, L, K] int; holds: [L, N, E] bool (rank holds expert);
+    counts: :class:`~.routing_counts.RoutingCounts`; holds: [L, N, E] bool (rank holds expert);
     embeddings: [V, H] float input embeddings for the unseen-token fallback (optional).
     """
-    from .routing_counts import RoutingCounts
-
-    counts = RoutingCounts.from_arrays(token_ids, topk_ids, holds.shape[2], vocab_size)
     ids, occ = counts.seen()
     nearest = nearest_token_map(embeddings, ids, vocab_size)
     tables = empty_tables(counts.num_layers, vocab_size, counts.num_experts)
@@ -163,6 +160,15 @@ def build_predictor(token_ids: np.ndarray, topk_ids: np.ndarray, holds: np.ndarr
         R = local_counts(counts.layer_matrix(layer), holds[layer])
         fill_layer(tables, layer, R, ids, occ, counts.markov_matrix(layer), holds[layer], counts.top_k, nearest)
     return tables
+
+
+def build_predictor(token_ids: np.ndarray, topk_ids: np.ndarray, holds: np.ndarray, vocab_size: int,
+                    embeddings: np.ndarray | None = None) -> PredictorTables:
+    """:func:`tables_for_placement` of an in-memory trace (token_ids: [T] int; topk_ids: [T, L, K] int)."""
+    from .routing_counts import RoutingCounts
+
+    return tables_for_placement(RoutingCounts.from_arrays(token_ids, topk_ids, holds.shape[2], vocab_size), holds,
+                                vocab_size, embeddings)
 
 
 def nearest_token_map(embeddings: np.ndarray | None, seen_ids: np.ndarray, vocab_size: int):

@@ -17,6 +17,7 @@ from .placement.dp import assign_requests, request_affinity, round_robin_request
 from .placement.layout import PREDICTED, SOLVERS, place_model
 from .placement.metrics import evaluate, holds_from_expert2rank
 from .placement.online import simulate
+from .placement.predict import tables_for_placement
 from .placement_file import load_placement, load_tables, model_fingerprint, write_placement
 from .parallel import default_jobs, fork_map, peak_rss_since, prefetch, start_peak_rss
 from .placement.routing_counts import RoutingCounts
@@ -412,10 +413,14 @@ def _evaluate_all(a):
                     print(f"skipping eplb: {why}", file=sys.stderr)
                     continue
             e2r, reps, tab, secs, peak = _solve(method, counts, tmeta, a, p.ep_size, p.nodes)
-            m = _measure(arr, batch, meta, e2r, reps, tab, p.ep_size, p.capacity, method in PREDICTED, hidden,
-                         a.dtype_bytes, a.mode, p.nodes)
-            m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tab.nbytes if tab is not None else 0)
-            results[method + ("+pred" if method in PREDICTED else "")] = m
+            if tab is None:  # a plain-EP placement: smoe's predictor built for it, for the +pred form
+                tab = tables_for_placement(counts, holds_from_expert2rank(e2r, p.ep_size, reps), tmeta.vocab_size)
+            # each placement as plain EP runs it (contiguous token slices), then with smoe's predictor
+            for form, predicted in ((method, False), (method + "+pred", True)):
+                m = _measure(arr, batch, meta, e2r, reps, tab, p.ep_size, p.capacity, predicted, hidden,
+                             a.dtype_bytes, a.mode, p.nodes)
+                m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tab.nbytes if predicted else 0)
+                results[form] = m
     return p, results, meta, arr
 
 
