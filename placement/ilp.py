@@ -90,3 +90,77 @@ def solve_ilp(A: np.ndarray, occ: np.ndarray, ep_size: int, capacity: float = 1.
     x = res.x[:nx].reshape(E, N)
     y = res.x[nx:nx + ny].reshape(V, N)
     return float(-res.fun), x.argmax(axis=1).astype(np.int32), y.argmax(axis=1).astype(np.int32), res.status == 0
+
+
+def solve_ilp_bytes(A: np.ndarray, occ: np.ndarray, instances: tuple[np.ndarray, np.ndarray, np.ndarray],
+                    ep_size: int, capacity: float = 1.10, max_expert_load: float | None = None,
+                    time_limit: float = 60.0) -> tuple[float, np.ndarray, np.ndarray, bool]:
+    """The exact program of :mod:`.bytes`: minimise the de-duplicated remote rows
+        min  sum_h w_h (sum_r s[h,r] - sum_r u[h,r])
+        s.t. s[h,r] >= x[e,r] for e in set h          (set h spans rank r)
+             u[h,r] <= s[h,r], u[h,r] <= y[v_h,r]     (its token sits on one of its ranks)
+    with the expert, token-capacity and optional expert-load constraints of :func:`solve_ilp`.
+    A: [V, E] dense counts (loads); occ: [V]; instances: (hv [H], sets [H, K] (-1 = none), w [H]).
+    Returns (rows, expert2rank [E] int32, token2rank [V] int32, proven_optimal)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    hv, sets, w = instances
+    V, E = A.shape
+    N = ep_size
+    H = sets.shape[0]
+    if E % N:
+        raise ValueError(f"ep_size {N} must divide num_experts {E}")
+    nx, ny, ns = E * N, V * N, H * N
+    n = nx + ny + 2 * ns
+    X = lambda e, r: e * N + r  # noqa: E731
+    Y = lambda v, r: nx + v * N + r  # noqa: E731
+    S = lambda h, r: nx + ny + h * N + r  # noqa: E731
+    U = lambda h, r: nx + ny + ns + h * N + r  # noqa: E731
+    c = np.zeros(n)
+    hh, rr = np.repeat(np.arange(H), N), np.tile(np.arange(N), H)
+    c[S(hh, rr)] = w[hh]
+    c[U(hh, rr)] = -w[hh]
+    rows, cols, vals, lo, hi = [], [], [], [], []
+    k = 0
+
+    def add(cidx, cval, lb, ub):
+        nonlocal k
+        rows.extend([k] * len(cidx))
+        cols.extend(cidx)
+        vals.extend(cval)
+        lo.append(lb)
+        hi.append(ub)
+        k += 1
+
+    for e in range(E):
+        add([X(e, r) for r in range(N)], [1.0] * N, 1, 1)
+    for r in range(N):
+        add([X(e, r) for e in range(E)], [1.0] * E, E // N, E // N)
+    for v in range(V):
+        add([Y(v, r) for r in range(N)], [1.0] * N, 1, 1)
+    cap = capacity * occ.sum() / N
+    for r in range(N):
+        add([Y(v, r) for v in range(V)], occ.tolist(), -np.inf, cap)
+    if max_expert_load is not None:
+        load = A.sum(axis=0)
+        for r in range(N):
+            add([X(e, r) for e in range(E)], load.tolist(), -np.inf, max_expert_load * load.sum() / N)
+    for h in range(H):
+        for e in sets[h][sets[h] >= 0]:
+            for r in range(N):
+                add([S(h, r), X(e, r)], [1.0, -1.0], 0, np.inf)
+        for r in range(N):
+            add([U(h, r), S(h, r)], [1.0, -1.0], -np.inf, 0)
+            add([U(h, r), Y(hv[h], r)], [1.0, -1.0], -np.inf, 0)
+    M = sp.coo_matrix((vals, (rows, cols)), shape=(k, n))
+    lb, ub = np.zeros(n), np.ones(n)
+    lb[X(0, 0)] = 1.0  # ranks are interchangeable: pin expert 0 to rank 0
+    integrality = np.zeros(n)
+    integrality[:nx + ny] = 1  # s and u are integral at the optimum once x and y are
+    res = milp(c, constraints=[LinearConstraint(M, lo, hi)], integrality=integrality, bounds=Bounds(lb, ub),
+               options={"time_limit": time_limit, "disp": False})
+    if res.x is None:
+        raise ValueError(f"ILP found no solution ({res.message})")
+    x = res.x[:nx].reshape(E, N)
+    y = res.x[nx:nx + ny].reshape(V, N)
+    return float(res.fun), x.argmax(axis=1).astype(np.int32), y.argmax(axis=1).astype(np.int32), res.status == 0

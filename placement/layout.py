@@ -12,6 +12,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from .alternating import place_alternating
+from .bytes import place_bytes
 from .ceo import place_ceo
 from .coclust import place_coclust
 from .counts import assign_token_ids, check_ep_size, coactivation, expert_gains, rank_scores
@@ -30,9 +31,13 @@ SOLVERS: dict[str, Callable[..., np.ndarray]] = {
     "metis": lambda A, occ, n, cap, theta, seed, mel=None: place_metis(coactivation(A), n, seed=seed),
     "linear": lambda A, occ, n, cap, theta, seed, mel=None: place_linear(A.shape[1], n),
     "round_robin": lambda A, occ, n, cap, theta, seed, mel=None: place_round_robin(A.shape[1], n),
+    # also takes the layer's instances (token id, expert set): RoutingCounts.layer_instances
+    "bytes": lambda A, occ, n, cap, theta, seed, mel=1.10, inst=None: place_bytes(A, occ, inst, n, capacity=cap,
+                                                                                 max_expert_load=mel, seed=seed),
 }
+NEEDS_INSTANCES = ("bytes",)
 # methods whose tokens follow the predictor; the rest are plain EP (contiguous token slices)
-PREDICTED = ("coclust", "alternating", "ceo", "metis")
+PREDICTED = ("coclust", "alternating", "ceo", "metis", "bytes")
 
 
 def _hierarchical(solver, A: sp.csr_matrix, occ: np.ndarray, ep_size: int, nodes: int, capacity: float,
@@ -114,6 +119,10 @@ def _solve_layer(counts: RoutingCounts, layer: int, method: str, ep_size: int, n
     _, occ = counts.seen()
     A = counts.layer_matrix(layer)
     solver = SOLVERS[method]
+    if method in NEEDS_INSTANCES:
+        inst = counts.layer_instances(layer)
+        solver = lambda A, occ, n, cap, theta, seed, mel, _s=SOLVERS[method]: _s(A, occ, n, cap, theta, seed, mel,  # noqa: E731
+                                                                                 inst=inst)
     if nodes > 1:
         e2r = _hierarchical(solver, A, occ, ep_size, nodes, capacity, theta, seed + layer, max_expert_load)
     else:
@@ -141,6 +150,10 @@ def place_model(method: str, counts: RoutingCounts, ep_size: int, nodes: int = 1
     check_ep_size(num_experts, ep_size)
     if nodes < 1 or ep_size % nodes or num_experts % nodes:
         raise ValueError(f"nodes {nodes} must divide ep_size {ep_size} and num_experts {num_experts}")
+    if nodes > 1 and method in NEEDS_INSTANCES:
+        raise ValueError(f"method {method!r} does not support nodes > 1 yet (use coclust)")
+    if method in NEEDS_INSTANCES and counts.sample_tokens == 0:
+        raise ValueError(f"method {method!r} needs counts with sample_tokens > 0 (whole expert sets per token)")
     _check_replicas(replicas, num_experts, ep_size)  # before any solving
     ids, occ = counts.seen()
     e2r = np.empty((L, num_experts), dtype=np.int32)

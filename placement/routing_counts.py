@@ -51,13 +51,15 @@ class RoutingCounts:
     pass over ``token_ids``): ids then start in their final form, so no id keeps raw rows it will
     outgrow, no row moves between tiers and every block has its exact size. Counts are exact
     either way; a stream that exceeds the plan is handled as without one.
+    sample_tokens: keep the first this many rows as they are, for objectives that need each
+    token's whole expert set (:meth:`layer_instances`).
     """
 
     # dense tiers: (counter dtype, most occurrences an id may have to live in it)
     TIERS = ((np.dtype(np.uint8), 255), (np.dtype(np.uint16), 65535), (np.dtype(np.uint32), 2**32 - 1))
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, vocab_size: int,
-                 dense_after: int | None = None, occurrences: np.ndarray | None = None):
+                 dense_after: int | None = None, occurrences: np.ndarray | None = None, sample_tokens: int = 0):
         if min(num_layers, num_experts, top_k, vocab_size) < 1 or top_k > num_experts:
             raise ValueError(f"bad routing shape: num_layers {num_layers}, num_experts {num_experts}, "
                              f"top_k {top_k}, vocab_size {vocab_size}")
@@ -77,6 +79,9 @@ class RoutingCounts:
         self._raw_topk: list[np.ndarray] = []  # per chunk [L, n, K] small ints
         # [L, E, E]: [l, i, j] = tokens whose layer l-1 top-1 expert was i and that chose j at l
         self._markov = np.zeros((num_layers, num_experts, num_experts), dtype=np.int64)
+        self.sample_tokens = sample_tokens
+        self._sample: list[tuple[np.ndarray, np.ndarray]] = []  # (token ids [n], topk [n, L, K])
+        self._sampled = 0
         if occurrences is not None:
             if occurrences.shape != (vocab_size,):
                 raise ValueError(f"occurrences has shape {occurrences.shape}, expected ({vocab_size},)")
@@ -94,6 +99,7 @@ class RoutingCounts:
         """Counts of one in-memory trace. token_ids: [T] int; topk_ids: [T, L, K] int."""
         _, L, K = topk_ids.shape
         V = vocab_size if vocab_size is not None else int(token_ids.max(initial=-1)) + 1
+        kw.setdefault("sample_tokens", token_ids.shape[0])  # in memory already: keep every row
         c = cls(L, num_experts, K, max(V, 1), **kw)
         c.add(token_ids, topk_ids)
         return c
@@ -102,6 +108,7 @@ class RoutingCounts:
     def nbytes(self) -> int:
         """Bytes held (dense blocks at their capacity, raw rows, tables)."""
         return int(self.occ.nbytes + self.tier.nbytes + self.dense_row.nbytes + self._markov.nbytes
+                   + sum(t.nbytes + k.nbytes for t, k in self._sample)
                    + sum(d.nbytes for d in self._dense) + sum(a.nbytes for a in self._raw_ids)
                    + sum(a.nbytes for a in self._raw_topk))
 
@@ -145,6 +152,10 @@ class RoutingCounts:
             raise ValueError(f"token_ids outside [0, vocab_size={self.vocab_size})")
         if topk_ids.min() < 0 or topk_ids.max() >= E:
             raise ValueError(f"topk_ids outside [0, num_experts={E})")
+        if self._sampled < self.sample_tokens:
+            m = min(n, self.sample_tokens - self._sampled)
+            self._sample.append((token_ids[:m].astype(np.int64), np.array(topk_ids[:m], dtype=self._raw_dtype)))
+            self._sampled += m
         tok = token_ids.astype(np.int64)
         self.occ += np.bincount(tok, minlength=self.vocab_size)
         self.num_tokens += n
@@ -217,6 +228,18 @@ class RoutingCounts:
         rows = key // E
         indptr = np.r_[0, np.cumsum(np.bincount(rows, minlength=ids.size))]
         return sp.csr_matrix((weight, (key % E).astype(np.int32), indptr), shape=(ids.size, E))
+
+    def layer_instances(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The sample's distinct (token, expert set) pairs at ``layer``, rows as :meth:`seen`:
+        (hv [H] int64, sets [H, K] int64, w [H] float64), see :func:`.bytes.layer_instances`."""
+        from .bytes import layer_instances
+
+        ids, _ = self.seen()
+        if not self._sample:
+            return layer_instances(np.zeros(0, np.int64), np.zeros((0, self.top_k), np.int64))
+        tok = np.concatenate([t for t, _ in self._sample])
+        topk = np.concatenate([k[:, layer] for _, k in self._sample])
+        return layer_instances(np.searchsorted(ids, tok), topk)
 
     def markov_matrix(self, layer: int) -> np.ndarray:
         """[E, E] int64: tokens whose top-1 expert at ``layer - 1`` was i that chose expert j at

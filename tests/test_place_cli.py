@@ -55,10 +55,13 @@ def test_evaluate_compare_all_beats_plain_ep(built, tmp_path):
     assert ours["lar"] > 1.5 * res["linear"]["lar"]
     # every placement in both forms: the predictor alone lifts a plain placement, and the
     # placement adds locality beyond it (same predictor and assignment for both)
-    for peer in ("linear", "round_robin", "eplb", "metis", "ceo", "alternating", "coclust"):
+    for peer in ("linear", "round_robin", "eplb", "metis", "ceo", "alternating", "coclust", "bytes"):
         if peer in res:
             assert res[peer + "+pred"]["lar"] > res[peer]["lar"] + 0.05, peer
     assert res["coclust+pred"]["lar"] > res["linear+pred"]["lar"] + 0.03
+    # the bytes objective sends no more rows than coclust, at the same expert-load cap
+    assert res["bytes+pred"]["remote_unique_per_token"] <= res["coclust+pred"]["remote_unique_per_token"]
+    assert res["bytes+pred"]["expert_load"] < 1.2
     assert ours["token_load"] <= 1.11  # cap is ceil(512 / 4 * 1.10) = 141 of 128 tokens = 1.1016
 
 

@@ -7,7 +7,8 @@ from vllm_smoe.placement.assign import assign_tokens, batch_capacity, contiguous
 from vllm_smoe.placement.coclust import place_coclust
 from vllm_smoe.placement.counts import assign_token_ids, layer_counts, local_count, rank_scores
 from vllm_smoe.placement.ilp import solve_ilp
-from vllm_smoe.placement.layout import SOLVERS, align_ranks, place_model
+from vllm_smoe.placement.bytes import layer_instances
+from vllm_smoe.placement.layout import NEEDS_INSTANCES, SOLVERS, align_ranks, place_model
 from vllm_smoe.placement.routing_counts import RoutingCounts
 from vllm_smoe.placement.metrics import evaluate, holds_from_expert2rank
 from vllm_smoe.placement.online import simulate
@@ -98,10 +99,11 @@ def _instance(seed, V, E, K, T=200):
 def test_every_solver_places_each_expert_once_with_equal_ranks(seed, N, method):
     tok, topk = _instance(seed, V=20, E=8, K=2)
     ids, A, occ = layer_counts(tok, topk, 8)
-    e2r = SOLVERS[method](A, occ, N, 1.1, 0.5, seed)
+    kw = {"inst": layer_instances(np.searchsorted(ids, tok), topk)} if method in NEEDS_INSTANCES else {}
+    e2r = SOLVERS[method](A, occ, N, 1.1, 0.5, seed, **kw)
     assert e2r.shape == (8,) and e2r.min() >= 0 and e2r.max() < N
     assert (np.bincount(e2r, minlength=N) == 8 // N).all()
-    np.testing.assert_array_equal(e2r, SOLVERS[method](A, occ, N, 1.1, 0.5, seed))  # same seed, same output
+    np.testing.assert_array_equal(e2r, SOLVERS[method](A, occ, N, 1.1, 0.5, seed, **kw))  # same seed, same output
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])

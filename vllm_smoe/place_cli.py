@@ -14,7 +14,7 @@ import numpy as np
 from .cli_util import check_output_dir, check_output_file, number, run_cli
 from .placement.assign import batches_from_windows, contiguous_tokens
 from .placement.dp import assign_requests, request_affinity, round_robin_requests
-from .placement.layout import PREDICTED, SOLVERS, place_model
+from .placement.layout import NEEDS_INSTANCES, PREDICTED, SOLVERS, place_model
 from .placement.metrics import evaluate, holds_from_expert2rank
 from .placement.online import simulate
 from .placement.predict import tables_for_placement
@@ -27,7 +27,7 @@ METRIC_KEYS = ("lar", "token_load", "expert_load", "remote_pairs_per_token", "re
                "a2a_bytes_per_token", "internode_bytes_per_token", "intranode_bytes_per_token", "hit_rate",
                "oracle_hit_rate", "solve_seconds", "peak_mem_mb", "table_bytes")
 DP_WINDOW = 64  # requests per attention-DP scheduling window
-COMPARE_ALL = ("linear", "round_robin", "eplb", "metis", "ceo", "alternating", "coclust")
+COMPARE_ALL = ("linear", "round_robin", "eplb", "metis", "ceo", "alternating", "coclust", "bytes")
 
 
 SAMPLE_FIELDS = ("token_ids", "request_ids", "positions", "topk_ids", "step_ids", "is_prefill")
@@ -50,9 +50,10 @@ def _windows(total: int, max_tokens: int) -> list[tuple[int, int]]:
     return [(s, s + max_tokens // n) for s in (i * total // n for i in range(n))]
 
 
-def _stream(specs, windows=None, counts: bool = True, desc: str = "counting"):
+def _stream(specs, windows=None, counts: bool = True, desc: str = "counting", sample_tokens: int = 0):
     """One pass over the traces: routing counts of every token (when ``counts``) and the rows
-    inside ``windows`` (a function of the total token count -> [start, stop) ranges) as arrays.
+    inside ``windows`` (a function of the total token count -> [start, stop) ranges) as arrays;
+    the counts keep the first ``sample_tokens`` rows whole (for the bytes objective).
     Returns (meta, RoutingCounts or None, {field: rows} sorted by step, batch ids [n], files, total)."""
     meta, traces = open_traces(specs)
     files = [t.path for t in traces]
@@ -70,7 +71,8 @@ def _stream(specs, windows=None, counts: bool = True, desc: str = "counting"):
                 tok = ch["token_ids"]
                 occ += np.bincount(tok[(tok >= 0) & (tok < meta.vocab_size)], minlength=meta.vocab_size)
                 bar.update(tok.size)
-        rc = RoutingCounts(meta.num_layers, meta.num_experts, meta.top_k, meta.vocab_size, occurrences=occ)
+        rc = RoutingCounts(meta.num_layers, meta.num_experts, meta.top_k, meta.vocab_size, occurrences=occ,
+                           sample_tokens=sample_tokens)
     wins = windows(total) if windows else []
     parts, start = [], 0
     with _bar(desc, total, "tok") as bar:
@@ -347,7 +349,8 @@ def cmd_build(a) -> int:
         raise ValueError(f"--replicas needs a locality method ({', '.join(PREDICTED)}), not {a.method!r}")
     t0 = time.perf_counter()
     # one pass: counts of every token, and the leading rows for the in-sample metrics
-    meta, counts, sample, files, total = _stream(a.trace, lambda T: [(0, min(T, a.metrics_tokens))])
+    meta, counts, sample, files, total = _stream(a.trace, lambda T: [(0, min(T, a.metrics_tokens))],
+                                                 sample_tokens=a.instance_tokens if a.method in NEEDS_INSTANCES else 0)
     count_s = time.perf_counter() - t0
     fingerprint, emb = _model_info(a.model, meta.vocab_size)
     print(f"counted {total} tokens x {meta.num_layers} layers in {count_s:.1f} s ({total / count_s:,.0f} tokens/s, "
@@ -400,7 +403,8 @@ def _evaluate_all(a):
         raise ValueError(f"--compare: unknown method(s) {unknown}; choose from {', '.join(COMPARE_ALL)} or 'all'")
     if methods:
         train_specs = a.train or (load_train_specs(a.placement))
-        tmeta, counts, _, _, _ = _stream(train_specs)
+        tmeta, counts, _, _, _ = _stream(train_specs, sample_tokens=a.instance_tokens
+                                         if any(m in NEEDS_INSTANCES for m in methods) else 0)
         if (tmeta.num_layers, tmeta.num_experts) != (meta.num_layers, meta.num_experts):
             raise ValueError(f"--train traces have a different model shape than {a.trace[0]}")
         a.replicas = 0
@@ -504,6 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="for a2a bytes when the trace meta has no hidden_size (default 4096)")
         s.add_argument("--dtype-bytes", type=number(int, 1), default=2,
                        help="activation bytes per element (default 2)")
+        s.add_argument("--instance-tokens", type=number(int, 1), default=1 << 17,
+                       help="bytes: the objective is scored on the whole expert sets of this many leading "
+                            "training tokens (default 131072)")
         s.add_argument("--jobs", type=number(int, 1), default=default_jobs(),
                        help=f"worker processes solving layers in parallel (default: all cores, here "
                             f"{default_jobs()}); the result does not depend on it")

@@ -1,0 +1,152 @@
+"""Expert placement that minimises the bytes the all-to-all carries, not the remote activations.
+
+A token crosses to each remote rank once, whatever the number of its experts there (de-duplicated
+dispatch). So what one layer sends is, per token, the number of distinct ranks among its top-k
+experts' ranks, minus one when its own rank is among them: the connectivity - 1 metric of
+hypergraph partitioning, with each token's expert set a hyperedge. Maximising local activations
+(:mod:`.coclust`) does not minimise it: it ignores whether a token's remote experts share a rank.
+
+Input per layer, besides the count matrix A [V', E] and occurrences occ [V'] of :mod:`.counts`:
+instances, the distinct (token id, top-k expert set) pairs of a sample of the trace:
+hv [H] int64 row of the token id in A; sets [H, K] int64 expert ids (-1 = none); w [H] float64
+occurrences. Placement: expert2rank [E] int (E/N per rank); tokens go to ranks by the same
+capacity-capped rule as everywhere (:func:`.counts.assign_token_ids`).
+
+Search: from coclust's placement, swaps of two experts on different ranks, proposed by a
+first-order estimate of every swap's change in bytes (from each expert's best single move) and
+accepted only when their exact change, recomputed on the hyperedges they touch, is a gain and the
+expert-load cap holds; after each pass tokens are reassigned by the capped rule, and the pass is
+kept only if the bytes with those tokens fell.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+
+from .coclust import place_coclust
+from .counts import assign_token_ids, check_ep_size, rank_scores
+
+
+def layer_instances(token_rows: np.ndarray, topk_layer: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Distinct (token row, expert set) pairs. token_rows: [S] int rows of A; topk_layer: [S, K] int.
+    Returns (hv [H] int64, sets [H, K] int64 sorted ascending, w [H] float64 occurrences)."""
+    if token_rows.size == 0:
+        return np.zeros(0, np.int64), np.zeros((0, topk_layer.shape[1]), np.int64), np.zeros(0)
+    key = np.concatenate([token_rows[:, None].astype(np.int64), np.sort(topk_layer, axis=1).astype(np.int64)], axis=1)
+    u, counts = np.unique(key, axis=0, return_counts=True)
+    return u[:, 0], u[:, 1:], counts.astype(np.float64)
+
+
+def remote_bytes(sets: np.ndarray, w: np.ndarray, hv: np.ndarray, expert2rank: np.ndarray,
+                 token2rank: np.ndarray) -> float:
+    """Sum over instances of w x (distinct ranks of the set - [token's rank among them]): the
+    rows one layer's de-duplicated all-to-all sends (times hidden x dtype bytes x 2 for bytes)."""
+    if sets.shape[0] == 0:
+        return 0.0
+    ranks = np.where(sets >= 0, expert2rank[np.maximum(sets, 0)], -1)
+    srt = np.sort(ranks, axis=1)
+    distinct = (srt[:, :1] >= 0).sum(axis=1) + ((srt[:, 1:] != srt[:, :-1]) & (srt[:, 1:] >= 0)).sum(axis=1)
+    hit = (ranks == token2rank[hv][:, None]).any(axis=1)
+    return float((w * (distinct - hit)).sum())
+
+
+def _rank_counts(sets: np.ndarray, expert2rank: np.ndarray, ep_size: int) -> np.ndarray:
+    """[H, N] int64 experts of each set on each rank."""
+    H, K = sets.shape
+    ok = sets >= 0
+    rows = np.repeat(np.arange(H), K)[ok.ravel()]
+    return np.bincount(rows * ep_size + expert2rank[sets[ok]], minlength=H * ep_size).reshape(H, ep_size)
+
+
+def _move_deltas(sets, w, t_h, expert2rank, cnt, incidence: sp.csr_matrix) -> np.ndarray:
+    """D: [E, N] float64, change in bytes if expert e alone moved to rank r (0 on its own rank).
+
+    Leaving rank p saves a row where e was the set's only expert on p (unless p is the token's
+    rank, where the row was local anyway); arriving on r costs a row where the set had no expert
+    on r (unless r is the token's rank: then the remote row it had becomes local)."""
+    H, K = sets.shape
+    E, N = expert2rank.size, cnt.shape[1]
+    ok = sets >= 0
+    h = np.repeat(np.arange(H), K)[ok.ravel()]
+    e = sets[ok]
+    p = expert2rank[e]
+    alone = cnt[h, p] == 1
+    leave = np.bincount(e, weights=w[h] * np.where(alone & (p != t_h[h]), -1.0, 0.0), minlength=E)
+    empty = (cnt == 0).astype(np.float64)
+    empty[np.arange(H), t_h] = 0.0  # arriving on the token's rank costs nothing
+    D = leave[:, None] + incidence @ (w[:, None] * empty)
+    D[np.arange(E), expert2rank] = 0.0
+    return D
+
+
+def place_bytes(A: sp.csr_matrix, occ: np.ndarray, instances: tuple[np.ndarray, np.ndarray, np.ndarray],
+                ep_size: int, capacity: float = 1.10, max_expert_load: float = 1.10,
+                start: np.ndarray | None = None, seed: int = 0, max_passes: int = 30,
+                trials_per_pass: int | None = None) -> np.ndarray:
+    """Expert placement for one layer minimising :func:`remote_bytes` on ``instances`` (see the
+    module doc), E/N experts per rank, expert load (activations per rank, from A) at most
+    ``max_expert_load`` x mean or no worse than the start's. start: expert2rank [E] to refine
+    (default: :func:`.coclust.place_coclust`); trials_per_pass: exact swap evaluations per pass
+    (default 4 E). Returns expert2rank [E] int32."""
+    E = A.shape[1]
+    check_ep_size(E, ep_size)
+    hv, sets, w = instances
+    e2r = np.asarray(start if start is not None else place_coclust(A, occ, ep_size, capacity=capacity,
+                                                                   max_expert_load=max_expert_load, seed=seed),
+                     dtype=np.int64).copy()
+    if ep_size == 1 or sets.shape[0] == 0:
+        return e2r.astype(np.int32)
+    load = np.asarray(A.sum(axis=0)).ravel()
+    cap = max_expert_load * load.sum() / ep_size
+    H, K = sets.shape
+    ok = sets >= 0
+    inc_h = np.repeat(np.arange(H), K)[ok.ravel()]
+    incidence = sp.csr_matrix((np.ones(inc_h.size), (sets[ok], inc_h)), shape=(E, H))  # expert x set
+    touch = [incidence.indices[incidence.indptr[x]: incidence.indptr[x + 1]] for x in range(E)]
+    t2r = assign_token_ids(rank_scores(A, e2r, ep_size), occ, capacity)
+    cur = remote_bytes(sets, w, hv, e2r, t2r)
+    best = e2r.copy()
+    rng = np.random.default_rng(seed)
+    for _ in range(max_passes):
+        t_h = t2r[hv]
+        D = _move_deltas(sets, w, t_h, e2r, _rank_counts(sets, e2r, ep_size), incidence)
+        rl = np.bincount(e2r, weights=load, minlength=ep_size)
+        worst = max(cap, rl.max())
+        # estimated change of swapping a (on p) and b (on q): a moves to q, b to p
+        est = D[:, e2r] + D[:, e2r].T
+        da = load[:, None] - load[None, :]  # load leaving a's rank for b's
+        fits = ((rl[e2r][:, None] - da) <= worst + 1e-9) & ((rl[e2r][None, :] + da) <= worst + 1e-9)
+        est = np.where((e2r[:, None] != e2r[None, :]) & fits & np.triu(np.ones((E, E), bool), 1), est, np.inf)
+        cand = np.flatnonzero(est.ravel() < -1e-9)
+        cand = cand[np.argsort(est.ravel()[cand] + 1e-12 * rng.random(cand.size), kind="stable")]
+        moved = np.zeros(E, bool)
+        gained = 0.0
+        trials = trials_per_pass or 4 * E
+        for a, b in zip(*np.unravel_index(cand, (E, E))):
+            if moved[a] or moved[b]:  # their estimates are stale; exact recount next pass
+                continue
+            if trials == 0:
+                break
+            trials -= 1
+            rows = np.union1d(touch[a], touch[b])
+            before = remote_bytes(sets[rows], w[rows], hv[rows], e2r, t2r)
+            e2r[a], e2r[b] = e2r[b], e2r[a]
+            delta = remote_bytes(sets[rows], w[rows], hv[rows], e2r, t2r) - before
+            rl_new = np.bincount(e2r, weights=load, minlength=ep_size)
+            if delta < -1e-9 and rl_new.max() <= worst + 1e-9:
+                moved[a] = moved[b] = True
+                gained += delta
+            else:
+                e2r[a], e2r[b] = e2r[b], e2r[a]
+        if gained > -1e-9:
+            break
+        # tokens follow the capped best-rank rule when served: a pass counts only if the bytes
+        # with the tokens that rule gives fall
+        t_new = assign_token_ids(rank_scores(A, e2r, ep_size), occ, capacity)
+        val = remote_bytes(sets, w, hv, e2r, t_new)
+        if val >= cur - 1e-9:
+            e2r = best
+            break
+        best, t2r, cur = e2r.copy(), t_new, val
+    return best.astype(np.int32)
