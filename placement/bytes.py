@@ -12,7 +12,7 @@ hv [H] int64 row of the token id in A; sets [H, K] int64 expert ids (-1 = none);
 occurrences. Placement: expert2rank [E] int (E/N per rank); tokens go to ranks by the same
 capacity-capped rule as everywhere (:func:`.counts.assign_token_ids`).
 
-Search: from coclust's placement, swaps of two experts on different ranks, proposed by a
+Search: from coclust's placement (and, on small layers, a few more starts), swaps of two experts on different ranks, proposed by a
 first-order estimate of every swap's change in bytes (from each expert's best single move) and
 accepted only when their exact change, recomputed on the hyperedges they touch, is a gain and the
 expert-load cap holds; after each pass tokens are reassigned by the capped rule, and the pass is
@@ -80,23 +80,11 @@ def _move_deltas(sets, w, t_h, expert2rank, cnt, incidence: sp.csr_matrix) -> np
     return D
 
 
-def place_bytes(A: sp.csr_matrix, occ: np.ndarray, instances: tuple[np.ndarray, np.ndarray, np.ndarray],
-                ep_size: int, capacity: float = 1.10, max_expert_load: float = 1.10,
-                start: np.ndarray | None = None, seed: int = 0, max_passes: int = 30,
-                trials_per_pass: int | None = None) -> np.ndarray:
-    """Expert placement for one layer minimising :func:`remote_bytes` on ``instances`` (see the
-    module doc), E/N experts per rank, expert load (activations per rank, from A) at most
-    ``max_expert_load`` x mean or no worse than the start's. start: expert2rank [E] to refine
-    (default: :func:`.coclust.place_coclust`); trials_per_pass: exact swap evaluations per pass
-    (default 4 E). Returns expert2rank [E] int32."""
+def _search(A, occ, instances, ep_size, capacity, max_expert_load, start, seed, max_passes, trials_per_pass):
+    """The swap search of :func:`place_bytes` from one start."""
     E = A.shape[1]
-    check_ep_size(E, ep_size)
     hv, sets, w = instances
-    e2r = np.asarray(start if start is not None else place_coclust(A, occ, ep_size, capacity=capacity,
-                                                                   max_expert_load=max_expert_load, seed=seed),
-                     dtype=np.int64).copy()
-    if ep_size == 1 or sets.shape[0] == 0:
-        return e2r.astype(np.int32)
+    e2r = np.asarray(start, dtype=np.int64).copy()
     load = np.asarray(A.sum(axis=0)).ravel()
     cap = max_expert_load * load.sum() / ep_size
     H, K = sets.shape
@@ -149,4 +137,49 @@ def place_bytes(A: sp.csr_matrix, occ: np.ndarray, instances: tuple[np.ndarray, 
             e2r = best
             break
         best, t2r, cur = e2r.copy(), t_new, val
+    return best
+
+
+def place_bytes(A: sp.csr_matrix, occ: np.ndarray, instances: tuple[np.ndarray, np.ndarray, np.ndarray],
+                ep_size: int, capacity: float = 1.10, max_expert_load: float = 1.10,
+                start: np.ndarray | None = None, seed: int = 0, max_passes: int = 30,
+                trials_per_pass: int | None = None, work: float = 2e6) -> np.ndarray:
+    """Expert placement for one layer minimising :func:`remote_bytes` on ``instances`` (see the
+    module doc), E/N experts per rank, expert load (activations per rank, from A) at most
+    ``max_expert_load`` x mean or no worse than the start's. Searches from coclust's placement
+    (or ``start``) and, while ``work`` (sets x experts) allows, from a METIS partition of the
+    co-activation graph and random balanced placements, each capped in expert load; keeps the
+    placement with the fewest rows. trials_per_pass: exact swap evaluations per pass (default
+    4 E). Returns expert2rank [E] int32."""
+    from .coclust import cap_expert_load
+    from .counts import coactivation
+    from .peers import place_metis
+
+    E = A.shape[1]
+    check_ep_size(E, ep_size)
+    first = start if start is not None else place_coclust(A, occ, ep_size, capacity=capacity,
+                                                          max_expert_load=max_expert_load, seed=seed)
+    hv, sets, w = instances
+    if ep_size == 1 or sets.shape[0] == 0:
+        return np.asarray(first, dtype=np.int32)
+    load = np.asarray(A.sum(axis=0)).ravel()
+    starts = [np.asarray(first)]
+    extra = int(np.clip(work / max(1, sets.shape[0] * E), 0, 4))
+    rng = np.random.default_rng(seed)
+    if extra:
+        starts.append(place_metis(coactivation(A), ep_size, seed=seed))
+    for _ in range(extra - 1):
+        starts.append(rng.permutation(np.repeat(np.arange(ep_size), E // ep_size)))
+    limit = max(max_expert_load * load.sum() / ep_size, np.bincount(first, weights=load, minlength=ep_size).max())
+    best, best_val = None, np.inf
+    for i, s0 in enumerate(starts):
+        if i:  # the extra starts obey the cap before the search
+            s0 = cap_expert_load(np.asarray(s0), np.zeros((E, ep_size)), load, ep_size, max_expert_load)
+        e2r = _search(A, occ, instances, ep_size, capacity, max_expert_load, s0, seed + i, max_passes,
+                      trials_per_pass)
+        if i and np.bincount(e2r, weights=load, minlength=ep_size).max() > limit + 1e-9:
+            continue  # a start the cap could not repair
+        val = remote_bytes(sets, w, hv, e2r, assign_token_ids(rank_scores(A, e2r, ep_size), occ, capacity))
+        if val < best_val - 1e-9:
+            best, best_val = e2r, val
     return best.astype(np.int32)

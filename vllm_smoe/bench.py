@@ -25,6 +25,8 @@ def _ilp(a) -> int:
     from .placement.layout import SOLVERS
     from .synthetic import MoEShape, generate
 
+    if a.objective == "bytes":
+        return _ilp_bytes(a)
     methods = ("coclust", "alternating", "ceo", "metis", "round_robin", "linear")
     gaps = {m: [] for m in methods}
     print(f"instances: {a.instances} x (vocab {a.vocab}, {a.experts} experts, top-{a.top_k}, {a.tokens} tokens, "
@@ -54,6 +56,48 @@ def _ilp(a) -> int:
               + ", ".join(row))
     print("mean gap to the ILP bound: " + ", ".join(f"{m} {100 * np.mean(g):.2f}%" for m, g in gaps.items()))
     print("max gap: " + ", ".join(f"{m} {100 * np.max(g):.2f}%" for m, g in gaps.items()))
+    return 0
+
+
+def _ilp_bytes(a) -> int:
+    """Every method's de-duplicated remote rows (tokens by the capped best-rank rule) against the
+    exact optimum of the bytes program, on small synthetic instances."""
+    from .placement.bytes import layer_instances, remote_bytes
+    from .placement.counts import assign_token_ids, layer_counts, rank_scores
+    from .placement.ilp import solve_ilp_bytes
+    from .placement.layout import NEEDS_INSTANCES, SOLVERS
+    from .synthetic import MoEShape, generate
+
+    methods = ("bytes", "coclust", "alternating", "ceo", "metis", "round_robin", "linear")
+    mel = a.max_expert_load or 1.10
+    gaps: dict[str, list[float]] = {m: [] for m in methods}
+    loads: dict[str, list[float]] = {m: [] for m in methods}
+    print(f"instances: {a.instances} x (vocab {a.vocab}, {a.experts} experts, top-{a.top_k}, {a.tokens} tokens, "
+          f"ep {a.ep_size}), capacity {a.capacity}, expert-load cap {mel} (bytes program and coclust/bytes)")
+    for seed in range(a.instances):
+        ch = next(generate(MoEShape(1, a.experts, a.top_k, a.vocab, 64), a.tokens, seed=seed, hotness=a.hotness,
+                           token_zipf=0.8))
+        tok, topk = ch["token_ids"], ch["topk_ids"][:, 0]
+        ids, A, occ = layer_counts(tok, topk, a.experts)
+        inst = layer_instances(np.searchsorted(ids, tok), topk)
+        t0 = time.perf_counter()
+        opt, _, _, proven = solve_ilp_bytes(A.toarray(), occ, inst, a.ep_size, a.capacity, mel, a.time_limit)
+        secs = time.perf_counter() - t0
+        load = np.asarray(A.sum(axis=0)).ravel()
+        row = []
+        for m in methods:
+            kw = {"inst": inst} if m in NEEDS_INSTANCES else {}
+            e2r = SOLVERS[m](A, occ, a.ep_size, a.capacity, 0.5, seed, mel, **kw)
+            got = remote_bytes(inst[1], inst[2], inst[0], e2r,
+                               assign_token_ids(rank_scores(A, e2r, a.ep_size), occ, a.capacity))
+            rl = np.bincount(e2r, weights=load, minlength=a.ep_size)
+            gaps[m].append(got / opt - 1.0)
+            loads[m].append(rl.max() / rl.mean())
+            row.append(f"{m} {100 * gaps[m][-1]:+5.1f}% (load {loads[m][-1]:.2f})")
+        print(f"seed {seed}: ILP {opt:.0f} rows ({'optimal' if proven else 'time limit'}, {secs:.1f} s); "
+              + ", ".join(row))
+    print("mean excess rows over the optimum: " + ", ".join(
+        f"{m} {100 * np.mean(g):.2f}% (load {np.mean(loads[m]):.2f})" for m, g in gaps.items()))
     return 0
 
 
@@ -514,6 +558,8 @@ def main(argv=None) -> int:
     i.add_argument("--max-expert-load", type=float, default=None,
                    help="also cap expert load in the ILP and in coclust (default: no cap, the plain program)")
     i.add_argument("--time-limit", type=float, default=120.0)
+    i.add_argument("--objective", choices=("lar", "bytes"), default="lar",
+                   help="lar: local activations (solve_ilp); bytes: de-duplicated remote rows (solve_ilp_bytes)")
     i.set_defaults(fn=_ilp)
     g = sub.add_parser("plugin", help="vllm serve start-up and throughput: plain vs --plugin smoe (needs vLLM)")
     g.add_argument("--requests", type=int, default=64)
