@@ -17,6 +17,46 @@ import numpy as np
 import scipy.sparse as sp
 
 
+class _Rows:
+    """Sparse constraint rows lo <= M x <= hi, one :meth:`add` a row."""
+
+    def __init__(self):
+        self.rows, self.cols, self.vals, self.lo, self.hi = [], [], [], [], []
+
+    def add(self, cidx, cval, lb, ub) -> None:
+        self.rows.extend([len(self.lo)] * len(cidx))
+        self.cols.extend(cidx)
+        self.vals.extend(cval)
+        self.lo.append(lb)
+        self.hi.append(ub)
+
+    def constraint(self, n: int):
+        from scipy.optimize import LinearConstraint
+
+        M = sp.coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.lo), n))
+        return LinearConstraint(M, self.lo, self.hi)
+
+
+def _placement_rows(c: _Rows, A: np.ndarray, occ: np.ndarray, N: int, X, Y, capacity: float,
+                    max_expert_load: float | None) -> None:
+    """Each expert on one rank, E/N per rank; each token id on one rank within the token capacity;
+    optionally the expert-load cap. X(e, r), Y(v, r): variable indices."""
+    V, E = A.shape
+    for e in range(E):
+        c.add([X(e, r) for r in range(N)], [1.0] * N, 1, 1)
+    for r in range(N):
+        c.add([X(e, r) for e in range(E)], [1.0] * E, E // N, E // N)
+    for v in range(V):
+        c.add([Y(v, r) for r in range(N)], [1.0] * N, 1, 1)
+    cap = capacity * occ.sum() / N
+    for r in range(N):
+        c.add([Y(v, r) for v in range(V)], occ.tolist(), -np.inf, cap)
+    if max_expert_load is not None:
+        load = A.sum(axis=0)
+        for r in range(N):
+            c.add([X(e, r) for e in range(E)], load.tolist(), -np.inf, max_expert_load * load.sum() / N)
+
+
 def solve_ilp(A: np.ndarray, occ: np.ndarray, ep_size: int, capacity: float = 1.10,
               fixed_expert2rank: np.ndarray | None = None, max_expert_load: float | None = None,
               time_limit: float = 60.0
@@ -40,38 +80,14 @@ def solve_ilp(A: np.ndarray, occ: np.ndarray, ep_size: int, capacity: float = 1.
     r_all = np.tile(np.arange(N), nz)
     zi = nx + ny + np.arange(nzv)
     c[zi] = -np.repeat(A[vv, ee], N)
-    rows, cols, vals, lo, hi = [], [], [], [], []
-    k = 0
-
-    def add(cidx, cval, lb, ub):
-        nonlocal k
-        rows.extend([k] * len(cidx))
-        cols.extend(cidx)
-        vals.extend(cval)
-        lo.append(lb)
-        hi.append(ub)
-        k += 1
-
     # z - x <= 0 and z - y <= 0, vectorised
     zv, ze = np.repeat(vv, N), np.repeat(ee, N)
     m = nzv
     base = np.arange(m)
     Z1 = sp.coo_matrix((np.r_[np.ones(m), -np.ones(m)], (np.r_[base, base], np.r_[zi, X(ze, r_all)])), shape=(m, n))
     Z2 = sp.coo_matrix((np.r_[np.ones(m), -np.ones(m)], (np.r_[base, base], np.r_[zi, Y(zv, r_all)])), shape=(m, n))
-    for e in range(E):
-        add([X(e, r) for r in range(N)], [1.0] * N, 1, 1)
-    for r in range(N):
-        add([X(e, r) for e in range(E)], [1.0] * E, E // N, E // N)
-    for v in range(V):
-        add([Y(v, r) for r in range(N)], [1.0] * N, 1, 1)
-    cap = capacity * occ.sum() / N
-    for r in range(N):
-        add([Y(v, r) for v in range(V)], occ.tolist(), -np.inf, cap)
-    if max_expert_load is not None:
-        load = A.sum(axis=0)
-        for r in range(N):
-            add([X(e, r) for e in range(E)], load.tolist(), -np.inf, max_expert_load * load.sum() / N)
-    M = sp.coo_matrix((vals, (rows, cols)), shape=(k, n))
+    rows = _Rows()
+    _placement_rows(rows, A, occ, N, X, Y, capacity, max_expert_load)
     lb = np.zeros(n)
     ub = np.ones(n)
     if fixed_expert2rank is not None:
@@ -80,7 +96,7 @@ def solve_ilp(A: np.ndarray, occ: np.ndarray, ep_size: int, capacity: float = 1.
         lb[:nx] = ub[:nx] = fx
     else:
         lb[X(0, 0)] = 1.0  # ranks are interchangeable: pin expert 0 to rank 0
-    cons = [LinearConstraint(M, lo, hi), LinearConstraint(Z1, -np.inf, 0), LinearConstraint(Z2, -np.inf, 0)]
+    cons = [rows.constraint(n), LinearConstraint(Z1, -np.inf, 0), LinearConstraint(Z2, -np.inf, 0)]
     integrality = np.ones(n)
     integrality[zi] = 0  # z is integral at the optimum once x and y are
     res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(lb, ub),
@@ -102,7 +118,7 @@ def solve_ilp_bytes(A: np.ndarray, occ: np.ndarray, instances: tuple[np.ndarray,
     with the expert, token-capacity and optional expert-load constraints of :func:`solve_ilp`.
     A: [V, E] dense counts (loads); occ: [V]; instances: (hv [H], sets [H, K] (-1 = none), w [H]).
     Returns (rows, expert2rank [E] int32, token2rank [V] int32, proven_optimal)."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.optimize import Bounds, milp
 
     hv, sets, w = instances
     V, E = A.shape
@@ -120,44 +136,20 @@ def solve_ilp_bytes(A: np.ndarray, occ: np.ndarray, instances: tuple[np.ndarray,
     hh, rr = np.repeat(np.arange(H), N), np.tile(np.arange(N), H)
     c[S(hh, rr)] = w[hh]
     c[U(hh, rr)] = -w[hh]
-    rows, cols, vals, lo, hi = [], [], [], [], []
-    k = 0
-
-    def add(cidx, cval, lb, ub):
-        nonlocal k
-        rows.extend([k] * len(cidx))
-        cols.extend(cidx)
-        vals.extend(cval)
-        lo.append(lb)
-        hi.append(ub)
-        k += 1
-
-    for e in range(E):
-        add([X(e, r) for r in range(N)], [1.0] * N, 1, 1)
-    for r in range(N):
-        add([X(e, r) for e in range(E)], [1.0] * E, E // N, E // N)
-    for v in range(V):
-        add([Y(v, r) for r in range(N)], [1.0] * N, 1, 1)
-    cap = capacity * occ.sum() / N
-    for r in range(N):
-        add([Y(v, r) for v in range(V)], occ.tolist(), -np.inf, cap)
-    if max_expert_load is not None:
-        load = A.sum(axis=0)
-        for r in range(N):
-            add([X(e, r) for e in range(E)], load.tolist(), -np.inf, max_expert_load * load.sum() / N)
+    rows = _Rows()
+    _placement_rows(rows, A, occ, N, X, Y, capacity, max_expert_load)
     for h in range(H):
         for e in sets[h][sets[h] >= 0]:
             for r in range(N):
-                add([S(h, r), X(e, r)], [1.0, -1.0], 0, np.inf)
+                rows.add([S(h, r), X(e, r)], [1.0, -1.0], 0, np.inf)
         for r in range(N):
-            add([U(h, r), S(h, r)], [1.0, -1.0], -np.inf, 0)
-            add([U(h, r), Y(hv[h], r)], [1.0, -1.0], -np.inf, 0)
-    M = sp.coo_matrix((vals, (rows, cols)), shape=(k, n))
+            rows.add([U(h, r), S(h, r)], [1.0, -1.0], -np.inf, 0)
+            rows.add([U(h, r), Y(hv[h], r)], [1.0, -1.0], -np.inf, 0)
     lb, ub = np.zeros(n), np.ones(n)
     lb[X(0, 0)] = 1.0  # ranks are interchangeable: pin expert 0 to rank 0
     integrality = np.zeros(n)
     integrality[:nx + ny] = 1  # s and u are integral at the optimum once x and y are
-    res = milp(c, constraints=[LinearConstraint(M, lo, hi)], integrality=integrality, bounds=Bounds(lb, ub),
+    res = milp(c, constraints=[rows.constraint(n)], integrality=integrality, bounds=Bounds(lb, ub),
                options={"time_limit": time_limit, "disp": False})
     if res.x is None:
         raise ValueError(f"ILP found no solution ({res.message})")
