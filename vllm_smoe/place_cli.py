@@ -502,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--theta", type=number(float, 0.0, 1.0), default=0.5,
                        help="balance weight of ceo/alternating, in [0, 1] (default 0.5)")
         s.add_argument("--max-expert-load", type=number(float, 1.0), default=1.10,
-                       help="coclust: cap on each rank's expert (compute) load, x mean, >= 1 (default 1.10)")
+                       help="coclust, bytes: cap on each rank's expert (compute) load, x mean, >= 1 (default 1.10)")
         s.add_argument("--seed", type=number(int, 0), default=0)
         s.add_argument("--hidden-size", type=number(int, 1), default=4096,
                        help="for a2a bytes when the trace meta has no hidden_size (default 4096)")
@@ -518,7 +518,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="place experts and build predictor tables; writes YAML + .tables.npz")
     b.add_argument("--trace", nargs="+", required=True, help="trace files, directories or globs")
     b.add_argument("--ep-size", type=number(int, 1), required=True)
-    b.add_argument("--method", choices=tuple(SOLVERS) + ("eplb",), default="coclust")
+    b.add_argument("--method", choices=tuple(SOLVERS) + ("eplb",), default="coclust",
+                   help="coclust (default: most local activations), bytes (fewest all-to-all rows), or a peer")
     b.add_argument("--nodes", type=number(int, 1), default=1,
                    help="hierarchical: nodes first, then ranks inside a node")
     b.add_argument("--replicas", type=number(int, 0), default=0,
