@@ -13,21 +13,16 @@ import numpy as np
 import scipy.sparse as sp
 
 
-def count_matrix(rows: np.ndarray, cols: np.ndarray, n_rows: int, n_cols: int,
-                 weights: np.ndarray | None = None) -> sp.csr_matrix:
-    """csr [n_rows, n_cols] float64 counting the (rows[i], cols[i]) pairs (rows, cols: [M] int),
-    each pair counting ``weights[i]`` ([M] float, default 1) times. Canonical: sorted, summed."""
+def count_matrix(rows: np.ndarray, cols: np.ndarray, n_rows: int, n_cols: int) -> sp.csr_matrix:
+    """csr [n_rows, n_cols] float64 counting the (rows[i], cols[i]) pairs (rows, cols: [M] int)."""
     key = rows.astype(np.int64) * n_cols + cols.astype(np.int64)
     if n_rows * n_cols <= max(8 * key.size, 1 << 25):  # a dense bincount beats sorting the keys
-        dense = np.bincount(key, weights=weights, minlength=n_rows * n_cols)
+        dense = np.bincount(key, minlength=n_rows * n_cols)
         nz = np.flatnonzero(dense)
         data = dense[nz].astype(np.float64)
-    elif weights is None:
+    else:
         nz, counts = np.unique(key, return_counts=True)
         data = counts.astype(np.float64)
-    else:
-        nz, inv = np.unique(key, return_inverse=True)
-        data = np.bincount(inv.reshape(-1), weights=weights, minlength=nz.size)
     r, c = nz // n_cols, nz % n_cols
     indptr = np.r_[0, np.cumsum(np.bincount(r, minlength=n_rows))]
     return sp.csr_matrix((data, c.astype(np.int32), indptr), shape=(n_rows, n_cols))
