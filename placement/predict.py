@@ -167,7 +167,7 @@ def build_predictor(token_ids: np.ndarray, topk_ids: np.ndarray, holds: np.ndarr
     """:func:`tables_for_placement` of an in-memory trace (token_ids: [T] int; topk_ids: [T, L, K] int)."""
     from .routing_counts import RoutingCounts
 
-    return tables_for_placement(RoutingCounts.from_arrays(token_ids, topk_ids, holds.shape[2], vocab_size), holds,
+    return tables_for_placement(RoutingCounts.from_arrays(token_ids, topk_ids, holds.shape[2], vocab_size, sample_tokens=0), holds,
                                 vocab_size, embeddings)
 
 

@@ -349,7 +349,7 @@ def _comm_plan(a) -> dict:
         test_tok, test_topk = chunks[-1]["token_ids"], chunks[-1]["topk_ids"][:, a.layer: a.layer + 1]
         vocab, E = shape.vocab_size, shape.num_experts
     N = a.ranks
-    counts = RoutingCounts.from_arrays(train_tok, train_topk, E, vocab)
+    counts = RoutingCounts.from_arrays(train_tok, train_topk, E, vocab, sample_tokens=0)  # coclust: no expert sets
     e2r, _, tables = place_model("coclust", counts, N, vocab_size=vocab)
     steps = []
     for s in range(a.steps):

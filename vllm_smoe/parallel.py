@@ -110,14 +110,14 @@ def fork_map(fn: Callable, items: Iterable, jobs: int) -> Iterator:
         for index, item in itertools.islice(todo, jobs + 1):
             pending[index] = pool.submit(_call, (index, item))
         for index in range(len(items)):
-            try:
+            try:  # a dead worker breaks the pool: the wait or the next submit says so
                 out = pending.pop(index).result()
+                nxt = next(todo, None)
+                if nxt is not None:
+                    pending[nxt[0]] = pool.submit(_call, nxt)
             except BrokenProcessPool:
-                raise ChildProcessError(f"a worker process died while working on item {index} (killed, or out "
-                                        f"of memory: fewer jobs need less)") from None
-            nxt = next(todo, None)
-            if nxt is not None:
-                pending[nxt[0]] = pool.submit(_call, nxt)
+                raise ChildProcessError(f"a worker process died by item {index} (killed, or out of memory: "
+                                        f"fewer jobs need less)") from None
             yield _unpack(out)
     finally:
         for f in pending.values():
