@@ -16,6 +16,7 @@ from .bytes import place_bytes
 from .ceo import place_ceo
 from .coclust import place_coclust
 from .counts import assign_token_ids, check_ep_size, coactivation, expert_gains, rank_scores
+from .groups import check_groups
 from .metrics import holds_from_expert2rank
 from .peers import place_linear, place_metis, place_round_robin
 from .predict import PredictorTables, empty_tables, fill_layer, local_counts, nearest_token_map
@@ -40,34 +41,73 @@ NEEDS_INSTANCES = ("bytes",)
 PREDICTED = ("coclust", "alternating", "ceo", "metis", "bytes")
 
 
-def _hierarchical(solver, A: sp.csr_matrix, occ: np.ndarray, ep_size: int, nodes: int, capacity: float,
-                  theta: float, seed: int, mel: float) -> np.ndarray:
-    """Nodes first (inter-node traffic), then ranks inside each node on the node's tokens."""
+def _split_parts(solver, A: sp.csr_matrix, occ: np.ndarray, part_of: np.ndarray, parts: int, per: int,
+                 inner, capacity: float) -> np.ndarray:
+    """Experts already split into ``parts`` (part_of [E] int64); tokens follow their best part
+    under the capacity; each part's experts are then placed on its ``per`` ranks by
+    ``inner(A_sub, occ_sub) -> [E_sub] int`` on the part's tokens. Returns [E] int32."""
     E = A.shape[1]
-    node_of = np.asarray(solver(A, occ, nodes, capacity, theta, seed, mel), dtype=np.int64)
-    t2n = assign_token_ids(rank_scores(A, node_of, nodes), occ, capacity)
-    per = ep_size // nodes
+    t2p = assign_token_ids(rank_scores(A, part_of, parts), occ, capacity)
     e2r = np.empty(E, dtype=np.int32)
-    for n in range(nodes):
-        ex = np.flatnonzero(node_of == n)
-        rows = np.flatnonzero(t2n == n)
+    for n in range(parts):
+        ex = np.flatnonzero(part_of == n)
+        rows = np.flatnonzero(t2p == n)
         if rows.size == 0:
             e2r[ex] = n * per + np.arange(ex.size) // (ex.size // per)
             continue
-        sub = A[rows][:, ex].tocsr()
-        e2r[ex] = n * per + np.asarray(solver(sub, occ[rows], per, capacity, theta, seed, mel), dtype=np.int32)
+        e2r[ex] = n * per + np.asarray(inner(A[rows][:, ex].tocsr(), occ[rows]), dtype=np.int32)
     return e2r
 
 
-def align_ranks(ref: np.ndarray, scores: np.ndarray, nodes: int = 1) -> np.ndarray:
+def _hierarchical(solver, A: sp.csr_matrix, occ: np.ndarray, ep_size: int, nodes: int, capacity: float,
+                  theta: float, seed: int, mel: float) -> np.ndarray:
+    """Nodes first (inter-node traffic), then ranks inside each node on the node's tokens."""
+    node_of = np.asarray(solver(A, occ, nodes, capacity, theta, seed, mel), dtype=np.int64)
+    per = ep_size // nodes
+    return _split_parts(solver, A, occ, node_of, nodes, per,
+                        lambda sub, o: solver(sub, o, per, capacity, theta, seed, mel), capacity)
+
+
+def _grouped(solver, A: sp.csr_matrix, occ: np.ndarray, ep_size: int, nodes: int, groups: int, capacity: float,
+             theta: float, seed: int, mel: float) -> np.ndarray:
+    """Placement that keeps every routing group whole (see check_groups). With at least as
+    many groups as ranks the solver places groups (token x group activations) on ranks; with
+    fewer, each group gets its block of ep_size/groups ranks (groups sharing a node chosen by
+    the solver on groups) and the solver splits it inside the block on its tokens."""
+    E = A.shape[1]
+    size = E // groups
+    group_of = np.arange(E) // size
+    member = sp.csr_matrix((np.ones(E), (np.arange(E), group_of)), shape=(E, groups))
+    Ag = (A @ member).tocsr()
+    if groups >= ep_size:
+        if nodes > 1:
+            g2r = _hierarchical(solver, Ag, occ, ep_size, nodes, capacity, theta, seed, mel)
+        else:
+            g2r = np.asarray(solver(Ag, occ, ep_size, capacity, theta, seed, mel), dtype=np.int32)
+        return g2r[group_of].astype(np.int32)
+    per = ep_size // groups
+    block = np.arange(groups)
+    if 1 < nodes < groups:  # which groups share a node: a placement of groups on nodes
+        g2n = np.asarray(solver(Ag, occ, nodes, capacity, theta, seed, mel), dtype=np.int64)
+        block = np.argsort(np.argsort(g2n, kind="stable"), kind="stable")  # node by node
+    sub_nodes = nodes // groups if nodes > groups else 1
+
+    def inner(sub, o):
+        if sub_nodes > 1:
+            return _hierarchical(solver, sub, o, per, sub_nodes, capacity, theta, seed, mel)
+        return solver(sub, o, per, capacity, theta, seed, mel)
+    return _split_parts(solver, A, occ, block[group_of], groups, per, inner, capacity)
+
+
+def align_ranks(ref: np.ndarray, scores: np.ndarray, nodes: int = 1, move_nodes: bool = True) -> np.ndarray:
     """The relabelling of one layer's ranks that best agrees with the layers before it.
 
     A layer's rank labels are arbitrary (any permutation of them is an equally good placement),
     but a token keeps one rank across layers when the model keeps its rows split between layers
     (DeepSeek-style sequence parallelism: one token order per step). ref: [V', N] float, the
     aligned layers' rank scores per token summed; scores: [V', N] float, this layer's. Ranks
-    move only within nodes and nodes as a whole, so a hierarchical placement stays one.
-    Returns new2old [N] int64: new rank a is old rank new2old[a]."""
+    move only within nodes and nodes as a whole (not at all with ``move_nodes`` False), so a
+    hierarchical placement stays one. Returns new2old [N] int64: new rank a is old rank new2old[a]."""
     from scipy.optimize import linear_sum_assignment
 
     N = ref.shape[1]
@@ -81,7 +121,7 @@ def align_ranks(ref: np.ndarray, scores: np.ndarray, nodes: int = 1) -> np.ndarr
             sub = M[a * per:(a + 1) * per, b * per:(b + 1) * per]
             rows, cols = linear_sum_assignment(-sub)
             best[a, b], inner[a, b] = sub[rows, cols].sum(), cols
-    _, node_of = linear_sum_assignment(-best)
+    node_of = linear_sum_assignment(-best)[1] if move_nodes else np.arange(nodes)
     new2old = np.empty(N, dtype=np.int64)
     for a, b in enumerate(node_of):
         new2old[a * per:(a + 1) * per] = b * per + inner[a, b]
@@ -114,7 +154,8 @@ def add_replicas(A: sp.csr_matrix, occ: np.ndarray, expert2rank: np.ndarray, ep_
 
 
 def _solve_layer(counts: RoutingCounts, layer: int, method: str, ep_size: int, nodes: int, capacity: float,
-                 theta: float, seed: int, max_expert_load: float) -> tuple[np.ndarray, np.ndarray | None]:
+                 theta: float, seed: int, max_expert_load: float, groups: int = 1
+                 ) -> tuple[np.ndarray, np.ndarray | None]:
     """One layer's expert2rank [E] int32 and, for predicted methods, its rank scores [V', N] float64."""
     _, occ = counts.seen()
     A = counts.layer_matrix(layer)
@@ -123,7 +164,9 @@ def _solve_layer(counts: RoutingCounts, layer: int, method: str, ep_size: int, n
         inst = counts.layer_instances(layer)
         solver = lambda A, occ, n, cap, theta, seed, mel, _s=SOLVERS[method]: _s(A, occ, n, cap, theta, seed, mel,  # noqa: E731
                                                                                  inst=inst)
-    if nodes > 1:
+    if groups > 1:
+        e2r = _grouped(solver, A, occ, ep_size, nodes, groups, capacity, theta, seed + layer, max_expert_load)
+    elif nodes > 1:
         e2r = _hierarchical(solver, A, occ, ep_size, nodes, capacity, theta, seed + layer, max_expert_load)
     else:
         e2r = np.asarray(solver(A, occ, ep_size, capacity, theta, seed + layer, max_expert_load), dtype=np.int32)
@@ -133,14 +176,16 @@ def _solve_layer(counts: RoutingCounts, layer: int, method: str, ep_size: int, n
 def place_model(method: str, counts: RoutingCounts, ep_size: int, nodes: int = 1, capacity: float = 1.10,
                 theta: float = 0.5, replicas: int = 0, seed: int = 0, max_expert_load: float = 1.10,
                 vocab_size: int | None = None, embeddings: np.ndarray | None = None,
-                progress: Callable | None = None, map_layers: Callable = map
+                progress: Callable | None = None, map_layers: Callable = map, groups: int = 1
                 ) -> tuple[np.ndarray, np.ndarray, PredictorTables | None]:
     """Place every layer of ``counts``; with ``vocab_size`` also fill the predictor tables.
 
     Layers are solved independently, through ``map_layers(fn, layers)`` (the builtin ``map``, or
     any ordered parallel map: results do not depend on it); then, in layer order, each layer's
     ranks are renamed to agree with the layers before it and its replicas and table rows are made.
-    embeddings: [V, H] for the unseen-token fallback; progress: wraps the per-layer iterator.
+    embeddings: [V, H] for the unseen-token fallback; progress: wraps the per-layer iterator;
+    groups: routing groups of grouped top-k (DeepSeek's ``n_group``): every group stays whole
+    (see check_groups), so the placement can be loaded without changing the routing.
     Returns (expert2rank [L, E] int32, replicas [L, R, 2] int32 (expert, rank), R = ``replicas``;
     tables or None).
     """
@@ -152,6 +197,9 @@ def place_model(method: str, counts: RoutingCounts, ep_size: int, nodes: int = 1
         raise ValueError(f"nodes {nodes} must divide ep_size {ep_size} and num_experts {num_experts}")
     if nodes > 1 and method in NEEDS_INSTANCES:
         raise ValueError(f"method {method!r} does not support nodes > 1 yet (use coclust)")
+    check_groups(num_experts, ep_size, nodes, groups)
+    if groups > 1 and method in NEEDS_INSTANCES:
+        raise ValueError(f"method {method!r} does not support grouped routing yet (use coclust)")
     if method in NEEDS_INSTANCES and counts.sample_tokens == 0:
         raise ValueError(f"method {method!r} needs counts with sample_tokens > 0 (whole expert sets per token)")
     _check_replicas(replicas, num_experts, ep_size)  # before any solving
@@ -162,7 +210,13 @@ def place_model(method: str, counts: RoutingCounts, ep_size: int, nodes: int = 1
     nearest = nearest_token_map(embeddings, ids, vocab_size) if vocab_size else None
 
     def solve(layer: int):
-        return _solve_layer(counts, layer, method, ep_size, nodes, capacity, theta, seed, max_expert_load)
+        return _solve_layer(counts, layer, method, ep_size, nodes, capacity, theta, seed, max_expert_load, groups)
+
+    # rank renaming must keep routing groups whole: with fewer groups than ranks, ranks move
+    # only inside their group's block (and group blocks as a whole when there are no nodes)
+    blocks, move = nodes, True
+    if 1 < groups < ep_size:
+        blocks, move = max(nodes, groups), nodes == 1
 
     solved = map_layers(solve, range(L))
     if progress is not None:
@@ -171,7 +225,7 @@ def place_model(method: str, counts: RoutingCounts, ep_size: int, nodes: int = 1
     for layer, (e2r[layer], scores) in enumerate(solved):
         if scores is not None:  # same token, same rank in every layer where possible
             if layer:
-                new2old = align_ranks(agreed, scores, nodes)
+                new2old = align_ranks(agreed, scores, blocks, move)
                 e2r[layer] = np.argsort(new2old)[e2r[layer]]  # old rank -> new rank
                 scores = scores[:, new2old]
             agreed += scores

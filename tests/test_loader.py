@@ -93,3 +93,23 @@ def test_grouped_routing_refuses_cross_group_moves(tmp_path):
               "layers": [{"expert_to_rank": [e // 8 for e in range(32)]} for _ in range(4)]}
     (tmp_path / "ok.yaml").write_text(yaml.safe_dump(inside))
     make_load_plan(str(tmp_path / "ok.yaml"), cfg, str(tmp_path), None)
+    # whole groups trade places (group scores are symmetric in the groups): fine too
+    swapped = [[(3 - e // 8) if layer % 2 else [1, 0, 3, 2][e // 8] for e in range(32)] for layer in range(4)]
+    inside["layers"] = [{"expert_to_rank": row} for row in swapped]
+    (tmp_path / "swap.yaml").write_text(yaml.safe_dump(inside))
+    plan = make_load_plan(str(tmp_path / "swap.yaml"), cfg, str(tmp_path), 4)
+    assert plan.expert2slot[1, 0] == 24 and plan.expert2slot[0, 8] == 0
+    # two groups per rank at EP 2: any pairing of whole groups
+    inside.update(ep_size=2, layers=[{"expert_to_rank": [[0, 1, 1, 0][e // 8] for e in range(32)]}] * 4)
+    (tmp_path / "pair.yaml").write_text(yaml.safe_dump(inside))
+    make_load_plan(str(tmp_path / "pair.yaml"), cfg, str(tmp_path), 2)
+    # one group over two ranks at EP 8, split any way inside the group; but not across groups
+    rows = [[(e // 8) * 2 + (e % 2) for e in range(32)], [(e // 8) * 2 + (e % 8 >= 4) for e in range(32)]]
+    rows[1][3], rows[1][12] = rows[1][12], rows[1][3]
+    inside.update(ep_size=8, layers=[{"expert_to_rank": rows[0]}] * 4)
+    (tmp_path / "split.yaml").write_text(yaml.safe_dump(inside))
+    make_load_plan(str(tmp_path / "split.yaml"), cfg, str(tmp_path), 8)
+    inside["layers"] = [{"expert_to_rank": rows[0]}] * 3 + [{"expert_to_rank": rows[1]}]
+    (tmp_path / "cross.yaml").write_text(yaml.safe_dump(inside))
+    with pytest.raises(ValueError, match=r"layers\[3\].expert_to_rank' splits expert \d+'s routing group"):
+        make_load_plan(str(tmp_path / "cross.yaml"), cfg, str(tmp_path), 8)

@@ -269,3 +269,56 @@ def test_internode_and_intranode_bytes_golden():
     assert m["internode_bytes_per_token"] == (2 + 2) / 2 * 2 and m["intranode_bytes_per_token"] == (1 + 1) / 2 * 2
     assert m["a2a_bytes_per_token"] == m["internode_bytes_per_token"] + m["intranode_bytes_per_token"]
     assert "internode_bytes_per_token" not in evaluate(topk, t2r, e2r, np.zeros(2), 4)
+
+
+def test_broken_group_golden():
+    from vllm_smoe.placement.groups import broken_group
+
+    # 8 experts, 2 groups of 4; ranks hold experts in id order
+    assert broken_group(np.array([0, 0, 0, 0, 1, 1, 1, 1]), 2) == -1
+    assert broken_group(np.array([1, 1, 1, 1, 0, 0, 0, 0]), 2) == -1  # groups trade places
+    assert broken_group(np.array([0, 1, 0, 1, 2, 3, 3, 2]), 2) == -1  # 4 ranks: a group per 2 ranks
+    assert broken_group(np.array([0, 0, 0, 1, 0, 1, 1, 1]), 2) == 4  # rank 0 = {0, 1, 2, 4}
+    assert broken_group(np.array([0, 2, 1, 1, 0, 2, 3, 3]), 2) == 4  # ranks 0-1 = {0, 4 | 2, 3}
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), method=st.sampled_from(["coclust", "metis", "alternating", "round_robin"]),
+       shape=st.sampled_from([(4, 2, 1), (4, 4, 1), (4, 4, 2), (2, 4, 1), (2, 4, 2), (2, 8, 4), (4, 8, 2),
+                              (8, 4, 2)]))
+def test_grouped_placement_keeps_every_group_whole(seed, method, shape):
+    """Every method under groups: whole groups per rank, or one group per block of ranks; every
+    expert placed once, E/N per rank; the same seed gives the same placement."""
+    from vllm_smoe.placement.groups import broken_group
+
+    groups, N, nodes = shape
+    E = 16
+    tok, topk = _instance(seed, V=30, E=E, K=2, T=400)
+    counts = RoutingCounts.from_arrays(tok, np.stack([topk, (topk + 5) % E], 1), E)
+    e2r, _, tables = place_model(method, counts, N, nodes=nodes, groups=groups, seed=seed, vocab_size=30)
+    for layer in range(2):
+        assert broken_group(e2r[layer], groups) == -1
+        assert (np.bincount(e2r[layer], minlength=N) == E // N).all()
+    if nodes > 1 and groups >= N:  # nodes still hold whole groups' worth of ranks
+        per = N // nodes
+        for layer in range(2):
+            for g in range(groups):
+                assert len(set(e2r[layer][g * E // groups:(g + 1) * E // groups] // per)) == 1
+    again, _, _ = place_model(method, counts, N, nodes=nodes, groups=groups, seed=seed, vocab_size=30)
+    np.testing.assert_array_equal(e2r, again)
+
+
+def test_grouped_placement_golden_and_errors():
+    """Token 0 uses experts 0 and 4 (groups 0 and 2 of four groups of 2), token 1 experts 2 and
+    6 (groups 1 and 3): at EP 2 the placement pairs groups {0, 2} and {1, 3}, which plain
+    linear (groups {0, 1} | {2, 3}) does not, and keeps every token local."""
+    tok = np.array([0, 1] * 20, dtype=np.int32)
+    topk = np.array([[0, 4], [2, 6]] * 20).reshape(40, 1, 2)
+    counts = RoutingCounts.from_arrays(tok, topk, 8)
+    e2r, _, _ = place_model("coclust", counts, 2, groups=4, capacity=1.0, max_expert_load=2.0)
+    pairs = {frozenset(np.flatnonzero(e2r[0] == r) // 2) for r in range(2)}
+    assert pairs == {frozenset({0, 2}), frozenset({1, 3})}
+    with pytest.raises(ValueError, match="ep_size 4 and 3 routing groups"):
+        place_model("coclust", RoutingCounts.from_arrays(tok, topk, 12), 4, groups=3)
+    with pytest.raises(ValueError, match="does not support grouped routing"):
+        place_model("bytes", counts, 2, groups=4)

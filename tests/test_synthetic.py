@@ -1,8 +1,10 @@
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vllm_smoe.placement.stats import interlayer_precision, token_hotness
-from vllm_smoe.synthetic import SHAPES, MoEShape, generate, write_synthetic
+from vllm_smoe.synthetic import SHAPES, MoEShape, _limit_groups, generate, write_synthetic
 from vllm_smoe.trace import open_trace
 
 
@@ -72,3 +74,29 @@ def test_bad_knobs():
         next(generate(MoEShape(1, 4, 2, 10, 32), 10, hotness=1.5))
     with pytest.raises(ValueError, match="unknown shape"):
         write_synthetic("/tmp/x.npz", "gpt-9", 10)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 1000), shape=st.sampled_from([(32, 4, 4, 2), (64, 6, 8, 3), (16, 8, 4, 2), (8, 2, 4, 1)]))
+def test_group_limited_rows_stay_in_topk_group_groups(seed, shape):
+    """Every row distinct, inside at most topk_group groups, and rows already inside their
+    groups are left as they were."""
+    E, K, G, M = shape
+    rng = np.random.default_rng(seed)
+    x = np.stack([rng.choice(E, K, replace=False) for _ in range(300)]).astype(np.int64)
+    y = _limit_groups(x.copy(), E, G, M)
+    assert ((np.diff(np.sort(y, -1), axis=-1)) != 0).all()
+    used = [np.unique(row // (E // G)).size for row in y]
+    assert max(used) <= M
+    inside = np.array([np.unique(row // (E // G)).size <= M for row in x])
+    np.testing.assert_array_equal(y[inside], x[inside])
+
+
+def test_group_limited_generator_golden_errors():
+    with pytest.raises(ValueError, match="must hold top_k"):
+        next(generate(SHAPES["mixtral-8x7b"], 10, groups=8, topk_group=1))
+    with pytest.raises(ValueError, match="go together"):
+        next(generate(SHAPES["deepseek-v3"], 10, groups=8))
+    # groups of 2: {0}, {5}, {2}, {7} are groups 0, 2, 1, 3, one expert each; the first two
+    # columns win, 2 and 7 move into groups 0 and 2 and step along them until distinct
+    assert _limit_groups(np.array([[0, 5, 2, 7]]), 8, 4, 2).tolist() == [[0, 5, 1, 4]]

@@ -13,7 +13,9 @@ import numpy as np
 
 from .cli_util import check_output_dir, check_output_file, number, run_cli
 from .placement.assign import batches_from_windows, contiguous_tokens
+from .model_info import expert_groups
 from .placement.dp import assign_requests, request_affinity, round_robin_requests
+from .placement.groups import check_groups
 from .placement.layout import NEEDS_INSTANCES, PREDICTED, SOLVERS, place_model
 from .placement.metrics import evaluate, holds_from_expert2rank
 from .placement.online import simulate
@@ -101,15 +103,15 @@ def _batched(arr, batch_tokens: int):
 
 
 def _model_info(model_dir: str | None, vocab_size: int):
-    """(fingerprint, embeddings [V, H] or None) from a checkpoint directory."""
+    """(fingerprint, embeddings [V, H] or None, routing groups) from a checkpoint directory."""
     if model_dir is None:
-        return None, None
+        return None, None, 1
     cfg_path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(cfg_path):
         raise ValueError(f"{model_dir}: no config.json (--model must be a checkpoint directory)")
     with open(cfg_path) as f:
         cfg = json.load(f)
-    return model_fingerprint(cfg), _embeddings(model_dir, vocab_size)
+    return model_fingerprint(cfg), _embeddings(model_dir, vocab_size), expert_groups(cfg)
 
 
 _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
@@ -282,7 +284,7 @@ def _map_layers(jobs: int, peaks: list):
     return run
 
 
-def _solve(method, counts, meta, args, ep_size, nodes, embeddings=None):
+def _solve(method, counts, meta, args, ep_size, nodes, embeddings=None, groups=1):
     """Run one method on a trace's counts; returns (expert2rank, replicas, tables or None,
     seconds, peak MiB). Time and memory cover placement plus predictor tables: the peak resident
     memory this process added, plus with --jobs > 1 the largest worker's times the workers."""
@@ -301,7 +303,7 @@ def _solve(method, counts, meta, args, ep_size, nodes, embeddings=None):
             method, counts, ep_size, nodes=nodes, capacity=args.capacity, theta=args.theta,
             replicas=args.replicas if predicted else 0, seed=args.seed, max_expert_load=args.max_expert_load,
             vocab_size=meta.vocab_size if predicted else None, embeddings=embeddings if predicted else None,
-            progress=lambda it: _ticking(it, bar), map_layers=_map_layers(args.jobs, peaks))
+            progress=lambda it: _ticking(it, bar), map_layers=_map_layers(args.jobs, peaks), groups=groups)
         bar.close()
     secs = time.perf_counter() - t0
     peak = peak_rss_since(base) + (max(peaks) * min(args.jobs, len(peaks)) if peaks else 0)
@@ -352,11 +354,18 @@ def cmd_build(a) -> int:
     meta, counts, sample, files, total = _stream(a.trace, lambda T: [(0, min(T, a.metrics_tokens))],
                                                  sample_tokens=a.instance_tokens if a.method in NEEDS_INSTANCES else 0)
     count_s = time.perf_counter() - t0
-    fingerprint, emb = _model_info(a.model, meta.vocab_size)
+    fingerprint, emb, model_groups = _model_info(a.model, meta.vocab_size)
+    groups = a.groups or model_groups
+    if a.groups and a.model and a.groups != model_groups:
+        raise ValueError(f"--groups {a.groups}: the model at {a.model} routes in {model_groups} group(s) (n_group)")
+    if groups > 1 and a.method == "eplb":
+        raise ValueError(f"--method eplb: vLLM's EPLB policy does not keep the {groups} routing groups whole; "
+                         f"use a locality method or linear")
+    check_groups(meta.num_experts, a.ep_size, a.nodes, groups)
     print(f"counted {total} tokens x {meta.num_layers} layers in {count_s:.1f} s ({total / count_s:,.0f} tokens/s, "
           f"{counts.nbytes / 2**20:.0f} MiB of counts); placing {meta.num_experts} experts on {a.ep_size} ranks "
           f"with {a.method}, {a.jobs} job{'s' if a.jobs > 1 else ''}", file=sys.stderr)
-    e2r, reps, tables, secs, peak = _solve(a.method, counts, meta, a, a.ep_size, a.nodes, emb)
+    e2r, reps, tables, secs, peak = _solve(a.method, counts, meta, a, a.ep_size, a.nodes, emb, groups)
     del counts
     sub, batch = _batched(sample, a.batch_tokens)
     m = _measure(sub, batch, meta, e2r, reps, tables, a.ep_size, a.capacity, a.method in PREDICTED,
@@ -365,7 +374,7 @@ def cmd_build(a) -> int:
     write_placement(a.output, expert2rank=e2r, ep_size=a.ep_size, nodes=a.nodes, top_k=meta.top_k,
                     vocab_size=meta.vocab_size, method=a.method, capacity=a.capacity,
                     tables=tables.arrays() if tables is not None else None,
-                    replicas=reps if a.replicas else None, fingerprint=fingerprint,
+                    replicas=reps if a.replicas else None, fingerprint=fingerprint, groups=groups,
                     built_from={"traces": [_rel(f, a.output) for f in files], "tokens": int(total),
                                 "batch_tokens": a.batch_tokens, "theta": a.theta, "seed": a.seed,
                                 "max_expert_load": a.max_expert_load},
@@ -409,6 +418,9 @@ def _evaluate_all(a):
             raise ValueError(f"--train traces have a different model shape than {a.trace[0]}")
         a.replicas = 0
         for method in methods:
+            if p.groups > 1 and method in NEEDS_INSTANCES:
+                print(f"skipping {method}: it does not support grouped routing yet", file=sys.stderr)
+                continue
             if method == "eplb":
                 from .peers import eplb_available
 
@@ -416,7 +428,8 @@ def _evaluate_all(a):
                 if not ok:
                     print(f"skipping eplb: {why}", file=sys.stderr)
                     continue
-            e2r, reps, tab, secs, peak = _solve(method, counts, tmeta, a, p.ep_size, p.nodes)
+            e2r, reps, tab, secs, peak = _solve(method, counts, tmeta, a, p.ep_size, p.nodes,
+                                                groups=1 if method == "eplb" else p.groups)
             if tab is None:  # a plain-EP placement: smoe's predictor built for it, for the +pred form
                 tab = tables_for_placement(counts, holds_from_expert2rank(e2r, p.ep_size, reps), tmeta.vocab_size)
             # each placement as plain EP runs it (contiguous token slices), then with smoe's predictor
@@ -524,7 +537,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hierarchical: nodes first, then ranks inside a node")
     b.add_argument("--replicas", type=number(int, 0), default=0,
                    help="redundant copies per layer (multiple of ep-size)")
-    b.add_argument("--model", help="checkpoint directory: fingerprint + embeddings for unseen tokens")
+    b.add_argument("--model", help="checkpoint directory: fingerprint, embeddings for unseen tokens, and its "
+                                   "routing groups (n_group)")
+    b.add_argument("--groups", type=number(int, 1),
+                   help="grouped top-k routing (DeepSeek's n_group): keep every group of experts whole, so "
+                        "that loading the placement leaves the routing unchanged (default: the --model's "
+                        "n_group, else 1)")
     b.add_argument("-o", "--output", required=True, help="placement YAML to write")
     b.add_argument("--metrics-tokens", type=number(int, 1), default=131072,
                    help="in-sample metrics stored in the YAML use this many leading tokens (default 131072)")

@@ -3,6 +3,7 @@
 ```yaml
 smoe_placement: 1
 model: {num_layers: 4, num_experts: 32, top_k: 4, vocab_size: 4096, fingerprint: 1f2e...}
+                              # + groups: G when built for grouped top-k routing (n_group)
 ep_size: 4
 nodes: 1
 capacity: 1.1
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .placement.groups import broken_group
+
 SCHEMA_VERSION = 1
 
 
@@ -47,6 +50,7 @@ class Placement:
     capacity: float
     metrics: dict = field(default_factory=dict)
     predictor_sha256: str | None = None  # content hash of the tables file the YAML was written with
+    groups: int = 1  # routing groups (grouped top-k) every layer keeps whole
 
     def holds(self) -> np.ndarray:
         """[L, N, E] bool: rank holds a copy of expert."""
@@ -95,7 +99,7 @@ def _npz_bytes(**arrays: np.ndarray) -> bytes:
 def write_placement(path: str, *, expert2rank: np.ndarray, ep_size: int, nodes: int, top_k: int,
                     vocab_size: int | None, method: str, capacity: float, tables: dict[str, np.ndarray] | None,
                     replicas: np.ndarray | None = None, fingerprint: str | None = None,
-                    built_from: dict | None = None, metrics: dict | None = None) -> str:
+                    built_from: dict | None = None, metrics: dict | None = None, groups: int = 1) -> str:
     """Write the YAML (and its tables ``<stem>.<sha256[:12]>.tables.npz`` beside it), each
     atomically. The tables land first, under a name of their own content, and the YAML records
     their hash; the tables the previous YAML named are removed only after the new YAML is in
@@ -126,6 +130,8 @@ def write_placement(path: str, *, expert2rank: np.ndarray, ep_size: int, nodes: 
         model["vocab_size"] = int(vocab_size)
     if fingerprint:
         model["fingerprint"] = fingerprint
+    if groups > 1:
+        model["groups"] = int(groups)
     doc = {
         "smoe_placement": SCHEMA_VERSION,
         "model": model,
@@ -225,6 +231,9 @@ def load_placement(path: str) -> Placement:
     vocab = model.get("vocab_size")
     N = _int(doc, "ep_size", path)
     nodes = _int(doc, "nodes", path) if "nodes" in doc else 1
+    groups = _int(model, "groups", f"{path}: model") if "groups" in model else 1
+    if E % groups:
+        raise ValueError(f"{path}: field 'model.groups' = {groups} does not divide model.num_experts = {E}")
     if E % N:
         raise ValueError(f"{path}: field 'ep_size' = {N} does not divide model.num_experts = {E}")
     if N % nodes:
@@ -253,6 +262,9 @@ def load_placement(path: str) -> Placement:
         if (per != E // N).any():
             r = int(np.flatnonzero(per != E // N)[0])
             raise ValueError(f"{where}: rank {r} holds {per[r]} experts, every rank must hold {E // N}")
+        if groups > 1 and broken_group(arr, groups) >= 0:
+            raise ValueError(f"{where}: expert {broken_group(arr, groups)}'s routing group is split "
+                             f"(model.groups = {groups}: a rank holds whole groups, or a block of ranks one group)")
         e2r[i] = arr
         rep = entry.get("replicas", [])
         if not isinstance(rep, list) or not all(isinstance(p, list) and len(p) == 2 for p in rep):
@@ -289,7 +301,7 @@ def load_placement(path: str) -> Placement:
     return Placement(path=path, ep_size=N, nodes=nodes, num_layers=L, num_experts=E, top_k=K,
                      vocab_size=vocab, fingerprint=model.get("fingerprint"), expert2rank=e2r, replicas=replicas,
                      predictor=pred_path, method=str(doc.get("method", "unknown")), capacity=float(cap),
-                     metrics=doc.get("metrics") or {}, predictor_sha256=sha)
+                     metrics=doc.get("metrics") or {}, predictor_sha256=sha, groups=groups)
 
 
 def load_tables(placement: Placement):

@@ -10,6 +10,10 @@ The generator mimics the three regularities smoe exploits, each with its own kno
 - ``domain_skew``: Zipf exponent of each domain's expert popularity (the rest of activations,
   and the preferred experts themselves, are drawn from the token's domain popularity).
 
+Optionally group-limited, as DeepSeek-V3 routes (``groups`` = its ``n_group``, ``topk_group``):
+each token's experts at a layer then lie in at most ``topk_group`` of the ``groups`` contiguous
+blocks of expert ids.
+
 Pure numpy, streamed in chunks; output is the routing-trace format (:mod:`vllm_smoe.trace`).
 """
 
@@ -80,16 +84,49 @@ def _dedup_rows(x: np.ndarray, num_experts: int, fresh) -> np.ndarray:
     return x
 
 
+def _limit_groups(x: np.ndarray, num_experts: int, groups: int, topk_group: int) -> np.ndarray:
+    """Group-limited rows: each row of ``x`` ([n, K] int64, distinct per row) keeps its experts
+    in the ``topk_group`` groups holding most of them (the earlier column first on ties); an
+    expert elsewhere moves to the same place in one of those groups, then steps along them
+    until the row is distinct again. Returns [n, K] int64."""
+    n, K = x.shape
+    S = num_experts // groups
+    g = x // S
+    onehot = g[:, :, None] == np.arange(groups)[None, None, :]  # [n, K, G]
+    first = np.where(onehot, np.arange(K)[None, :, None], K).min(axis=1)  # [n, G]
+    score = onehot.sum(axis=1) * (K + 1) + (K - first)
+    allowed = np.argsort(-score, axis=1, kind="stable")[:, :topk_group]  # [n, M]
+    where = g[:, :, None] == allowed[:, None, :]  # [n, K, M]
+    j = np.where(where.any(-1), where.argmax(-1), np.arange(K)[None, :] % topk_group)  # index into allowed
+    a = j * S + x % S  # position among the row's allowed experts
+    rows = np.arange(n)[:, None]
+    for _ in range(topk_group * S):
+        dup = np.zeros(a.shape, dtype=bool)
+        for c in range(1, K):
+            dup[:, c] = (a[:, :c] == a[:, c: c + 1]).any(axis=1)
+        if not dup.any():
+            break
+        a = np.where(dup, (a + 1) % (topk_group * S), a)
+    return allowed[rows, a // S] * S + a % S
+
+
 def generate(shape: MoEShape, num_tokens: int, seed: int = 0, hotness: float = 0.8, affinity: float = 0.5,
              domain_skew: float = 1.0, num_domains: int = 4, token_zipf: float = 1.1,
              request_tokens: tuple[int, int] = (64, 1024), prefill_share: float = 0.75,
-             step_tokens: int = 2048, chunk_tokens: int = 1 << 16) -> Iterator[dict[str, np.ndarray]]:
+             step_tokens: int = 2048, chunk_tokens: int = 1 << 16, groups: int | None = None,
+             topk_group: int | None = None) -> Iterator[dict[str, np.ndarray]]:
     """Yield trace chunks (dicts of the trace fields) totalling ``num_tokens`` rows."""
     if not 0.0 <= hotness <= 1.0 or not 0.0 <= affinity <= 1.0:
         raise ValueError(f"hotness and affinity must lie in [0, 1], got {hotness}, {affinity}")
     L, E, K, V = shape.num_layers, shape.num_experts, shape.top_k, shape.vocab_size
     if K > E:
         raise ValueError(f"top_k {K} exceeds num_experts {E}")
+    if (groups is None) != (topk_group is None):
+        raise ValueError("groups and topk_group go together")
+    if groups is not None and (groups < 1 or E % groups or not 1 <= topk_group <= groups
+                               or topk_group * (E // groups) < K):
+        raise ValueError(f"groups {groups} must divide num_experts {E}, and topk_group {topk_group} of them "
+                         f"(1..groups) must hold top_k {K} experts")
     rng = np.random.default_rng(seed)
     D = num_domains
     # Expert popularity per (domain, layer): Zipf over a random order of experts.
@@ -156,6 +193,8 @@ def generate(shape: MoEShape, num_tokens: int, seed: int = 0, hotness: float = 0
                 follow = (u >= hotness) & (u < hotness + (1.0 - hotness) * affinity)
                 cur = np.where(follow, succ[layer][prev], cur)
             cur = _dedup_rows(cur.astype(np.int64), E, fresh)
+            if groups is not None:
+                cur = _limit_groups(cur, E, groups, topk_group)
             out[:, layer, :] = cur
             prev = cur
         yield {

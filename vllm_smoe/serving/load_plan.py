@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..model_info import expert_groups, moe_layer_indices, num_experts, top_k
+from ..placement.groups import broken_group
 from ..placement_file import Placement, load_placement, model_fingerprint
 
 
@@ -74,13 +75,13 @@ def make_load_plan(placement_path: str, hf_config, model_dir: str, ep_ranks: int
     expert2slot = np.argsort(slot2expert, axis=1, kind="stable").astype(np.int64)
     groups = expert_groups(hf_config)
     if groups > 1:
-        size = E // groups
-        moved = (expert2slot // size) != (np.arange(E)[None, :] // size)
-        if moved.any():
-            layer, e = map(int, np.argwhere(moved)[0])
-            raise ValueError(f"{where}: field 'layers[{layer}].expert_to_rank' moves expert {e} out of its "
-                             f"routing group ({groups} groups of {size}); grouped top-k routing would change. "
-                             f"Build the placement with --nodes {groups} or keep experts inside their groups")
+        for layer in range(p.num_layers):
+            e = broken_group(p.expert2rank[layer], groups)
+            if e >= 0:
+                raise ValueError(f"{where}: field 'layers[{layer}].expert_to_rank' splits expert {e}'s routing "
+                                 f"group ({groups} groups of {E // groups}: a rank must hold whole groups, or a "
+                                 f"block of ranks one group); grouped top-k routing would change. Build the "
+                                 f"placement with --model {model_dir} (reads n_group) or --groups {groups}")
     return LoadPlan(tuple(layers), slot2expert, expert2slot)
 
 

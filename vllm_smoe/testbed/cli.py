@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from ..cli_util import number, run_cli
-from . import FIXTURE_MODEL, FIXTURE_TRACES
+from . import FIXTURE_MODEL, FIXTURE_TRACES, FIXTURES
 
 
 def _cmd_build(a) -> int:
@@ -29,9 +29,12 @@ def _cmd_train(a) -> int:
 
     split = load_corpus()
     with tempfile.TemporaryDirectory() as tok_dir:
-        train_tokenizer(split, tok_dir, vocab_size=a.vocab_size)
+        if a.tokenizer:
+            tok_dir = a.tokenizer
+        else:
+            train_tokenizer(split, tok_dir, vocab_size=a.vocab_size)
         last = train_model(split, tok_dir, a.output, steps=a.steps, batch=a.batch, seq_len=a.seq_len,
-                           lr=a.lr, seed=a.seed)
+                           lr=a.lr, seed=a.seed, arch=a.arch)
     print(json.dumps(last))
     return 0
 
@@ -93,20 +96,25 @@ def _cmd_synth(a) -> int:
     from ..synthetic import write_synthetic
 
     t0 = time.time()
+    if (a.groups is None) != (a.topk_group is None):
+        raise ValueError("--groups and --topk-group go together")
+    grouped = dict(groups=a.groups, topk_group=a.topk_group) if a.groups else {}
     write_synthetic(a.output, a.shape, a.tokens, seed=a.seed, progress=True, hotness=a.hotness,
-                    affinity=a.affinity, domain_skew=a.domain_skew, num_domains=a.domains, file_tokens=a.file_tokens)
+                    affinity=a.affinity, domain_skew=a.domain_skew, num_domains=a.domains, file_tokens=a.file_tokens,
+                    **grouped)
     print(f"wrote {a.tokens} tokens of {a.shape} to {a.output} in {time.time() - t0:.1f} s")
     return 0
 
 
 def _cmd_path(a) -> int:
-    print(FIXTURE_MODEL if a.what == "model" else FIXTURE_TRACES[a.what])
+    model, traces = FIXTURES[a.fixture]
+    print(model if a.what == "model" else traces[a.what])
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     from ..synthetic import SHAPES
-    from .models import ARCHS
+    from .models import ARCHS, TRAINABLE
 
     p = argparse.ArgumentParser(prog="smoe-testbed", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -121,8 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(fn=_cmd_build)
 
-    t = sub.add_parser("train", help="reproduce the trained multi-domain fixture (~10 min on 2 cores)")
+    t = sub.add_parser("train", help="reproduce a trained multi-domain fixture (~10-25 min on 2 cores)")
     t.add_argument("-o", "--output", required=True)
+    t.add_argument("--arch", choices=TRAINABLE, default="qwen3_moe",
+                   help="qwen3_moe (router balancing loss), deepseek_v2 (MLA, shared expert, balancing loss) or "
+                        "deepseek_v3 (MLA, shared expert, grouped sigmoid routing, bias balancing)")
+    t.add_argument("--tokenizer", help="directory with a tokenizer to use instead of training one (the shipped "
+                                       "fixtures share the Qwen3-MoE fixture's)")
     t.add_argument("--steps", type=int, default=2400)
     t.add_argument("--batch", type=int, default=16)
     t.add_argument("--seq-len", type=int, default=128)
@@ -156,11 +169,19 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--file-tokens", type=number(int, 1),
                    help="write a directory of trace files of this many tokens each, like the recorder's "
                         "rotated files (default: one file)")
+    y.add_argument("--groups", type=number(int, 1),
+                   help="group-limited routing as DeepSeek-V3's (n_group 8 there): expert ids in this many "
+                        "contiguous groups, with --topk-group (4 there) of them per token (default: not limited)")
+    y.add_argument("--topk-group", type=number(int, 1), help="groups a token may use, with --groups")
     y.add_argument("-o", "--output", required=True, help="trace file, or directory with --file-tokens")
     y.set_defaults(fn=_cmd_synth)
 
-    q = sub.add_parser("path", help="print where the embedded fixture lives")
+    q = sub.add_parser("path", help="print where an embedded fixture or its traces live")
     q.add_argument("what", choices=("model", "train", "heldout"))
+    q.add_argument("--fixture", choices=tuple(FIXTURES), default="qwen3_moe",
+                   help="qwen3_moe (default), deepseek_v2 (MLA, a shared expert, dense first layer) or "
+                        "deepseek_v3 (as V2, plus sigmoid grouped top-k with correction bias and a scaling "
+                        "factor)")
     q.set_defaults(fn=_cmd_path)
     return p
 

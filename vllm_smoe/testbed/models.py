@@ -9,7 +9,8 @@ import os
 
 from ..model_info import moe_layer_indices, num_experts, top_k
 
-ARCHS = ("qwen3_moe", "mixtral", "deepseek_v2")
+ARCHS = ("qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
+TRAINABLE = ("qwen3_moe", "deepseek_v2", "deepseek_v3")
 
 # The trained multi-domain fixture and the random fixtures share these sizes.
 TINY = dict(vocab_size=4096, hidden_size=128, num_layers=4, num_experts=32, top_k=4, moe_intermediate_size=64)
@@ -55,6 +56,21 @@ def make_config(arch: str, vocab_size: int, hidden_size: int = 128, num_layers: 
             kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
             n_group=1, topk_group=1, topk_method="greedy", routed_scaling_factor=1.0,
             norm_topk_prob=False, scoring_func="softmax",
+        )
+    if arch == "deepseek_v3":
+        from transformers import DeepseekV3Config
+
+        # DeepSeek-V3's routing: sigmoid scores plus the balancing bias (e_score_correction_bias,
+        # "noaux_tc"), group-limited top-k (4 groups of 8 at 32 experts, 2 groups per token),
+        # normalised weights scaled by 2.5; a low-rank query (q_lora_rank) as V3 has.
+        return DeepseekV3Config(
+            **common, num_key_value_heads=hidden_size // 32, intermediate_size=4 * hidden_size,
+            moe_intermediate_size=moe_intermediate_size, n_routed_experts=num_experts,
+            n_shared_experts=1, num_experts_per_tok=top_k, first_k_dense_replace=1,
+            kv_lora_rank=512, q_lora_rank=96, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+            n_group=max(1, num_experts // 8), topk_group=min(2, max(1, num_experts // 8)),
+            routed_scaling_factor=2.5, norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
+            num_mtp_layers=0,
         )
     raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
 

@@ -13,13 +13,28 @@ from .corpus import DOMAINS
 
 
 def router_topk(model, input_ids, top_k: int):
-    """Per MoE layer top-k ids and normalised weights for one batch.
+    """Per MoE layer top-k ids and weights for one batch, as transformers' router computes them.
 
     input_ids: [B, S] int64. Returns (ids [B*S, L, K] int32, weights [B*S, L, K] float32).
-    Top-k is taken on the router's softmax, which ranks like its logits.
+    Routers that return their own choice (DeepSeek's ``(logits, weights, indices)``, grouped
+    top-k and correction bias included) are read as they are; otherwise the top-k is taken on
+    the router's softmax, which ranks like its logits, with weights normalised.
     """
     import torch
 
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopkRouter")]
+    if routers:
+        got: list = []
+        hooks = [r.register_forward_hook(lambda mod, args, out: got.append((out[2], out[1]))) for r in routers]
+        try:
+            with torch.no_grad():
+                model(input_ids=input_ids)
+        finally:
+            for h in hooks:
+                h.remove()
+        ids = torch.stack([i for i, _ in got], dim=1)  # [B*S, L, K]
+        w = torch.stack([w.float() for _, w in got], dim=1)
+        return ids.to(torch.int32).numpy(), w.numpy()
     with torch.no_grad():
         out = model(input_ids=input_ids, output_router_logits=True)
     logits = torch.stack([r.float() for r in out.router_logits], dim=1)  # [B*S, L, E]

@@ -49,10 +49,55 @@ def encode_domains(tokenizer_dir: str, texts: dict[str, str]) -> dict[str, np.nd
     return {d: np.asarray(tok(texts[d])["input_ids"], dtype=np.int32) for d in DOMAINS}
 
 
+def _router_hooks(model):
+    """Forward hooks on every MoE router that return ``(logits, weights, indices)`` (DeepSeek's
+    ``mlp.gate``): a list of ``[logits [N, E] float32, indices [N, K] int64]`` per MoE layer,
+    refilled by each forward."""
+    seen: list[list] = []
+    for module in model.modules():
+        if type(module).__name__.endswith("TopkRouter"):
+            slot: list = [None, None]
+            seen.append(slot)
+
+            def hook(mod, args, out, slot=slot):
+                slot[0], slot[1] = out[0], out[2]
+
+            module.register_forward_hook(hook)
+    return seen
+
+
+def _switch_loss(logits, indices, num_experts: int):
+    """Switch-style load-balancing loss of one layer: E * sum_e share_of_assignments_e * mean_prob_e."""
+    import torch
+
+    probs = torch.softmax(logits.float(), dim=-1)
+    share = torch.bincount(indices.reshape(-1), minlength=num_experts).float() / indices.numel()
+    return num_experts * (share * probs.mean(dim=0)).sum()
+
+
+def _bias_update(model, routers, num_experts: int, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing: each router's ``e_score_correction_bias``
+    moves by ``rate`` towards the experts that received fewer than the mean assignments."""
+    import torch
+
+    gates = [m for m in model.modules() if type(m).__name__.endswith("TopkRouter")]
+    with torch.no_grad():
+        for gate, (_, idx) in zip(gates, routers):
+            load = torch.bincount(idx.reshape(-1), minlength=num_experts).float()
+            gate.e_score_correction_bias += rate * torch.sign(load.mean() - load)
+
+
 def train_model(split: Split, tokenizer_dir: str, out_dir: str, steps: int = 1200, batch: int = 16,
                 seq_len: int = 128, lr: float = 3e-3, seed: int = 0, threads: int = 2,
-                log_every: int = 50) -> dict[str, float]:
-    """Train a tiny Qwen3-MoE with the router load-balancing loss; save to ``out_dir``."""
+                log_every: int = 50, arch: str = "qwen3_moe", aux_loss_coef: float = 0.01,
+                bias_rate: float = 0.005) -> dict[str, float]:
+    """Train a tiny MoE of ``arch`` on the four domains with its router's balancing; save to ``out_dir``.
+
+    Balancing: Qwen3-MoE adds transformers' own load-balancing loss (``output_router_logits``);
+    DeepSeek-V2 the same Switch-style loss computed from its routers' outputs (transformers'
+    DeepSeek-V2 computes none); DeepSeek-V3 moves the routers' ``e_score_correction_bias`` after
+    every step (its auxiliary-loss-free method; no loss term).
+    """
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -64,10 +109,13 @@ def train_model(split: Split, tokenizer_dir: str, out_dir: str, steps: int = 120
     tok = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
     ids = encode_domains(tokenizer_dir, split.train)
     sizes = {k: v for k, v in TINY.items() if k != "vocab_size"}
-    cfg = make_config("qwen3_moe", vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+    cfg = make_config(arch, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
                       eos_token_id=tok.eos_token_id, **sizes)
-    cfg.output_router_logits = True  # adds router_aux_loss_coef * load-balancing loss to .loss
+    if arch == "qwen3_moe":
+        cfg.output_router_logits = True  # adds router_aux_loss_coef * load-balancing loss to .loss
     model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    routers = _router_hooks(model) if arch.startswith("deepseek") else []
+    E = sizes["num_experts"]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     warm = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -78,7 +126,7 @@ def train_model(split: Split, tokenizer_dir: str, out_dir: str, steps: int = 120
     last: dict[str, float] = {}
     from tqdm import tqdm
 
-    bar = tqdm(range(steps), desc="train", unit="step", mininterval=5)
+    bar = tqdm(range(steps), desc=f"train {arch}", unit="step", mininterval=5)
     for step in bar:
         rows = []
         for b in range(batch):
@@ -87,14 +135,24 @@ def train_model(split: Split, tokenizer_dir: str, out_dir: str, steps: int = 120
             rows.append(arr[s: s + seq_len])
         x = torch.from_numpy(np.stack(rows).astype(np.int64))
         out = model(input_ids=x, labels=x)
+        loss = out.loss
+        if arch == "qwen3_moe":
+            aux = out.aux_loss
+        elif arch == "deepseek_v2":
+            aux = torch.stack([_switch_loss(lg, ix, E) for lg, ix in routers]).mean()
+            loss = loss + aux_loss_coef * aux
+        else:  # the switch loss is only reported: V3 balances by its bias
+            with torch.no_grad():
+                aux = torch.stack([_switch_loss(lg, ix, E) for lg, ix in routers]).mean()
         opt.zero_grad(set_to_none=True)
-        out.loss.backward()
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        if arch == "deepseek_v3":
+            _bias_update(model, routers, E, bias_rate)
         if step % log_every == 0 or step == steps - 1:
-            last = {"step": step, "loss": float(out.loss), "aux_loss": float(out.aux_loss),
-                    "seconds": time.time() - t0}
+            last = {"step": step, "loss": float(out.loss.detach()), "aux_loss": float(aux.detach()), "seconds": time.time() - t0}
             bar.set_postfix(loss=f"{last['loss']:.3f}", aux=f"{last['aux_loss']:.3f}")
     model.config.output_router_logits = False
     model.eval()
