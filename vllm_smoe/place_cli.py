@@ -361,7 +361,11 @@ def cmd_build(a) -> int:
     if groups > 1 and a.method == "eplb":
         raise ValueError(f"--method eplb: vLLM's EPLB policy does not keep the {groups} routing groups whole; "
                          f"use a locality method or linear")
-    check_groups(meta.num_experts, a.ep_size, a.nodes, groups)
+    try:
+        check_groups(meta.num_experts, a.ep_size, a.nodes, groups)
+    except ValueError as e:
+        raise ValueError(f"{f'--groups {a.groups}' if a.groups else f'--model {a.model} (n_group {groups})'}: {e}"
+                         ) from None
     print(f"counted {total} tokens x {meta.num_layers} layers in {count_s:.1f} s ({total / count_s:,.0f} tokens/s, "
           f"{counts.nbytes / 2**20:.0f} MiB of counts); placing {meta.num_experts} experts on {a.ep_size} ranks "
           f"with {a.method}, {a.jobs} job{'s' if a.jobs > 1 else ''}", file=sys.stderr)

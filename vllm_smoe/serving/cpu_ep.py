@@ -1,6 +1,7 @@
-"""vLLM's own expert parallelism on its CPU build, and the communicator smoe puts under it.
+"""vLLM's own expert parallelism on its CPU build, the communicator smoe puts under it, and
+the rotary embedding MLA needs there.
 
-Two gaps in vLLM 0.32's CPU build, both small (the README describes them for upstream):
+Three gaps in vLLM 0.32's CPU build, all small (the README describes them for upstream):
 
 1. ``CPUUnquantizedExperts.apply`` hands the *global* ``topk_ids`` to ``cpu_fused_moe`` together
    with only this rank's expert weights: it ignores ``expert_map``, reads past the weights and
@@ -12,9 +13,16 @@ Two gaps in vLLM 0.32's CPU build, both small (the README describes them for ups
    data parallel. :class:`SmoeCpuCommunicator` adds both, and runs the expert-parallel group on
    vLLM's shared-memory transport (vLLM enables it only for groups named tp/pp).
 
+3. The CPU ``rotary_embedding`` op rotates only contiguous rows: a query laid out
+   ``[T, heads, dim]`` it leaves as it is, a strided key it rotates wrongly. DeepSeek's MLA hands
+   it exactly those (``q[..., qk_nope_head_dim:]`` and the ``k_pe`` slice of the latent
+   projection), so every MLA model on the CPU build attends with wrong positions.
+   :func:`fix_cpu_rope` passes both as contiguous ``[T, heads * dim]`` rows and copies back.
+
 With smoe asked for (``additional_config["smoe"]`` present), :func:`install` swaps the CPU
 platform's communicator class; the communicator installs the experts fix in every worker. The
-all2all manager is smoe's sparse one (:mod:`.sparse_a2a`) when the config says so.
+all2all manager is smoe's sparse one (:mod:`.sparse_a2a`) when the config says so. The rope fix
+is decided per rotary module when the model is built, from the same settings.
 """
 
 from __future__ import annotations
@@ -68,6 +76,50 @@ def fix_cpu_experts() -> None:
     apply._smoe_original = orig
     CPUUnquantizedExperts.apply = apply
     _FIXED = True
+
+
+_ROPE = False
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as contiguous [T, heads * dim] rows (a copy unless it already is one)."""
+    return x.reshape(x.shape[0], -1).contiguous()
+
+
+def fix_cpu_rope() -> None:
+    """Rotate MLA's 3-D and strided queries and keys correctly on CPU (idempotent; must run
+    before the model is built). Each ``RotaryEmbedding`` built under a vLLM config that asks for
+    smoe hands vLLM's in-place op contiguous ``[T, heads * dim]`` rows and copies the result
+    back; modules built without smoe keep vLLM's behaviour."""
+    global _ROPE
+    if _ROPE:
+        return
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    orig_init, orig_cpu = RotaryEmbedding.__init__, RotaryEmbedding.forward_cpu
+
+    def __init__(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        try:
+            self._smoe_rope = _smoe_settings() is not None
+        except AssertionError:  # built outside any vLLM config (vLLM's own unit tests): not asked
+            self._smoe_rope = False
+
+    def forward_cpu(self, positions, query, key=None):
+        plain = query.dim() == 2 and query.is_contiguous() and (
+            key is None or key.dim() == 2 and key.is_contiguous())
+        if plain or not getattr(self, "_smoe_rope", False):
+            return orig_cpu(self, positions, query, key)
+        q, k = _rows(query), None if key is None else _rows(key)
+        orig_cpu(self, positions, q, k)
+        query.copy_(q.view_as(query))
+        if key is not None:
+            key.copy_(k.view_as(key))
+        return query, key
+
+    RotaryEmbedding.__init__ = __init__
+    RotaryEmbedding.forward_cpu = forward_cpu
+    _ROPE = True
 
 
 _OPAQUE = False
@@ -205,6 +257,7 @@ def install() -> None:
         return f"{__name__}.SmoeCpuCommunicator"
 
     CpuPlatform.get_device_communicator_cls = classmethod(get_device_communicator_cls)
+    fix_cpu_rope()  # only forward_cpu changes: other platforms never call it
 
     orig_sp = ParallelConfig.use_sequence_parallel_moe
 
