@@ -8,7 +8,6 @@ import sys
 
 import numpy as np
 import pytest
-import yaml
 
 from vllm_smoe.config import SmoeConfig
 from vllm_smoe.server_process import VllmServer
@@ -124,69 +123,6 @@ def test_dp2_ep_serves_plain_tokens(tmp_path):
         np.testing.assert_allclose([lp for _, lp in dp2], [lp for _, lp in plain], rtol=0, atol=ATOL)
 
 
-@pytest.fixture(scope="module")
-def deepseek_v2(tmp_path_factory):
-    """A random tiny DeepSeek-V2: MLA (kv_lora_rank 512, rope 64), one shared expert, first
-    layer dense, 32 routed experts top-4."""
-    pytest.importorskip("vllm")
-    model = tmp_path_factory.mktemp("dsv2") / "model"
-    r = subprocess.run([sys.executable, "-m", "vllm_smoe.testbed.cli", "build", "--arch", "deepseek_v2", "-o",
-                        str(model), "--layers", "3"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    return model
-
-
-def _synthetic_placement(model, out, ep_size=2):
-    """A placement with predictor tables for ``model`` from a synthetic trace (each token id
-    routes to a fixed expert set per layer): lossless serving does not depend on its quality."""
-    import json as _json
-
-    from vllm_smoe.trace import TraceMeta, write_trace
-
-    cfg = _json.loads((model / "config.json").read_text())
-    L = cfg["num_hidden_layers"] - cfg.get("first_k_dense_replace", 0)
-    E, K, V = cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["vocab_size"]
-    rng = np.random.default_rng(0)
-    T = 4000
-    tok = rng.integers(0, V, T).astype(np.int32)
-    base = (tok.astype(np.int64)[:, None, None] * 7 + np.arange(L)[None, :, None] * 3 + np.arange(K)) % E
-    trace = write_trace(out.with_suffix(".npz"), TraceMeta(num_experts=E, top_k=K, num_layers=L, vocab_size=V),
-                        token_ids=tok, request_ids=(np.arange(T) // 100).astype(np.int32),
-                        positions=(np.arange(T) % 100).astype(np.int32), topk_ids=base.astype(np.int16))
-    r = subprocess.run([sys.executable, "-m", "vllm_smoe.place_cli", "build", "--trace", str(trace),
-                        "--ep-size", str(ep_size), "-o", str(out)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    return out
-
-
-@pytest.mark.vllm
-def test_deepseek_v2_tp2_ep_and_speculate_give_plain_tp2_tokens(deepseek_v2, tmp_path):
-    """vLLM's own EP through the plugin, and speculate with the tables, a random and an
-    all-to-one-rank predictor, on an architecture with MLA, a shared expert, a dense first layer
-    and decoder layers that keep their rows split between layers (one token order per step).
-    Random weights give near-tied logits, so prompts go one at a time."""
-    prompts = _prompts(6)
-    tp2, env = ("--tensor-parallel-size", "2"), {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    with VllmServer(str(deepseek_v2), *tp2, log=tmp_path / "plain.log", env=env) as s:
-        plain = s.complete(prompts)
-    placement = _synthetic_placement(deepseek_v2, tmp_path / "ep2.yaml")
-    ep = (*tp2, "--enable-expert-parallel", "--plugin", "smoe")
-    runs = {"vllm-ep": (*ep, "--smoe-all2all", "vllm")}
-    for predictor in ("tables", "random", "one-rank"):
-        runs[predictor] = (*ep, "--smoe-mode", "speculate", "--smoe-placement", str(placement),
-                           "--smoe-predictor", predictor, "--smoe-log-interval", "0.2")
-    for name, args in runs.items():
-        with VllmServer(str(deepseek_v2), *args, log=tmp_path / f"{name}.log", env=env) as s:
-            out = s.complete(prompts)
-        log = open(tmp_path / f"{name}.log").read()
-        if name != "vllm-ep":
-            assert (f"token order over 2 ranks around 2 MoE blocks (DeepseekV2MoE), one order per step, "
-                    f"predictor {name}") in log
-            assert "of its expert activations locally" in log
-        assert [t for t, _ in out] == [t for t, _ in plain], name
-        np.testing.assert_allclose([lp for _, lp in out], [lp for _, lp in plain], rtol=0, atol=ATOL, err_msg=name)
-
-
 def test_bench_serve_reads_the_numbers_of_speculate_log_line():
     from vllm_smoe.bench import _log_numbers
 
@@ -198,16 +134,3 @@ def test_bench_serve_reads_the_numbers_of_speculate_log_line():
     assert _log_numbers(None) == {}
 
 
-@pytest.mark.vllm
-def test_deepseek_v2_speculate_compiled_gives_plain_compiled_tokens(deepseek_v2, tmp_path):
-    """The stack order's hooks under vLLM's default compilation (smoe's ops stay opaque): the
-    same tokens as plain TP=2 compiled (compiled and eager differ from each other in fp32
-    rounding, so each is compared with its own kind)."""
-    prompts = _prompts(4)
-    placement = _synthetic_placement(deepseek_v2, tmp_path / "ep2.yaml")
-    plain, _ = _generate(prompts, None, max_tokens=6, compiled=True, model=deepseek_v2)
-    spec, log = _generate(prompts, {"smoe": {"mode": "speculate", "placement": str(placement)}}, max_tokens=6,
-                          compiled=True, model=deepseek_v2, ep=True)
-    assert "one order per step, predictor tables" in log
-    assert spec["tokens"] == plain["tokens"]
-    np.testing.assert_allclose(spec["logprobs"], plain["logprobs"], rtol=0, atol=ATOL)
