@@ -138,6 +138,15 @@ def test_cpu_rope_fix_rotates_mla_queries_and_keys(smoe_asked):
         torch.testing.assert_close(got_k, want_k, rtol=0, atol=1e-5)
         torch.testing.assert_close(q[..., 32:], want_q, rtol=0, atol=1e-5)  # in place, as vLLM's op
         torch.testing.assert_close(kv[:, 512:], want_k[:, 0], rtol=0, atol=1e-5)
+    # one token: the key slice of the latent row counts as contiguous, and is rotated in place
+    q1, k1 = torch.randn(1, 4, 96)[..., 32:], torch.randn(1, 576)[:, 512:].unsqueeze(1)
+    n1q, n1k = rope.forward_native(pos[:1] + 5, q1.clone(), k1.clone())
+    c1q, c1k = rope.forward_cpu(pos[:1] + 5, q1, k1)
+    if smoe_asked:
+        torch.testing.assert_close(c1q, n1q, rtol=0, atol=1e-5)
+        torch.testing.assert_close(c1k, n1k, rtol=0, atol=1e-5)
+        torch.testing.assert_close(q1, n1q, rtol=0, atol=1e-5)
+        torch.testing.assert_close(k1, n1k, rtol=0, atol=1e-5)
     flat_q, flat_k = torch.randn(T, 256), torch.randn(T, 64)
     nq, nk = rope.forward_native(pos, flat_q.clone(), flat_k.clone())
     cq, ck = rope.forward_cpu(pos, flat_q, flat_k)

@@ -190,6 +190,15 @@ def _log_numbers(line: str | None) -> dict:
     return out
 
 
+def _is_mla(model_dir: str) -> bool:
+    """Whether the checkpoint's attention is DeepSeek's MLA (its config names a kv_lora_rank)."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        return bool(json.load(f).get("kv_lora_rank"))
+
+
 def _serve(a) -> int:
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
@@ -207,7 +216,11 @@ def _serve(a) -> int:
     placement = _placement_arg(a.placement, "tiny-4dom-ep2.yaml", a.tp)
     ep = ("--enable-expert-parallel", "--plugin", "smoe", "--smoe-log-interval", "1")
     spec = ep + ("--smoe-mode", "speculate", "--smoe-placement", placement)
-    runs = {"plain": (), "vllm-ep": ep + ("--smoe-all2all", "vllm"), "speculate": spec}
+    # MLA models: vLLM's CPU rotary op needs the plugin's fix, so their plain run has it too
+    # (same function in every configuration; the fix costs one copy of the rope slice)
+    mla = _is_mla(model)
+    runs = {"plain": ("--plugin", "smoe") if mla else (), "vllm-ep": ep + ("--smoe-all2all", "vllm"),
+            "speculate": spec}
     if a.with_baselines:
         runs["spec-agrs"] = spec + ("--smoe-all2all", "vllm")  # smoe's order, vLLM's allgather-reducescatter
         runs["sparse-random"] = spec + ("--smoe-predictor", "random")  # the sparse manager without speculation

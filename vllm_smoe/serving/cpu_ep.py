@@ -112,8 +112,9 @@ def fix_cpu_rope() -> None:
             return orig_cpu(self, positions, query, key)
         q, k = _rows(query), None if key is None else _rows(key)
         orig_cpu(self, positions, q, k)
-        query.copy_(q.view_as(query))
-        if key is not None:
+        if q.data_ptr() != query.data_ptr():  # rows were a copy (else rotated in place already)
+            query.copy_(q.view_as(query))
+        if key is not None and k.data_ptr() != key.data_ptr():
             key.copy_(k.view_as(key))
         return query, key
 
