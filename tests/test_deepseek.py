@@ -131,8 +131,17 @@ def test_cpu_rope_fix_rotates_mla_queries_and_keys(smoe_asked):
     q = torch.randn(T, 4, 96)
     kv = torch.randn(T, 576)
     want_q, want_k = rope.forward_native(pos, q[..., 32:].clone(), kv[:, 512:].unsqueeze(1).clone())
+    q0, kv0 = q.clone(), kv.clone()
     q_slice, k_slice = q[..., 32:], kv[:, 512:].unsqueeze(1)
     got_q, got_k = rope.forward_cpu(pos, q_slice, k_slice)
+    if not smoe_asked:  # vLLM's own op, as it is (it leaves such a query unrotated)
+        from vllm import _custom_ops as ops
+
+        q2, k2 = q0.clone(), kv0.clone()
+        ops.rotary_embedding(pos, q2[..., 32:], k2[:, 512:].unsqueeze(1), 64,
+                             rope.cos_sin_cache.to(torch.float32), False)
+        torch.testing.assert_close(q[..., 32:], q2[..., 32:], rtol=0, atol=0)
+        torch.testing.assert_close(kv, k2, rtol=0, atol=0)
     if smoe_asked:
         torch.testing.assert_close(got_q, want_q, rtol=0, atol=1e-5)
         torch.testing.assert_close(got_k, want_k, rtol=0, atol=1e-5)

@@ -88,7 +88,7 @@ def test_grouped_routing_refuses_cross_group_moves(tmp_path):
     path = _derangement_yaml(tmp_path / "p.yaml")
     with pytest.raises(ValueError, match="routing group"):
         make_load_plan(path, cfg, str(tmp_path), None)
-    # a permutation inside each group of 8 is fine
+    # each group of 8 whole on its own rank is fine
     inside = {"smoe_placement": 1, "model": {"num_layers": 4, "num_experts": 32, "top_k": 4}, "ep_size": 4,
               "layers": [{"expert_to_rank": [e // 8 for e in range(32)]} for _ in range(4)]}
     (tmp_path / "ok.yaml").write_text(yaml.safe_dump(inside))

@@ -299,11 +299,18 @@ def test_grouped_placement_keeps_every_group_whole(seed, method, shape):
     for layer in range(2):
         assert broken_group(e2r[layer], groups) == -1
         assert (np.bincount(e2r[layer], minlength=N) == E // N).all()
-    if nodes > 1 and groups >= N:  # nodes still hold whole groups' worth of ranks
-        per = N // nodes
+    if nodes > 1:  # the hierarchy holds: a group inside one node, or over whole nodes of its own
+        per_node = N // nodes
         for layer in range(2):
+            node_of = e2r[layer] // per_node
             for g in range(groups):
-                assert len(set(e2r[layer][g * E // groups:(g + 1) * E // groups] // per)) == 1
+                nodes_of_g = set(node_of[g * E // groups:(g + 1) * E // groups].tolist())
+                if groups >= nodes:
+                    assert len(nodes_of_g) == 1
+                else:
+                    assert len(nodes_of_g) == nodes // groups
+                    assert not any(set(node_of[h * E // groups:(h + 1) * E // groups].tolist()) & nodes_of_g
+                                   for h in range(groups) if h != g)
     again, _, _ = place_model(method, counts, N, nodes=nodes, groups=groups, seed=seed, vocab_size=30)
     np.testing.assert_array_equal(e2r, again)
 

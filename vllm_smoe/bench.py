@@ -216,8 +216,9 @@ def _serve(a) -> int:
     placement = _placement_arg(a.placement, "tiny-4dom-ep2.yaml", a.tp)
     ep = ("--enable-expert-parallel", "--plugin", "smoe", "--smoe-log-interval", "1")
     spec = ep + ("--smoe-mode", "speculate", "--smoe-placement", placement)
-    # MLA models: vLLM's CPU rotary op needs the plugin's fix, so their plain run has it too
-    # (same function in every configuration; the fix costs one copy of the rope slice)
+    # MLA models: vLLM's CPU rotary op needs the plugin's fix, so their plain run is
+    # `--plugin smoe` alone (the CPU fixes: rope, experts, communicator; no placement, no
+    # order): the same function in every configuration
     mla = _is_mla(model)
     runs = {"plain": ("--plugin", "smoe") if mla else (), "vllm-ep": ep + ("--smoe-all2all", "vllm"),
             "speculate": spec}

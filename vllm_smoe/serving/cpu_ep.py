@@ -13,11 +13,14 @@ Three gaps in vLLM 0.32's CPU build, all small (the README describes them for up
    data parallel. :class:`SmoeCpuCommunicator` adds both, and runs the expert-parallel group on
    vLLM's shared-memory transport (vLLM enables it only for groups named tp/pp).
 
-3. The CPU ``rotary_embedding`` op rotates only contiguous rows: a query laid out
-   ``[T, heads, dim]`` it leaves as it is, a strided key it rotates wrongly. DeepSeek's MLA hands
-   it exactly those (``q[..., qk_nope_head_dim:]`` and the ``k_pe`` slice of the latent
-   projection), so every MLA model on the CPU build attends with wrong positions.
-   :func:`fix_cpu_rope` passes both as contiguous ``[T, heads * dim]`` rows and copies back.
+3. The CPU ``rotary_embedding`` op rotates ``[T, heads * dim]`` rows (strided ones too) but not
+   ``[T, heads, dim]`` ones: such a query it leaves as it is, such a strided key it rotates
+   wrongly. DeepSeek's MLA hands it exactly those (``q[..., qk_nope_head_dim:]`` and the ``k_pe``
+   slice of the latent projection), so MLA models whose rope is vLLM's plain
+   ``RotaryEmbedding`` (rope_type default; the yarn-scaled one of the released DeepSeek
+   checkpoints runs vLLM's pure-torch path on CPU) attend with wrong positions.
+   :func:`fix_cpu_rope` passes 3-D queries and keys as contiguous ``[T, heads * dim]`` rows and
+   copies back.
 
 With smoe asked for (``additional_config["smoe"]`` present), :func:`install` swaps the CPU
 platform's communicator class; the communicator installs the experts fix in every worker. The
@@ -87,10 +90,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def fix_cpu_rope() -> None:
-    """Rotate MLA's 3-D and strided queries and keys correctly on CPU (idempotent; must run
-    before the model is built). Each ``RotaryEmbedding`` built under a vLLM config that asks for
-    smoe hands vLLM's in-place op contiguous ``[T, heads * dim]`` rows and copies the result
-    back; modules built without smoe keep vLLM's behaviour."""
+    """Rotate MLA's 3-D queries and keys correctly on CPU (idempotent; must run before the
+    model is built). Each ``RotaryEmbedding`` built under a vLLM config that asks for smoe hands
+    vLLM's in-place op contiguous ``[T, heads * dim]`` rows and copies the result back; modules
+    built without smoe, and 2-D inputs, keep vLLM's behaviour."""
     global _ROPE
     if _ROPE:
         return
@@ -106,9 +109,10 @@ def fix_cpu_rope() -> None:
             self._smoe_rope = False
 
     def forward_cpu(self, positions, query, key=None):
-        plain = query.dim() == 2 and query.is_contiguous() and (
-            key is None or key.dim() == 2 and key.is_contiguous())
-        if plain or not getattr(self, "_smoe_rope", False):
+        three_d = query.dim() == 3 or (key is not None and key.dim() == 3)
+        # only one token per row of ``positions``, as MLA calls it; anything else stays vLLM's
+        flat_positions = positions.dim() == 1 and 0 < positions.numel() == query.shape[0]
+        if not (three_d and flat_positions and getattr(self, "_smoe_rope", False)):
             return orig_cpu(self, positions, query, key)
         q, k = _rows(query), None if key is None else _rows(key)
         orig_cpu(self, positions, q, k)
