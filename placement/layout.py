@@ -41,8 +41,8 @@ NEEDS_INSTANCES = ("bytes",)
 PREDICTED = ("coclust", "alternating", "ceo", "metis", "bytes")
 
 
-def _split_parts(solver, A: sp.csr_matrix, occ: np.ndarray, part_of: np.ndarray, parts: int, per: int,
-                 inner, capacity: float) -> np.ndarray:
+def _split_parts(A: sp.csr_matrix, occ: np.ndarray, part_of: np.ndarray, parts: int, per: int, inner,
+                 capacity: float) -> np.ndarray:
     """Experts already split into ``parts`` (part_of [E] int64); tokens follow their best part
     under the capacity; each part's experts are then placed on its ``per`` ranks by
     ``inner(A_sub, occ_sub) -> [E_sub] int`` on the part's tokens. Returns [E] int32."""
@@ -64,8 +64,8 @@ def _hierarchical(solver, A: sp.csr_matrix, occ: np.ndarray, ep_size: int, nodes
     """Nodes first (inter-node traffic), then ranks inside each node on the node's tokens."""
     node_of = np.asarray(solver(A, occ, nodes, capacity, theta, seed, mel), dtype=np.int64)
     per = ep_size // nodes
-    return _split_parts(solver, A, occ, node_of, nodes, per,
-                        lambda sub, o: solver(sub, o, per, capacity, theta, seed, mel), capacity)
+    return _split_parts(A, occ, node_of, nodes, per, lambda sub, o: solver(sub, o, per, capacity, theta, seed, mel),
+                        capacity)
 
 
 def _grouped(solver, A: sp.csr_matrix, occ: np.ndarray, ep_size: int, nodes: int, groups: int, capacity: float,
@@ -96,7 +96,7 @@ def _grouped(solver, A: sp.csr_matrix, occ: np.ndarray, ep_size: int, nodes: int
         if sub_nodes > 1:
             return _hierarchical(solver, sub, o, per, sub_nodes, capacity, theta, seed, mel)
         return solver(sub, o, per, capacity, theta, seed, mel)
-    return _split_parts(solver, A, occ, block[group_of], groups, per, inner, capacity)
+    return _split_parts(A, occ, block[group_of], groups, per, inner, capacity)
 
 
 def align_ranks(ref: np.ndarray, scores: np.ndarray, nodes: int = 1, move_nodes: bool = True) -> np.ndarray:

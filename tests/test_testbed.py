@@ -67,3 +67,27 @@ def test_build_random_checkpoint(tmp_path, arch):
     o = m(torch.tensor([[5, 6, 7]]), output_router_logits=True)
     assert o.logits.shape[-1] == m.config.vocab_size
     assert o.router_logits[0].shape[-1] == 8
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_deepseek_training_balances_its_routers(tmp_path, arch):
+    """A few steps of the DeepSeek fixtures' training: V2 adds the Switch loss computed from its
+    routers, V3 moves each router's correction bias by +-rate per step towards the less used
+    experts (never by anything else); the checkpoint loads back with its bias."""
+    from transformers import AutoModelForCausalLM
+
+    from vllm_smoe.testbed.corpus import load_corpus
+    from vllm_smoe.testbed.train import train_model
+
+    split = load_corpus(chars_per_domain=100_000, heldout_chars=10_000)
+    last = train_model(split, FIXTURE_MODEL, str(tmp_path / arch), steps=3, batch=4, seq_len=32, arch=arch,
+                       log_every=1, bias_rate=0.25)
+    assert last["step"] == 2 and np.isfinite(last["loss"]) and last["aux_loss"] > 0
+    m = AutoModelForCausalLM.from_pretrained(str(tmp_path / arch), dtype=torch.float32)
+    gates = [layer.mlp.gate for layer in m.model.layers[1:]]
+    if arch == "deepseek_v3":
+        for gate in gates:
+            steps = gate.e_score_correction_bias / 0.25  # three moves of -1, 0 or +1 each
+            assert torch.equal(steps, steps.round()) and steps.abs().max() <= 3 and steps.abs().sum() > 0
+    else:
+        assert not any(hasattr(gate, "e_score_correction_bias") for gate in gates)

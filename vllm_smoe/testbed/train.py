@@ -50,20 +50,17 @@ def encode_domains(tokenizer_dir: str, texts: dict[str, str]) -> dict[str, np.nd
 
 
 def _router_hooks(model):
-    """Forward hooks on every MoE router that return ``(logits, weights, indices)`` (DeepSeek's
-    ``mlp.gate``): a list of ``[logits [N, E] float32, indices [N, K] int64]`` per MoE layer,
-    refilled by each forward."""
-    seen: list[list] = []
-    for module in model.modules():
-        if type(module).__name__.endswith("TopkRouter"):
-            slot: list = [None, None]
-            seen.append(slot)
+    """Forward hooks on every MoE router that returns ``(logits, weights, indices)`` (DeepSeek's
+    ``mlp.gate``), in layer order. Returns (routers, outputs): each output slot holds
+    ``[logits [N, E] float32, indices [N, K] int64]`` of its router's latest forward."""
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopkRouter")]
+    outputs: list[list] = [[None, None] for _ in routers]
+    for module, slot in zip(routers, outputs):
+        def hook(mod, args, out, slot=slot):
+            slot[0], slot[1] = out[0], out[2]
 
-            def hook(mod, args, out, slot=slot):
-                slot[0], slot[1] = out[0], out[2]
-
-            module.register_forward_hook(hook)
-    return seen
+        module.register_forward_hook(hook)
+    return routers, outputs
 
 
 def _switch_loss(logits, indices, num_experts: int):
@@ -75,14 +72,13 @@ def _switch_loss(logits, indices, num_experts: int):
     return num_experts * (share * probs.mean(dim=0)).sum()
 
 
-def _bias_update(model, routers, num_experts: int, rate: float) -> None:
+def _bias_update(routers, outputs, num_experts: int, rate: float) -> None:
     """DeepSeek-V3's auxiliary-loss-free balancing: each router's ``e_score_correction_bias``
     moves by ``rate`` towards the experts that received fewer than the mean assignments."""
     import torch
 
-    gates = [m for m in model.modules() if type(m).__name__.endswith("TopkRouter")]
     with torch.no_grad():
-        for gate, (_, idx) in zip(gates, routers):
+        for gate, (_, idx) in zip(routers, outputs):
             load = torch.bincount(idx.reshape(-1), minlength=num_experts).float()
             gate.e_score_correction_bias += rate * torch.sign(load.mean() - load)
 
@@ -114,7 +110,7 @@ def train_model(split: Split, tokenizer_dir: str, out_dir: str, steps: int = 120
     if arch == "qwen3_moe":
         cfg.output_router_logits = True  # adds router_aux_loss_coef * load-balancing loss to .loss
     model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
-    routers = _router_hooks(model) if arch.startswith("deepseek") else []
+    routers, outputs = _router_hooks(model) if arch.startswith("deepseek") else ([], [])
     E = sizes["num_experts"]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     warm = max(1, steps // 20)
@@ -139,18 +135,18 @@ def train_model(split: Split, tokenizer_dir: str, out_dir: str, steps: int = 120
         if arch == "qwen3_moe":
             aux = out.aux_loss
         elif arch == "deepseek_v2":
-            aux = torch.stack([_switch_loss(lg, ix, E) for lg, ix in routers]).mean()
+            aux = torch.stack([_switch_loss(lg, ix, E) for lg, ix in outputs]).mean()
             loss = loss + aux_loss_coef * aux
         else:  # the switch loss is only reported: V3 balances by its bias
             with torch.no_grad():
-                aux = torch.stack([_switch_loss(lg, ix, E) for lg, ix in routers]).mean()
+                aux = torch.stack([_switch_loss(lg, ix, E) for lg, ix in outputs]).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         if arch == "deepseek_v3":
-            _bias_update(model, routers, E, bias_rate)
+            _bias_update(routers, outputs, E, bias_rate)
         if step % log_every == 0 or step == steps - 1:
             last = {"step": step, "loss": float(out.loss.detach()), "aux_loss": float(aux.detach()), "seconds": time.time() - t0}
             bar.set_postfix(loss=f"{last['loss']:.3f}", aux=f"{last['aux_loss']:.3f}")
