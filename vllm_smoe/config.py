@@ -11,7 +11,7 @@ import os
 from dataclasses import asdict, dataclass
 
 MODES = ("place", "record", "speculate")
-_KEYS = ("mode", "placement", "record", "log_interval", "record_chunk_tokens", "predictor", "all2all")
+_KEYS = ("mode", "placement", "record", "log_interval", "record_chunk_tokens", "predictor", "all2all", "dp_routing")
 PREDICTORS = ("tables", "tables-markov", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.serving.token_order)
 ALL2ALL = ("sparse", "vllm")  # smoe's sparse de-duplicated manager, or vLLM's own choice
 
@@ -25,7 +25,9 @@ class SmoeConfig:
     log_interval: seconds between log lines; record_chunk_tokens: tokens per file;
     predictor: speculate's token -> rank predictor (every rank then takes exactly the
     ceil(T / N) rows of vLLM's sequence-parallel chunk: capacity 1.0); all2all: the expert-
-    parallel all2all manager on CPU (``sparse`` = smoe's, ``vllm`` = vLLM's allgather-reducescatter)."""
+    parallel all2all manager on CPU (``sparse`` = smoe's, ``vllm`` = vLLM's allgather-reducescatter);
+    dp_routing: with DP > 1 and a placement with tables, route each request to the DP engine its
+    prompt's tokens score best (:mod:`vllm_smoe.serving.dp_router`); False = vLLM's balancer."""
 
     mode: str = "place"
     placement: str | None = None
@@ -34,6 +36,7 @@ class SmoeConfig:
     record_chunk_tokens: int = 1 << 18
     predictor: str = "tables"
     all2all: str = "sparse"
+    dp_routing: bool = True
 
     @property
     def needs_loader(self) -> bool:
@@ -78,6 +81,9 @@ class SmoeConfig:
         all2all = d.get("all2all", "sparse")
         if all2all not in ALL2ALL:
             raise ValueError(f"{where}: field 'all2all' must be one of {', '.join(ALL2ALL)}, got {all2all!r}")
+        dp_routing = d.get("dp_routing", True)
+        if not isinstance(dp_routing, bool):
+            raise ValueError(f"{where}: field 'dp_routing' must be true or false, got {dp_routing!r}")
         if mode == "record" and record is None:
             raise ValueError(f"{where}: mode 'record' needs field 'record' (a directory for traces)")
         interval = d.get("log_interval", 10.0)
@@ -90,7 +96,7 @@ class SmoeConfig:
         return cls(mode=mode, placement=os.path.abspath(placement) if placement else None,
                    record=os.path.abspath(record) if record else None, log_interval=float(interval),
                    record_chunk_tokens=chunk, predictor=predictor,
-                   all2all=all2all)
+                   all2all=all2all, dp_routing=dp_routing)
 
     @classmethod
     def from_additional_config(cls, additional_config: object) -> "SmoeConfig | None":

@@ -1,7 +1,8 @@
 """vLLM general plugin ``smoe`` (entry point ``vllm.general_plugins``).
 
 vLLM calls :func:`register` in every process, before ``vllm serve`` builds its parser. It
-hooks four of ``EngineArgs``' own steps, each a no-op unless smoe is asked for:
+hooks four of ``EngineArgs``' own steps, each a no-op unless smoe is asked for (and installs the
+CPU fixes, the loader and the DP request router, each inert unless a config asks):
 
 - ``add_cli_args``: adds ``--plugin smoe`` and the ``--smoe-*`` flags (argument group "smoe");
 - ``from_cli_args``: folds those flags into ``additional_config["smoe"]``;
@@ -29,6 +30,7 @@ _FLAGS = {  # CLI dest -> key in additional_config["smoe"]
     "smoe_log_interval": "log_interval",
     "smoe_predictor": "predictor",
     "smoe_all2all": "all2all",
+    "smoe_dp_routing": "dp_routing",
 }
 _done = False
 
@@ -49,10 +51,16 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--smoe-all2all", choices=ALL2ALL, default=None,
                    help="expert-parallel all2all on CPU: smoe's sparse de-duplicated one (default) or vLLM's "
                         "allgather-reducescatter")
+    g.add_argument("--smoe-dp-routing", choices=["on", "off"], default=None, type=str,
+                   help="with --data-parallel-size > 1 and a placement with tables: send each request to the DP "
+                        "engine its prompt's tokens score best under the placement (default on), or leave every "
+                        "request to vLLM's load balancer (off)")
 
 
 def _smoe_from_args(args: argparse.Namespace) -> dict | None:
     given = {key: getattr(args, dest) for dest, key in _FLAGS.items() if getattr(args, dest, None) is not None}
+    if "dp_routing" in given:
+        given["dp_routing"] = given["dp_routing"] == "on"
     if getattr(args, "plugin", None) != "smoe":
         if given:
             flags = ", ".join("--" + d.replace("_", "-") for d in _FLAGS if getattr(args, d, None) is not None)
@@ -89,6 +97,9 @@ def _install_hooks() -> None:
             merged.update(flags)  # flags win over --additional-config
             extra["smoe"] = merged
             engine_args.additional_config = extra
+            # vLLM's extra API servers (DP) rebuild their engine args from this namespace, maybe
+            # before smoe's hooks are in place there: hand them the folded config too
+            args.additional_config = extra
         return engine_args
 
     orig_load = EngineArgs.create_load_config
@@ -134,6 +145,15 @@ def _install_hooks() -> None:
 
                     load_tables(placement)  # everything a worker will index with, before any worker starts
             logger.info("smoe: placement %s checked against %s", cfg.placement, vllm_config.model_config.model)
+            if vllm_config.parallel_config.data_parallel_size > 1 and cfg.dp_routing:
+                from ..placement_file import load_placement, load_tables
+
+                placement = load_placement(cfg.placement)
+                if placement.predictor is None:
+                    logger.warning("smoe dp routing: %s has no predictor tables; every request is left to "
+                                   "vLLM's load balancer", cfg.placement)
+                else:
+                    load_tables(placement)  # what the front ends will score with, checked before serving
         return vllm_config
 
     EngineArgs.add_cli_args = staticmethod(add_cli_args)
@@ -189,3 +209,9 @@ def register() -> None:
     from .loader import register_loader
 
     register_loader()
+    # vLLM's API servers (DP spawns several) build their engine clients from a config they are
+    # handed, without create_engine_config: the balancer is wrapped here, and a client whose
+    # config does not ask for smoe's routing keeps vLLM's choice untouched
+    from .dp_router import install as install_dp_router
+
+    install_dp_router()

@@ -20,9 +20,26 @@ side selects its rows with ``nonzero`` (CPU tensors here); see the README for GP
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
+
 import torch
 
-from collections.abc import Callable
+logger = logging.getLogger("vllm.smoe")
+
+
+def served_rows(forward_context, t: int, is_sequence_parallel: bool) -> torch.Tensor | bool:
+    """Which of a step's ``t`` MoE rows are served tokens, for the counters: False in vLLM's
+    profile and dummy runs (no attention metadata: the idle DP rank's lock-step batches,
+    warm-up), else ``~is_padding`` (vLLM's mask of pad rows) when it covers exactly these rows,
+    else True (every row). No host read: the mask stays on the device."""
+    if forward_context.attn_metadata is None:
+        return False
+    pad = forward_context.is_padding
+    if pad is not None and not is_sequence_parallel and pad.shape[0] == t:
+        return ~pad
+    return True
 
 
 def owner_of(num_experts: int, world_size: int) -> torch.Tensor:
@@ -51,9 +68,10 @@ class SparseExchange:
     ``x [world_size * n, ...] -> [n, ...]`` summed over ranks, the transport. Two collectives per
     layer, both of static size (``m`` rows per rank): a gather of the outgoing rows, packed once
     each with ids, weights and a destination bit mask; and a reduce-scatter of the partial
-    results, laid out by source rank and row so that a source adds them without knowing any sizes. ``stats``: [3]
-    int64 on the device (tokens, (token, remote rank) pairs, bytes a point-to-point transport
-    carries for this rank's tokens: rows out with ids and weights, rows back). exact: first
+    results, laid out by source rank and row so that a source adds them without knowing any sizes. ``stats``: [5]
+    int64 on the device, over this rank's served rows (see :meth:`dispatch`): tokens, (token,
+    remote rank) pairs, bytes a point-to-point transport carries for them (rows out with ids and
+    weights, rows back), expert activations of a local expert, expert activations. exact: first
     gather the number of outgoing rows and size both collectives by the largest (one more tiny
     collective and a host read; worth it where bytes cost time, e.g. over a network)."""
 
@@ -63,15 +81,17 @@ class SparseExchange:
         self.exact = exact
         self.rank, self.world_size, self.owner = rank, world_size, owner
         self.gather, self.reduce_scatter = gather, reduce_scatter
-        self.stats = torch.zeros(3, dtype=torch.long)
+        self.stats = torch.zeros(5, dtype=torch.long)
         self._plan = None
 
     def dispatch(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                 rows_per_rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 rows_per_rank: int | None = None, served: torch.Tensor | bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Own rows, then the rows other ranks sent here (source rank order, then source row
         order): (hidden [t + r, H], topk_weights [t + r, K], topk_ids [t + r, K]).
         rows_per_rank: the largest t of any rank (default: this rank's t, as under sequence
-        parallelism where every rank holds one equal chunk)."""
+        parallelism where every rank holds one equal chunk). served: which rows ``stats``
+        counts: True = all, False = none (a warm-up or dummy step), or [t] bool on the device."""
         N, me = self.world_size, self.rank
         (t, K), H = topk_ids.shape, hidden_states.shape[1]
         m = t if rows_per_rank is None else rows_per_rank
@@ -99,8 +119,12 @@ class SparseExchange:
         recv_i = rows[:, Hw: Hw + K].contiguous().view(torch.int32).to(topk_ids.dtype)
         recv_w = rows[:, Hw + K: Hw + 2 * K].to(topk_weights.dtype)
         self._plan = (t, m, out_rows, src, pos)
-        pairs = sum((bits >> q) & 1 for q in range(N)).sum()
-        self.stats += torch.stack([pairs.new_tensor(t), pairs, pairs * (2 * row + 8 * K)])
+        if served is not False:
+            per_row = sum((bits >> q) & 1 for q in range(N))  # [t] remote ranks each row visits
+            local = (self.owner[topk_ids.long()] == me).sum(dim=1)  # [t] activations served here
+            w = per_row.new_ones(t) if served is True else served.to(per_row.dtype)
+            pairs = (per_row * w).sum()
+            self.stats += torch.stack([w.sum(), pairs, pairs * (2 * row + 8 * K), (local * w).sum(), w.sum() * K])
         return (torch.cat([hidden_states, recv_h]), torch.cat([topk_weights, recv_w]),
                 torch.cat([topk_ids, recv_i]))
 
@@ -124,7 +148,8 @@ def make_manager(cpu_group, comm):
     from vllm.config import get_current_vllm_config
     from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase
 
-    from ..model_info import num_experts
+    from ..config import SmoeConfig
+    from ..model_info import moe_layer_indices, num_experts
 
     class SparseAll2AllManager(All2AllManagerBase):
         def __init__(self):
@@ -139,6 +164,27 @@ def make_manager(cpu_group, comm):
                                            owner_of(num_experts(hf), comm.world_size),
                                            lambda x: comm.all_gather(x.contiguous(), 0),
                                            lambda x: comm.reduce_scatterv(x, 0), exact=network)
+            vc = get_current_vllm_config()
+            # under attention DP each engine logs its own requests' locality (speculate logs its own)
+            self.log_dp = vc.parallel_config.data_parallel_size > 1
+            self.num_moe_layers = len(moe_layer_indices(hf))
+            cfg = SmoeConfig.from_additional_config(vc.additional_config)
+            self.log_interval = cfg.log_interval if cfg is not None else 10.0
+            self._last_log = time.monotonic()
+
+        def _maybe_log(self):
+            now = time.monotonic()
+            if now - self._last_log < self.log_interval:
+                return
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                return  # reading device counters would break a CUDA graph capture
+            self._last_log = now
+            tok, pairs, nbytes, local, acts = self.exchange.stats.tolist()  # once per log interval
+            if acts:
+                logger.info("smoe: dp rank %d served %.3f of its requests' expert activations locally (%d tokens, "
+                            "served steps); sparse all2all: %.3f remote (token, rank) pairs and %.0f B per token and "
+                            "MoE layer", self.exchange.rank, local / acts, tok // max(1, self.num_moe_layers),
+                            pairs / tok, nbytes / tok)
 
         def dispatch(self, hidden_states, topk_weights, topk_ids, is_sequence_parallel=False, extra_tensors=None):
             if extra_tensors:
@@ -146,9 +192,14 @@ def make_manager(cpu_group, comm):
                                           "LoRA); set additional_config smoe.all2all to 'vllm'")
             from vllm.forward_context import get_forward_context
 
-            dpm = get_forward_context().dp_metadata  # set with DP or sequence parallelism: ranks' row counts
+            fc = get_forward_context()
+            dpm = fc.dp_metadata  # set with DP or sequence parallelism: ranks' row counts
             rows = max(dpm.get_chunk_sizes_across_dp_rank()) if dpm is not None else None
-            return self.exchange.dispatch(hidden_states, topk_weights, topk_ids, rows)
+            out = self.exchange.dispatch(hidden_states, topk_weights, topk_ids, rows,
+                                         served_rows(fc, hidden_states.shape[0], is_sequence_parallel))
+            if self.log_dp:
+                self._maybe_log()
+            return out
 
         def combine(self, hidden_states, is_sequence_parallel=False):
             return self.exchange.combine(hidden_states)

@@ -1,0 +1,184 @@
+"""Semantic request routing for attention data parallelism (Sem-MoE's request scheduler).
+
+Under ``--data-parallel-size N --enable-expert-parallel`` every DP rank runs its own batch and
+every MoE layer sends each token to the ranks holding its experts. Tokens never move before the
+MoE there, so what smoe can choose is the rank a request runs on: the one whose experts (under
+the placement) its prompt's tokens use most, as scored by the placement's token tables.
+
+vLLM's front end picks a DP engine per request in ``DPLBAsyncMPClient.get_core_engine_for_request``
+(its internal load balancer). With a placement that has tables and DP > 1, smoe wraps that
+method, in the front-end process only:
+
+- a request that names its rank (``data_parallel_rank``, the ``X-data-parallel-rank`` header),
+  or one vLLM routes by its own rule (late interaction, session affinity), is vLLM's;
+- otherwise the request's scores (:func:`vllm_smoe.placement.dp.request_affinity`) pick the
+  best engine among those two balance masks leave open (:func:`~vllm_smoe.placement.dp.balance_mask`):
+  the routed work (prompt + max new tokens) of the last ``WINDOW`` requests, exactly as
+  ``smoe-place evaluate --mode dp`` simulates it, and vLLM's own count of waiting requests per
+  engine, so no engine gets more than its share of queued work;
+- when no open engine scores strictly best (an unseen prompt, a tie, everything masked), vLLM's
+  balancer chooses as it would without smoe.
+
+Nothing here touches a tensor or an engine: the choice is host-side numpy on the prompt's ids,
+made once per request before it is sent, and greedy outputs do not depend on it (each engine
+computes the same tokens for a request; only which ranks' experts are local changes).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import numpy as np
+
+from ..placement.dp import CAPACITY, WINDOW, balance_mask, pick_rank, request_affinity
+
+logger = logging.getLogger("vllm.smoe")
+
+_INSTALLED = False
+
+
+class RequestRouter:
+    """Scores prompts against DP engines and keeps the sliding window of routed work.
+
+    token2rank: [L, V, 2] int16 (-1 = unseen) and token_conf: [L, V] float: the placement's
+    tables over its ``ep_size`` expert-parallel ranks; engine d holds EP ranks
+    ``d * tp .. (d + 1) * tp - 1`` (vLLM's EP rank = dp_rank * tp + tp_rank), so an engine's
+    score is the sum of its ranks'. Not thread-safe: one per front-end client (vLLM calls it from
+    its event loop)."""
+
+    def __init__(self, token2rank: np.ndarray, token_conf: np.ndarray, ep_size: int, num_engines: int,
+                 capacity: float = CAPACITY, window: int = WINDOW, log_interval: float = 10.0):
+        if ep_size % num_engines:
+            raise ValueError(f"placement ep_size {ep_size} is not a multiple of the {num_engines} DP engines")
+        self.token2rank, self.token_conf = token2rank, token_conf
+        self.ep_size, self.num_engines = ep_size, num_engines
+        self.capacity, self.window = capacity, window
+        self.load = np.zeros(num_engines)  # routed work of the requests in the window, per engine
+        self.recent: deque[tuple[int, float]] = deque()
+        self.counts = {"placement": 0, "vllm": 0, "explicit": 0}
+        self.per_engine = np.zeros(num_engines, dtype=np.int64)
+        self.log_interval, self._last_log = log_interval, time.monotonic()
+
+    def scores(self, prompt_token_ids) -> np.ndarray:
+        """[num_engines] float64 affinity of a prompt (token ids) to each engine."""
+        ids = np.asarray(prompt_token_ids, dtype=np.int64)
+        _, s, _ = request_affinity(self.token2rank, self.token_conf, ids, np.zeros(ids.size, np.int64), None,
+                                   self.ep_size)
+        per_rank = s[0] if s.shape[0] else np.zeros(self.ep_size)
+        return per_rank.reshape(self.num_engines, -1).sum(axis=1)
+
+    def choose(self, prompt_token_ids, weight: float, waiting) -> int:
+        """The engine smoe routes a request to, or -1 = leave it to vLLM's balancer.
+        waiting: [num_engines] vLLM's waiting-request count per engine."""
+        open_ = balance_mask(self.load, weight, self.capacity)
+        open_ &= balance_mask(np.asarray(waiting, dtype=np.float64), 1.0, self.capacity)
+        if not open_.any():
+            return -1
+        return pick_rank(self.scores(prompt_token_ids), open_)
+
+    def routed(self, engine: int, weight: float, how: str) -> None:
+        """Account a request sent to ``engine`` (by ``how``: placement | vllm | explicit)."""
+        self.recent.append((engine, weight))
+        self.load[engine] += weight
+        if len(self.recent) > self.window:
+            e, w = self.recent.popleft()
+            self.load[e] -= w
+        self.counts[how] += 1
+        self.per_engine[engine] += 1
+        now = time.monotonic()
+        if now - self._last_log >= self.log_interval:
+            self._last_log = now
+            logger.info("%s", self.summary())
+
+    def summary(self) -> str:
+        c = self.counts
+        return (f"smoe dp routing: {sum(c.values())} requests: {c['placement']} by the placement, {c['vllm']} "
+                f"left to vLLM's balancer, {c['explicit']} with their own rank; per engine "
+                f"{self.per_engine.tolist()}")
+
+
+def router_for(vllm_config, num_engines: int) -> RequestRouter | None:
+    """The router a front-end client should use, or None (smoe not asked, routing off, no tables)."""
+    from ..config import SmoeConfig
+    from ..placement_file import load_placement, load_tables
+
+    cfg = SmoeConfig.from_additional_config(vllm_config.additional_config)
+    if cfg is None or not cfg.dp_routing or cfg.placement is None:
+        return None
+    placement = load_placement(cfg.placement)
+    if placement.predictor is None:
+        return None
+    tables = load_tables(placement)
+    router = RequestRouter(tables.token2rank, tables.token_conf, placement.ep_size, num_engines,
+                           capacity=placement.capacity, log_interval=cfg.log_interval)
+    logger.info("smoe dp routing: requests scored against %s over %d engines (window %d, capacity %.2f)",
+                placement.path, num_engines, router.window, router.capacity)
+    return router
+
+
+def install() -> None:
+    """Wrap vLLM's DP load balancer (idempotent; a no-op for clients whose config does not ask)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    from vllm.v1.engine.core_client import DPLBAsyncMPClient
+
+    orig = DPLBAsyncMPClient.get_core_engine_for_request
+
+    def get_core_engine_for_request(self, request):
+        router = self.__dict__.get("_smoe_router", False)
+        if router is False:
+            router = self._smoe_router = router_for(self.vllm_config, len(self.core_engines))
+        if router is None or request.request_id in self.reqs_in_flight or request.prompt_token_ids is None:
+            return orig(self, request)
+        sp = request.sampling_params
+        weight = len(request.prompt_token_ids) + ((sp.max_tokens or 0) if sp is not None else 0)
+        if request.data_parallel_rank is not None or request.pooling_params is not None:
+            engine = orig(self, request)
+            router.routed(self.core_engines.index(engine), weight, "explicit")
+            return engine
+        choice = router.choose(request.prompt_token_ids, weight, [c[0] for c in self.lb_engines])
+        if choice < 0:
+            engine = orig(self, request)
+            router.routed(self.core_engines.index(engine), weight, "vllm")
+            return engine
+        # vLLM's explicit-rank path does its own bookkeeping (in-flight request, abort routing);
+        # the waiting count its balancer adds between coordinator snapshots is added here
+        request.data_parallel_rank = choice
+        try:
+            engine = orig(self, request)
+        finally:
+            request.data_parallel_rank = None
+        self.lb_engines[choice][0] += self.client_count
+        router.routed(choice, weight, "placement")
+        return engine
+
+    get_core_engine_for_request._smoe_original = orig
+    DPLBAsyncMPClient.get_core_engine_for_request = get_core_engine_for_request
+    _INSTALLED = True
+
+
+_SCORERS: dict[tuple[str, int], RequestRouter] = {}
+
+
+def preferred_rank(placement_path: str, prompt_token_ids, num_engines: int | None = None
+                   ) -> tuple[int | None, list[float]]:
+    """For routers outside vLLM (``--data-parallel-external-lb``): the DP rank a prompt should run
+    on under a placement, and its score on every rank. prompt_token_ids: the prompt's token ids
+    (the served model's tokenizer); num_engines: DP size (default the placement's ep_size, i.e.
+    TP = 1). rank is None when no rank scores strictly best. Balance is the caller's: combine the
+    scores with the caller's own load view. The placement and its tables are read once per path."""
+    key = (placement_path, num_engines or 0)
+    scorer = _SCORERS.get(key)
+    if scorer is None:
+        from ..placement_file import load_placement, load_tables
+
+        placement = load_placement(placement_path)
+        tables = load_tables(placement)
+        scorer = _SCORERS[key] = RequestRouter(tables.token2rank, tables.token_conf, placement.ep_size,
+                                               num_engines or placement.ep_size)
+    s = scorer.scores(prompt_token_ids)
+    best = pick_rank(s, np.ones(s.size, dtype=bool))
+    return (None if best < 0 else best), s.tolist()
