@@ -14,9 +14,21 @@ functions, so the offline simulation is the online rule.
 from __future__ import annotations
 
 import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from .counts import assign_token_ids
 
 WINDOW = 64  # requests in the sliding balance window
 CAPACITY = 1.10  # default cap on a rank's share of the window's work, x fair share
+
+
+def request_index(request_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(request ids [Q] in order of first appearance, q [T] int64 each token's index in it)."""
+    uniq, first, inv = np.unique(request_ids, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    q_of = np.empty(uniq.size, dtype=np.int64)
+    q_of[order] = np.arange(uniq.size)
+    return uniq[order], q_of[inv.reshape(-1)]
 
 
 def request_affinity(token2rank: np.ndarray, token_conf: np.ndarray, token_ids: np.ndarray,
@@ -30,22 +42,18 @@ def request_affinity(token2rank: np.ndarray, token_conf: np.ndarray, token_ids: 
     Returns (request ids [Q] in first-appearance order, scores [Q, N] float64, tokens [Q] int64).
     """
     L, V = token_conf.shape
-    uniq, first = np.unique(request_ids, return_index=True)
-    order = np.argsort(first, kind="stable")
-    reqs = uniq[order]
-    q_of = np.empty(uniq.size, dtype=np.int64)
-    q_of[order] = np.arange(uniq.size)
-    q = q_of[np.searchsorted(uniq, request_ids)]
+    reqs, q = request_index(request_ids)
+    Q = reqs.size
     use = np.ones(token_ids.size, dtype=bool) if is_prefill is None else is_prefill.astype(bool)
     use &= (token_ids >= 0) & (token_ids < V)
-    scores = np.zeros(uniq.size * ep_size)
+    scores = np.zeros(Q * ep_size)
     for layer in range(L):
         r = token2rank[layer, token_ids[use], 0].astype(np.int64)
         ok = r >= 0
         w = token_conf[layer, token_ids[use]].astype(np.float64)
         scores += np.bincount(q[use][ok] * ep_size + r[ok], weights=w[ok], minlength=scores.size)
-    tokens = np.bincount(q, minlength=uniq.size).astype(np.int64)
-    return reqs, scores.reshape(uniq.size, ep_size), tokens
+    tokens = np.bincount(q, minlength=Q).astype(np.int64)
+    return reqs, scores.reshape(Q, ep_size), tokens
 
 
 def balance_mask(load: np.ndarray, weight: float, capacity: float) -> np.ndarray:
@@ -89,3 +97,95 @@ def assign_requests(scores: np.ndarray, tokens: np.ndarray, ep_size: int, capaci
 def round_robin_requests(num_requests: int, ep_size: int) -> np.ndarray:
     """Plain attention-DP: request q on rank q mod N. [Q] int64."""
     return np.arange(num_requests, dtype=np.int64) % ep_size
+
+
+def request_counts(request_ids: np.ndarray, topk_ids: np.ndarray, num_experts: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Activations of every request. request_ids: [T] int; topk_ids: [T, L, K] int (-1 = none).
+    Returns (A [Q, L, E] float32 activations of each request per layer and expert, requests in
+    order of first appearance; tokens [Q] int64)."""
+    T, L, K = topk_ids.shape
+    reqs, q = request_index(request_ids)
+    Q = reqs.size
+    ids = topk_ids.astype(np.int64)
+    ok = ids >= 0
+    flat = (np.repeat(q, L * K).reshape(T, L, K) * L + np.arange(L)[None, :, None]) * num_experts + ids
+    A = np.bincount(flat[ok], minlength=Q * L * num_experts).astype(np.float32)
+    return A.reshape(Q, L, num_experts), np.bincount(q, minlength=Q).astype(np.int64)
+
+
+def _request_scores(A: np.ndarray, expert2rank: np.ndarray, ep_size: int) -> np.ndarray:
+    """[Q, N] float64: activations of each request on each rank's experts, summed over layers."""
+    S = np.zeros((A.shape[0], ep_size))
+    for layer in range(A.shape[1]):
+        S += A[:, layer].astype(np.float64) @ np.eye(ep_size)[expert2rank[layer]]
+    return S
+
+
+def _experts_for(A: np.ndarray, request2rank: np.ndarray, ep_size: int) -> np.ndarray:
+    """[L, E] int32: per layer, E / N experts per rank, each rank's the experts its requests use
+    most (an exact balanced assignment)."""
+    Q, L, E = A.shape
+    per = E // ep_size
+    onehot = np.eye(ep_size)[request2rank]
+    e2r = np.empty((L, E), dtype=np.int32)
+    for layer in range(L):
+        gain = A[:, layer].T.astype(np.float64) @ onehot  # [E, N]
+        rows, slots = linear_sum_assignment(np.repeat(gain, per, axis=1), maximize=True)
+        e2r[layer, rows] = slots // per
+    return e2r
+
+
+def place_requests(A: np.ndarray, tokens: np.ndarray, ep_size: int, capacity: float = CAPACITY,
+                   restarts: int = 4, iters: int = 50, seed: int = 0) -> tuple[np.ndarray, np.ndarray, float]:
+    """Experts for attention DP: co-cluster requests and experts so each request's activations
+    sit on one rank (the rank it will run on), every rank holding E / N experts per layer and at
+    most ``capacity`` x the fair share of the tokens.
+
+    Alternates two exact steps from ``restarts`` random balanced starts (the best kept): experts
+    to the ranks whose requests use them most (linear assignment per layer), requests to the
+    ranks holding most of their activations (capped assignment). A: [Q, L, E] activations (see
+    :func:`request_counts`); tokens: [Q] int. Returns (expert2rank [L, E] int32, request2rank
+    [Q] int64, local share of the activations in-sample). Same seed, same result."""
+    Q, L, E = A.shape
+    if E % ep_size:
+        raise ValueError(f"{E} experts do not split evenly over ep_size {ep_size}")
+    total = max(float(A.sum()), 1e-12)
+    rng = np.random.default_rng(seed)
+    best = (None, None, -1.0)
+    for _ in range(max(1, restarts)):
+        r2r = rng.permutation(Q) % ep_size
+        for _ in range(iters):
+            e2r = _experts_for(A, r2r, ep_size)
+            S = _request_scores(A, e2r, ep_size)
+            new = assign_token_ids(S, tokens.astype(np.float64), capacity)
+            if np.array_equal(new, r2r):
+                break
+            r2r = new
+        share = float(S[np.arange(Q), r2r].sum()) / total
+        if share > best[2] + 1e-12:
+            best = (e2r, r2r.astype(np.int64), share)
+    return best
+
+
+def request_token_table(token_ids: np.ndarray, request_ids: np.ndarray, request2rank: np.ndarray,
+                        vocab_size: int, ep_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """What a prompt's tokens say about the rank its request belongs on, learned from the
+    training requests' ranks (:func:`place_requests`): a token votes for the rank where most
+    training requests containing it were placed, with its share of them as confidence.
+    token_ids, request_ids: [T] int of the training requests; request2rank: [Q] int, requests in
+    order of first appearance. Returns (token2rank [V, 2] int16 best / second rank, -1 = unseen;
+    token_conf [V] float16 share on the best rank, 0 = unseen)."""
+    _, q = request_index(request_ids)
+    ok = (token_ids >= 0) & (token_ids < vocab_size)
+    C = np.bincount(token_ids[ok].astype(np.int64) * ep_size + request2rank[q[ok]],
+                    minlength=vocab_size * ep_size).reshape(vocab_size, ep_size).astype(np.float64)
+    seen = C.sum(axis=1) > 0
+    order = np.argsort(-C, axis=1, kind="stable")[:, :2]
+    t2r = np.full((vocab_size, 2), -1, dtype=np.int16)
+    t2r[seen, : order.shape[1]] = order[seen]
+    if ep_size > 1:  # a second rank only where some request containing the token was placed there
+        t2r[seen & (C[np.arange(vocab_size), order[:, 1]] == 0), 1] = -1
+    conf = np.zeros(vocab_size, dtype=np.float16)
+    conf[seen] = C[seen].max(axis=1) / C[seen].sum(axis=1)
+    return t2r, conf

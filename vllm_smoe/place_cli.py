@@ -4,6 +4,7 @@ traces, write it as YAML, and compare it with the placements users run today."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -14,7 +15,9 @@ import numpy as np
 from .cli_util import check_output_dir, check_output_file, number, run_cli
 from .placement.assign import batches_from_windows, contiguous_tokens
 from .model_info import expert_groups
-from .placement.dp import assign_requests, request_affinity, round_robin_requests
+from .placement.dp import WINDOW as DP_WINDOW
+from .placement.dp import (assign_requests, place_requests, request_affinity, request_counts, request_index,
+                           request_token_table, round_robin_requests)
 from .placement.groups import check_groups
 from .placement.layout import NEEDS_INSTANCES, PREDICTED, SOLVERS, place_model
 from .placement.metrics import evaluate, holds_from_expert2rank
@@ -28,7 +31,6 @@ from .trace import iter_traces, open_traces
 METRIC_KEYS = ("lar", "token_load", "expert_load", "remote_pairs_per_token", "remote_unique_per_token",
                "a2a_bytes_per_token", "internode_bytes_per_token", "intranode_bytes_per_token", "hit_rate",
                "oracle_hit_rate", "solve_seconds", "peak_mem_mb", "table_bytes")
-DP_WINDOW = 64  # requests per attention-DP scheduling window
 COMPARE_ALL = ("linear", "round_robin", "eplb", "metis", "ceo", "alternating", "coclust", "bytes")
 
 
@@ -310,6 +312,29 @@ def _solve(method, counts, meta, args, ep_size, nodes, embeddings=None, groups=1
     return e2r, reps, tables, secs, peak / 2**20
 
 
+def _solve_dp(counts, sample, meta, args, embeddings):
+    """--mode dp: experts co-clustered with whole requests (the requests of the leading
+    --metrics-tokens tokens), then smoe's token tables for that placement (what the request
+    router scores prompts with). Returns what :func:`_solve` does."""
+    base = start_peak_rss()
+    t0 = time.perf_counter()
+    A, tokens = request_counts(sample["request_ids"], sample["topk_ids"], meta.num_experts)
+    print(f"--mode dp: co-clustering {A.shape[0]} requests ({int(tokens.sum())} tokens) with experts",
+          file=sys.stderr)
+    e2r, r2r, _ = place_requests(A, tokens, args.ep_size, args.capacity, seed=args.seed)
+    del A
+    holds = holds_from_expert2rank(e2r, args.ep_size)
+    tables = tables_for_placement(counts, holds, meta.vocab_size, embeddings)
+    # the router scores a prompt by the ranks of the training requests its tokens came from (the
+    # same vote in every layer); the Markov and prior rows stay per layer
+    t2r, conf = request_token_table(sample["token_ids"], sample["request_ids"], r2r, meta.vocab_size, args.ep_size)
+    L = meta.num_layers
+    tables = dataclasses.replace(tables, token2rank=np.repeat(t2r[None], L, axis=0),
+                                 token_conf=np.repeat(conf[None], L, axis=0))
+    return (e2r, np.zeros((meta.num_layers, 0, 2), np.int32), tables, time.perf_counter() - t0,
+            peak_rss_since(base) / 2**20)
+
+
 def _ticking(it, bar):
     for x in it:
         yield x
@@ -317,22 +342,24 @@ def _ticking(it, bar):
 
 
 def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, hidden, dtype_bytes, mode="tp",
-             nodes=1):
+             nodes=1, shuffle=None):
     holds = holds_from_expert2rank(e2r, ep_size, reps)
     if mode == "dp":  # whole requests on attention-DP ranks
-        rq = arr["request_ids"]
+        reqs, q = request_index(arr["request_ids"])  # q: each token's request, in first-appearance order
+        Q = reqs.size
+        # arrival[i]: the request arriving i-th (the trace's order, or a seeded shuffle of it)
+        arrival = np.arange(Q) if shuffle is None else np.random.default_rng(shuffle).permutation(Q)
+        r2r = np.empty(Q, dtype=np.int64)
         if predicted:
-            reqs, scores, tokens = request_affinity(tables.token2rank, tables.token_conf, arr["token_ids"], rq,
-                                                    arr.get("is_prefill"), ep_size)
-            r2r = assign_requests(scores, tokens, ep_size, capacity, window=DP_WINDOW)
+            _, scores, tokens = request_affinity(tables.token2rank, tables.token_conf, arr["token_ids"],
+                                                 arr["request_ids"], arr.get("is_prefill"), ep_size)
+            r2r[arrival] = assign_requests(scores[arrival], tokens[arrival], ep_size, capacity, window=DP_WINDOW)
         else:
-            uniq, first = np.unique(rq, return_index=True)
-            reqs = uniq[np.argsort(first, kind="stable")]
-            r2r = round_robin_requests(reqs.size, ep_size)
-        srt = np.argsort(reqs)
-        q = srt[np.searchsorted(reqs[srt], rq)]  # arrival index of each token's request
+            r2r[arrival] = round_robin_requests(Q, ep_size)
+        pos = np.empty(Q, dtype=np.int64)
+        pos[arrival] = np.arange(Q)
         # balance is judged per scheduling window (DP ranks batch their own requests)
-        win = q // DP_WINDOW
+        win = pos[q] // DP_WINDOW
         order = np.argsort(win, kind="stable")
         arr = {k: v[order] for k, v in arr.items()}
         t2r = np.repeat(r2r[q[order]][:, None], meta.num_layers, axis=1)
@@ -347,6 +374,11 @@ def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, 
 
 def cmd_build(a) -> int:
     check_output_file(a.output, "-o")
+    if a.mode == "dp":
+        bad = [f for f, v in (("--nodes", a.nodes > 1), ("--replicas", a.replicas > 0), ("--groups", (a.groups or 1) > 1),
+                              ("--method", a.method != "coclust")) if v]
+        if bad:
+            raise ValueError(f"--mode dp: {', '.join(bad)} not supported with request-level placement yet")
     if a.replicas and a.method not in PREDICTED:
         raise ValueError(f"--replicas needs a locality method ({', '.join(PREDICTED)}), not {a.method!r}")
     t0 = time.perf_counter()
@@ -356,6 +388,9 @@ def cmd_build(a) -> int:
     count_s = time.perf_counter() - t0
     fingerprint, emb, model_groups = _model_info(a.model, meta.vocab_size)
     groups = a.groups or model_groups
+    if a.mode == "dp" and groups > 1:
+        raise ValueError(f"--mode dp: --model {a.model} routes in {groups} groups (n_group); request-level "
+                         f"placement does not keep routing groups whole yet")
     if a.groups and a.model and a.groups != model_groups:
         raise ValueError(f"--groups {a.groups}: the model at {a.model} routes in {model_groups} group(s) (n_group)")
     if groups > 1 and a.method == "eplb":
@@ -369,19 +404,24 @@ def cmd_build(a) -> int:
     print(f"counted {total} tokens x {meta.num_layers} layers in {count_s:.1f} s ({total / count_s:,.0f} tokens/s, "
           f"{counts.nbytes / 2**20:.0f} MiB of counts); placing {meta.num_experts} experts on {a.ep_size} ranks "
           f"with {a.method}, {a.jobs} job{'s' if a.jobs > 1 else ''}", file=sys.stderr)
-    e2r, reps, tables, secs, peak = _solve(a.method, counts, meta, a, a.ep_size, a.nodes, emb, groups)
+    if a.mode == "dp":
+        e2r, reps, tables, secs, peak = _solve_dp(counts, sample, meta, a, emb)
+    else:
+        e2r, reps, tables, secs, peak = _solve(a.method, counts, meta, a, a.ep_size, a.nodes, emb, groups)
     del counts
     sub, batch = _batched(sample, a.batch_tokens)
-    m = _measure(sub, batch, meta, e2r, reps, tables, a.ep_size, a.capacity, a.method in PREDICTED,
-                 meta.hidden_size or a.hidden_size, a.dtype_bytes, nodes=a.nodes)
+    m = _measure(sub, batch, meta, e2r, reps, tables, a.ep_size, a.capacity, tables is not None,
+                 meta.hidden_size or a.hidden_size, a.dtype_bytes, mode=a.mode, nodes=a.nodes,
+                 shuffle=a.shuffle_requests)
     m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tables.nbytes if tables is not None else 0)
     write_placement(a.output, expert2rank=e2r, ep_size=a.ep_size, nodes=a.nodes, top_k=meta.top_k,
-                    vocab_size=meta.vocab_size, method=a.method, capacity=a.capacity,
+                    vocab_size=meta.vocab_size, method=a.method if a.mode == "tp" else "dp-coclust",
+                    capacity=a.capacity,
                     tables=tables.arrays() if tables is not None else None,
                     replicas=reps if a.replicas else None, fingerprint=fingerprint, groups=groups,
                     built_from={"traces": [_rel(f, a.output) for f in files], "tokens": int(total),
                                 "batch_tokens": a.batch_tokens, "theta": a.theta, "seed": a.seed,
-                                "max_expert_load": a.max_expert_load},
+                                "max_expert_load": a.max_expert_load, "mode": a.mode},
                     metrics={k: m[k] for k in METRIC_KEYS if k in m})
     nodes = (f", a2a bytes/token {m['internode_bytes_per_token']:.0f} inter-node + "
              f"{m['intranode_bytes_per_token']:.0f} intra-node" if a.nodes > 1 else "")
@@ -407,7 +447,7 @@ def _evaluate_all(a):
     tables = load_tables(p) if p.predictor else None
     label = f"placement ({p.method})"
     m = _measure(arr, batch, meta, p.expert2rank, p.replicas, tables, p.ep_size, p.capacity, tables is not None,
-                 hidden, a.dtype_bytes, a.mode, p.nodes)
+                 hidden, a.dtype_bytes, a.mode, p.nodes, a.shuffle_requests)
     m.update({k: p.metrics[k] for k in ("solve_seconds", "peak_mem_mb", "table_bytes") if k in p.metrics})
     results[label] = m
     methods = [] if not a.compare else (COMPARE_ALL if a.compare == "all" else a.compare.split(","))
@@ -439,7 +479,7 @@ def _evaluate_all(a):
             # each placement as plain EP runs it (contiguous token slices), then with smoe's predictor
             for form, predicted in ((method, False), (method + "+pred", True)):
                 m = _measure(arr, batch, meta, e2r, reps, tab, p.ep_size, p.capacity, predicted, hidden,
-                             a.dtype_bytes, a.mode, p.nodes)
+                             a.dtype_bytes, a.mode, p.nodes, a.shuffle_requests)
                 m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tab.nbytes if predicted else 0)
                 results[form] = m
     return p, results, meta, arr
@@ -514,6 +554,9 @@ def build_parser() -> argparse.ArgumentParser:
     def common(s):
         s.add_argument("--capacity", type=number(float, 1.0), default=1.10,
                        help="per-batch token cap per rank, as a multiple of the fair share, >= 1 (default 1.10)")
+        s.add_argument("--shuffle-requests", type=number(int, 0), default=None, metavar="SEED",
+                       help="--mode dp: requests arrive in a random order (this seed) instead of the trace's, for "
+                            "traces recorded one workload after another")
         s.add_argument("--batch-tokens", type=number(int, 1), default=512,
                        help="batch size for traces without step_ids (default 512)")
         s.add_argument("--theta", type=number(float, 0.0, 1.0), default=0.5,
@@ -547,6 +590,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="grouped top-k routing (DeepSeek's n_group): keep every group of experts whole, so "
                         "that loading the placement leaves the routing unchanged (default: the --model's "
                         "n_group, else 1)")
+    b.add_argument("--mode", choices=("tp", "dp"), default="tp",
+                   help="tp: tokens shuffled to ranks per layer (speculate, default); dp: attention data "
+                        "parallel, each request runs on one rank, so experts are co-clustered with whole "
+                        "requests (the requests of the leading --metrics-tokens tokens)")
     b.add_argument("-o", "--output", required=True, help="placement YAML to write")
     b.add_argument("--metrics-tokens", type=number(int, 1), default=131072,
                    help="in-sample metrics stored in the YAML use this many leading tokens (default 131072)")
