@@ -80,8 +80,10 @@ def _move_deltas(sets, w, t_h, expert2rank, cnt, incidence: sp.csr_matrix) -> np
     return D
 
 
-def _search(A, occ, instances, ep_size, capacity, max_expert_load, start, seed, max_passes, trials_per_pass):
-    """The swap search of :func:`place_bytes` from one start."""
+def _search(A, occ, instances, ep_size, capacity, max_expert_load, start, seed, max_passes, trials_per_pass,
+            token2rank=None):
+    """The swap search of :func:`place_bytes` from one start. token2rank: [V'] int, the tokens'
+    ranks held fixed (whole requests under attention DP), else they follow the capped rule."""
     E = A.shape[1]
     hv, sets, w = instances
     e2r = np.asarray(start, dtype=np.int64).copy()
@@ -92,7 +94,8 @@ def _search(A, occ, instances, ep_size, capacity, max_expert_load, start, seed, 
     inc_h = np.repeat(np.arange(H), K)[ok.ravel()]
     incidence = sp.csr_matrix((np.ones(inc_h.size), (sets[ok], inc_h)), shape=(E, H))  # expert x set
     touch = [incidence.indices[incidence.indptr[x]: incidence.indptr[x + 1]] for x in range(E)]
-    t2r = assign_token_ids(rank_scores(A, e2r, ep_size), occ, capacity)
+    fixed = token2rank is not None
+    t2r = np.asarray(token2rank) if fixed else assign_token_ids(rank_scores(A, e2r, ep_size), occ, capacity)
     cur = remote_bytes(sets, w, hv, e2r, t2r)
     best = e2r.copy()
     rng = np.random.default_rng(seed)
@@ -131,7 +134,7 @@ def _search(A, occ, instances, ep_size, capacity, max_expert_load, start, seed, 
             break
         # tokens follow the capped best-rank rule when served: a pass counts only if the bytes
         # with the tokens that rule gives fall
-        t_new = assign_token_ids(rank_scores(A, e2r, ep_size), occ, capacity)
+        t_new = t2r if fixed else assign_token_ids(rank_scores(A, e2r, ep_size), occ, capacity)
         val = remote_bytes(sets, w, hv, e2r, t_new)
         if val >= cur - 1e-9:
             e2r = best
@@ -183,3 +186,19 @@ def place_bytes(A: sp.csr_matrix, occ: np.ndarray, instances: tuple[np.ndarray, 
         if val < best_val - 1e-9:
             best, best_val = e2r, val
     return best.astype(np.int32)
+
+
+def swap_for_bytes(A: sp.csr_matrix, instances: tuple[np.ndarray, np.ndarray, np.ndarray], token2rank: np.ndarray,
+                   ep_size: int, start: np.ndarray, max_expert_load: float = 1.10, seed: int = 0,
+                   max_passes: int = 30) -> np.ndarray:
+    """:func:`place_bytes`' swap search for one layer with the tokens' ranks fixed (whole
+    requests under attention DP, :func:`.dp.place_requests`): from ``start`` [E] int, swaps of
+    experts on different ranks that cut :func:`remote_bytes`, expert load no worse than the cap or
+    the start. A: [V', E] counts of the rows ``token2rank`` [V'] int indexes (for the loads).
+    Returns expert2rank [E] int32."""
+    check_ep_size(A.shape[1], ep_size)
+    if ep_size == 1 or instances[1].shape[0] == 0:
+        return np.asarray(start, dtype=np.int32)
+    occ = np.asarray(A.sum(axis=1)).ravel()
+    return _search(A, occ, instances, ep_size, 1.0, max_expert_load, start, seed, max_passes, None,
+                   token2rank=token2rank).astype(np.int32)

@@ -67,8 +67,11 @@ def balance_mask(load: np.ndarray, weight: float, capacity: float) -> np.ndarray
 
 
 def pick_rank(scores: np.ndarray, allowed: np.ndarray) -> int:
-    """The open rank with the strictly highest score, or -1 = no preference (every open rank
-    scores the same, e.g. a prompt the tables have never seen). scores: [N]; allowed: [N] bool."""
+    """The open rank with the strictly highest score, or -1 = no preference (a prompt that
+    scores every rank the same, e.g. one the tables have never seen, or a tie between the best
+    open ranks, or no open rank). scores: [N]; allowed: [N] bool."""
+    if np.ptp(scores) <= 1e-9 * max(float(np.abs(scores).max()), 1.0):
+        return -1
     s = np.where(allowed, scores, -np.inf)
     best = int(np.argmax(s))
     top = s[best]

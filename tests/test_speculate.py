@@ -103,26 +103,6 @@ def test_speculate_refuses_before_serving(smoe, ep, words):
     assert words in r.stderr
 
 
-@pytest.mark.vllm
-def test_dp2_ep_serves_plain_tokens(tmp_path):
-    """vllm serve --data-parallel-size 2 --enable-expert-parallel --plugin smoe, with vLLM's own
-    allgather-reducescatter (which needs the communicator's all_gatherv / reduce_scatterv on CPU)
-    and with smoe's sparse all2all, against plain single-rank vLLM; prompts one at a time."""
-    pytest.importorskip("vllm")
-    prompts = _prompts(8)
-    with VllmServer(FIXTURE_MODEL, log=tmp_path / "plain.log") as s:
-        plain = s.complete(prompts)
-    args = ("--data-parallel-size", "2", "--enable-expert-parallel", "--plugin", "smoe")
-    for all2all in ("vllm", "sparse"):
-        with VllmServer(FIXTURE_MODEL, *args, "--smoe-all2all", all2all, log=tmp_path / f"dp2-{all2all}.log",
-                        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as s:
-            dp2 = s.complete(prompts)
-        assert [t for t, _ in dp2] == [t for t, _ in plain], all2all
-        sparse_used = "sparse de-duplicated all2all manager on group ep" in open(tmp_path / f"dp2-{all2all}.log").read()
-        assert sparse_used == (all2all == "sparse")
-        np.testing.assert_allclose([lp for _, lp in dp2], [lp for _, lp in plain], rtol=0, atol=ATOL)
-
-
 def test_bench_serve_reads_the_numbers_of_speculate_log_line():
     from vllm_smoe.bench import _log_numbers
 

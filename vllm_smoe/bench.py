@@ -190,6 +190,127 @@ def _log_numbers(line: str | None) -> dict:
     return out
 
 
+def _dp_numbers(log_path: str) -> dict:
+    """Served-step locality of every DP rank from its last ``dp rank d served ...`` log line,
+    combined over ranks weighted by their tokens: local activation share, remote (token, rank)
+    pairs and bytes per token and MoE layer; plus the front ends' routing counts."""
+    import re
+
+    last: dict[int, tuple[float, int, float, float]] = {}
+    routed = {}
+    pat = re.compile(r"dp rank (\d+) served ([0-9.]+) of its requests' expert activations locally \((\d+) tokens"
+                     r".*?([0-9.]+) remote \(token, rank\) pairs and ([0-9.]+) B per token")
+    rpat = re.compile(r"\((ApiServer_\d+|APIServer) pid=\d+\).*smoe dp routing: (\d+) requests: (\d+) by the placement "
+                      r"\((\d+) on their best-scoring engine\), (\d+) left to vLLM's balancer, (\d+) with their own rank")
+    for ln in open(log_path):
+        m = pat.search(ln)
+        if m:
+            last[int(m.group(1))] = (float(m.group(2)), int(m.group(3)), float(m.group(4)), float(m.group(5)))
+        m = rpat.search(ln)
+        if m:
+            routed[m.group(1)] = tuple(int(m.group(i)) for i in range(2, 7))
+    if not last:
+        return {}
+    tok = sum(v[1] for v in last.values())
+    out = {"local_share": sum(v[0] * v[1] for v in last.values()) / max(tok, 1),
+           "remote_pairs_per_token": sum(v[2] * v[1] for v in last.values()) / max(tok, 1),
+           "bytes_per_token_layer": sum(v[3] * v[1] for v in last.values()) / max(tok, 1),
+           "tokens_per_rank": {r: v[1] for r, v in sorted(last.items())}}
+    if routed:
+        out["routed"] = {k: sum(v[i] for v in routed.values()) for i, k in
+                         enumerate(("requests", "by_placement", "best_engine", "by_vllm", "explicit"))}
+    return out
+
+
+def _mixed_prompts(trace_path: str, requests: int, prompt_tokens: int, seed: int = 0) -> list[list[int]]:
+    """``requests`` requests drawn evenly over the whole trace (every workload in it), in a
+    seeded random order: a mix of clients, not one workload after another."""
+    from .trace import open_trace
+
+    t = open_trace(trace_path)
+    tok, req = t["token_ids"], t["request_ids"]
+    ids = np.unique(req)
+    pick = ids[np.linspace(0, ids.size - 1, min(requests, ids.size)).round().astype(int)]
+    pick = pick[np.random.default_rng(seed).permutation(pick.size)]
+    return [tok[req == r][:prompt_tokens].tolist() for r in pick]
+
+
+def _dp(a) -> int:
+    """vllm serve --data-parallel-size N --enable-expert-parallel: vLLM's default (linear experts,
+    its balancer), smoe's placement with vLLM's balancer, and smoe's placement with smoe's request
+    routing; all on smoe's sparse all2all, whose counters give locality and bytes."""
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .cli_util import check_output_file
+    from .server_process import VllmServer
+
+    if a.json:
+        check_output_file(a.json, "--json")
+    from .testbed import FIXTURE_MODEL, FIXTURE_TRACES
+
+    model = a.model or FIXTURE_MODEL
+    prompts = _mixed_prompts(a.prompts_trace or FIXTURE_TRACES["heldout"], a.requests, a.prompt_tokens, a.seed)
+    work = tempfile.mkdtemp(prefix="smoe-bench-dp-")
+    placement = _placement_arg(a.placement, f"tiny-4dom-dp{a.dp}.yaml", a.dp)
+    base = ("--data-parallel-size", str(a.dp), "--enable-expert-parallel", "--plugin", "smoe",
+            "--smoe-log-interval", "0.5")
+    runs = {"vllm-default": base,
+            "placed": base + ("--smoe-placement", placement, "--smoe-dp-routing", "off"),
+            "smoe-routed": base + ("--smoe-placement", placement)}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(a.dp))} if a.cpu_bind else None
+    res: dict = {}
+    for rnd in range(a.rounds):  # interleaved rounds: drift of a shared machine hits every config alike
+        for name, flags in runs.items():
+            with VllmServer(model, *flags, log=os.path.join(work, f"{name}-{rnd}.log"), env=env) as s:
+                c = s.client()
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(a.concurrency) as ex:
+                    outs = list(ex.map(lambda p: _stream(c, model, p, a.max_tokens), prompts))
+                secs = time.perf_counter() - t0
+                # counters log on the next step after their interval: one more interval, then a
+                # one-token request steps every rank (and routes once) so the last lines cover the run
+                time.sleep(0.6)
+                c.completions.create(model=model, prompt=prompts[0][:1], max_tokens=1, temperature=0.0)
+                time.sleep(0.3)
+            r = res.setdefault(name, {"tok_s": [], "ttft": [], "tpot": [], "dp": []})
+            r["tok_s"].append(sum(n for _, _, n in outs) / secs)
+            r["ttft"] += [ts[0] - st for st, ts, _ in outs if ts]
+            r["tpot"] += [(ts[-1] - ts[0]) / (n - 1) for _, ts, n in outs if len(ts) > 1 and n > 1]
+            r["dp"].append(_dp_numbers(s.log))
+            d = r["dp"][-1]
+            print(f"round {rnd} {name:>12}: {r['tok_s'][-1]:6.1f} output tok/s, local {d.get('local_share', 0):.3f}, "
+                  f"{d.get('bytes_per_token_layer', 0):.0f} B per token and layer"
+                  + (f", routed {d['routed']}" if "routed" in d else ""), flush=True)
+    print(f"{len(prompts)} requests x {a.max_tokens} tokens (prompts {a.prompt_tokens} tokens, mixed workloads), "
+          f"DP={a.dp} + EP, {a.concurrency} concurrent, {a.rounds} rounds; logs in {work}")
+    cols = {"tok_s": ("output tok/s", lambda v: float(np.median(v))),
+            "ttft": ("TTFT ms", lambda v: 1e3 * float(np.median(v))),
+            "tpot": ("TPOT ms", lambda v: 1e3 * float(np.median(v)))}
+    wire = ("local_share", "remote_pairs_per_token", "bytes_per_token_layer")
+    print(f"{'config':>12} " + " ".join(f"{label:>14}" for label, _ in cols.values())
+          + "   local   pairs/tok   B/tok/layer")
+    ref = {k: f(res["vllm-default"][k]) for k, (_, f) in cols.items()}
+    ref_w = {k: float(np.mean([d.get(k, np.nan) for d in res["vllm-default"]["dp"]])) for k in wire}
+    summary = {}
+    for name, r in res.items():
+        vals = {k: f(r[k]) for k, (_, f) in cols.items()}
+        w = {k: float(np.mean([d.get(k, np.nan) for d in r["dp"]])) for k in wire}
+        summary[name] = {**vals, **w, "vs_vllm_default": {**{k: vals[k] / ref[k] for k in cols},
+                                                          **{k: w[k] / ref_w[k] for k in wire}},
+                         "flags": list(runs[name]), "rounds": r["dp"]}
+        print(f"{name:>12} " + " ".join(f"{vals[k]:8.1f} {vals[k] / ref[k]:4.2f}x" for k in cols)
+              + f"   {w['local_share']:.3f}   {w['remote_pairs_per_token']:.3f}   {w['bytes_per_token_layer']:7.0f} "
+              f"({w['bytes_per_token_layer'] / ref_w['bytes_per_token_layer']:.2f}x)")
+    print("(ratios vs vllm-default; locality and bytes from the DP ranks' served steps, mean over rounds)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"dp": a.dp, "requests": len(prompts), "max_tokens": a.max_tokens, "rounds": a.rounds,
+                       "concurrency": a.concurrency, "model": model, "placement": placement, "configs": summary}, f,
+                      indent=1)
+    return 0
+
+
 def _is_mla(model_dir: str) -> bool:
     """Whether the checkpoint's attention is DeepSeek's MLA (its config names a kv_lora_rank)."""
     path = os.path.join(model_dir, "config.json")
@@ -601,6 +722,23 @@ def main(argv=None) -> int:
     v.add_argument("--no-cpu-bind", dest="cpu_bind", action="store_false",
                    help="do not set VLLM_CPU_OMP_THREADS_BIND (set it on vLLM's CPU build)")
     v.set_defaults(fn=_serve)
+    d = sub.add_parser("dp", help="vllm serve at DP=N + EP: vLLM's default vs smoe's placement vs smoe's request "
+                                  "routing (locality, bytes, tok/s, TTFT, TPOT; needs vLLM)")
+    d.add_argument("--model", help="model directory (default: the testbed fixture)")
+    d.add_argument("--placement", help="placement YAML with ep_size = DP (default: configs/tiny-4dom-dp<N>.yaml)")
+    d.add_argument("--prompts-trace", help="routing trace whose requests are the prompts, drawn over all of it and "
+                                           "shuffled (default: fixture held-out, four workloads)")
+    d.add_argument("--dp", type=int, default=2, help="data-parallel size (one engine per rank, TP=1)")
+    d.add_argument("--requests", type=int, default=64)
+    d.add_argument("--prompt-tokens", type=int, default=96)
+    d.add_argument("--max-tokens", type=int, default=32)
+    d.add_argument("--concurrency", type=int, default=8)
+    d.add_argument("--rounds", type=int, default=2)
+    d.add_argument("--seed", type=int, default=0, help="order of the prompts")
+    d.add_argument("--json", help="write per-configuration medians, locality, bytes and ratios here")
+    d.add_argument("--no-cpu-bind", dest="cpu_bind", action="store_false",
+                   help="do not set VLLM_CPU_OMP_THREADS_BIND (set it on vLLM's CPU build)")
+    d.set_defaults(fn=_dp)
     c = sub.add_parser("comm", help="one EP MoE layer on gloo ranks: baseline EP vs smoe shuffling (bytes, time)")
     c.add_argument("--routing", default="deepseek-v2-lite",
                    help="'testbed' (the trained fixture's traces) or a synthetic shape (default deepseek-v2-lite)")

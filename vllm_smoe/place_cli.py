@@ -11,9 +11,11 @@ import sys
 import time
 
 import numpy as np
+import scipy.sparse as sp
 
 from .cli_util import check_output_dir, check_output_file, number, run_cli
 from .placement.assign import batches_from_windows, contiguous_tokens
+from .placement.bytes import layer_instances, swap_for_bytes
 from .model_info import expert_groups
 from .placement.dp import WINDOW as DP_WINDOW
 from .placement.dp import (assign_requests, place_requests, request_affinity, request_counts, request_index,
@@ -314,14 +316,22 @@ def _solve(method, counts, meta, args, ep_size, nodes, embeddings=None, groups=1
 
 def _solve_dp(counts, sample, meta, args, embeddings):
     """--mode dp: experts co-clustered with whole requests (the requests of the leading
-    --metrics-tokens tokens), then smoe's token tables for that placement (what the request
-    router scores prompts with). Returns what :func:`_solve` does."""
+    --metrics-tokens tokens), refined per layer for the fewest all-to-all rows with the
+    requests' ranks fixed, then the router's tables (the ranks of the training requests each
+    token appeared in). Returns what :func:`_solve` does."""
     base = start_peak_rss()
     t0 = time.perf_counter()
     A, tokens = request_counts(sample["request_ids"], sample["topk_ids"], meta.num_experts)
     print(f"--mode dp: co-clustering {A.shape[0]} requests ({int(tokens.sum())} tokens) with experts",
           file=sys.stderr)
     e2r, r2r, _ = place_requests(A, tokens, args.ep_size, args.capacity, seed=args.seed)
+    # then per layer, with the requests' ranks fixed, expert swaps that cut the all-to-all rows
+    # (a token crosses once per remote rank, whatever its experts there)
+    _, q = request_index(sample["request_ids"])
+    for layer in range(meta.num_layers):
+        inst = layer_instances(q, sample["topk_ids"][:, layer].astype(np.int64))
+        e2r[layer] = swap_for_bytes(sp.csr_matrix(A[:, layer]), inst, r2r, args.ep_size, e2r[layer],
+                                    args.max_expert_load, seed=args.seed)
     del A
     holds = holds_from_expert2rank(e2r, args.ep_size)
     tables = tables_for_placement(counts, holds, meta.vocab_size, embeddings)
@@ -421,7 +431,8 @@ def cmd_build(a) -> int:
                     replicas=reps if a.replicas else None, fingerprint=fingerprint, groups=groups,
                     built_from={"traces": [_rel(f, a.output) for f in files], "tokens": int(total),
                                 "batch_tokens": a.batch_tokens, "theta": a.theta, "seed": a.seed,
-                                "max_expert_load": a.max_expert_load, "mode": a.mode},
+                                "max_expert_load": a.max_expert_load, "mode": a.mode,
+                                **({"shuffle_requests": a.shuffle_requests} if a.shuffle_requests is not None else {})},
                     metrics={k: m[k] for k in METRIC_KEYS if k in m})
     nodes = (f", a2a bytes/token {m['internode_bytes_per_token']:.0f} inter-node + "
              f"{m['intranode_bytes_per_token']:.0f} intra-node" if a.nodes > 1 else "")

@@ -26,6 +26,7 @@ computes the same tokens for a request; only which ranks' experts are local chan
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
@@ -59,7 +60,8 @@ class RequestRouter:
         self.recent: deque[tuple[int, float]] = deque()
         self.counts = {"placement": 0, "vllm": 0, "explicit": 0}
         self.per_engine = np.zeros(num_engines, dtype=np.int64)
-        self.log_interval, self._last_log = log_interval, time.monotonic()
+        self.first_choice = 0  # requests routed to the engine they score best on, all engines open
+        self.log_interval, self._last_log, self._timer = log_interval, time.monotonic(), None
 
     def scores(self, prompt_token_ids) -> np.ndarray:
         """[num_engines] float64 affinity of a prompt (token ids) to each engine."""
@@ -74,9 +76,11 @@ class RequestRouter:
         waiting: [num_engines] vLLM's waiting-request count per engine."""
         open_ = balance_mask(self.load, weight, self.capacity)
         open_ &= balance_mask(np.asarray(waiting, dtype=np.float64), 1.0, self.capacity)
-        if not open_.any():
-            return -1
-        return pick_rank(self.scores(prompt_token_ids), open_)
+        scores = self.scores(prompt_token_ids)
+        choice = pick_rank(scores, open_) if open_.any() else -1
+        if choice >= 0 and pick_rank(scores, np.ones(self.num_engines, dtype=bool)) == choice:
+            self.first_choice += 1
+        return choice
 
     def routed(self, engine: int, weight: float, how: str) -> None:
         """Account a request sent to ``engine`` (by ``how``: placement | vllm | explicit)."""
@@ -87,16 +91,32 @@ class RequestRouter:
             self.load[e] -= w
         self.counts[how] += 1
         self.per_engine[engine] += 1
+        self._maybe_log()
+
+    def _maybe_log(self) -> None:
+        """A summary per log interval; the last one also after traffic stops (a timer on the
+        front end's event loop, where vLLM routes), so the log covers every request."""
         now = time.monotonic()
         if now - self._last_log >= self.log_interval:
             self._last_log = now
             logger.info("%s", self.summary())
+            return
+        if self._timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return  # called outside an event loop (tests, offline use): no timer
+            self._timer = loop.call_later(self.log_interval - (now - self._last_log) + 1e-3, self._flush)
+
+    def _flush(self) -> None:
+        self._timer = None
+        self._maybe_log()
 
     def summary(self) -> str:
         c = self.counts
-        return (f"smoe dp routing: {sum(c.values())} requests: {c['placement']} by the placement, {c['vllm']} "
-                f"left to vLLM's balancer, {c['explicit']} with their own rank; per engine "
-                f"{self.per_engine.tolist()}")
+        return (f"smoe dp routing: {sum(c.values())} requests: {c['placement']} by the placement "
+                f"({self.first_choice} on their best-scoring engine), {c['vllm']} left to vLLM's balancer, "
+                f"{c['explicit']} with their own rank; per engine {self.per_engine.tolist()}")
 
 
 def router_for(vllm_config, num_engines: int) -> RequestRouter | None:

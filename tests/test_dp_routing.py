@@ -1,0 +1,405 @@
+"""Attention-DP request routing: the shared rule (placement/dp.py), request-level placement,
+the front-end router around vLLM's balancer, the /smoe/route endpoint, served-step counters."""
+
+import itertools
+import os
+import types
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_smoe.placement.dp import (_request_scores, assign_requests, balance_mask, pick_rank, place_requests,
+                                    request_affinity, request_counts, request_index, request_token_table)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DP2 = os.path.join(REPO, "configs", "tiny-4dom-dp2.yaml")
+
+
+def test_balance_mask_golden():
+    # empty window: every rank open
+    assert balance_mask(np.zeros(2), 5.0, 1.1).tolist() == [True, True]
+    # (5, 0) + 5: total 10, fair 5, cap 5.5 -> rank 0 would hold 10: closed; the least loaded stays open
+    assert balance_mask(np.array([5.0, 0.0]), 5.0, 1.1).tolist() == [False, True]
+    # (30, 28) + 2 at capacity 1.1: cap 33 -> both open
+    assert balance_mask(np.array([30.0, 28.0]), 2.0, 1.1).tolist() == [True, True]
+    # (4, 0, 0) + 1 at 1.0: limit max(5/3, 1) -> only the empty ranks
+    assert balance_mask(np.array([4.0, 0.0, 0.0]), 1.0, 1.0).tolist() == [False, True, True]
+
+
+def test_pick_rank_golden():
+    assert pick_rank(np.array([1.0, 3.0, 2.0]), np.array([True, True, True])) == 1
+    assert pick_rank(np.array([1.0, 3.0, 2.0]), np.array([True, False, True])) == 2  # best rank masked
+    assert pick_rank(np.array([2.0, 2.0, 1.0]), np.ones(3, bool)) == -1  # a tie: no preference
+    assert pick_rank(np.zeros(2), np.ones(2, bool)) == -1  # unseen prompt
+    assert pick_rank(np.array([0.0, 5.0]), np.array([True, False])) == 0  # the only open rank
+    assert pick_rank(np.array([1.0, 2.0]), np.zeros(2, bool)) == -1
+
+
+def test_requests_of_one_workload_in_a_row_are_spread_by_the_window():
+    # 8 requests in a row that all prefer rank 0, then 8 that prefer rank 1: the sliding window
+    # of 4 requests keeps each rank within its share, so the first block alternates
+    scores = np.array([[5.0, 0.0]] * 8 + [[0.0, 5.0]] * 8)
+    out = assign_requests(scores, np.full(16, 10), 2, capacity=1.0, window=4)
+    assert out[:8].tolist() == [0, 1, 0, 1, 0, 1, 0, 1]
+    # mixed arrivals: everyone gets its rank
+    mixed = np.array([[5.0, 0.0], [0.0, 5.0]] * 8)
+    assert assign_requests(mixed, np.full(16, 10), 2, capacity=1.0, window=4).tolist() == [0, 1] * 8
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.integers(2, 5), st.integers(1, 12), st.floats(1.0, 1.5), st.integers(0, 2**16))
+def test_assign_requests_respects_the_window_and_is_deterministic(Q, N, window, capacity, seed):
+    rng = np.random.default_rng(seed)
+    scores = rng.random((Q, N)) * (rng.random((Q, 1)) < 0.8)
+    tokens = rng.integers(1, 50, Q)
+    out = assign_requests(scores, tokens, N, capacity, window)
+    assert np.array_equal(out, assign_requests(scores, tokens, N, capacity, window))
+    assert out.min() >= 0 and out.max() < N
+    load = np.zeros(N)
+    for q in range(Q):  # replay: every request went to a rank the mask left open
+        if q >= window:
+            load[out[q - window]] -= tokens[q - window]
+        assert balance_mask(load, float(tokens[q]), capacity)[out[q]] or pick_rank(
+            scores[q], balance_mask(load, float(tokens[q]), capacity)) < 0
+        load[out[q]] += tokens[q]
+
+
+def test_request_counts_and_affinity_golden():
+    req = np.array([7, 7, 3, 7, 3])  # request 7 first, then 3
+    topk = np.array([[[0, 1]], [[1, 2]], [[3, 3]], [[0, -1]], [[2, 3]]])  # [T, L=1, K=2]
+    A, tokens = request_counts(req, topk, 4)
+    np.testing.assert_array_equal(A[:, 0], [[2, 2, 1, 0], [0, 0, 1, 3]])
+    np.testing.assert_array_equal(tokens, [3, 2])
+    t2r = np.array([[[0, -1], [1, -1], [-1, -1]]], np.int16)  # token 2 unseen
+    conf = np.array([[0.5, 1.0, 0.0]], np.float16)
+    reqs, S, tok = request_affinity(t2r, conf, np.array([0, 1, 2, 1, 9]), req, None, 2)  # id 9 outside the table
+    np.testing.assert_array_equal(reqs, [7, 3])
+    np.testing.assert_allclose(S, [[0.5, 2.0], [0.0, 0.0]])  # 7: tokens 0, 1, 1; 3: unseen and outside
+
+
+def test_request_token_table_golden():
+    tok = np.array([0, 1, 0, 2, 0, 1])
+    req = np.array([0, 0, 1, 1, 2, 2])
+    t2r, conf = request_token_table(tok, req, np.array([1, 0, 1]), 4, 2)
+    # token 0 in requests on ranks 1, 0, 1 -> rank 1 (2 of 3), second rank 0; token 1 only on 1;
+    # token 2 only on 0; token 3 unseen
+    np.testing.assert_array_equal(t2r, [[1, 0], [1, -1], [0, -1], [-1, -1]])
+    np.testing.assert_allclose(conf.astype(float), [2 / 3, 1.0, 1.0, 0.0], atol=1e-3)
+
+
+def _brute_force(A, tokens, N, capacity):
+    """Best local share over every expert split (E / N per rank per layer) and every request
+    assignment within the token cap: the exact optimum of place_requests' objective."""
+    Q, L, E = A.shape
+    per = E // N
+    cap = capacity * tokens.sum() / N
+    splits = [np.array(s) for s in itertools.product(range(N), repeat=E) if all(s.count(r) == per for r in range(N))]
+    best = 0.0
+    for e2r in itertools.product(splits, repeat=L):
+        S = _request_scores(A, np.stack(e2r), N)
+        for r2r in itertools.product(range(N), repeat=Q):
+            r2r = np.array(r2r)
+            if np.bincount(r2r, weights=tokens, minlength=N).max() <= cap + 1e-9:
+                best = max(best, S[np.arange(Q), r2r].sum())
+    return best / A.sum()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_place_requests_reaches_the_exact_optimum_on_small_cases(seed):
+    rng = np.random.default_rng(seed)
+    Q, L, E, N = 6, 1, 4, 2
+    A = rng.integers(0, 6, (Q, L, E)).astype(np.float32)
+    tokens = rng.integers(2, 6, Q)
+    e2r, r2r, share = place_requests(A, tokens, N, capacity=1.2, restarts=8)
+    S = _request_scores(A, e2r, N)
+    assert share == pytest.approx(S[np.arange(Q), r2r].sum() / A.sum())
+    assert (np.bincount(e2r[0], minlength=N) == E // N).all()
+    assert np.bincount(r2r, weights=tokens, minlength=N).max() <= 1.2 * tokens.sum() / N + 1e-9
+    assert share == pytest.approx(_brute_force(A, tokens, N, 1.2), abs=1e-9)
+
+
+def test_place_requests_recovers_planted_workloads_and_is_seeded():
+    # two workloads, each using its own half of the experts in every layer
+    rng = np.random.default_rng(0)
+    Q, L, E = 40, 3, 8
+    work = np.arange(Q) % 2
+    A = rng.random((Q, L, E)).astype(np.float32) * 0.1
+    for q in range(Q):
+        A[q, :, work[q] * 4:(work[q] + 1) * 4] += 5
+    e2r, r2r, share = place_requests(A, np.full(Q, 10), 2, seed=3)
+    assert share > 0.95
+    assert len(set(zip(work.tolist(), r2r.tolist()))) == 2  # one rank per workload
+    again = place_requests(A, np.full(Q, 10), 2, seed=3)
+    assert np.array_equal(again[0], e2r) and np.array_equal(again[1], r2r)
+
+
+# ---- the front-end router around vLLM's balancer -------------------------------------------------
+
+def _router(num_engines=2, ep_size=2, window=64):
+    from vllm_smoe.serving.dp_router import RequestRouter
+
+    t2r = np.full((1, 8, 2), -1, np.int16)
+    t2r[0, :4, 0] = np.arange(4) % ep_size  # tokens 0-3 -> rank t % ep_size; 4-7 unseen
+    conf = np.zeros((1, 8), np.float16)
+    conf[0, :4] = 1.0
+    return RequestRouter(t2r, conf, ep_size, num_engines, window=window)
+
+
+def test_router_folds_tp_ranks_into_engines():
+    r = _router(num_engines=2, ep_size=4)  # TP=2: engine 0 = EP ranks 0, 1; engine 1 = 2, 3
+    np.testing.assert_allclose(r.scores([0, 1, 2, 5]), [2.0, 1.0])
+    with pytest.raises(ValueError, match="not a multiple"):
+        _router(num_engines=3, ep_size=4)
+
+
+def test_router_prefers_its_rank_until_the_window_is_full():
+    r = _router(window=4)
+    assert r.choose([1, 3, 1], 10, [0, 0]) == 1
+    assert r.choose([4, 5], 10, [0, 0]) == -1  # unseen prompt: vLLM decides
+    assert r.choose([1, 3, 1], 10, [3, 0]) == 1
+    assert r.choose([0], 10, [3, 0]) == 1  # engine 0 has queued work above its share: the open one
+    assert r.choose([0], 10, [3, 3]) == 0
+    for _ in range(2):
+        r.routed(1, 10, "placement")
+    assert r.choose([1], 10, [0, 0]) == 0  # engine 1 is full in the window (20 of 30 > 1.1 x 15)
+    r.routed(0, 10, "placement")
+    assert r.choose([1], 10, [0, 0]) == 0  # 30 of 40 would still pass 1.1 x 20
+    r.routed(0, 10, "placement")
+    assert r.choose([1], 10, [0, 0]) == 1  # (20, 20): both open, the prompt's engine
+    for _ in range(2):  # the window slides: the first two requests leave it
+        r.routed(0, 10, "placement")
+    np.testing.assert_array_equal(r.load, [40, 0])
+    assert r.counts == {"placement": 6, "vllm": 0, "explicit": 0}
+    assert r.per_engine.tolist() == [4, 2]
+
+
+class _Request:
+    def __init__(self, rid, ids, rank=None):
+        self.request_id, self.prompt_token_ids, self.data_parallel_rank = rid, ids, rank
+        self.sampling_params = types.SimpleNamespace(max_tokens=4)
+        self.pooling_params = None
+
+
+def _client(router):
+    """The state vLLM's DPLBAsyncMPClient keeps, with smoe's router attached."""
+    return types.SimpleNamespace(core_engines=[(0).to_bytes(2, "little"), (1).to_bytes(2, "little")],
+                                 lb_engines=[[0, 0, 0.0], [0, 0, 0.0]], reqs_in_flight={}, engine_inflight=Counter(),
+                                 client_count=1, eng_start_index=0, _smoe_router=router, vllm_config=None)
+
+
+def test_wrapped_balancer_routes_by_placement_keeps_explicit_ranks_and_vllms_bookkeeping():
+    pytest.importorskip("vllm")
+    from vllm.v1.engine.core_client import DPLBAsyncMPClient
+
+    from vllm_smoe.serving.dp_router import install
+
+    install()
+    route = DPLBAsyncMPClient.get_core_engine_for_request
+    router = _router()
+    c = _client(router)
+    e1 = (1).to_bytes(2, "little")
+    req = _Request("a", [1, 3, 1])
+    assert route(c, req) == e1  # the placement's engine
+    assert req.data_parallel_rank is None  # handed back as it came
+    assert c.reqs_in_flight["a"] == e1 and c.engine_inflight[e1] == 1 and c.lb_engines[1][0] == 1
+    # an explicit rank is the client's, even against the placement
+    assert route(c, _Request("b", [1, 3], rank=0)) == (0).to_bytes(2, "little")
+    # an unseen prompt: vLLM's least-loaded choice (engine 0 now carries 1 in flight, engine 1 one
+    # in flight and one waiting: engine 0 has the lower score)
+    assert route(c, _Request("c", [5, 6])) in c.core_engines
+    assert router.counts == {"placement": 1, "vllm": 1, "explicit": 1}
+    # a client whose config does not ask for routing keeps vLLM's behaviour
+    plain = _client(None)
+    assert route(plain, _Request("d", [1, 3, 1])) == (0).to_bytes(2, "little")
+
+
+def test_route_endpoint_answers_and_refuses_bad_bodies():
+    pytest.importorskip("vllm")
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from vllm_smoe.serving.dp_router import preferred_rank
+    from vllm_smoe.serving.endpoints import SmoeEndpoints
+
+    app = FastAPI()
+    SmoeEndpoints().attach_router(app)
+    app.state.smoe_route = (DP2, 2, types.SimpleNamespace(encode=lambda s: [ord(ch) for ch in s]))
+    c = TestClient(app)
+    ids = list(range(100, 140))
+    r = c.post("/smoe/route", json={"prompt_token_ids": ids})
+    assert r.status_code == 200
+    rank, scores = preferred_rank(DP2, ids, 2)
+    assert r.json() == {"rank": rank, "scores": scores, "placement": DP2}
+    assert c.post("/smoe/route", json={"prompt": "def f(x):"}).json()["scores"] == preferred_rank(
+        DP2, [ord(ch) for ch in "def f(x):"], 2)[1]
+    for bad in ({"prompt": 3}, {"prompt_token_ids": ["a"]}, [1, 2], {}):
+        assert c.post("/smoe/route", json=bad).status_code == 400
+    app.state.smoe_route = (None, None, None)
+    assert c.post("/smoe/route", json={"prompt_token_ids": ids}).status_code == 404
+
+
+def test_sparse_exchange_counts_served_rows_only():
+    import torch
+
+    from vllm_smoe.serving.sparse_a2a import SparseExchange
+
+    owner = torch.tensor([0, 0, 1, 1])
+    N, H = 2, 3
+    ex = SparseExchange(0, N, owner, lambda x: torch.cat([x, torch.zeros_like(x)]),
+                        lambda x: x.view(N, -1, x.shape[1]).sum(0))
+    ids = torch.tensor([[0, 2], [1, 0], [3, 2]])
+    x, w = torch.randn(3, H), torch.ones(3, 2)
+    ex.dispatch(x, w, ids, served=torch.tensor([True, False, True]))
+    ex.combine(torch.zeros(3 + 0, H))
+    # rows 0 and 2 count: 2 tokens, 2 remote pairs, local activations 1 of 4
+    tok, pairs, nbytes, local, acts = ex.stats.tolist()
+    assert (tok, pairs, local, acts) == (2, 2, 1, 4)
+    assert nbytes == 2 * (2 * H * 4 + 8 * 2)
+    ex.dispatch(x, w, ids, served=False)  # a dummy step: nothing counted
+    ex.combine(torch.zeros(3, H))
+    assert ex.stats.tolist() == [tok, pairs, nbytes, local, acts]
+
+
+def test_config_and_flag_for_dp_routing():
+    import argparse
+
+    from vllm_smoe.config import SmoeConfig
+
+    assert SmoeConfig.from_dict({}).dp_routing is True
+    assert SmoeConfig.from_dict({"dp_routing": False}).dp_routing is False
+    with pytest.raises(ValueError, match="field 'dp_routing' must be true or false, got 'no'"):
+        SmoeConfig.from_dict({"dp_routing": "no"})
+    from vllm_smoe.serving.plugin import _add_flags, _smoe_from_args
+
+    p = argparse.ArgumentParser()
+    _add_flags(p)
+    assert _smoe_from_args(p.parse_args(["--plugin", "smoe", "--smoe-dp-routing", "off"])) == {"dp_routing": False}
+    with pytest.raises(ValueError, match="--smoe-dp-routing given without --plugin smoe"):
+        _smoe_from_args(p.parse_args(["--smoe-dp-routing", "on"]))
+
+
+# ---- vllm serve --data-parallel-size 2: routing changes where requests run, never their tokens ----
+
+def _mixed(n):
+    from vllm_smoe.bench import _mixed_prompts
+    from vllm_smoe.testbed import FIXTURE_TRACES
+
+    return [p[: 3 + i % 32] for i, p in enumerate(_mixed_prompts(FIXTURE_TRACES["heldout"], n, 64))]
+
+
+def _concurrent(server, prompts, clients=8):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(clients) as ex:
+        return list(ex.map(lambda p: server.complete([p])[0], prompts))
+
+
+@pytest.mark.vllm
+def test_dp2_serving_with_and_without_smoe_routing_gives_plain_tokens(tmp_path):
+    """32 held-out prompts of all four workloads, 8 concurrent clients, DP=2 + EP on vLLM's CPU
+    build: vLLM's own DP + EP (its allgather-reducescatter, no placement), smoe's request-level
+    placement with smoe's routing (sparse all2all, the /smoe/route endpoint allowlisted) and with
+    routing off; all against plain single-rank vLLM (prompts one at a time)."""
+    pytest.importorskip("vllm")
+    import json
+    import urllib.request
+
+    from vllm_smoe.server_process import VllmServer
+    from vllm_smoe.testbed import FIXTURE_MODEL
+
+    ATOL = 1e-4
+    prompts = _mixed(32)
+    with VllmServer(FIXTURE_MODEL, log=tmp_path / "plain.log") as s:
+        plain = s.complete(prompts)
+    dp = ("--data-parallel-size", "2", "--enable-expert-parallel", "--plugin", "smoe", "--smoe-log-interval", "0.2")
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_PLUGINS": "smoe"}
+    runs = {"vllm": dp + ("--smoe-all2all", "vllm"),
+            "routed": dp + ("--smoe-placement", DP2),
+            "unrouted": dp + ("--smoe-placement", DP2, "--smoe-dp-routing", "off")}
+    for name, flags in runs.items():
+        with VllmServer(FIXTURE_MODEL, *flags, log=tmp_path / f"{name}.log", env=env) as s:
+            out = _concurrent(s, prompts)
+            if name == "routed":
+                want = preferred_rank_of(prompts[0])
+                req = urllib.request.Request(f"http://127.0.0.1:{s.port}/smoe/route",
+                                             data=json.dumps({"prompt_token_ids": prompts[0]}).encode(),
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    assert json.load(r)["rank"] == want
+                import time
+
+                time.sleep(0.3)
+                s.complete([prompts[1][:1]], max_tokens=1)  # one more step: the counters' lines cover the run
+        assert [t for t, _ in out] == [t for t, _ in plain], name
+        np.testing.assert_allclose([lp for _, lp in out], [lp for _, lp in plain], rtol=0, atol=ATOL, err_msg=name)
+        log = open(tmp_path / f"{name}.log").read()
+        assert ("sparse de-duplicated all2all manager on group ep" in log) == (name != "vllm")
+        routed = [int(x) for x in _re_all(r"smoe dp routing: \d+ requests: (\d+) by the placement", log)]
+        if name == "routed":
+            assert sum(routed) > 0, "no request was routed by the placement"
+            from vllm_smoe.bench import _dp_numbers
+
+            served = _dp_numbers(str(tmp_path / f"{name}.log"))
+            assert set(served["tokens_per_rank"]) == {0, 1} and 0 < served["local_share"] <= 1
+        else:
+            assert not routed
+
+
+def preferred_rank_of(ids):
+    from vllm_smoe.serving.dp_router import preferred_rank
+
+    return preferred_rank(DP2, ids, 2)[0]
+
+
+def _re_all(pattern, text):
+    import re
+
+    return re.findall(pattern, text)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 4), st.integers(0, 2**16))
+def test_swap_for_bytes_with_fixed_requests_never_adds_rows(N, seed):
+    import scipy.sparse as sp
+
+    from vllm_smoe.placement.bytes import layer_instances, remote_bytes, swap_for_bytes
+
+    rng = np.random.default_rng(seed)
+    E, K, T, Q = 4 * N, 2, 200, 12
+    req = rng.integers(0, Q, T)
+    topk = np.stack([rng.choice(E, K, replace=False) for _ in range(T)])
+    A, _ = request_counts(req, topk[:, None, :], E)
+    _, q = request_index(req)
+    r2r = rng.integers(0, N, A.shape[0])
+    start = rng.permutation(np.repeat(np.arange(N), E // N))
+    inst = layer_instances(q, topk)
+    out = swap_for_bytes(sp.csr_matrix(A[:, 0]), inst, r2r, N, start, max_expert_load=10.0, seed=seed)
+    assert (np.bincount(out, minlength=N) == E // N).all()
+    assert remote_bytes(inst[1], inst[2], inst[0], out.astype(np.int64), r2r) <= \
+        remote_bytes(inst[1], inst[2], inst[0], start, r2r)
+    again = swap_for_bytes(sp.csr_matrix(A[:, 0]), inst, r2r, N, start, max_expert_load=10.0, seed=seed)
+    assert np.array_equal(out, again)
+
+
+def test_swap_for_bytes_golden():
+    """Two requests on ranks 0 and 1; request 0's tokens use experts {0, 2}, request 1's {1, 3}.
+    Starting from experts 0, 1 on rank 0 and 2, 3 on rank 1, every token sends one row; swapping
+    1 and 2 makes every token local."""
+    import scipy.sparse as sp
+
+    from vllm_smoe.placement.bytes import layer_instances, remote_bytes, swap_for_bytes
+
+    req = np.array([0, 0, 1, 1])
+    topk = np.array([[0, 2], [2, 0], [1, 3], [3, 1]])
+    A, _ = request_counts(req, topk[:, None, :], 4)
+    _, q = request_index(req)
+    inst = layer_instances(q, topk)
+    start = np.array([0, 0, 1, 1])
+    r2r = np.array([0, 1])
+    assert remote_bytes(inst[1], inst[2], inst[0], start, r2r) == 4
+    out = swap_for_bytes(sp.csr_matrix(A[:, 0]), inst, r2r, 2, start, max_expert_load=2.0)
+    assert out.tolist() == [0, 1, 0, 1]
+    assert remote_bytes(inst[1], inst[2], inst[0], out.astype(np.int64), r2r) == 0
