@@ -56,13 +56,14 @@ def request_affinity(token2rank: np.ndarray, token_conf: np.ndarray, token_ids: 
     return reqs, scores.reshape(Q, ep_size), tokens
 
 
-def balance_mask(load: np.ndarray, weight: float, capacity: float) -> np.ndarray:
+def balance_mask(load: np.ndarray, weight: float, capacity: float, slack: float = 0.0) -> np.ndarray:
     """[N] bool, True = rank may take a request of ``weight``. load: [N] float work already on
     each rank (window tokens offline; vLLM's waiting requests when serving). A rank is open while
     its load plus the request stays within ``capacity`` x the fair share of the total, or
-    within the least loaded rank's load plus the request (so some rank is always open)."""
+    within the least loaded rank's load plus the request (so some rank is always open), plus
+    ``slack`` (for loads counted in whole requests, where one request is already 10%)."""
     total = load.sum() + weight
-    limit = max(capacity * total / load.size, load.min() + weight)
+    limit = max(capacity * total / load.size, load.min() + weight) + slack
     return load + weight <= limit * (1 + 1e-9)
 
 
@@ -94,6 +95,21 @@ def assign_requests(scores: np.ndarray, tokens: np.ndarray, ep_size: int, capaci
         r = pick_rank(scores[q], balance_mask(load, float(tokens[q]), capacity))
         out[q] = int(np.argmin(load)) if r < 0 else r
         load[out[q]] += tokens[q]
+    return out
+
+
+def workload_scores(scores: np.ndarray, workload: np.ndarray) -> np.ndarray:
+    """Workload-aware grouping: score every request by its workload's running centroid, so that
+    requests of one workload prefer the same rank (the balance mask still spreads them).
+    scores: [Q, N] float, requests in arrival order; workload: [Q] int label (e.g. a trace's
+    ``domain``). Returns [Q, N] float64: the sum of the workload's requests' scores so far
+    (itself included), each normalised to sum 1 (unscored requests add nothing)."""
+    tot = scores.sum(axis=1, keepdims=True)
+    norm = np.divide(scores, tot, out=np.zeros(scores.shape), where=tot > 0)
+    out = np.empty_like(norm)
+    for w in np.unique(workload):
+        idx = np.flatnonzero(workload == w)
+        out[idx] = np.cumsum(norm[idx], axis=0)
     return out
 
 

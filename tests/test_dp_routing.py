@@ -27,6 +27,9 @@ def test_balance_mask_golden():
     assert balance_mask(np.array([30.0, 28.0]), 2.0, 1.1).tolist() == [True, True]
     # (4, 0, 0) + 1 at 1.0: limit max(5/3, 1) -> only the empty ranks
     assert balance_mask(np.array([4.0, 0.0, 0.0]), 1.0, 1.0).tolist() == [False, True, True]
+    # one request of slack on request counts: (0, 1) + 1 leaves both open, (0, 2) + 1 does not
+    assert balance_mask(np.array([0.0, 1.0]), 1.0, 1.1, slack=1.0).tolist() == [True, True]
+    assert balance_mask(np.array([0.0, 2.0]), 1.0, 1.1, slack=1.0).tolist() == [True, False]
 
 
 def test_pick_rank_golden():
@@ -161,6 +164,7 @@ def test_router_prefers_its_rank_until_the_window_is_full():
     assert r.choose([4, 5], 10, [0, 0]) == -1  # unseen prompt: vLLM decides
     assert r.choose([1, 3, 1], 10, [3, 0]) == 1
     assert r.choose([0], 10, [3, 0]) == 1  # engine 0 has queued work above its share: the open one
+    assert r.choose([0], 10, [1, 0]) == 0  # one request of slack
     assert r.choose([0], 10, [3, 3]) == 0
     for _ in range(2):
         r.routed(1, 10, "placement")

@@ -19,7 +19,7 @@ from .placement.bytes import layer_instances, swap_for_bytes
 from .model_info import expert_groups
 from .placement.dp import WINDOW as DP_WINDOW
 from .placement.dp import (assign_requests, place_requests, request_affinity, request_counts, request_index,
-                           request_token_table, round_robin_requests)
+                           request_token_table, round_robin_requests, workload_scores)
 from .placement.groups import check_groups
 from .placement.layout import NEEDS_INSTANCES, PREDICTED, SOLVERS, place_model
 from .placement.metrics import evaluate, holds_from_expert2rank
@@ -36,7 +36,7 @@ METRIC_KEYS = ("lar", "token_load", "expert_load", "remote_pairs_per_token", "re
 COMPARE_ALL = ("linear", "round_robin", "eplb", "metis", "ceo", "alternating", "coclust", "bytes")
 
 
-SAMPLE_FIELDS = ("token_ids", "request_ids", "positions", "topk_ids", "step_ids", "is_prefill")
+SAMPLE_FIELDS = ("token_ids", "request_ids", "positions", "topk_ids", "step_ids", "is_prefill", "domain")
 EVAL_WINDOWS = 16  # evenly spaced windows a bounded evaluation sample is cut into
 
 
@@ -352,7 +352,7 @@ def _ticking(it, bar):
 
 
 def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, hidden, dtype_bytes, mode="tp",
-             nodes=1, shuffle=None):
+             nodes=1, shuffle=None, workloads=False):
     holds = holds_from_expert2rank(e2r, ep_size, reps)
     if mode == "dp":  # whole requests on attention-DP ranks
         reqs, q = request_index(arr["request_ids"])  # q: each token's request, in first-appearance order
@@ -363,7 +363,14 @@ def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, 
         if predicted:
             _, scores, tokens = request_affinity(tables.token2rank, tables.token_conf, arr["token_ids"],
                                                  arr["request_ids"], arr.get("is_prefill"), ep_size)
-            r2r[arrival] = assign_requests(scores[arrival], tokens[arrival], ep_size, capacity, window=DP_WINDOW)
+            scores = scores[arrival]
+            if workloads:  # workload-aware grouping: a request scores as its workload's centroid so far
+                if "domain" not in arr:
+                    raise ValueError("--group-workloads: the trace has no 'domain' field (the workload of each token)")
+                wl = np.empty(Q, dtype=np.int64)
+                wl[q] = arr["domain"]
+                scores = workload_scores(scores, wl[arrival])
+            r2r[arrival] = assign_requests(scores, tokens[arrival], ep_size, capacity, window=DP_WINDOW)
         else:
             r2r[arrival] = round_robin_requests(Q, ep_size)
         pos = np.empty(Q, dtype=np.int64)
@@ -422,7 +429,7 @@ def cmd_build(a) -> int:
     sub, batch = _batched(sample, a.batch_tokens)
     m = _measure(sub, batch, meta, e2r, reps, tables, a.ep_size, a.capacity, tables is not None,
                  meta.hidden_size or a.hidden_size, a.dtype_bytes, mode=a.mode, nodes=a.nodes,
-                 shuffle=a.shuffle_requests)
+                 shuffle=a.shuffle_requests, workloads=a.group_workloads)
     m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tables.nbytes if tables is not None else 0)
     write_placement(a.output, expert2rank=e2r, ep_size=a.ep_size, nodes=a.nodes, top_k=meta.top_k,
                     vocab_size=meta.vocab_size, method=a.method if a.mode == "tp" else "dp-coclust",
@@ -458,7 +465,7 @@ def _evaluate_all(a):
     tables = load_tables(p) if p.predictor else None
     label = f"placement ({p.method})"
     m = _measure(arr, batch, meta, p.expert2rank, p.replicas, tables, p.ep_size, p.capacity, tables is not None,
-                 hidden, a.dtype_bytes, a.mode, p.nodes, a.shuffle_requests)
+                 hidden, a.dtype_bytes, a.mode, p.nodes, a.shuffle_requests, a.group_workloads)
     m.update({k: p.metrics[k] for k in ("solve_seconds", "peak_mem_mb", "table_bytes") if k in p.metrics})
     results[label] = m
     methods = [] if not a.compare else (COMPARE_ALL if a.compare == "all" else a.compare.split(","))
@@ -490,7 +497,7 @@ def _evaluate_all(a):
             # each placement as plain EP runs it (contiguous token slices), then with smoe's predictor
             for form, predicted in ((method, False), (method + "+pred", True)):
                 m = _measure(arr, batch, meta, e2r, reps, tab, p.ep_size, p.capacity, predicted, hidden,
-                             a.dtype_bytes, a.mode, p.nodes, a.shuffle_requests)
+                             a.dtype_bytes, a.mode, p.nodes, a.shuffle_requests, a.group_workloads)
                 m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tab.nbytes if predicted else 0)
                 results[form] = m
     return p, results, meta, arr
@@ -568,6 +575,9 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--shuffle-requests", type=number(int, 0), default=None, metavar="SEED",
                        help="--mode dp: requests arrive in a random order (this seed) instead of the trace's, for "
                             "traces recorded one workload after another")
+        s.add_argument("--group-workloads", action="store_true",
+                       help="--mode dp: route each request by its workload's running score (the trace's 'domain' "
+                            "field) instead of its own, so that a workload's requests land together")
         s.add_argument("--batch-tokens", type=number(int, 1), default=512,
                        help="batch size for traces without step_ids (default 512)")
         s.add_argument("--theta", type=number(float, 0.0, 1.0), default=0.5,

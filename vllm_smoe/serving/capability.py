@@ -20,7 +20,8 @@ def speculate_supported(vllm_config, placement, predictor: str = "tables") -> tu
     if tp < 2:
         return False, f"needs --tensor-parallel-size >= 2 (got {tp}): tokens are ordered over the TP ranks"
     if pc.pipeline_parallel_size != 1 or pc.data_parallel_size != 1:
-        return False, "pipeline and data parallel size must be 1 (attention-DP routing is a separate feature)"
+        return False, ("pipeline and data parallel size must be 1 (with --data-parallel-size > 1 use mode place: "
+                       "smoe then routes whole requests to DP ranks, see the README)")
     if getattr(pc, "expert_placement_strategy", "linear") != "linear":
         return False, (f"--expert-placement-strategy {pc.expert_placement_strategy!r}: smoe's placement is applied "
                        f"by the load plan on top of vLLM's linear split; drop the flag")

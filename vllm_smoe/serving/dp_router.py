@@ -15,7 +15,7 @@ method, in the front-end process only:
   best engine among those two balance masks leave open (:func:`~vllm_smoe.placement.dp.balance_mask`):
   the routed work (prompt + max new tokens) of the last ``WINDOW`` requests, exactly as
   ``smoe-place evaluate --mode dp`` simulates it, and vLLM's own count of waiting requests per
-  engine, so no engine gets more than its share of queued work;
+  engine (one request of slack), so no engine gets more than its share of queued work;
 - when no open engine scores strictly best (an unseen prompt, a tie, everything masked), vLLM's
   balancer chooses as it would without smoe.
 
@@ -75,7 +75,9 @@ class RequestRouter:
         """The engine smoe routes a request to, or -1 = leave it to vLLM's balancer.
         waiting: [num_engines] vLLM's waiting-request count per engine."""
         open_ = balance_mask(self.load, weight, self.capacity)
-        open_ &= balance_mask(np.asarray(waiting, dtype=np.float64), 1.0, self.capacity)
+        # vLLM counts a request as waiting from routing until the coordinator's next snapshot
+        # (100 ms): a burst would alternate engines without the one request of slack
+        open_ &= balance_mask(np.asarray(waiting, dtype=np.float64), 1.0, self.capacity, slack=1.0)
         scores = self.scores(prompt_token_ids)
         choice = pick_rank(scores, open_) if open_.any() else -1
         if choice >= 0 and pick_rank(scores, np.ones(self.num_engines, dtype=bool)) == choice:
