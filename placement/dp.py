@@ -31,29 +31,46 @@ def request_index(request_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return uniq[order], q_of[inv.reshape(-1)]
 
 
+def token_votes(token2rank: np.ndarray, token_conf: np.ndarray, ep_size: int, engines: int | None = None
+                ) -> np.ndarray:
+    """[V, engines] float64: what each token id adds to a request's score on each engine, summed
+    over MoE layers: its confidence for the engine holding its best rank (engine = rank //
+    (ep_size / engines); default one engine per rank). token2rank: [L, V, 2] int16 (-1 = unseen);
+    token_conf: [L, V] float."""
+    L, V = token_conf.shape
+    engines = engines or ep_size
+    if ep_size % engines:
+        raise ValueError(f"placement ep_size {ep_size} is not a multiple of the {engines} DP engines")
+    votes = np.zeros(V * engines)
+    for layer in range(L):
+        r = token2rank[layer, :, 0].astype(np.int64)
+        ok = r >= 0
+        votes += np.bincount(np.flatnonzero(ok) * engines + r[ok] // (ep_size // engines),
+                             weights=token_conf[layer, ok].astype(np.float64), minlength=V * engines)
+    return votes.reshape(V, engines)
+
+
 def request_affinity(token2rank: np.ndarray, token_conf: np.ndarray, token_ids: np.ndarray,
-                     request_ids: np.ndarray, is_prefill: np.ndarray | None, ep_size: int
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Score every request against every rank from its prompt tokens.
+                     request_ids: np.ndarray, is_prefill: np.ndarray | None, ep_size: int,
+                     votes: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Score every request against every rank from its prompt tokens (:func:`token_votes`).
 
     token2rank: [L, V, 2] int16 (-1 = unseen) and token_conf: [L, V] float tables;
-    token_ids, request_ids: [T] int; is_prefill: [T] bool or None (all tokens count).
-    Token ids outside the tables (>= V) score nothing.
+    token_ids, request_ids: [T] int; is_prefill: [T] bool or None (all tokens count); votes:
+    the tables' :func:`token_votes`, when already made. Token ids outside the tables score nothing.
     Returns (request ids [Q] in first-appearance order, scores [Q, N] float64, tokens [Q] int64).
     """
-    L, V = token_conf.shape
+    if votes is None:
+        votes = token_votes(token2rank, token_conf, ep_size)
+    V, N = votes.shape
     reqs, q = request_index(request_ids)
     Q = reqs.size
     use = np.ones(token_ids.size, dtype=bool) if is_prefill is None else is_prefill.astype(bool)
     use &= (token_ids >= 0) & (token_ids < V)
-    scores = np.zeros(Q * ep_size)
-    for layer in range(L):
-        r = token2rank[layer, token_ids[use], 0].astype(np.int64)
-        ok = r >= 0
-        w = token_conf[layer, token_ids[use]].astype(np.float64)
-        scores += np.bincount(q[use][ok] * ep_size + r[ok], weights=w[ok], minlength=scores.size)
+    scores = np.zeros((Q, N))
+    np.add.at(scores, q[use], votes[token_ids[use]])
     tokens = np.bincount(q, minlength=Q).astype(np.int64)
-    return reqs, scores.reshape(Q, ep_size), tokens
+    return reqs, scores, tokens
 
 
 def balance_mask(load: np.ndarray, weight: float, capacity: float, slack: float = 0.0) -> np.ndarray:
@@ -86,12 +103,14 @@ def assign_requests(scores: np.ndarray, tokens: np.ndarray, ep_size: int, capaci
     """request2rank: [Q] int64 for requests in arrival order, routed one at a time as the server
     does. scores: [Q, N] float; tokens: [Q] int work of each request. A request without a
     preference goes where the least work of the window is (the load balancer's stand-in)."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1 request, got {window}")
     Q = scores.shape[0]
     out = np.empty(Q, dtype=np.int64)
     load = np.zeros(ep_size)
     for q in range(Q):
-        if q >= window:  # the request leaving the sliding window
-            load[out[q - window]] -= tokens[q - window]
+        if q > window:  # the window holds the last ``window`` requests routed before this one
+            load[out[q - window - 1]] -= tokens[q - window - 1]
         r = pick_rank(scores[q], balance_mask(load, float(tokens[q]), capacity))
         out[q] = int(np.argmin(load)) if r < 0 else r
         load[out[q]] += tokens[q]
@@ -126,11 +145,13 @@ def request_counts(request_ids: np.ndarray, topk_ids: np.ndarray, num_experts: i
     T, L, K = topk_ids.shape
     reqs, q = request_index(request_ids)
     Q = reqs.size
-    ids = topk_ids.astype(np.int64)
-    ok = ids >= 0
-    flat = (np.repeat(q, L * K).reshape(T, L, K) * L + np.arange(L)[None, :, None]) * num_experts + ids
-    A = np.bincount(flat[ok], minlength=Q * L * num_experts).astype(np.float32)
-    return A.reshape(Q, L, num_experts), np.bincount(q, minlength=Q).astype(np.int64)
+    A = np.zeros((Q, L, num_experts), dtype=np.float32)
+    rows = np.repeat(q, K) * num_experts
+    for layer in range(L):  # one layer at a time: [T, K] int64 temporaries, not [T, L, K]
+        ids = topk_ids[:, layer].astype(np.int64).ravel()
+        ok = ids >= 0
+        A[:, layer] = np.bincount(rows[ok] + ids[ok], minlength=Q * num_experts).reshape(Q, num_experts)
+    return A, np.bincount(q, minlength=Q).astype(np.int64)
 
 
 def _request_scores(A: np.ndarray, expert2rank: np.ndarray, ep_size: int) -> np.ndarray:
@@ -169,6 +190,8 @@ def place_requests(A: np.ndarray, tokens: np.ndarray, ep_size: int, capacity: fl
     Q, L, E = A.shape
     if E % ep_size:
         raise ValueError(f"{E} experts do not split evenly over ep_size {ep_size}")
+    if iters < 1 or Q == 0:
+        raise ValueError(f"place_requests needs iters >= 1 and at least one request (got {iters}, {Q})")
     total = max(float(A.sum()), 1e-12)
     rng = np.random.default_rng(seed)
     best = (None, None, -1.0)
@@ -188,17 +211,24 @@ def place_requests(A: np.ndarray, tokens: np.ndarray, ep_size: int, capacity: fl
 
 
 def request_token_table(token_ids: np.ndarray, request_ids: np.ndarray, request2rank: np.ndarray,
-                        vocab_size: int, ep_size: int) -> tuple[np.ndarray, np.ndarray]:
+                        vocab_size: int, ep_size: int, is_prefill: np.ndarray | None = None
+                        ) -> tuple[np.ndarray, np.ndarray]:
     """What a prompt's tokens say about the rank its request belongs on, learned from the
-    training requests' ranks (:func:`place_requests`): a token votes for the rank where most
-    training requests containing it were placed, with its share of them as confidence.
-    token_ids, request_ids: [T] int of the training requests; request2rank: [Q] int, requests in
-    order of first appearance. Returns (token2rank [V, 2] int16 best / second rank, -1 = unseen;
-    token_conf [V] float16 share on the best rank, 0 = unseen)."""
+    training requests' ranks (:func:`place_requests`): a token votes for the rank holding most of
+    the training requests whose prompt contains it (each request counted once), with confidence
+    (share - 1/N) / (1 - 1/N), so a token found evenly on every rank (a template, punctuation)
+    votes nothing. token_ids, request_ids: [T] int of the training requests; request2rank: [Q]
+    int, requests in order of first appearance; is_prefill: [T] bool (None: every token is a
+    prompt token). Returns (token2rank [V, 2] int16 best / second rank, -1 = unseen;
+    token_conf [V] float16, 0 = unseen or no preference)."""
     _, q = request_index(request_ids)
     ok = (token_ids >= 0) & (token_ids < vocab_size)
-    C = np.bincount(token_ids[ok].astype(np.int64) * ep_size + request2rank[q[ok]],
-                    minlength=vocab_size * ep_size).reshape(vocab_size, ep_size).astype(np.float64)
+    if is_prefill is not None:
+        ok &= is_prefill.astype(bool)
+    pairs = np.unique(q[ok] * vocab_size + token_ids[ok].astype(np.int64))  # distinct (request, token)
+    tok, req = pairs % vocab_size, pairs // vocab_size
+    C = np.bincount(tok * ep_size + request2rank[req], minlength=vocab_size * ep_size
+                    ).reshape(vocab_size, ep_size).astype(np.float64)
     seen = C.sum(axis=1) > 0
     order = np.argsort(-C, axis=1, kind="stable")[:, :2]
     t2r = np.full((vocab_size, 2), -1, dtype=np.int16)
@@ -206,5 +236,9 @@ def request_token_table(token_ids: np.ndarray, request_ids: np.ndarray, request2
     if ep_size > 1:  # a second rank only where some request containing the token was placed there
         t2r[seen & (C[np.arange(vocab_size), order[:, 1]] == 0), 1] = -1
     conf = np.zeros(vocab_size, dtype=np.float16)
-    conf[seen] = C[seen].max(axis=1) / C[seen].sum(axis=1)
+    if ep_size > 1:
+        share = C[seen].max(axis=1) / C[seen].sum(axis=1)
+        conf[seen] = np.maximum(0.0, (share - 1 / ep_size) / (1 - 1 / ep_size))
+    else:
+        conf[seen] = 1.0
     return t2r, conf

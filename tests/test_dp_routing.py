@@ -43,10 +43,12 @@ def test_pick_rank_golden():
 
 def test_requests_of_one_workload_in_a_row_are_spread_by_the_window():
     # 8 requests in a row that all prefer rank 0, then 8 that prefer rank 1: the sliding window
-    # of 4 requests keeps each rank within its share, so the first block alternates
+    # of the last 4 requests keeps each rank within its share (or the least loaded + 1 request)
     scores = np.array([[5.0, 0.0]] * 8 + [[0.0, 5.0]] * 8)
     out = assign_requests(scores, np.full(16, 10), 2, capacity=1.0, window=4)
-    assert out[:8].tolist() == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert out[:8].tolist() == [0, 1, 0, 1, 0, 0, 1, 0]
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        assign_requests(scores, np.full(16, 10), 2, window=0)
     # mixed arrivals: everyone gets its rank
     mixed = np.array([[5.0, 0.0], [0.0, 5.0]] * 8)
     assert assign_requests(mixed, np.full(16, 10), 2, capacity=1.0, window=4).tolist() == [0, 1] * 8
@@ -63,8 +65,8 @@ def test_assign_requests_respects_the_window_and_is_deterministic(Q, N, window, 
     assert out.min() >= 0 and out.max() < N
     load = np.zeros(N)
     for q in range(Q):  # replay: every request went to a rank the mask left open
-        if q >= window:
-            load[out[q - window]] -= tokens[q - window]
+        if q > window:
+            load[out[q - window - 1]] -= tokens[q - window - 1]
         assert balance_mask(load, float(tokens[q]), capacity)[out[q]] or pick_rank(
             scores[q], balance_mask(load, float(tokens[q]), capacity)) < 0
         load[out[q]] += tokens[q]
@@ -87,10 +89,16 @@ def test_request_token_table_golden():
     tok = np.array([0, 1, 0, 2, 0, 1])
     req = np.array([0, 0, 1, 1, 2, 2])
     t2r, conf = request_token_table(tok, req, np.array([1, 0, 1]), 4, 2)
-    # token 0 in requests on ranks 1, 0, 1 -> rank 1 (2 of 3), second rank 0; token 1 only on 1;
-    # token 2 only on 0; token 3 unseen
+    # token 0 in requests on ranks 1, 0, 1 -> rank 1 (2 of 3: confidence (2/3 - 1/2) / (1/2)),
+    # second rank 0; token 1 only on 1; token 2 only on 0; token 3 unseen
     np.testing.assert_array_equal(t2r, [[1, 0], [1, -1], [0, -1], [-1, -1]])
-    np.testing.assert_allclose(conf.astype(float), [2 / 3, 1.0, 1.0, 0.0], atol=1e-3)
+    np.testing.assert_allclose(conf.astype(float), [1 / 3, 1.0, 1.0, 0.0], atol=1e-3)
+    # a request counts once however often the token repeats in it; generated tokens do not count
+    tok2 = np.array([0, 0, 0, 0, 1, 0])
+    t2r, conf = request_token_table(tok2, np.array([0, 0, 0, 0, 1, 1]), np.array([0, 1]), 4, 2,
+                                    is_prefill=np.array([1, 1, 1, 1, 1, 0], bool))
+    np.testing.assert_array_equal(t2r[:2], [[0, -1], [1, -1]])
+    np.testing.assert_allclose(conf.astype(float)[:2], [1.0, 1.0])
 
 
 def _brute_force(A, tokens, N, capacity):
@@ -151,11 +159,29 @@ def _router(num_engines=2, ep_size=2, window=64):
     return RequestRouter(t2r, conf, ep_size, num_engines, window=window)
 
 
-def test_router_folds_tp_ranks_into_engines():
+def test_router_folds_tp_ranks_into_engines_and_scores_a_nodes_own_engines():
+    from vllm_smoe.serving.dp_router import RequestRouter
+
     r = _router(num_engines=2, ep_size=4)  # TP=2: engine 0 = EP ranks 0, 1; engine 1 = 2, 3
     np.testing.assert_allclose(r.scores([0, 1, 2, 5]), [2.0, 1.0])
     with pytest.raises(ValueError, match="not a multiple"):
         _router(num_engines=3, ep_size=4)
+    # hybrid load balancing: this front end routes to DP ranks 2 and 3 of 4 only
+    t2r = np.full((1, 8, 2), -1, np.int16)
+    t2r[0, :4, 0] = np.arange(4)
+    node = RequestRouter(t2r, np.ones((1, 8), np.float16), 4, 4, engine_ranks=[2, 3])
+    np.testing.assert_allclose(node.scores([0, 2, 3, 3]), [1.0, 2.0])
+    assert node.choose([3], 10, [0, 0]) == 1
+    with pytest.raises(ValueError, match="outside the 4 DP ranks"):
+        RequestRouter(t2r, np.ones((1, 8), np.float16), 4, 4, engine_ranks=[4])
+
+
+def test_router_waiting_mask_follows_vllms_per_client_count():
+    # two front ends: vLLM adds 2 to an engine's waiting count per routed request until the next
+    # snapshot; one request of slack is then 2, so a burst is not forced to alternate
+    r = _router()
+    assert r.choose([1], 10, [0, 2], client_count=2) == 1
+    assert r.choose([1], 10, [0, 4], client_count=2) == 0
 
 
 def test_router_prefers_its_rank_until_the_window_is_full():
@@ -304,9 +330,10 @@ def _concurrent(server, prompts, clients=8):
 @pytest.mark.vllm
 def test_dp2_serving_with_and_without_smoe_routing_gives_plain_tokens(tmp_path):
     """32 held-out prompts of all four workloads, 8 concurrent clients, DP=2 + EP on vLLM's CPU
-    build: vLLM's own DP + EP (its allgather-reducescatter, no placement), smoe's request-level
-    placement with smoe's routing (sparse all2all, the /smoe/route endpoint allowlisted) and with
-    routing off; all against plain single-rank vLLM (prompts one at a time)."""
+    build: smoe's request-level placement with smoe's routing (sparse all2all, the /smoe/route
+    endpoint allowlisted), the same placement with routing off on vLLM's own
+    allgather-reducescatter, and smoe's sparse all2all alone (vLLM's expert order and balancer);
+    all against plain single-rank vLLM (prompts one at a time)."""
     pytest.importorskip("vllm")
     import json
     import urllib.request
@@ -320,9 +347,9 @@ def test_dp2_serving_with_and_without_smoe_routing_gives_plain_tokens(tmp_path):
         plain = s.complete(prompts)
     dp = ("--data-parallel-size", "2", "--enable-expert-parallel", "--plugin", "smoe", "--smoe-log-interval", "0.2")
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_PLUGINS": "smoe"}
-    runs = {"vllm": dp + ("--smoe-all2all", "vllm"),
+    runs = {"vllm": dp + ("--smoe-all2all", "vllm", "--smoe-placement", DP2, "--smoe-dp-routing", "off"),
             "routed": dp + ("--smoe-placement", DP2),
-            "unrouted": dp + ("--smoe-placement", DP2, "--smoe-dp-routing", "off")}
+            "sparse": dp}
     for name, flags in runs.items():
         with VllmServer(FIXTURE_MODEL, *flags, log=tmp_path / f"{name}.log", env=env) as s:
             out = _concurrent(s, prompts)

@@ -337,7 +337,8 @@ def _solve_dp(counts, sample, meta, args, embeddings):
     tables = tables_for_placement(counts, holds, meta.vocab_size, embeddings)
     # the router scores a prompt by the ranks of the training requests its tokens came from (the
     # same vote in every layer); the Markov and prior rows stay per layer
-    t2r, conf = request_token_table(sample["token_ids"], sample["request_ids"], r2r, meta.vocab_size, args.ep_size)
+    t2r, conf = request_token_table(sample["token_ids"], sample["request_ids"], r2r, meta.vocab_size, args.ep_size,
+                                    sample.get("is_prefill"))
     L = meta.num_layers
     tables = dataclasses.replace(tables, token2rank=np.repeat(t2r[None], L, axis=0),
                                  token_conf=np.repeat(conf[None], L, axis=0))
@@ -389,8 +390,17 @@ def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, 
     return evaluate(arr["topk_ids"], t2r, e2r, batch, ep_size, holds, hidden, dtype_bytes, nodes)
 
 
+def _check_dp_flags(a) -> None:
+    if a.mode != "dp":
+        given = [f for f, v in (("--shuffle-requests", a.shuffle_requests is not None),
+                                ("--group-workloads", a.group_workloads)) if v]
+        if given:
+            raise ValueError(f"{', '.join(given)}: only with --mode dp (whole requests routed to ranks)")
+
+
 def cmd_build(a) -> int:
     check_output_file(a.output, "-o")
+    _check_dp_flags(a)
     if a.mode == "dp":
         bad = [f for f, v in (("--nodes", a.nodes > 1), ("--replicas", a.replicas > 0), ("--groups", (a.groups or 1) > 1),
                               ("--method", a.method != "coclust")) if v]
@@ -450,6 +460,7 @@ def cmd_build(a) -> int:
 
 
 def _evaluate_all(a):
+    _check_dp_flags(a)
     p = load_placement(a.placement)
     meta, _, arr, _, total = _stream(a.trace, lambda T: _windows(T, a.max_tokens), counts=False, desc="reading")
     for key, want in (("num_layers", p.num_layers), ("num_experts", p.num_experts), ("top_k", p.top_k)):

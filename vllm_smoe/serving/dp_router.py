@@ -33,7 +33,7 @@ from collections import deque
 
 import numpy as np
 
-from ..placement.dp import CAPACITY, WINDOW, balance_mask, pick_rank, request_affinity
+from ..placement.dp import CAPACITY, WINDOW, balance_mask, pick_rank, request_affinity, token_votes
 
 logger = logging.getLogger("vllm.smoe")
 
@@ -44,40 +44,43 @@ class RequestRouter:
     """Scores prompts against DP engines and keeps the sliding window of routed work.
 
     token2rank: [L, V, 2] int16 (-1 = unseen) and token_conf: [L, V] float: the placement's
-    tables over its ``ep_size`` expert-parallel ranks; engine d holds EP ranks
-    ``d * tp .. (d + 1) * tp - 1`` (vLLM's EP rank = dp_rank * tp + tp_rank), so an engine's
-    score is the sum of its ranks'. Not thread-safe: one per front-end client (vLLM calls it from
-    its event loop)."""
+    tables over its ``ep_size`` expert-parallel ranks; DP rank d holds EP ranks
+    ``d * ep_size / dp_size ...`` (vLLM's EP rank = dp_rank * tp + tp_rank), so an engine's score
+    is the sum of its ranks'. engine_ranks: the global DP ranks of the engines this client routes
+    to, in its order (all of them, or a node's own under hybrid load balancing). Not
+    thread-safe: one per front-end client (vLLM calls it from its event loop)."""
 
-    def __init__(self, token2rank: np.ndarray, token_conf: np.ndarray, ep_size: int, num_engines: int,
-                 capacity: float = CAPACITY, window: int = WINDOW, log_interval: float = 10.0):
-        if ep_size % num_engines:
-            raise ValueError(f"placement ep_size {ep_size} is not a multiple of the {num_engines} DP engines")
-        self.token2rank, self.token_conf = token2rank, token_conf
-        self.ep_size, self.num_engines = ep_size, num_engines
+    def __init__(self, token2rank: np.ndarray, token_conf: np.ndarray, ep_size: int, dp_size: int,
+                 engine_ranks=None, capacity: float = CAPACITY, window: int = WINDOW, log_interval: float = 10.0):
+        ranks = list(range(dp_size)) if engine_ranks is None else [int(r) for r in engine_ranks]
+        if not ranks or min(ranks) < 0 or max(ranks) >= dp_size:
+            raise ValueError(f"engine ranks {ranks} outside the {dp_size} DP ranks")
+        # [V, engines]: a prompt's score is one gather and a sum (the placement/dp.py rule)
+        self.votes = token_votes(token2rank, token_conf, ep_size, dp_size)[:, ranks]
+        self.ep_size, self.num_engines = ep_size, len(ranks)
         self.capacity, self.window = capacity, window
-        self.load = np.zeros(num_engines)  # routed work of the requests in the window, per engine
+        self.load = np.zeros(self.num_engines)  # routed work of the last ``window`` requests, per engine
         self.recent: deque[tuple[int, float]] = deque()
         self.counts = {"placement": 0, "vllm": 0, "explicit": 0}
-        self.per_engine = np.zeros(num_engines, dtype=np.int64)
+        self.per_engine = np.zeros(self.num_engines, dtype=np.int64)
         self.first_choice = 0  # requests routed to the engine they score best on, all engines open
         self.log_interval, self._last_log, self._timer = log_interval, time.monotonic(), None
 
     def scores(self, prompt_token_ids) -> np.ndarray:
         """[num_engines] float64 affinity of a prompt (token ids) to each engine."""
         ids = np.asarray(prompt_token_ids, dtype=np.int64)
-        _, s, _ = request_affinity(self.token2rank, self.token_conf, ids, np.zeros(ids.size, np.int64), None,
-                                   self.ep_size)
-        per_rank = s[0] if s.shape[0] else np.zeros(self.ep_size)
-        return per_rank.reshape(self.num_engines, -1).sum(axis=1)
+        _, s, _ = request_affinity(None, None, ids, np.zeros(ids.size, np.int64), None, self.ep_size, self.votes)
+        return s[0] if s.shape[0] else np.zeros(self.num_engines)
 
-    def choose(self, prompt_token_ids, weight: float, waiting) -> int:
+    def choose(self, prompt_token_ids, weight: float, waiting, client_count: int = 1) -> int:
         """The engine smoe routes a request to, or -1 = leave it to vLLM's balancer.
-        waiting: [num_engines] vLLM's waiting-request count per engine."""
+        waiting: [num_engines] vLLM's waiting-request count per engine, in which each of the
+        ``client_count`` front ends counts a request it routes as ``client_count`` until the
+        coordinator's next snapshot (100 ms)."""
         open_ = balance_mask(self.load, weight, self.capacity)
-        # vLLM counts a request as waiting from routing until the coordinator's next snapshot
-        # (100 ms): a burst would alternate engines without the one request of slack
-        open_ &= balance_mask(np.asarray(waiting, dtype=np.float64), 1.0, self.capacity, slack=1.0)
+        # one request of slack, or a burst would alternate engines on vLLM's own estimate
+        open_ &= balance_mask(np.asarray(waiting, dtype=np.float64), float(client_count), self.capacity,
+                              slack=float(client_count))
         scores = self.scores(prompt_token_ids)
         choice = pick_rank(scores, open_) if open_.any() else -1
         if choice >= 0 and pick_rank(scores, np.ones(self.num_engines, dtype=bool)) == choice:
@@ -121,22 +124,29 @@ class RequestRouter:
                 f"{c['explicit']} with their own rank; per engine {self.per_engine.tolist()}")
 
 
-def router_for(vllm_config, num_engines: int) -> RequestRouter | None:
-    """The router a front-end client should use, or None (smoe not asked, routing off, no tables)."""
+def router_for(vllm_config, engine_ranks) -> RequestRouter | None:
+    """The router a front-end client should use, or None (smoe not asked, routing off, no
+    expert parallelism, no tables). A placement or tables file that no longer reads (changed
+    since the server was checked at start) is logged as an error and routing stays vLLM's."""
     from ..config import SmoeConfig
     from ..placement_file import load_placement, load_tables
 
     cfg = SmoeConfig.from_additional_config(vllm_config.additional_config)
-    if cfg is None or not cfg.dp_routing or cfg.placement is None:
+    pc = vllm_config.parallel_config
+    if cfg is None or not cfg.dp_routing or cfg.placement is None or not pc.enable_expert_parallel:
         return None
-    placement = load_placement(cfg.placement)
-    if placement.predictor is None:
+    try:
+        placement = load_placement(cfg.placement)
+        if placement.predictor is None:
+            return None
+        tables = load_tables(placement)
+        router = RequestRouter(tables.token2rank, tables.token_conf, placement.ep_size, pc.data_parallel_size,
+                               engine_ranks, capacity=placement.capacity, log_interval=cfg.log_interval)
+    except ValueError as e:
+        logger.error("smoe dp routing is off for this front end, every request goes to vLLM's balancer: %s", e)
         return None
-    tables = load_tables(placement)
-    router = RequestRouter(tables.token2rank, tables.token_conf, placement.ep_size, num_engines,
-                           capacity=placement.capacity, log_interval=cfg.log_interval)
-    logger.info("smoe dp routing: requests scored against %s over %d engines (window %d, capacity %.2f)",
-                placement.path, num_engines, router.window, router.capacity)
+    logger.info("smoe dp routing: requests scored against %s over DP engines %s (window %d, capacity %.2f)",
+                placement.path, list(engine_ranks), router.window, router.capacity)
     return router
 
 
@@ -152,7 +162,14 @@ def install() -> None:
     def get_core_engine_for_request(self, request):
         router = self.__dict__.get("_smoe_router", False)
         if router is False:
-            router = self._smoe_router = router_for(self.vllm_config, len(self.core_engines))
+            ranks = getattr(self, "engine_ranks_managed", None) or range(len(self.core_engines))
+            router = self._smoe_router = router_for(self.vllm_config, ranks)
+        if router is not None and (len(self.core_engines) != router.num_engines
+                                   or len(self.lb_engines) != router.num_engines):
+            logger.warning("smoe dp routing is off: the DP engines changed (%d, routed for %d; elastic "
+                           "scaling); the placement no longer matches them", len(self.core_engines),
+                           router.num_engines)
+            router = self._smoe_router = None
         if router is None or request.request_id in self.reqs_in_flight or request.prompt_token_ids is None:
             return orig(self, request)
         sp = request.sampling_params
@@ -161,7 +178,8 @@ def install() -> None:
             engine = orig(self, request)
             router.routed(self.core_engines.index(engine), weight, "explicit")
             return engine
-        choice = router.choose(request.prompt_token_ids, weight, [c[0] for c in self.lb_engines])
+        choice = router.choose(request.prompt_token_ids, weight, [c[0] for c in self.lb_engines],
+                               self.client_count)
         if choice < 0:
             engine = orig(self, request)
             router.routed(self.core_engines.index(engine), weight, "vllm")

@@ -7,7 +7,8 @@ attack surface), so: ``VLLM_PLUGINS=smoe vllm serve M --plugin smoe --smoe-place
 ``POST /smoe/route`` with ``{"prompt": "text"}`` or ``{"prompt_token_ids": [...]}`` answers
 ``{"rank": r | null, "scores": [...], "placement": path}``: the DP rank the prompt's tokens
 score best on under the server's placement (null = no preference), for a router in front of
-``--data-parallel-external-lb`` servers. Balance is the router's own.
+``--data-parallel-external-lb`` servers. Balance is the router's own. A text prompt is tokenized
+as it is (no chat template): send the token ids the server will see for chat requests.
 """
 
 from fastapi import APIRouter, HTTPException, Request  # FastAPI resolves the handler's annotations
@@ -25,8 +26,8 @@ class SmoeEndpoints:
             state = raw.app.state
             placement, engines, tokenizer = state.smoe_route
             if placement is None:
-                raise HTTPException(status_code=404, detail="this server runs without an smoe placement "
-                                                            "(--plugin smoe --smoe-placement P)")
+                raise HTTPException(status_code=404, detail="this server runs without an smoe placement with "
+                                                            "tables (--plugin smoe --smoe-placement P)")
             try:
                 body = await raw.json()
             except ValueError:
@@ -54,14 +55,12 @@ class SmoeEndpoints:
         vc = engine_client.vllm_config
         cfg = SmoeConfig.from_additional_config(vc.additional_config)
         placement = cfg.placement if cfg is not None else None
-        engines = None
         if placement is not None:
             from ..placement_file import load_placement
 
-            pc = vc.parallel_config
-            # EP rank = dp_rank * tp + tp_rank: one DP rank per tp ranks of the placement
-            engines = load_placement(placement).ep_size // pc.tensor_parallel_size
-        state.smoe_route = (placement, engines, engine_client.renderer.get_tokenizer())
+            if load_placement(placement).predictor is None:
+                placement = None  # nothing to score with: the route answers 404
+        state.smoe_route = (placement, vc.parallel_config.data_parallel_size, engine_client.renderer.get_tokenizer())
 
 
 def endpoints() -> SmoeEndpoints:

@@ -45,7 +45,8 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--smoe-record", default=None, help="directory to write routing traces into")
     g.add_argument("--smoe-mode", choices=MODES, default=None,
                    help="place (default with a placement) | record (default with --smoe-record; applies --smoe-placement too) | speculate")
-    g.add_argument("--smoe-log-interval", type=float, default=None, help="seconds between recorder / speculate logs")
+    g.add_argument("--smoe-log-interval", type=float, default=None,
+                   help="seconds between smoe's log lines (recorder, speculate, DP routing and locality)")
     g.add_argument("--smoe-predictor", choices=PREDICTORS, default=None,
                    help="speculate: token -> rank predictor (default tables: the placement's trained tables)")
     g.add_argument("--smoe-all2all", choices=ALL2ALL, default=None,
@@ -145,10 +146,18 @@ def _install_hooks() -> None:
 
                     load_tables(placement)  # everything a worker will index with, before any worker starts
             logger.info("smoe: placement %s checked against %s", cfg.placement, vllm_config.model_config.model)
-            if vllm_config.parallel_config.data_parallel_size > 1 and cfg.dp_routing:
-                from ..placement_file import load_placement, load_tables
+            pc = vllm_config.parallel_config
+            from ..placement_file import load_placement, load_tables
 
-                placement = load_placement(cfg.placement)
+            placement = load_placement(cfg.placement)
+            if placement.method == "dp-coclust" and pc.tensor_parallel_size > 1:
+                raise ValueError(f"{cfg.placement}: field 'method' = dp-coclust: placements from smoe-place build "
+                                 f"--mode dp put one expert-parallel rank on each DP rank (TP = 1), but "
+                                 f"--tensor-parallel-size is {pc.tensor_parallel_size}")
+            if pc.data_parallel_size > 1 and cfg.dp_routing and not pc.enable_expert_parallel:
+                logger.warning("smoe dp routing: off without --enable-expert-parallel (every DP rank holds every "
+                               "expert, so no rank is closer to a request's experts)")
+            elif pc.data_parallel_size > 1 and cfg.dp_routing:
                 if placement.predictor is None:
                     logger.warning("smoe dp routing: %s has no predictor tables; every request is left to "
                                    "vLLM's load balancer", cfg.placement)

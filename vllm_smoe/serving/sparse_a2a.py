@@ -167,6 +167,7 @@ def make_manager(cpu_group, comm):
             vc = get_current_vllm_config()
             # under attention DP each engine logs its own requests' locality (speculate logs its own)
             self.log_dp = vc.parallel_config.data_parallel_size > 1
+            self.dp_rank = vc.parallel_config.data_parallel_rank
             self.num_moe_layers = len(moe_layer_indices(hf))
             cfg = SmoeConfig.from_additional_config(vc.additional_config)
             self.log_interval = cfg.log_interval if cfg is not None else 10.0
@@ -183,7 +184,7 @@ def make_manager(cpu_group, comm):
             if acts:
                 logger.info("smoe: dp rank %d served %.3f of its requests' expert activations locally (%d tokens, "
                             "served steps); sparse all2all: %.3f remote (token, rank) pairs and %.0f B per token and "
-                            "MoE layer", self.exchange.rank, local / acts, tok // max(1, self.num_moe_layers),
+                            "MoE layer", self.dp_rank, local / acts, tok // max(1, self.num_moe_layers),
                             pairs / tok, nbytes / tok)
 
         def dispatch(self, hidden_states, topk_weights, topk_ids, is_sequence_parallel=False, extra_tensors=None):
