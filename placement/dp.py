@@ -162,22 +162,45 @@ def _request_scores(A: np.ndarray, expert2rank: np.ndarray, ep_size: int) -> np.
     return S
 
 
-def _experts_for(A: np.ndarray, request2rank: np.ndarray, ep_size: int) -> np.ndarray:
+def _balanced(gain: np.ndarray, per: int) -> np.ndarray:
+    """[n] int: item i -> column, ``per`` items per column, maximising the summed gain [n, c]
+    (an exact linear assignment)."""
+    rows, slots = linear_sum_assignment(np.repeat(gain, per, axis=1), maximize=True)
+    out = np.empty(gain.shape[0], dtype=np.int64)
+    out[rows] = slots // per
+    return out
+
+
+def _experts_for(A: np.ndarray, request2rank: np.ndarray, ep_size: int, groups: int = 1) -> np.ndarray:
     """[L, E] int32: per layer, E / N experts per rank, each rank's the experts its requests use
-    most (an exact balanced assignment)."""
+    most (exact balanced assignments). With routing groups (contiguous blocks of E / groups ids)
+    every group stays whole: whole groups go to ranks (groups >= N), or each group to a block of
+    N / groups ranks and its experts over that block (groups < N)."""
     Q, L, E = A.shape
     per = E // ep_size
     onehot = np.eye(ep_size)[request2rank]
     e2r = np.empty((L, E), dtype=np.int32)
+    size = E // groups
     for layer in range(L):
         gain = A[:, layer].T.astype(np.float64) @ onehot  # [E, N]
-        rows, slots = linear_sum_assignment(np.repeat(gain, per, axis=1), maximize=True)
-        e2r[layer, rows] = slots // per
+        if groups == 1:
+            e2r[layer] = _balanced(gain, per)
+            continue
+        by_group = gain.reshape(groups, size, ep_size).sum(axis=1)  # [G, N]
+        if groups >= ep_size:
+            e2r[layer] = np.repeat(_balanced(by_group, groups // ep_size), size)
+            continue
+        width = ep_size // groups  # ranks per group
+        block = _balanced(by_group.reshape(groups, groups, width).sum(axis=2), 1)  # group -> rank block
+        for g in range(groups):
+            ranks = block[g] * width + np.arange(width)
+            e2r[layer, g * size:(g + 1) * size] = ranks[_balanced(gain[g * size:(g + 1) * size][:, ranks], per)]
     return e2r
 
 
 def place_requests(A: np.ndarray, tokens: np.ndarray, ep_size: int, capacity: float = CAPACITY,
-                   restarts: int = 4, iters: int = 50, seed: int = 0) -> tuple[np.ndarray, np.ndarray, float]:
+                   restarts: int = 4, iters: int = 50, seed: int = 0, groups: int = 1
+                   ) -> tuple[np.ndarray, np.ndarray, float]:
     """Experts for attention DP: co-cluster requests and experts so each request's activations
     sit on one rank (the rank it will run on), every rank holding E / N experts per layer and at
     most ``capacity`` x the fair share of the tokens.
@@ -186,19 +209,23 @@ def place_requests(A: np.ndarray, tokens: np.ndarray, ep_size: int, capacity: fl
     to the ranks whose requests use them most (linear assignment per layer), requests to the
     ranks holding most of their activations (capped assignment). A: [Q, L, E] activations (see
     :func:`request_counts`); tokens: [Q] int. Returns (expert2rank [L, E] int32, request2rank
-    [Q] int64, local share of the activations in-sample). Same seed, same result."""
+    [Q] int64, local share of the activations in-sample). groups: routing groups of grouped
+    top-k (DeepSeek's ``n_group``), kept whole (see ``groups.check_groups``). Same seed, same
+    result."""
     Q, L, E = A.shape
     if E % ep_size:
         raise ValueError(f"{E} experts do not split evenly over ep_size {ep_size}")
     if iters < 1 or Q == 0:
         raise ValueError(f"place_requests needs iters >= 1 and at least one request (got {iters}, {Q})")
+    if groups > 1 and (E % groups or (groups % ep_size and ep_size % groups)):
+        raise ValueError(f"{groups} routing groups of {E} experts cannot stay whole over ep_size {ep_size}")
     total = max(float(A.sum()), 1e-12)
     rng = np.random.default_rng(seed)
     best = (None, None, -1.0)
     for _ in range(max(1, restarts)):
         r2r = rng.permutation(Q) % ep_size
         for _ in range(iters):
-            e2r = _experts_for(A, r2r, ep_size)
+            e2r = _experts_for(A, r2r, ep_size, groups)
             S = _request_scores(A, e2r, ep_size)
             new = assign_token_ids(S, tokens.astype(np.float64), capacity)
             if np.array_equal(new, r2r):

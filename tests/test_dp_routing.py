@@ -434,3 +434,18 @@ def test_swap_for_bytes_golden():
     out = swap_for_bytes(sp.csr_matrix(A[:, 0]), inst, r2r, 2, start, max_expert_load=2.0)
     assert out.tolist() == [0, 1, 0, 1]
     assert remote_bytes(inst[1], inst[2], inst[0], out.astype(np.int64), r2r) == 0
+
+
+@pytest.mark.parametrize("groups,N", [(4, 2), (4, 4), (2, 4), (8, 2), (2, 8), (4, 8)])
+def test_place_requests_keeps_routing_groups_whole(groups, N):
+    from vllm_smoe.placement.groups import broken_group
+
+    rng = np.random.default_rng(groups * 10 + N)
+    Q, L, E = 30, 2, 16
+    A = rng.random((Q, L, E)).astype(np.float32) ** 4
+    e2r, r2r, share = place_requests(A, rng.integers(1, 9, Q), N, groups=groups)
+    for layer in range(L):
+        assert broken_group(e2r[layer], groups) == -1
+        assert (np.bincount(e2r[layer], minlength=N) == E // N).all()
+    with pytest.raises(ValueError, match="cannot stay whole"):
+        place_requests(A, np.ones(Q), 4, groups=3)

@@ -175,6 +175,36 @@ def _stream(client, model: str, prompt, max_tokens: int) -> tuple[float, list[fl
     return t0, times, n
 
 
+def _drive(server, model: str, prompts, concurrency: int, max_tokens: int, into: dict) -> None:
+    """Send every prompt streamed from ``concurrency`` clients; add the run's output tok/s and
+    each request's TTFT, TPOT and inter-token gaps to ``into`` (lists, created on first use)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    c = server.client()
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as ex:
+        outs = list(ex.map(lambda p: _stream(c, model, p, max_tokens), prompts))
+    secs = time.perf_counter() - t0
+    for key in ("tok_s", "ttft", "tpot", "itl"):
+        into.setdefault(key, [])
+    into["tok_s"].append(sum(n for _, _, n in outs) / secs)
+    into["ttft"] += [ts[0] - st for st, ts, _ in outs if ts]
+    into["tpot"] += [(ts[-1] - ts[0]) / (n - 1) for _, ts, n in outs if len(ts) > 1 and n > 1]
+    into["itl"] += [d for _, ts, _ in outs for d in np.diff(ts)]
+
+
+LATENCY = {"tok_s": ("output tok/s", lambda v: float(np.median(v))),  # column: (label, statistic)
+           "ttft": ("TTFT ms", lambda v: 1e3 * float(np.median(v))),
+           "tpot": ("TPOT ms", lambda v: 1e3 * float(np.median(v))),
+           "itl": ("p90 ITL ms", lambda v: 1e3 * float(np.percentile(v, 90)))}
+
+
+def _write_json(path: str | None, payload: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=1)
+
+
 def _log_numbers(line: str | None) -> dict:
     """Local activation share, remote (token, rank) pairs and bytes per token and MoE layer from
     speculate's log line (the sparse all2all's counters), where it gives them."""
@@ -240,7 +270,6 @@ def _dp(a) -> int:
     its balancer), smoe's placement with vLLM's balancer, and smoe's placement with smoe's request
     routing; all on smoe's sparse all2all, whose counters give locality and bytes."""
     import tempfile
-    from concurrent.futures import ThreadPoolExecutor
 
     from .cli_util import check_output_file
     from .server_process import VllmServer
@@ -254,7 +283,7 @@ def _dp(a) -> int:
     work = tempfile.mkdtemp(prefix="smoe-bench-dp-")
     placement = _placement_arg(a.placement, f"tiny-4dom-dp{a.dp}.yaml", a.dp)
     base = ("--data-parallel-size", str(a.dp), "--enable-expert-parallel", "--plugin", "smoe",
-            "--smoe-log-interval", "0.5")
+            "--smoe-log-interval", "0.5") + (("--api-server-count", str(a.api_servers)) if a.api_servers else ())
     runs = {"vllm-default": base,
             "placed": base + ("--smoe-placement", placement, "--smoe-dp-routing", "off"),
             "smoe-routed": base + ("--smoe-placement", placement)}
@@ -262,21 +291,14 @@ def _dp(a) -> int:
     res: dict = {}
     for rnd in range(a.rounds):  # interleaved rounds: drift of a shared machine hits every config alike
         for name, flags in runs.items():
+            r = res.setdefault(name, {"dp": []})
             with VllmServer(model, *flags, log=os.path.join(work, f"{name}-{rnd}.log"), env=env) as s:
-                c = s.client()
-                t0 = time.perf_counter()
-                with ThreadPoolExecutor(a.concurrency) as ex:
-                    outs = list(ex.map(lambda p: _stream(c, model, p, a.max_tokens), prompts))
-                secs = time.perf_counter() - t0
+                _drive(s, model, prompts, a.concurrency, a.max_tokens, r)
                 # counters log on the next step after their interval: one more interval, then a
                 # one-token request steps every rank (and routes once) so the last lines cover the run
                 time.sleep(0.6)
-                c.completions.create(model=model, prompt=prompts[0][:1], max_tokens=1, temperature=0.0)
+                s.client().completions.create(model=model, prompt=prompts[0][:1], max_tokens=1, temperature=0.0)
                 time.sleep(0.3)
-            r = res.setdefault(name, {"tok_s": [], "ttft": [], "tpot": [], "dp": []})
-            r["tok_s"].append(sum(n for _, _, n in outs) / secs)
-            r["ttft"] += [ts[0] - st for st, ts, _ in outs if ts]
-            r["tpot"] += [(ts[-1] - ts[0]) / (n - 1) for _, ts, n in outs if len(ts) > 1 and n > 1]
             r["dp"].append(_dp_numbers(s.log))
             d = r["dp"][-1]
             print(f"round {rnd} {name:>12}: {r['tok_s'][-1]:6.1f} output tok/s, local {d.get('local_share', 0):.3f}, "
@@ -284,9 +306,7 @@ def _dp(a) -> int:
                   + (f", routed {d['routed']}" if "routed" in d else ""), flush=True)
     print(f"{len(prompts)} requests x {a.max_tokens} tokens (prompts {a.prompt_tokens} tokens, mixed workloads), "
           f"DP={a.dp} + EP, {a.concurrency} concurrent, {a.rounds} rounds; logs in {work}")
-    cols = {"tok_s": ("output tok/s", lambda v: float(np.median(v))),
-            "ttft": ("TTFT ms", lambda v: 1e3 * float(np.median(v))),
-            "tpot": ("TPOT ms", lambda v: 1e3 * float(np.median(v)))}
+    cols = {k: LATENCY[k] for k in ("tok_s", "ttft", "tpot")}
     wire = ("local_share", "remote_pairs_per_token", "bytes_per_token_layer")
     print(f"{'config':>12} " + " ".join(f"{label:>14}" for label, _ in cols.values())
           + "   local   pairs/tok   B/tok/layer")
@@ -303,11 +323,8 @@ def _dp(a) -> int:
               + f"   {w['local_share']:.3f}   {w['remote_pairs_per_token']:.3f}   {w['bytes_per_token_layer']:7.0f} "
               f"({w['bytes_per_token_layer'] / ref_w['bytes_per_token_layer']:.2f}x)")
     print("(ratios vs vllm-default; locality and bytes from the DP ranks' served steps, mean over rounds)")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"dp": a.dp, "requests": len(prompts), "max_tokens": a.max_tokens, "rounds": a.rounds,
-                       "concurrency": a.concurrency, "model": model, "placement": placement, "configs": summary}, f,
-                      indent=1)
+    _write_json(a.json, {"dp": a.dp, "requests": len(prompts), "max_tokens": a.max_tokens, "rounds": a.rounds,
+                         "concurrency": a.concurrency, "model": model, "placement": placement, "configs": summary})
     return 0
 
 
@@ -322,7 +339,6 @@ def _is_mla(model_dir: str) -> bool:
 
 def _serve(a) -> int:
     import tempfile
-    from concurrent.futures import ThreadPoolExecutor
 
     from .cli_util import check_output_file
     from .server_process import VllmServer
@@ -351,18 +367,10 @@ def _serve(a) -> int:
     res: dict = {}
     for rnd in range(a.rounds):  # interleaved rounds: drift of a shared machine hits every config alike
         for name, flags in runs.items():
+            r = res.setdefault(name, {})
             with VllmServer(model, *tp, *flags, log=os.path.join(work, f"{name}-{rnd}.log"), env=env) as s:
-                c = s.client()
                 s.complete(prompts[:2], max_tokens=4)  # warm the server
-                t0 = time.perf_counter()
-                with ThreadPoolExecutor(a.concurrency) as ex:
-                    outs = list(ex.map(lambda p: _stream(c, model, p, a.max_tokens), prompts))
-                secs = time.perf_counter() - t0
-            r = res.setdefault(name, {"tok_s": [], "ttft": [], "tpot": [], "itl": []})
-            r["tok_s"].append(sum(n for _, _, n in outs) / secs)
-            r["ttft"] += [ts[0] - st for st, ts, _ in outs if ts]
-            r["tpot"] += [(ts[-1] - ts[0]) / (n - 1) for _, ts, n in outs if len(ts) > 1 and n > 1]
-            r["itl"] += [d for _, ts, _ in outs for d in np.diff(ts)]
+                _drive(s, model, prompts, a.concurrency, a.max_tokens, r)
             print(f"round {rnd} {name:>13}: {r['tok_s'][-1]:6.1f} output tok/s", flush=True)
             online = [ln.split("smoe: ", 1)[1].strip() for ln in open(s.log) if "smoe: speculate (" in ln]
             if online:
@@ -370,10 +378,7 @@ def _serve(a) -> int:
                 r.setdefault("log", []).append(online[-1])
     print(f"{len(prompts)} requests x {a.max_tokens} tokens (prompts {a.prompt_tokens} tokens), TP={a.tp}, "
           f"{a.concurrency} concurrent, {a.rounds} rounds; logs in {work}")
-    cols = {"tok_s": ("output tok/s", lambda v: float(np.median(v))),
-            "ttft": ("TTFT ms", lambda v: 1e3 * float(np.median(v))),
-            "tpot": ("TPOT ms", lambda v: 1e3 * float(np.median(v))),
-            "itl": ("p90 ITL ms", lambda v: 1e3 * float(np.percentile(v, 90)))}
+    cols = LATENCY
     print(f"{'config':>13} " + " ".join(f"{label:>14}" for label, _ in cols.values()))
     base = {k: f(res["plain"][k]) for k, (_, f) in cols.items()}
     summary = {}
@@ -386,11 +391,8 @@ def _serve(a) -> int:
     print("(ratios vs plain; medians over all requests of all rounds, throughput median over rounds)")
     if "vllm-ep" in summary and "speculate" in summary:
         print(f"speculate TPOT / vllm-ep TPOT: {summary['speculate']['tpot'] / summary['vllm-ep']['tpot']:.2f}x")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"tp": a.tp, "requests": len(prompts), "max_tokens": a.max_tokens, "rounds": a.rounds,
-                       "concurrency": a.concurrency, "model": model, "placement": placement, "configs": summary}, f,
-                      indent=1)
+    _write_json(a.json, {"tp": a.tp, "requests": len(prompts), "max_tokens": a.max_tokens, "rounds": a.rounds,
+                         "concurrency": a.concurrency, "model": model, "placement": placement, "configs": summary})
     return 0
 
 
@@ -735,6 +737,8 @@ def main(argv=None) -> int:
     d.add_argument("--concurrency", type=int, default=8)
     d.add_argument("--rounds", type=int, default=2)
     d.add_argument("--seed", type=int, default=0, help="order of the prompts")
+    d.add_argument("--api-servers", type=int, default=0,
+                   help="--api-server-count for vllm serve (default: vLLM's, one per DP rank)")
     d.add_argument("--json", help="write per-configuration medians, locality, bytes and ratios here")
     d.add_argument("--no-cpu-bind", dest="cpu_bind", action="store_false",
                    help="do not set VLLM_CPU_OMP_THREADS_BIND (set it on vLLM's CPU build)")

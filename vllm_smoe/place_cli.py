@@ -314,7 +314,7 @@ def _solve(method, counts, meta, args, ep_size, nodes, embeddings=None, groups=1
     return e2r, reps, tables, secs, peak / 2**20
 
 
-def _solve_dp(counts, sample, meta, args, embeddings):
+def _solve_dp(counts, sample, meta, args, embeddings, groups=1):
     """--mode dp: experts co-clustered with whole requests (the requests of the leading
     --metrics-tokens tokens), refined per layer for the fewest all-to-all rows with the
     requests' ranks fixed, then the router's tables (the ranks of the training requests each
@@ -324,11 +324,12 @@ def _solve_dp(counts, sample, meta, args, embeddings):
     A, tokens = request_counts(sample["request_ids"], sample["topk_ids"], meta.num_experts)
     print(f"--mode dp: co-clustering {A.shape[0]} requests ({int(tokens.sum())} tokens) with experts",
           file=sys.stderr)
-    e2r, r2r, _ = place_requests(A, tokens, args.ep_size, args.capacity, seed=args.seed)
+    e2r, r2r, _ = place_requests(A, tokens, args.ep_size, args.capacity, seed=args.seed, groups=groups)
     # then per layer, with the requests' ranks fixed, expert swaps that cut the all-to-all rows
-    # (a token crosses once per remote rank, whatever its experts there)
+    # (a token crosses once per remote rank, whatever its experts there); a swap could split a
+    # routing group, so not for grouped models
     _, q = request_index(sample["request_ids"])
-    for layer in range(meta.num_layers):
+    for layer in range(meta.num_layers if groups == 1 else 0):
         inst = layer_instances(q, sample["topk_ids"][:, layer].astype(np.int64))
         e2r[layer] = swap_for_bytes(sp.csr_matrix(A[:, layer]), inst, r2r, args.ep_size, e2r[layer],
                                     args.max_expert_load, seed=args.seed)
@@ -402,7 +403,7 @@ def cmd_build(a) -> int:
     check_output_file(a.output, "-o")
     _check_dp_flags(a)
     if a.mode == "dp":
-        bad = [f for f, v in (("--nodes", a.nodes > 1), ("--replicas", a.replicas > 0), ("--groups", (a.groups or 1) > 1),
+        bad = [f for f, v in (("--nodes", a.nodes > 1), ("--replicas", a.replicas > 0),
                               ("--method", a.method != "coclust")) if v]
         if bad:
             raise ValueError(f"--mode dp: {', '.join(bad)} not supported with request-level placement yet")
@@ -415,9 +416,6 @@ def cmd_build(a) -> int:
     count_s = time.perf_counter() - t0
     fingerprint, emb, model_groups = _model_info(a.model, meta.vocab_size)
     groups = a.groups or model_groups
-    if a.mode == "dp" and groups > 1:
-        raise ValueError(f"--mode dp: --model {a.model} routes in {groups} groups (n_group); request-level "
-                         f"placement does not keep routing groups whole yet")
     if a.groups and a.model and a.groups != model_groups:
         raise ValueError(f"--groups {a.groups}: the model at {a.model} routes in {model_groups} group(s) (n_group)")
     if groups > 1 and a.method == "eplb":
@@ -432,7 +430,7 @@ def cmd_build(a) -> int:
           f"{counts.nbytes / 2**20:.0f} MiB of counts); placing {meta.num_experts} experts on {a.ep_size} ranks "
           f"with {a.method}, {a.jobs} job{'s' if a.jobs > 1 else ''}", file=sys.stderr)
     if a.mode == "dp":
-        e2r, reps, tables, secs, peak = _solve_dp(counts, sample, meta, a, emb)
+        e2r, reps, tables, secs, peak = _solve_dp(counts, sample, meta, a, emb, groups)
     else:
         e2r, reps, tables, secs, peak = _solve(a.method, counts, meta, a, a.ep_size, a.nodes, emb, groups)
     del counts
