@@ -449,3 +449,39 @@ def test_place_requests_keeps_routing_groups_whole(groups, N):
         assert (np.bincount(e2r[layer], minlength=N) == E // N).all()
     with pytest.raises(ValueError, match="cannot stay whole"):
         place_requests(A, np.ones(Q), 4, groups=3)
+
+
+@pytest.mark.vllm
+def test_deepseek_v3_dp2_with_a_grouped_dp_placement_and_routing_gives_plain_tokens(tmp_path):
+    """The trained DeepSeek-V3 fixture (MLA, shared expert, sigmoid + bias routing in 4 groups):
+    smoe-place build --mode dp reads n_group and keeps the groups whole; served at DP=2 + EP with
+    smoe's routing, 16 held-out prompts from 8 clients give single-rank vLLM's greedy tokens (both
+    with the CPU fixes, which MLA's rope needs on this build)."""
+    pytest.importorskip("vllm")
+    import subprocess
+    import sys
+
+    from vllm_smoe.placement.groups import broken_group
+    from vllm_smoe.placement_file import load_placement
+    from vllm_smoe.server_process import VllmServer
+    from vllm_smoe.testbed import FIXTURES
+
+    model, traces = FIXTURES["deepseek_v3"]
+    out = tmp_path / "v3-dp2.yaml"
+    subprocess.run([sys.executable, "-m", "vllm_smoe.place_cli", "build", "--trace", traces["train"], "--ep-size", "2",
+                    "--model", model, "--mode", "dp", "-o", str(out)], check=True, capture_output=True, text=True)
+    p = load_placement(str(out))
+    assert p.groups == 4 and all(broken_group(e2r, 4) == -1 for e2r in p.expert2rank)
+    from vllm_smoe.bench import _mixed_prompts
+
+    prompts = [q[: 3 + i % 32] for i, q in enumerate(_mixed_prompts(traces["heldout"], 16, 64))]
+    with VllmServer(model, "--plugin", "smoe", log=tmp_path / "plain.log") as s:
+        plain = s.complete(prompts)
+    with VllmServer(model, "--data-parallel-size", "2", "--enable-expert-parallel", "--plugin", "smoe",
+                    "--smoe-placement", str(out), "--smoe-log-interval", "0.2", log=tmp_path / "dp2.log",
+                    env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as s:
+        dp2 = _concurrent(s, prompts)
+    assert [t for t, _ in dp2] == [t for t, _ in plain]
+    np.testing.assert_allclose([lp for _, lp in dp2], [lp for _, lp in plain], rtol=0, atol=1e-4)
+    assert sum(int(x) for x in _re_all(r"smoe dp routing: \d+ requests: (\d+) by the placement",
+                                       open(tmp_path / "dp2.log").read())) > 0
