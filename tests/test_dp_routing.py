@@ -241,6 +241,10 @@ def test_wrapped_balancer_routes_by_placement_keeps_explicit_ranks_and_vllms_boo
     # in flight and one waiting: engine 0 has the lower score)
     assert route(c, _Request("c", [5, 6])) in c.core_engines
     assert router.counts == {"placement": 1, "vllm": 1, "explicit": 1}
+    pooled = _Request("p", [1, 3, 1])
+    pooled.pooling_params = types.SimpleNamespace(late_interaction_params=None)  # vLLM balances pooling: its choice
+    route(c, pooled)
+    assert router.counts == {"placement": 1, "vllm": 2, "explicit": 1}
     # a client whose config does not ask for routing keeps vLLM's behaviour
     plain = _client(None)
     assert route(plain, _Request("d", [1, 3, 1])) == (0).to_bytes(2, "little")
@@ -265,8 +269,13 @@ def test_route_endpoint_answers_and_refuses_bad_bodies():
     assert r.json() == {"rank": rank, "scores": scores, "placement": DP2}
     assert c.post("/smoe/route", json={"prompt": "def f(x):"}).json()["scores"] == preferred_rank(
         DP2, [ord(ch) for ch in "def f(x):"], 2)[1]
-    for bad in ({"prompt": 3}, {"prompt_token_ids": ["a"]}, [1, 2], {}):
+    for bad in ({"prompt": 3}, {"prompt_token_ids": ["a"]}, [1, 2], {}, {"prompt_token_ids": [2**63]},
+                {"prompt_token_ids": [-1]}):
         assert c.post("/smoe/route", json=bad).status_code == 400
+    app.state.smoe_route = (DP2, 3, None)  # no tokenizer (--skip-tokenizer-init); 2 ranks over 3 engines
+    assert c.post("/smoe/route", json={"prompt": "x"}).status_code == 400
+    r = c.post("/smoe/route", json={"prompt_token_ids": ids})
+    assert r.status_code == 409 and "not a multiple" in r.json()["detail"]
     app.state.smoe_route = (None, None, None)
     assert c.post("/smoe/route", json={"prompt_token_ids": ids}).status_code == 404
 

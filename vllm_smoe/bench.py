@@ -110,12 +110,12 @@ def _trace_prompts(trace_path: str, requests: int, prompt_tokens: int) -> list[l
     return [tok[req == r][:prompt_tokens].tolist() for r in np.unique(req)[:requests]]
 
 
-def _placement_arg(given: str | None, default: str, ep_size: int) -> str:
+def _placement_arg(given: str | None, default: str, ep_size: int, build_flags: str = "") -> str:
     """--placement, or the repository's configs/<default>; a missing file is a usage error."""
     path = given or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", default)
     if not os.path.isfile(path):
         raise ValueError(f"--placement {path}: no such file (the default lives in the repository's configs/; "
-                         f"build one with smoe-place build --ep-size {ep_size})")
+                         f"build one with smoe-place build {build_flags}--ep-size {ep_size})")
     return path
 
 
@@ -199,10 +199,20 @@ LATENCY = {"tok_s": ("output tok/s", lambda v: float(np.median(v))),  # column: 
            "itl": ("p90 ITL ms", lambda v: 1e3 * float(np.percentile(v, 90)))}
 
 
+def _null_nan(x):
+    if isinstance(x, float) and not np.isfinite(x):
+        return None  # strict JSON has no NaN
+    if isinstance(x, dict):
+        return {k: _null_nan(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_null_nan(v) for v in x]
+    return x
+
+
 def _write_json(path: str | None, payload: dict) -> None:
     if path:
         with open(path, "w") as f:
-            json.dump(payload, f, indent=1)
+            json.dump(_null_nan(payload), f, indent=1)
 
 
 def _log_numbers(line: str | None) -> dict:
@@ -268,7 +278,8 @@ def _mixed_prompts(trace_path: str, requests: int, prompt_tokens: int, seed: int
 def _dp(a) -> int:
     """vllm serve --data-parallel-size N --enable-expert-parallel: vLLM's default (linear experts,
     its balancer), smoe's placement with vLLM's balancer, and smoe's placement with smoe's request
-    routing; all on smoe's sparse all2all, whose counters give locality and bytes."""
+    routing; all on smoe's sparse all2all, whose counters give locality and bytes (vLLM's CPU
+    build only)."""
     import tempfile
 
     from .cli_util import check_output_file
@@ -281,7 +292,7 @@ def _dp(a) -> int:
     model = a.model or FIXTURE_MODEL
     prompts = _mixed_prompts(a.prompts_trace or FIXTURE_TRACES["heldout"], a.requests, a.prompt_tokens, a.seed)
     work = tempfile.mkdtemp(prefix="smoe-bench-dp-")
-    placement = _placement_arg(a.placement, f"tiny-4dom-dp{a.dp}.yaml", a.dp)
+    placement = _placement_arg(a.placement, f"tiny-4dom-dp{a.dp}.yaml", a.dp, "--mode dp ")
     base = ("--data-parallel-size", str(a.dp), "--enable-expert-parallel", "--plugin", "smoe",
             "--smoe-log-interval", "0.5") + (("--api-server-count", str(a.api_servers)) if a.api_servers else ())
     runs = {"vllm-default": base,
@@ -293,6 +304,7 @@ def _dp(a) -> int:
         for name, flags in runs.items():
             r = res.setdefault(name, {"dp": []})
             with VllmServer(model, *flags, log=os.path.join(work, f"{name}-{rnd}.log"), env=env) as s:
+                s.complete(prompts[:2], max_tokens=4)  # warm the server
                 _drive(s, model, prompts, a.concurrency, a.max_tokens, r)
                 # counters log on the next step after their interval: one more interval, then a
                 # one-token request steps every rank (and routes once) so the last lines cover the run
@@ -310,18 +322,24 @@ def _dp(a) -> int:
     wire = ("local_share", "remote_pairs_per_token", "bytes_per_token_layer")
     print(f"{'config':>12} " + " ".join(f"{label:>14}" for label, _ in cols.values())
           + "   local   pairs/tok   B/tok/layer")
+    if not any(d for r in res.values() for d in r["dp"]):
+        print("warning: no 'dp rank d served ...' log lines: locality and bytes come from smoe's sparse all2all, "
+              "on vLLM's CPU build only", file=sys.stderr)
     ref = {k: f(res["vllm-default"][k]) for k, (_, f) in cols.items()}
     ref_w = {k: float(np.mean([d.get(k, np.nan) for d in res["vllm-default"]["dp"]])) for k in wire}
+
+    def ratio(x, y):
+        return x / y if y and np.isfinite(x) and np.isfinite(y) else float("nan")
     summary = {}
     for name, r in res.items():
         vals = {k: f(r[k]) for k, (_, f) in cols.items()}
         w = {k: float(np.mean([d.get(k, np.nan) for d in r["dp"]])) for k in wire}
-        summary[name] = {**vals, **w, "vs_vllm_default": {**{k: vals[k] / ref[k] for k in cols},
-                                                          **{k: w[k] / ref_w[k] for k in wire}},
+        summary[name] = {**vals, **w, "vs_vllm_default": {**{k: ratio(vals[k], ref[k]) for k in cols},
+                                                          **{k: ratio(w[k], ref_w[k]) for k in wire}},
                          "flags": list(runs[name]), "rounds": r["dp"]}
-        print(f"{name:>12} " + " ".join(f"{vals[k]:8.1f} {vals[k] / ref[k]:4.2f}x" for k in cols)
+        print(f"{name:>12} " + " ".join(f"{vals[k]:8.1f} {ratio(vals[k], ref[k]):4.2f}x" for k in cols)
               + f"   {w['local_share']:.3f}   {w['remote_pairs_per_token']:.3f}   {w['bytes_per_token_layer']:7.0f} "
-              f"({w['bytes_per_token_layer'] / ref_w['bytes_per_token_layer']:.2f}x)")
+              f"({ratio(w['bytes_per_token_layer'], ref_w['bytes_per_token_layer']):.2f}x)")
     print("(ratios vs vllm-default; locality and bytes from the DP ranks' served steps, mean over rounds)")
     _write_json(a.json, {"dp": a.dp, "requests": len(prompts), "max_tokens": a.max_tokens, "rounds": a.rounds,
                          "concurrency": a.concurrency, "model": model, "placement": placement, "configs": summary})

@@ -397,6 +397,13 @@ def _check_dp_flags(a) -> None:
                                 ("--group-workloads", a.group_workloads)) if v]
         if given:
             raise ValueError(f"{', '.join(given)}: only with --mode dp (whole requests routed to ranks)")
+    if a.group_workloads:  # a domain is an index into its file's meta.domains: one list for all
+        _, traces = open_traces(a.trace)
+        named = [t for t in traces if t.meta.domains]
+        for t in named[1:]:
+            if t.meta.domains != named[0].meta.domains:
+                raise ValueError(f"--group-workloads: {t.path}: field 'meta.domains' = {list(t.meta.domains)} "
+                                 f"differs from {named[0].path} ({list(named[0].meta.domains)})")
 
 
 def cmd_build(a) -> int:
@@ -411,7 +418,10 @@ def cmd_build(a) -> int:
         raise ValueError(f"--replicas needs a locality method ({', '.join(PREDICTED)}), not {a.method!r}")
     t0 = time.perf_counter()
     # one pass: counts of every token, and the leading rows for the in-sample metrics
-    meta, counts, sample, files, total = _stream(a.trace, lambda T: [(0, min(T, a.metrics_tokens))],
+    # --mode dp learns from these rows' requests: evenly spaced windows, so a recording made one
+    # workload after another still shows every workload
+    window = (lambda T: _windows(T, a.metrics_tokens)) if a.mode == "dp" else (lambda T: [(0, min(T, a.metrics_tokens))])
+    meta, counts, sample, files, total = _stream(a.trace, window,
                                                  sample_tokens=a.instance_tokens if a.method in NEEDS_INSTANCES else 0)
     count_s = time.perf_counter() - t0
     fingerprint, emb, model_groups = _model_info(a.model, meta.vocab_size)
@@ -583,7 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="per-batch token cap per rank, as a multiple of the fair share, >= 1 (default 1.10)")
         s.add_argument("--shuffle-requests", type=number(int, 0), default=None, metavar="SEED",
                        help="--mode dp: requests arrive in a random order (this seed) instead of the trace's, for "
-                            "traces recorded one workload after another")
+                            "traces recorded one workload after another (the simulated routing only: build "
+                            "learns from the same requests either way)")
         s.add_argument("--group-workloads", action="store_true",
                        help="--mode dp: route each request by its workload's running score (the trace's 'domain' "
                             "field) instead of its own, so that a workload's requests land together")
@@ -592,7 +603,8 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--theta", type=number(float, 0.0, 1.0), default=0.5,
                        help="balance weight of ceo/alternating, in [0, 1] (default 0.5)")
         s.add_argument("--max-expert-load", type=number(float, 1.0), default=1.10,
-                       help="coclust, bytes: cap on each rank's expert (compute) load, x mean, >= 1 (default 1.10)")
+                       help="coclust, bytes: cap on each rank's expert (compute) load, x mean, >= 1 (default 1.10; "
+                            "--mode dp does not cap it, only keeps its swap refinement from raising it)")
         s.add_argument("--seed", type=number(int, 0), default=0)
         s.add_argument("--hidden-size", type=number(int, 1), default=4096,
                        help="for a2a bytes when the trace meta has no hidden_size (default 4096)")
@@ -623,10 +635,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--mode", choices=("tp", "dp"), default="tp",
                    help="tp: tokens shuffled to ranks per layer (speculate, default); dp: attention data "
                         "parallel, each request runs on one rank, so experts are co-clustered with whole "
-                        "requests (the requests of the leading --metrics-tokens tokens)")
+                        "requests (those of --metrics-tokens tokens); serve it with TP = 1")
     b.add_argument("-o", "--output", required=True, help="placement YAML to write")
     b.add_argument("--metrics-tokens", type=number(int, 1), default=131072,
-                   help="in-sample metrics stored in the YAML use this many leading tokens (default 131072)")
+                   help="in-sample metrics stored in the YAML use this many leading tokens (default 131072); "
+                        "--mode dp also learns from the requests of this many tokens, in evenly spaced windows")
     common(b)
     b.set_defaults(fn=cmd_build)
 

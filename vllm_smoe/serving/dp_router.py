@@ -158,12 +158,21 @@ def install() -> None:
     from vllm.v1.engine.core_client import DPLBAsyncMPClient
 
     orig = DPLBAsyncMPClient.get_core_engine_for_request
+    orig_init = DPLBAsyncMPClient.__init__
+
+    def _attach(self):
+        ranks = getattr(self, "engine_ranks_managed", None) or range(len(self.core_engines))
+        self._smoe_router = router_for(self.vllm_config, ranks)
+        return self._smoe_router
+
+    def __init__(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        _attach(self)  # tables read while the server starts, not on its first request
 
     def get_core_engine_for_request(self, request):
         router = self.__dict__.get("_smoe_router", False)
-        if router is False:
-            ranks = getattr(self, "engine_ranks_managed", None) or range(len(self.core_engines))
-            router = self._smoe_router = router_for(self.vllm_config, ranks)
+        if router is False:  # a client built before the wrapper was installed
+            router = _attach(self)
         if router is not None and (len(self.core_engines) != router.num_engines
                                    or len(self.lb_engines) != router.num_engines):
             logger.warning("smoe dp routing is off: the DP engines changed (%d, routed for %d; elastic "
@@ -175,8 +184,10 @@ def install() -> None:
         sp = request.sampling_params
         weight = len(request.prompt_token_ids) + ((sp.max_tokens or 0) if sp is not None else 0)
         if request.data_parallel_rank is not None or request.pooling_params is not None:
+            # a named rank is the client's; pooling requests keep vLLM's own rules
             engine = orig(self, request)
-            router.routed(self.core_engines.index(engine), weight, "explicit")
+            router.routed(self.core_engines.index(engine), weight,
+                          "explicit" if request.data_parallel_rank is not None else "vllm")
             return engine
         choice = router.choose(request.prompt_token_ids, weight, [c[0] for c in self.lb_engines],
                                self.client_count)
@@ -196,7 +207,9 @@ def install() -> None:
         return engine
 
     get_core_engine_for_request._smoe_original = orig
+    __init__._smoe_original = orig_init
     DPLBAsyncMPClient.get_core_engine_for_request = get_core_engine_for_request
+    DPLBAsyncMPClient.__init__ = __init__
     _INSTALLED = True
 
 

@@ -35,13 +35,20 @@ class SmoeEndpoints:
             ids = body.get("prompt_token_ids") if isinstance(body, dict) else None
             text = body.get("prompt") if isinstance(body, dict) else None
             if ids is None and isinstance(text, str):
+                if tokenizer is None:
+                    raise HTTPException(status_code=400, detail="this server has no tokenizer "
+                                                                "(--skip-tokenizer-init): send 'prompt_token_ids'")
                 ids = tokenizer.encode(text)
-            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                    and 0 <= i < 2**62 for i in ids):
                 raise HTTPException(status_code=400, detail="give 'prompt' (a string) or 'prompt_token_ids' "
-                                                            "(a list of integers)")
+                                                            "(a list of non-negative integers)")
             from .dp_router import preferred_rank
 
-            rank, scores = preferred_rank(placement, ids, engines)
+            try:
+                rank, scores = preferred_rank(placement, ids, engines)
+            except ValueError as e:  # the placement no longer reads, or does not fit the DP size
+                raise HTTPException(status_code=409, detail=str(e)) from None
             return {"rank": rank, "scores": scores, "placement": placement}
 
         app.include_router(router)
@@ -55,12 +62,15 @@ class SmoeEndpoints:
         vc = engine_client.vllm_config
         cfg = SmoeConfig.from_additional_config(vc.additional_config)
         placement = cfg.placement if cfg is not None else None
+        tokenizer = None
         if placement is not None:
             from ..placement_file import load_placement
 
             if load_placement(placement).predictor is None:
                 placement = None  # nothing to score with: the route answers 404
-        state.smoe_route = (placement, vc.parallel_config.data_parallel_size, engine_client.renderer.get_tokenizer())
+            elif not vc.model_config.skip_tokenizer_init:
+                tokenizer = engine_client.renderer.get_tokenizer()
+        state.smoe_route = (placement, vc.parallel_config.data_parallel_size, tokenizer)
 
 
 def endpoints() -> SmoeEndpoints:
