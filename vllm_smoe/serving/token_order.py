@@ -318,7 +318,7 @@ class TokenOrder:
         exchange = getattr(getattr(get_ep_group().device_communicator, "all2all_manager", None), "exchange", None)
         wire = ""
         if exchange is not None:
-            tok, pairs, nbytes = exchange.stats.tolist()  # once per log interval
+            tok, pairs, nbytes = exchange.stats.tolist()[:3]  # once per log interval
             if tok:
                 wire = (f"; sparse all2all: {pairs / tok:.3f} remote (token, rank) pairs and {nbytes / tok:.0f} B "
                         f"per token and MoE layer")
