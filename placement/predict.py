@@ -202,6 +202,18 @@ def request_prefill_candidates(request_ids: np.ndarray, is_prefill: np.ndarray, 
     return out, c
 
 
+def prefer_ranks(expert_ranks: np.ndarray, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """The preference when a token's routing is known (the oracle, and what the served predictor
+    ``router`` computes from vLLM's own gate): ranks by how many of its experts they hold, most
+    first, lower rank on ties. expert_ranks: [T, K] int, the rank of each top-k expert.
+    Returns (pref [T, min(2, N)] int64, conf [T] float32: the best rank's share of the K)."""
+    T, K = expert_ranks.shape
+    counts = np.zeros((T, num_ranks), dtype=np.int64)
+    np.add.at(counts, (np.repeat(np.arange(T), K), expert_ranks.reshape(-1)), 1)
+    pref = np.argsort(-counts, axis=1, kind="stable")[:, : min(2, num_ranks)]
+    return pref, (counts[np.arange(T), pref[:, 0]] / K).astype(np.float32)
+
+
 def predict_layer(tables: PredictorTables, layer: int, token_ids: np.ndarray,
                   prev_top1: np.ndarray | None = None,
                   request_pred: tuple[np.ndarray, np.ndarray] | None = None

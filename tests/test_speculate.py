@@ -71,11 +71,12 @@ SPEC = {"mode": "speculate", "placement": EP2, "log_interval": 0.2}
     ({"all2all": "vllm"}, False, None),  # vLLM's own EP, experts fixed by the plugin (no SP at DP=1)
     ({**SPEC, "predictor": "tables"}, False, "predictor tables"),
     ({**SPEC, "predictor": "tables-markov"}, False, "predictor tables-markov"),
+    ({**SPEC, "predictor": "router"}, False, "predictor router"),  # vLLM's gate run ahead: exact ranks
     ({**SPEC, "predictor": "random"}, False, "predictor random"),
     ({**SPEC, "predictor": "one-rank"}, False, "predictor one-rank"),  # rank 0 full, the rest anywhere
     ({**SPEC, "predictor": "tables", "all2all": "vllm"}, False, "predictor tables"),  # vLLM's allgather-RS
     ({**SPEC, "predictor": "tables"}, True, "predictor tables"),  # torch.compile keeps smoe's ops opaque
-], ids=["vllm-ep", "tables", "tables-markov", "random", "one-rank", "tables-agrs", "tables-compiled"])
+], ids=["vllm-ep", "tables", "tables-markov", "router", "random", "one-rank", "tables-agrs", "tables-compiled"])
 def test_tp2_ep_gives_plain_tp2_tokens(plain_tp2, smoe, compiled, says):
     prompts, plain = plain_tp2
     out, log = _generate(prompts, {"smoe": smoe}, compiled=compiled, ep=True)
@@ -114,3 +115,29 @@ def test_bench_serve_reads_the_numbers_of_speculate_log_line():
     assert _log_numbers(None) == {}
 
 
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_router_predictor_uses_vllms_own_routing(grouped):
+    """Predictor router: vLLM's gate and routing step on every row give the ranks of exactly the
+    experts vLLM's router picks for them (softmax top-k, and grouped top-k with a correction bias)."""
+    pytest.importorskip("vllm")
+    import torch
+
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+    from vllm_smoe.placement.predict import prefer_ranks
+    from vllm_smoe.serving.token_order import route_ahead
+
+    torch.manual_seed(0)
+    E, K, H, T, N = 16, 4, 24, 37, 4
+    gate = torch.nn.Linear(H, E, bias=False)
+    kw = dict(use_grouped_topk=True, num_expert_group=4, topk_group=2, scoring_func="sigmoid",
+              e_score_correction_bias=torch.randn(E)) if grouped else {}
+    router = CPURouter(top_k=K, global_num_experts=E, **kw)
+    x = torch.randn(T, H)
+    owner = torch.randperm(E) % N
+    pref, conf = route_ahead(gate, router, x, owner, N)
+    _, ids = router.select_experts(x, gate(x))
+    want_pref, want_conf = prefer_ranks(owner[ids.long()].numpy(), N)
+    np.testing.assert_array_equal(pref.numpy(), want_pref)
+    np.testing.assert_allclose(conf.numpy(), want_conf)

@@ -224,3 +224,26 @@ def test_vote_agrees_with_a_plain_count(seed):
     best, _ = dp.vote(pref, conf, N)
     counts = np.stack([np.bincount(pref[:, t, 0].numpy(), minlength=N) for t in range(T)])
     np.testing.assert_array_equal(best[:, 0].numpy(), counts.argmax(1))  # argmax: first on ties
+
+
+def test_prefer_ranks_golden():
+    # ranks of each token's 4 experts over 3 ranks
+    er = np.array([[2, 2, 0, 1], [1, 0, 0, 1], [2, 2, 2, 2]])
+    from vllm_smoe.placement.predict import prefer_ranks
+
+    pref, conf = prefer_ranks(er, 3)
+    np.testing.assert_array_equal(pref, [[2, 0], [0, 1], [2, 0]])  # ties: lower rank first
+    np.testing.assert_allclose(conf, [0.5, 0.5, 1.0])
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_device_prefer_ranks_equals_numpy(seed):
+    from vllm_smoe.placement.predict import prefer_ranks
+
+    rng = np.random.default_rng(seed)
+    N, K, T = int(rng.integers(1, 9)), int(rng.integers(1, 9)), int(rng.integers(1, 300))
+    er = rng.integers(0, N, size=(T, K))
+    pref, conf = prefer_ranks(er, N)
+    tp, tc = dp.prefer_ranks(torch.as_tensor(er), N)
+    np.testing.assert_array_equal(tp.numpy(), pref)
+    np.testing.assert_allclose(tc.numpy(), conf)

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 MODES = ("place", "record", "speculate")
 _KEYS = ("mode", "placement", "record", "log_interval", "record_chunk_tokens", "predictor", "all2all", "dp_routing")
-PREDICTORS = ("tables", "tables-markov", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.serving.token_order)
+PREDICTORS = ("tables", "tables-markov", "router", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.serving.token_order)
 ALL2ALL = ("sparse", "vllm")  # smoe's sparse de-duplicated manager, or vLLM's own choice
 
 

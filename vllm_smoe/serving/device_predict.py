@@ -80,6 +80,18 @@ def vote(pref: torch.Tensor, conf: torch.Tensor, num_ranks: int) -> tuple[torch.
     return best, top[:, 0].float() / (L * 2 * 1001)
 
 
+def prefer_ranks(expert_ranks: torch.Tensor, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ranks by how many of a token's experts they hold (most first, lower rank on ties): the
+    preference when the step's routing is known. expert_ranks: [T, K] int, the rank of each of the
+    token's top-k experts. Returns (pref [T, min(2, N)] int64, conf [T] float32: the best rank's
+    share of the K experts). Twin of :func:`vllm_smoe.placement.predict.prefer_ranks`."""
+    T, K = expert_ranks.shape
+    counts = torch.zeros((T, num_ranks), dtype=torch.long, device=expert_ranks.device).scatter_add_(
+        1, expert_ranks.long(), torch.ones_like(expert_ranks, dtype=torch.long))
+    pref = torch.argsort(-counts, dim=1, stable=True)[:, : min(2, num_ranks)]
+    return pref, counts.gather(1, pref[:, :1])[:, 0].float() / K
+
+
 def predict_random(token_ids: torch.Tensor, layer: int, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A hash of position, layer and token id: the same on every rank, unrelated to routing.
     Returns (pref [T, 1] int64, conf [T] float32)."""

@@ -46,6 +46,12 @@ def find_moe_blocks(model: torch.nn.Module, moe_layers: tuple[int, ...]
                     ) -> list[tuple[int, torch.nn.Module, torch.nn.Module]]:
     """(MoE ordinal, block, router) of every MoE block: the module that owns a FusedMoE (a child
     with a ``router`` that takes a capture function), in layer order."""
+    return [(layer, block, experts.router) for layer, block, experts in find_moe_experts(model, moe_layers)]
+
+
+def find_moe_experts(model: torch.nn.Module, moe_layers: tuple[int, ...]
+                     ) -> list[tuple[int, torch.nn.Module, torch.nn.Module]]:
+    """(MoE ordinal, block, FusedMoE) of every MoE block, in layer order."""
     found = {}
     for name, module in model.named_modules():
         for child in module.children():
@@ -53,8 +59,20 @@ def find_moe_blocks(model: torch.nn.Module, moe_layers: tuple[int, ...]
             if router is not None and hasattr(router, "set_capture_fn"):
                 m = _LAYER.search("." + name + ".")
                 if m is not None and int(m.group(1)) in moe_layers:
-                    found[moe_layers.index(int(m.group(1)))] = (module, router)
-    return [(layer, block, router) for layer, (block, router) in sorted(found.items())]
+                    found[moe_layers.index(int(m.group(1)))] = (module, child)
+    return [(layer, block, experts) for layer, (block, experts) in sorted(found.items())]
+
+
+def gate_ahead(block: torch.nn.Module, experts: torch.nn.Module) -> tuple[bool, str, torch.nn.Module | None]:
+    """``(ok, reason, gate)`` for predictor ``router``: the gate vLLM applies to this block's rows,
+    held either by the FusedMoE runner (``router_logits`` is then the rows themselves) or by the
+    block, and a router whose pure routing step (``_compute_routing``) smoe can call on them."""
+    gate = getattr(experts, "gate", None) or getattr(block, "gate", None)
+    if not isinstance(gate, torch.nn.Module):
+        return False, f"{type(block).__name__} has no gate module (neither the block nor its FusedMoE holds one)", None
+    if not callable(getattr(experts.router, "_compute_routing", None)):
+        return False, f"{type(experts.router).__name__} has no _compute_routing (vLLM's BaseRouter API changed)", None
+    return True, "", gate
 
 
 # the children a decoder layer may have for the stack order: one attention, whose rows smoe
@@ -105,6 +123,21 @@ def block_supported(block: torch.nn.Module, model: torch.nn.Module | None = None
     return True, "", "block"
 
 
+def route_ahead(gate: torch.nn.Module, router, x: torch.Tensor, owner: torch.Tensor, num_ranks: int,
+                input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Predictor router: vLLM's own gate and routing step on a block's rows, which every rank
+    holds whole before the block chunks them, so each token's ranks are known exactly rather than
+    predicted. x: [T, H]; owner: [E] int64 rank of each (physical) expert id. Returns
+    (pref [T, 2] int64, conf [T] float32) as :func:`device_predict.prefer_ranks`. Costs one more
+    gate GEMM over T rows per layer (vLLM's own runs on the T / N rows of the chunk); the routing
+    step is the pure one (no capture, no EPLB bookkeeping)."""
+    logits = gate(x)
+    if isinstance(logits, tuple):  # vLLM's linear layers return (output, bias)
+        logits = logits[0]
+    _, ids = router._compute_routing(x, logits, None, input_ids=input_ids)
+    return dp.prefer_ranks(owner[ids.long()], num_ranks)
+
+
 class TokenOrder:
     """Per-worker state: device tables, the step's token ids, per-layer inverse permutations,
     the previous layer's top-1, and device-side counters read only when logging."""
@@ -116,7 +149,8 @@ class TokenOrder:
         self.N, self.rank = self.tp.world_size, self.tp.rank_in_group
         self.predictor, self.log_interval = cfg.predictor, cfg.log_interval
         device = next(model.parameters()).device
-        self.blocks = find_moe_blocks(model, plan.moe_layers)
+        experts = find_moe_experts(model, plan.moe_layers)
+        self.blocks = [(layer, block, e.router) for layer, block, e in experts]
         if len(self.blocks) != len(plan.moe_layers):
             raise RuntimeError(f"smoe speculate: found {len(self.blocks)} MoE blocks, expected {len(plan.moe_layers)}")
         kinds = set()
@@ -136,6 +170,17 @@ class TokenOrder:
             raise ValueError(f"smoe mode speculate: predictor 'tables-markov' orders each layer after the previous "
                              f"one, but {type(self.blocks[0][1]).__name__}'s decoder layers keep their rows split "
                              f"between layers, so one order holds for the whole step; use predictor 'tables'")
+        if self.stack and cfg.predictor == "router":
+            raise ValueError(f"smoe mode speculate: predictor 'router' runs each MoE layer's gate on its input rows, "
+                             f"but {type(self.blocks[0][1]).__name__}'s decoder layers keep their rows split between "
+                             f"layers, so one order holds for the whole step; use predictor 'tables'")
+        self.gates = []  # predictor router: (gate, router) per MoE layer
+        if cfg.predictor == "router":
+            for _, block, e in experts:
+                ok, reason, gate = gate_ahead(block, e)
+                if not ok:
+                    raise ValueError(f"smoe mode speculate: predictor 'router': {reason}")
+                self.gates.append((gate, e.router))
         L, E = plan.slot2expert.shape
         self.tables = None
         if tables is not None:
@@ -156,6 +201,7 @@ class TokenOrder:
         # tables-markov: each layer waits for the previous one's top-1 (one extra all-gather per
         # layer); the others predict every layer at the first MoE layer of the step
         self.markov = cfg.predictor == "tables-markov"
+        self.per_layer = self.markov or cfg.predictor == "router"
         self._last_log = time.monotonic()
         model.register_forward_pre_hook(self._step_ids, with_kwargs=True)
         for layer, block, router in self.blocks:
@@ -285,10 +331,15 @@ class TokenOrder:
 
     def order(self, x: torch.Tensor, layer: int, predict: bool) -> torch.Tensor:
         T = x.shape[0]
-        if predict and (self.stack or self.markov or layer == 0):
+        if predict and (self.stack or self.per_layer or layer == 0):
             self.rows = T
-            layers = [layer] if self.markov or self.stack else list(range(self.perm.shape[0]))
-            pref, conf = self.preferences(layers, self.ids[:T])
+            layers = [layer] if self.per_layer or self.stack else list(range(self.perm.shape[0]))
+            if self.gates:
+                gate, router = self.gates[layer]
+                pref, conf = route_ahead(gate, router, x, self.owner, self.N, self.ids[:T])
+                pref, conf = pref[None], conf[None]
+            else:
+                pref, conf = self.preferences(layers, self.ids[:T])
             perm, inv = dp.permutation(dp.assign(pref, conf, dp.chunk_caps(T, self.N, x.device)))
             self.perm[layers[0]: layers[-1] + 1, :T].copy_(perm)
             self.inv[layers[0]: layers[-1] + 1, :T].copy_(inv)
