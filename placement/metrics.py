@@ -38,6 +38,15 @@ def holds_from_expert2rank(expert2rank: np.ndarray, ep_size: int,
     return holds
 
 
+def local_share(topk_ids: np.ndarray, token2rank: np.ndarray, holds: np.ndarray) -> float:
+    """LAR alone: share of activations whose expert has a copy on the token's rank.
+    topk_ids: [T, L, K] int; token2rank: [T, L] int; holds: [L, N, E] bool."""
+    T, L, K = topk_ids.shape
+    local = sum(int(holds[layer][token2rank[:, layer].astype(np.int64)[:, None],
+                                 topk_ids[:, layer].astype(np.int64)].sum()) for layer in range(L))
+    return local / max(1, T * L * K)
+
+
 def evaluate(topk_ids: np.ndarray, token2rank: np.ndarray, expert2rank: np.ndarray, batch_ids: np.ndarray,
              ep_size: int, holds: np.ndarray | None = None, hidden_size: int = 4096,
              dtype_bytes: int = 2, nodes: int = 1) -> dict[str, float]:

@@ -9,29 +9,42 @@ from __future__ import annotations
 import numpy as np
 
 from .assign import assign_tokens
-from .predict import PredictorTables, predict_layer, request_prefill_candidates
+from .predict import SOURCES, PredictorTables, known_preferences, predict_layer, request_prefill_candidates
+
+# offline twins of the served predictors (vllm_smoe.config.PREDICTORS) that learn from a trace
+PREDICTORS = ("tables-markov", "tables", "router")
 
 
-def simulate(tables: PredictorTables, holds: np.ndarray, token_ids: np.ndarray, topk_ids: np.ndarray,
+def simulate(tables: PredictorTables | None, holds: np.ndarray, token_ids: np.ndarray, topk_ids: np.ndarray,
              batch_ids: np.ndarray, ep_size: int, capacity: float = 1.10,
              request_ids: np.ndarray | None = None, is_prefill: np.ndarray | None = None,
-             use_markov: bool = True) -> tuple[np.ndarray, np.ndarray]:
+             predictor: str = "tables-markov") -> tuple[np.ndarray, np.ndarray]:
     """token2rank: [T, L] int32 and source: [T, L] int8 (index into predict.SOURCES).
 
-    holds: [L, N, E] bool; topk_ids: [T, L, K]; the previous layer's actual top-1 expert feeds
-    the Markov table (known online by the time layer l is reached); decode tokens also get the
-    request's prefill prediction when request_ids and is_prefill are given.
+    holds: [L, N, E] bool; topk_ids: [T, L, K]. predictor: ``tables-markov`` arbitrates the token
+    table, the Markov table (the previous layer's actual top-1 expert, known online by the time
+    layer l is reached) and, for decode tokens when request_ids and is_prefill are given, the
+    request's prefill prediction; ``tables`` uses the token table alone (the served default);
+    ``router`` knows each token's routing (the served predictor that runs vLLM's gate ahead, and
+    the capped oracle of a placement: tables may be None).
     """
+    if predictor not in PREDICTORS:
+        raise ValueError(f"predictor must be one of {', '.join(PREDICTORS)}, got {predictor!r}")
     T, L, _ = topk_ids.shape
     token2rank = np.empty((T, L), dtype=np.int32)
     source = np.empty((T, L), dtype=np.int8)
     tok = token_ids.astype(np.int64)
-    has_decode = is_prefill is not None and request_ids is not None and not is_prefill.all()
+    markov = predictor == "tables-markov"
+    has_decode = markov and is_prefill is not None and request_ids is not None and not is_prefill.all()
     for layer in range(L):
-        prev = topk_ids[:, layer - 1, 0].astype(np.int64) if (layer > 0 and use_markov) else None
-        req = (request_prefill_candidates(request_ids, is_prefill, topk_ids[:, layer], holds[layer])
-               if has_decode else None)
-        pref, conf, src = predict_layer(tables, layer, tok, prev, req)
+        if predictor == "router":
+            pref, conf = known_preferences(topk_ids[:, layer].astype(np.int64), holds[layer])
+            src = np.full(T, SOURCES.index("router"), dtype=np.int8)
+        else:
+            prev = topk_ids[:, layer - 1, 0].astype(np.int64) if (layer > 0 and markov) else None
+            req = (request_prefill_candidates(request_ids, is_prefill, topk_ids[:, layer], holds[layer])
+                   if has_decode else None)
+            pref, conf, src = predict_layer(tables, layer, tok, prev, req)
         token2rank[:, layer] = assign_tokens(pref, conf, batch_ids, ep_size, capacity)
         source[:, layer] = src
     return token2rank, source

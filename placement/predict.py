@@ -23,7 +23,7 @@ import scipy.sparse as sp
 
 from .counts import count_matrix, rank_scores, top_ranks
 
-SOURCES = ("token", "markov", "request", "prior")
+SOURCES = ("token", "markov", "request", "prior", "router")
 
 
 @dataclass(frozen=True)
@@ -202,16 +202,40 @@ def request_prefill_candidates(request_ids: np.ndarray, is_prefill: np.ndarray, 
     return out, c
 
 
-def prefer_ranks(expert_ranks: np.ndarray, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
+def _prefer(counts: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    pref = np.argsort(-counts, axis=1, kind="stable")[:, : min(2, counts.shape[1])]
+    return pref, (counts[np.arange(counts.shape[0]), pref[:, 0]] / top_k).astype(np.float32)
+
+
+def prefer_ranks(expert_ranks: np.ndarray, num_ranks: int, block: int = 1 << 16) -> tuple[np.ndarray, np.ndarray]:
     """The preference when a token's routing is known (the oracle, and what the served predictor
     ``router`` computes from vLLM's own gate): ranks by how many of its experts they hold, most
     first, lower rank on ties. expert_ranks: [T, K] int, the rank of each top-k expert.
     Returns (pref [T, min(2, N)] int64, conf [T] float32: the best rank's share of the K)."""
     T, K = expert_ranks.shape
-    counts = np.zeros((T, num_ranks), dtype=np.int64)
-    np.add.at(counts, (np.repeat(np.arange(T), K), expert_ranks.reshape(-1)), 1)
-    pref = np.argsort(-counts, axis=1, kind="stable")[:, : min(2, num_ranks)]
-    return pref, (counts[np.arange(T), pref[:, 0]] / K).astype(np.float32)
+    pref = np.zeros((T, min(2, num_ranks)), dtype=np.int64)
+    conf = np.zeros(T, dtype=np.float32)
+    for s in range(0, T, block):  # [block, N] counts at a time: memory bounded at any T
+        er = expert_ranks[s: s + block].astype(np.int64)
+        rows = np.repeat(np.arange(er.shape[0]) * num_ranks, K)
+        counts = np.bincount(rows + er.reshape(-1), minlength=er.shape[0] * num_ranks).reshape(-1, num_ranks)
+        pref[s: s + block], conf[s: s + block] = _prefer(counts, K)
+    return pref, conf
+
+
+def known_preferences(topk_layer: np.ndarray, holds_layer: np.ndarray, block: int = 1 << 16
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`prefer_ranks` from a layer's actual routing, counting every copy (replicas too).
+    topk_layer: [T, K] int; holds_layer: [N, E] bool."""
+    if (holds_layer.sum(axis=0) == 1).all():
+        return prefer_ranks(holds_layer.argmax(axis=0)[topk_layer], holds_layer.shape[0], block)
+    T, K = topk_layer.shape
+    pref = np.zeros((T, min(2, holds_layer.shape[0])), dtype=np.int64)
+    conf = np.zeros(T, dtype=np.float32)
+    for s in range(0, T, block):
+        counts = holds_layer[:, topk_layer[s: s + block]].sum(axis=2).T  # [block, N]
+        pref[s: s + block], conf[s: s + block] = _prefer(counts, K)
+    return pref, conf
 
 
 def predict_layer(tables: PredictorTables, layer: int, token_ids: np.ndarray,

@@ -340,3 +340,51 @@ def test_evaluate_bounds_its_sample(built, tmp_path, capsys):
     assert "evaluating 4096 of" in capsys.readouterr().err
     m = json.load(open(js))["placement (coclust)"]
     assert sum(m["rank_tokens"]) == 4096 * 4 and 0 < m["lar"] <= 1  # tokens x layers
+
+
+def test_evaluate_scores_each_predictor_against_the_capped_oracle(built, tmp_path):
+    res = {}
+    for pred in ("tables-markov", "tables", "router"):
+        js = tmp_path / f"{pred}.json"
+        assert main(["evaluate", "--trace", HELDOUT, "--placement", str(built), "--predictor", pred,
+                     "--compare", "linear", "--json", str(js)]) == 0
+        res[pred] = json.load(open(js))
+    oracle = res["router"]["placement (coclust)"]
+    # router knows the routing: it is the oracle, and the oracle is the same whichever predictor is scored
+    assert oracle["oracle_share"] == 1.0 and oracle["lar"] == oracle["oracle_lar"]
+    for pred in ("tables-markov", "tables"):
+        m = res[pred]["placement (coclust)"]
+        assert m["oracle_lar"] == oracle["oracle_lar"]
+        assert 0.5 < m["oracle_share"] < 1.0 and m["lar"] < oracle["lar"]
+        assert "oracle_share" not in res[pred]["linear"]  # plain EP: no predictor to score
+        assert res[pred]["linear+pred"]["oracle_share"] < 1.0
+    assert main(["evaluate", "--trace", HELDOUT, "--placement", str(built), "--mode", "dp",
+                 "--predictor", "router"]) == 2
+
+
+def test_simulate_router_golden():
+    from vllm_smoe.placement.online import simulate
+
+    # 2 ranks: experts 0, 1 on rank 0, experts 2, 3 on rank 1; cap 1.0 -> 2 tokens per rank
+    holds = np.array([[[1, 1, 0, 0], [0, 0, 1, 1]]], dtype=bool)
+    topk = np.array([[0, 1], [2, 3], [0, 2], [1, 0]]).reshape(4, 1, 2)
+    t2r, src = simulate(None, holds, np.zeros(4, int), topk, np.zeros(4, int), 2, capacity=1.0, predictor="router")
+    # the sure tokens claim first (0 and 3 want rank 0, 1 wants rank 1); the split one takes the free slot
+    np.testing.assert_array_equal(t2r[:, 0], [0, 1, 1, 0])
+    assert (src == 4).all()
+
+
+def test_bench_predictors_leaves_each_domain_out(tmp_path):
+    from vllm_smoe.bench import main as bench_main
+
+    js = tmp_path / "pred.json"
+    assert bench_main(["predictors", "--ep-size", "2", "--json", str(js)]) == 0
+    rows = json.load(open(js))["rows"]
+    assert [r["split"] for r in rows] == ["in-domain", "without python", "without c", "without prose", "without math"]
+    held = np.load(HELDOUT)
+    assert rows[4]["test_tokens"] == int((held["domain"] == 3).sum())
+    for r in rows:
+        assert r["router"]["oracle_share"] == 1.0
+        assert r["tables"]["lar"] < r["router"]["lar"]
+    # a domain the tables never saw is predicted worse than the domains they did
+    assert min(r["tables"]["oracle_share"] for r in rows[1:]) < rows[0]["tables"]["oracle_share"]

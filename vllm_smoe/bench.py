@@ -697,6 +697,59 @@ def _place_scale(a) -> int:
     return 0
 
 
+def _predictors(a) -> int:
+    """Each predictor's share of the capped oracle, in domain and on every domain left out of
+    training: placement and tables built with smoe-place on the training trace (without the
+    domain), scored on the held-out trace (that domain only)."""
+    import tempfile
+
+    from . import place_cli
+    from .cli_util import check_output_file
+    from .placement.online import PREDICTORS as SIM
+    from .testbed import FIXTURE_MODEL, FIXTURE_TRACES
+    from .trace import read_traces, write_trace
+
+    if a.json:
+        check_output_file(a.json, "--json")
+    train, held = a.train or FIXTURE_TRACES["train"], a.heldout or FIXTURE_TRACES["heldout"]
+    model = a.model if a.model is not None else (FIXTURE_MODEL if a.train is None else None)
+    fields = ("token_ids", "request_ids", "positions", "topk_ids", "step_ids", "is_prefill", "domain")
+    meta, tr, _ = read_traces([train], fields)
+    _, he, _ = read_traces([held], fields)
+    for name, arr in ((train, tr), (held, he)):
+        if "domain" not in arr or not meta.domains:
+            raise ValueError(f"{name}: needs the 'domain' field and meta.domains to leave a domain out")
+    splits = [("in-domain", None)] + [(f"without {d}", i) for i, d in enumerate(meta.domains)]
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        for ep in a.ep_size:
+            for label, d in splits:
+                pair = []
+                for arr, keep in ((tr, None if d is None else tr["domain"] != d),
+                                  (he, None if d is None else he["domain"] == d)):
+                    path = os.path.join(work, f"{len(pair)}.npz")
+                    write_trace(path, meta, **{k: v if keep is None else v[keep] for k, v in arr.items()})
+                    pair.append(path)
+                yaml_path = os.path.join(work, "p.yaml")
+                build = ["build", "--trace", pair[0], "--ep-size", str(ep), "-o", yaml_path]
+                place_cli.main(build + (["--model", model] if model else []))
+                row = {"ep_size": ep, "split": label,
+                       "test_tokens": int(he["token_ids"].size if d is None else (he["domain"] == d).sum())}
+                for pred in SIM:
+                    out = os.path.join(work, f"{pred}.json")
+                    place_cli.main(["evaluate", "--trace", pair[1], "--placement", yaml_path, "--predictor", pred,
+                                    "--json", out])
+                    m = next(iter(json.load(open(out)).values()))
+                    row[pred] = {k: m[k] for k in ("lar", "oracle_lar", "oracle_share", "a2a_bytes_per_token")}
+                rows.append(row)
+                print(f"EP {ep} {label:>16}: oracle LAR {row['router']['lar']:.3f}; " + ", ".join(
+                    f"{p} {row[p]['lar']:.3f} ({row[p]['oracle_share']:.3f} of oracle)" for p in SIM if p != "router"),
+                    flush=True)
+    if a.json:
+        _write_json(a.json, {"train": train, "heldout": held, "model": model, "rows": rows})
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="smoe-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -788,6 +841,15 @@ def main(argv=None) -> int:
     s.add_argument("--evaluate", action="store_true", help="also time smoe-place evaluate on the same trace")
     s.add_argument("--json", help="write the measurements here")
     s.set_defaults(fn=_place_scale)
+    r = sub.add_parser("predictors", help="each predictor's share of the capped oracle, in domain and with each "
+                                          "domain left out of training (traces with a 'domain' field)")
+    r.add_argument("--train", help="training trace (default: the fixture's)")
+    r.add_argument("--heldout", help="held-out trace (default: the fixture's)")
+    r.add_argument("--model", help="checkpoint for smoe-place build --model (default: the fixture's with the "
+                                   "fixture's traces, none otherwise)")
+    r.add_argument("--ep-size", type=int, nargs="+", default=[2, 4, 8])
+    r.add_argument("--json", help="write every row here")
+    r.set_defaults(fn=_predictors)
     from .cli_util import run_cli
 
     return run_cli(p, argv)

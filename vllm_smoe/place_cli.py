@@ -22,7 +22,8 @@ from .placement.dp import (assign_requests, place_requests, request_affinity, re
                            request_token_table, round_robin_requests, workload_scores)
 from .placement.groups import check_groups
 from .placement.layout import NEEDS_INSTANCES, PREDICTED, SOLVERS, place_model
-from .placement.metrics import evaluate, holds_from_expert2rank
+from .placement.metrics import evaluate, holds_from_expert2rank, local_share
+from .placement.online import PREDICTORS as SIM_PREDICTORS
 from .placement.online import simulate
 from .placement.predict import tables_for_placement
 from .placement_file import load_placement, load_tables, model_fingerprint, write_placement
@@ -32,7 +33,7 @@ from .trace import iter_traces, open_traces
 
 METRIC_KEYS = ("lar", "token_load", "expert_load", "remote_pairs_per_token", "remote_unique_per_token",
                "a2a_bytes_per_token", "internode_bytes_per_token", "intranode_bytes_per_token", "hit_rate",
-               "oracle_hit_rate", "solve_seconds", "peak_mem_mb", "table_bytes")
+               "oracle_hit_rate", "oracle_lar", "oracle_share", "solve_seconds", "peak_mem_mb", "table_bytes")
 COMPARE_ALL = ("linear", "round_robin", "eplb", "metis", "ceo", "alternating", "coclust", "bytes")
 
 
@@ -354,7 +355,7 @@ def _ticking(it, bar):
 
 
 def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, hidden, dtype_bytes, mode="tp",
-             nodes=1, shuffle=None, workloads=False):
+             nodes=1, shuffle=None, workloads=False, predictor="tables-markov"):
     holds = holds_from_expert2rank(e2r, ep_size, reps)
     if mode == "dp":  # whole requests on attention-DP ranks
         reqs, q = request_index(arr["request_ids"])  # q: each token's request, in first-appearance order
@@ -385,13 +386,23 @@ def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, 
         batch = win[order]
     elif predicted:
         t2r, _ = simulate(tables, holds, arr["token_ids"], arr["topk_ids"], batch, ep_size, capacity,
-                          arr.get("request_ids"), arr.get("is_prefill"))
+                          arr.get("request_ids"), arr.get("is_prefill"), predictor)
+        # the capped oracle: the same placement and cap with every token's routing known
+        oracle = t2r if predictor == "router" else simulate(None, holds, arr["token_ids"], arr["topk_ids"], batch,
+                                                             ep_size, capacity, predictor="router")[0]
+        m = evaluate(arr["topk_ids"], t2r, e2r, batch, ep_size, holds, hidden, dtype_bytes, nodes)
+        m["oracle_lar"] = local_share(arr["topk_ids"], oracle, holds)
+        m["oracle_share"] = m["lar"] / max(m["oracle_lar"], 1e-12)
+        return m
     else:
         t2r = np.repeat(contiguous_tokens(batch, ep_size)[:, None], meta.num_layers, axis=1)
     return evaluate(arr["topk_ids"], t2r, e2r, batch, ep_size, holds, hidden, dtype_bytes, nodes)
 
 
 def _check_dp_flags(a) -> None:
+    if a.mode == "dp" and a.predictor != "tables-markov":
+        raise ValueError(f"--predictor {a.predictor}: --mode dp routes whole requests by their prompt's votes, "
+                         f"not tokens by a predictor")
     if a.mode != "dp":
         given = [f for f, v in (("--shuffle-requests", a.shuffle_requests is not None),
                                 ("--group-workloads", a.group_workloads)) if v]
@@ -447,7 +458,7 @@ def cmd_build(a) -> int:
     sub, batch = _batched(sample, a.batch_tokens)
     m = _measure(sub, batch, meta, e2r, reps, tables, a.ep_size, a.capacity, tables is not None,
                  meta.hidden_size or a.hidden_size, a.dtype_bytes, mode=a.mode, nodes=a.nodes,
-                 shuffle=a.shuffle_requests, workloads=a.group_workloads)
+                 shuffle=a.shuffle_requests, workloads=a.group_workloads, predictor=a.predictor)
     m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tables.nbytes if tables is not None else 0)
     write_placement(a.output, expert2rank=e2r, ep_size=a.ep_size, nodes=a.nodes, top_k=meta.top_k,
                     vocab_size=meta.vocab_size, method=a.method if a.mode == "tp" else "dp-coclust",
@@ -484,7 +495,7 @@ def _evaluate_all(a):
     tables = load_tables(p) if p.predictor else None
     label = f"placement ({p.method})"
     m = _measure(arr, batch, meta, p.expert2rank, p.replicas, tables, p.ep_size, p.capacity, tables is not None,
-                 hidden, a.dtype_bytes, a.mode, p.nodes, a.shuffle_requests, a.group_workloads)
+                 hidden, a.dtype_bytes, a.mode, p.nodes, a.shuffle_requests, a.group_workloads, a.predictor)
     m.update({k: p.metrics[k] for k in ("solve_seconds", "peak_mem_mb", "table_bytes") if k in p.metrics})
     results[label] = m
     methods = [] if not a.compare else (COMPARE_ALL if a.compare == "all" else a.compare.split(","))
@@ -516,7 +527,7 @@ def _evaluate_all(a):
             # each placement as plain EP runs it (contiguous token slices), then with smoe's predictor
             for form, predicted in ((method, False), (method + "+pred", True)):
                 m = _measure(arr, batch, meta, e2r, reps, tab, p.ep_size, p.capacity, predicted, hidden,
-                             a.dtype_bytes, a.mode, p.nodes, a.shuffle_requests, a.group_workloads)
+                             a.dtype_bytes, a.mode, p.nodes, a.shuffle_requests, a.group_workloads, a.predictor)
                 m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tab.nbytes if predicted else 0)
                 results[form] = m
     return p, results, meta, arr
@@ -541,9 +552,9 @@ def load_train_specs(placement_path: str) -> list[str]:
 
 def _print_table(results: dict[str, dict]) -> None:
     cols = ("lar", "token_load", "expert_load", "remote_pairs_per_token", "remote_unique_per_token",
-            "a2a_bytes_per_token", "hit_rate", "oracle_hit_rate", "solve_seconds")
+            "a2a_bytes_per_token", "hit_rate", "oracle_hit_rate", "oracle_share", "solve_seconds")
     head = ("method", "LAR", "tok_load", "exp_load", "remote/tok", "uniq/tok", "a2a B/tok", "hit", "oracle_hit",
-            "solve_s")
+            "LAR/oracle", "solve_s")
     if any("internode_bytes_per_token" in m for m in results.values()):  # --nodes > 1
         cols = cols[:6] + ("internode_bytes_per_token", "intranode_bytes_per_token") + cols[6:]
         head = head[:7] + ("inter B/tok", "intra B/tok") + head[7:]
@@ -589,6 +600,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(s):
+        s.add_argument("--predictor", choices=SIM_PREDICTORS, default="tables-markov",
+                       help="the token -> rank predictor simulated for smoe's placements and every X+pred form: "
+                            "tables-markov (default: token table, Markov table on the previous layer's top-1, "
+                            "prefill -> decode table; the largest confidence wins), tables (the token table alone: "
+                            "what serving's default predictor uses), router (every token's routing known: serving's "
+                            "predictor that runs vLLM's gate ahead, and the capped oracle every predicted form is "
+                            "also scored against as oracle_lar / oracle_share)")
         s.add_argument("--capacity", type=number(float, 1.0), default=1.10,
                        help="per-batch token cap per rank, as a multiple of the fair share, >= 1 (default 1.10)")
         s.add_argument("--shuffle-requests", type=number(int, 0), default=None, metavar="SEED",
