@@ -87,6 +87,24 @@ def test_tp2_ep_gives_plain_tp2_tokens(plain_tp2, smoe, compiled, says):
         assert "sparse de-duplicated all2all manager on group ep" in log
     assert out["tokens"] == plain["tokens"]
     np.testing.assert_allclose(out["logprobs"], plain["logprobs"], rtol=0, atol=ATOL)
+    if says and not compiled and smoe.get("all2all", "sparse") == "sparse":
+        from vllm_smoe.bench import _SPEC_LINE, _rank_numbers
+
+        served = _rank_numbers(log.splitlines(), _SPEC_LINE)
+        assert set(served["tokens_per_rank"]) == {0, 1}  # every rank reports its own counters
+        _LOCAL[smoe["predictor"]] = served["local_share"]
+
+
+_LOCAL: dict[str, float] = {}  # served local share of each predictor above, both ranks
+
+
+@pytest.mark.vllm
+def test_router_order_is_more_local_than_every_prediction():
+    """The router predictor knows each token's experts, so its order keeps more activations local
+    than the trained tables, and a random order keeps the fewest."""
+    if not {"router", "tables", "tables-markov", "random"} <= set(_LOCAL):
+        pytest.skip("needs the served runs of test_tp2_ep_gives_plain_tp2_tokens")
+    assert _LOCAL["router"] > max(_LOCAL["tables"], _LOCAL["tables-markov"]) > _LOCAL["random"], _LOCAL
 
 
 @pytest.mark.vllm
@@ -104,17 +122,23 @@ def test_speculate_refuses_before_serving(smoe, ep, words):
     assert words in r.stderr
 
 
-def test_bench_serve_reads_the_numbers_of_speculate_log_line():
-    from vllm_smoe.bench import _log_numbers
+def test_bench_serve_combines_every_ranks_speculate_line():
+    from vllm_smoe.bench import _SPEC_LINE, _rank_numbers
 
-    line = ("speculate (predictor tables): rank 0 served 0.648 of its expert activations locally (1512 tokens); "
-            "sparse all2all: 0.773 remote (token, rank) pairs and 816 B per token and MoE layer")
-    assert _log_numbers(line) == {"local_share": 0.648, "remote_pairs_per_token": 0.773, "bytes_per_token_layer": 816.0}
-    assert _log_numbers("speculate (predictor random): rank 0 served 0.5 of its expert activations locally (3 tokens)"
-                        ) == {"local_share": 0.5}
-    assert _log_numbers(None) == {}
+    def line(rank, share, tokens, pairs, nbytes):
+        return (f"(Worker_TP{rank} pid=1) INFO smoe: speculate (predictor tables-markov): rank {rank} served {share} "
+                f"of its expert activations locally ({tokens} tokens); sparse all2all: {pairs} remote (token, rank) "
+                f"pairs and {nbytes} B per token and MoE layer\n")
 
-
+    lines = [line(0, 0.1, 10, 9.0, 900), line(0, 0.6, 100, 0.8, 800), line(1, 0.9, 300, 0.4, 400)]
+    got = _rank_numbers(lines, _SPEC_LINE)  # each rank's last line, weighted by its tokens
+    assert got["tokens_per_rank"] == {0: 100, 1: 300}
+    np.testing.assert_allclose([got["local_share"], got["remote_pairs_per_token"], got["bytes_per_token_layer"]],
+                               [0.825, 0.5, 500.0])
+    plain = _rank_numbers(["speculate (predictor random): rank 1 served 0.5 of its expert activations locally "
+                           "(3 tokens)"], _SPEC_LINE)  # vLLM's all2all: no byte counters
+    assert plain == {"local_share": 0.5, "tokens_per_rank": {1: 3}}
+    assert _rank_numbers([], _SPEC_LINE) == {}
 
 
 @pytest.mark.parametrize("grouped", [False, True])

@@ -215,18 +215,32 @@ def _write_json(path: str | None, payload: dict) -> None:
             json.dump(_null_nan(payload), f, indent=1)
 
 
-def _log_numbers(line: str | None) -> dict:
-    """Local activation share, remote (token, rank) pairs and bytes per token and MoE layer from
-    speculate's log line (the sparse all2all's counters), where it gives them."""
+_SPEC_LINE = (r"speculate \(predictor [\w-]+\): rank (\d+) served ([0-9.]+) of its expert activations locally "
+              r"\((\d+) tokens\)(?:; sparse all2all: ([0-9.]+) remote \(token, rank\) pairs and ([0-9.]+) B per token)?")
+_DP_LINE = (r"dp rank (\d+) served ([0-9.]+) of its requests' expert activations locally \((\d+) tokens"
+            r".*?([0-9.]+) remote \(token, rank\) pairs and ([0-9.]+) B per token")
+
+
+def _rank_numbers(lines, pattern: str) -> dict:
+    """Every rank's last line of ``pattern`` (groups: rank, local share, tokens, remote pairs and
+    bytes per token, the last two optional), combined over ranks weighted by their tokens."""
     import re
 
-    out = {}
-    for key, pattern in (("local_share", r"served ([0-9.]+) of its expert activations"),
-                         ("remote_pairs_per_token", r"([0-9.]+) remote \(token, rank\) pairs"),
-                         ("bytes_per_token_layer", r"and ([0-9.]+) B per token")):
-        m = re.search(pattern, line or "")
+    last: dict[int, tuple] = {}
+    pat = re.compile(pattern)
+    for ln in lines:
+        m = pat.search(ln)
         if m:
-            out[key] = float(m.group(1))
+            last[int(m.group(1))] = (float(m.group(2)), int(m.group(3)),
+                                     *(None if m.group(i) is None else float(m.group(i)) for i in (4, 5)))
+    if not last:
+        return {}
+    tok = max(1, sum(v[1] for v in last.values()))
+    out = {"local_share": sum(v[0] * v[1] for v in last.values()) / tok,
+           "tokens_per_rank": {r: v[1] for r, v in sorted(last.items())}}
+    if all(v[2] is not None for v in last.values()):
+        out["remote_pairs_per_token"] = sum(v[2] * v[1] for v in last.values()) / tok
+        out["bytes_per_token_layer"] = sum(v[3] * v[1] for v in last.values()) / tok
     return out
 
 
@@ -236,27 +250,17 @@ def _dp_numbers(log_path: str) -> dict:
     pairs and bytes per token and MoE layer; plus the front ends' routing counts."""
     import re
 
-    last: dict[int, tuple[float, int, float, float]] = {}
+    with open(log_path) as f:
+        lines = f.readlines()
+    out = _rank_numbers(lines, _DP_LINE)
     routed = {}
-    pat = re.compile(r"dp rank (\d+) served ([0-9.]+) of its requests' expert activations locally \((\d+) tokens"
-                     r".*?([0-9.]+) remote \(token, rank\) pairs and ([0-9.]+) B per token")
     rpat = re.compile(r"\((ApiServer_\d+|APIServer) pid=\d+\).*smoe dp routing: (\d+) requests: (\d+) by the placement "
                       r"\((\d+) on their best-scoring engine\), (\d+) left to vLLM's balancer, (\d+) with their own rank")
-    for ln in open(log_path):
-        m = pat.search(ln)
-        if m:
-            last[int(m.group(1))] = (float(m.group(2)), int(m.group(3)), float(m.group(4)), float(m.group(5)))
+    for ln in lines:
         m = rpat.search(ln)
         if m:
             routed[m.group(1)] = tuple(int(m.group(i)) for i in range(2, 7))
-    if not last:
-        return {}
-    tok = sum(v[1] for v in last.values())
-    out = {"local_share": sum(v[0] * v[1] for v in last.values()) / max(tok, 1),
-           "remote_pairs_per_token": sum(v[2] * v[1] for v in last.values()) / max(tok, 1),
-           "bytes_per_token_layer": sum(v[3] * v[1] for v in last.values()) / max(tok, 1),
-           "tokens_per_rank": {r: v[1] for r, v in sorted(last.items())}}
-    if routed:
+    if out and routed:
         out["routed"] = {k: sum(v[i] for v in routed.values()) for i, k in
                          enumerate(("requests", "by_placement", "best_engine", "by_vllm", "explicit"))}
     return out
@@ -380,6 +384,8 @@ def _serve(a) -> int:
     if a.with_baselines:
         runs["spec-agrs"] = spec + ("--smoe-all2all", "vllm")  # smoe's order, vLLM's allgather-reducescatter
         runs["sparse-random"] = spec + ("--smoe-predictor", "random")  # the sparse manager without speculation
+    if not mla:  # one order per step there: the gate cannot run ahead of each layer
+        runs["spec-router"] = spec + ("--smoe-predictor", "router")  # vLLM's gate run ahead: exact ranks
     tp = ("--tensor-parallel-size", str(a.tp))
     env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(a.tp))} if a.cpu_bind else None
     res: dict = {}
@@ -390,10 +396,14 @@ def _serve(a) -> int:
                 s.complete(prompts[:2], max_tokens=4)  # warm the server
                 _drive(s, model, prompts, a.concurrency, a.max_tokens, r)
             print(f"round {rnd} {name:>13}: {r['tok_s'][-1]:6.1f} output tok/s", flush=True)
-            online = [ln.split("smoe: ", 1)[1].strip() for ln in open(s.log) if "smoe: speculate (" in ln]
-            if online:
-                print(f"    last log line: {online[-1]}", flush=True)
-                r.setdefault("log", []).append(online[-1])
+            with open(s.log) as f:
+                lines = f.readlines()
+            online = _rank_numbers(lines, _SPEC_LINE)
+            if online:  # every rank's last counters, weighted by its tokens
+                print(f"    all ranks: {online['local_share']:.3f} of activations local" + (
+                      f", {online['bytes_per_token_layer']:.0f} B per token and MoE layer on the sparse all2all"
+                      if "bytes_per_token_layer" in online else ""), flush=True)
+                r.setdefault("log", []).append(online)
     print(f"{len(prompts)} requests x {a.max_tokens} tokens (prompts {a.prompt_tokens} tokens), TP={a.tp}, "
           f"{a.concurrency} concurrent, {a.rounds} rounds; logs in {work}")
     cols = LATENCY
@@ -402,9 +412,10 @@ def _serve(a) -> int:
     summary = {}
     for name, r in res.items():
         vals = {k: f(r[k]) for k, (_, f) in cols.items()}
-        last = (r.get("log") or [None])[-1]
+        logs = r.get("log") or []
         summary[name] = {**vals, "vs_plain": {k: vals[k] / base[k] for k in cols}, "flags": list(runs[name]),
-                         "last_log": last, **_log_numbers(last)}
+                         "rounds_counters": logs, **{k: v for k, v in (logs[-1] if logs else {}).items()
+                                                     if k != "tokens_per_rank"}}
         print(f"{name:>13} " + " ".join(f"{vals[k]:8.1f} {vals[k] / base[k]:4.2f}x" for k in cols))
     print("(ratios vs plain; medians over all requests of all rounds, throughput median over rounds)")
     if "vllm-ep" in summary and "speculate" in summary:

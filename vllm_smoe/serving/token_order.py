@@ -356,7 +356,7 @@ class TokenOrder:
 
     def _maybe_log(self) -> None:
         now = time.monotonic()
-        if self.rank != 0 or now - self._last_log < self.log_interval:
+        if now - self._last_log < self.log_interval:
             return
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return  # reading device counters would break a CUDA graph capture
@@ -373,8 +373,8 @@ class TokenOrder:
             if tok:
                 wire = (f"; sparse all2all: {pairs / tok:.3f} remote (token, rank) pairs and {nbytes / tok:.0f} B "
                         f"per token and MoE layer")
-        logger.info("smoe: speculate (predictor %s): rank 0 served %.3f of its expert activations locally "
-                    "(%d tokens)%s", self.predictor, local / acts, tokens // self.inv.shape[0], wire)
+        logger.info("smoe: speculate (predictor %s): rank %d served %.3f of its expert activations locally "
+                    "(%d tokens)%s", self.predictor, self.rank, local / acts, tokens // self.inv.shape[0], wire)
 
 
 # The two ops keep per-step state on TokenOrder (perm, inv, top-1, counters) rather than in their
