@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from .assign import assign_tokens
-from .predict import SOURCES, PredictorTables, known_preferences, predict_layer, request_prefill_candidates
+from .predict import (SOURCES, PredictorTables, bigram_keys, known_preferences, predict_layer, previous_ids,
+                      request_prefill_candidates)
 
 # offline twins of the served predictors (vllm_smoe.config.PREDICTORS) that learn from a trace
 PREDICTORS = ("tables-markov", "tables", "router")
@@ -18,7 +19,7 @@ PREDICTORS = ("tables-markov", "tables", "router")
 def simulate(tables: PredictorTables | None, holds: np.ndarray, token_ids: np.ndarray, topk_ids: np.ndarray,
              batch_ids: np.ndarray, ep_size: int, capacity: float = 1.10,
              request_ids: np.ndarray | None = None, is_prefill: np.ndarray | None = None,
-             predictor: str = "tables-markov") -> tuple[np.ndarray, np.ndarray]:
+             predictor: str = "tables-markov", positions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """token2rank: [T, L] int32 and source: [T, L] int8 (index into predict.SOURCES).
 
     holds: [L, N, E] bool; topk_ids: [T, L, K]. predictor: ``tables-markov`` arbitrates the token
@@ -26,7 +27,9 @@ def simulate(tables: PredictorTables | None, holds: np.ndarray, token_ids: np.nd
     layer l is reached) and, for decode tokens when request_ids and is_prefill are given, the
     request's prefill prediction; ``tables`` uses the token table alone (the served default);
     ``router`` knows each token's routing (the served predictor that runs vLLM's gate ahead, and
-    the capped oracle of a placement: tables may be None).
+    the capped oracle of a placement: tables may be None). With ``positions`` ([T] int) and a
+    bigram table, the table predictors look up each row's (previous id, id) pair first, the
+    previous id taken as serving takes it (:func:`~.predict.previous_ids`).
     """
     if predictor not in PREDICTORS:
         raise ValueError(f"predictor must be one of {', '.join(PREDICTORS)}, got {predictor!r}")
@@ -35,6 +38,9 @@ def simulate(tables: PredictorTables | None, holds: np.ndarray, token_ids: np.nd
     source = np.empty((T, L), dtype=np.int8)
     tok = token_ids.astype(np.int64)
     markov = predictor == "tables-markov"
+    keys = None
+    if predictor != "router" and positions is not None and tables.has_bigrams:
+        keys = bigram_keys(previous_ids(tok, positions, batch_ids), tok, tables.token2rank.shape[1])
     has_decode = markov and is_prefill is not None and request_ids is not None and not is_prefill.all()
     for layer in range(L):
         if predictor == "router":
@@ -44,7 +50,7 @@ def simulate(tables: PredictorTables | None, holds: np.ndarray, token_ids: np.nd
             prev = topk_ids[:, layer - 1, 0].astype(np.int64) if (layer > 0 and markov) else None
             req = (request_prefill_candidates(request_ids, is_prefill, topk_ids[:, layer], holds[layer])
                    if has_decode else None)
-            pref, conf, src = predict_layer(tables, layer, tok, prev, req)
+            pref, conf, src = predict_layer(tables, layer, tok, prev, req, keys)
         token2rank[:, layer] = assign_tokens(pref, conf, batch_ids, ep_size, capacity)
         source[:, layer] = src
     return token2rank, source

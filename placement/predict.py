@@ -32,7 +32,10 @@ class PredictorTables:
     token_conf: [L, V] float16, expected local share on the best rank (0 for unseen).
     markov2rank: [L, E, 2] int16, best/second rank given the previous layer's top-1 expert,
     -1 = no data (layer 0 is always -1). markov_conf: [L, E] float16.
-    prior2rank: [L, 2] int16 and prior_conf: [L] float16, for tokens nothing else covers."""
+    prior2rank: [L, 2] int16 and prior_conf: [L] float16, for tokens nothing else covers.
+    Optional (None = none), the bigram table: bigram_keys [M] int64, strictly increasing,
+    previous token id * V + token id; bigram2rank [L, M, 2] int16 and bigram_conf [L, M] float16,
+    the pairs whose routing the token table alone predicts worst (:func:`bigram_table`)."""
 
     token2rank: np.ndarray
     token_conf: np.ndarray
@@ -40,9 +43,16 @@ class PredictorTables:
     markov_conf: np.ndarray
     prior2rank: np.ndarray
     prior_conf: np.ndarray
+    bigram_keys: np.ndarray | None = None
+    bigram2rank: np.ndarray | None = None
+    bigram_conf: np.ndarray | None = None
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if getattr(self, k) is not None}
+
+    @property
+    def has_bigrams(self) -> bool:
+        return self.bigram_keys is not None and self.bigram_keys.size > 0
 
     @property
     def nbytes(self) -> int:
@@ -182,6 +192,69 @@ def nearest_token_map(embeddings: np.ndarray | None, seen_ids: np.ndarray, vocab
     return nearest_seen(embeddings[:vocab_size], seen)
 
 
+def previous_ids(token_ids: np.ndarray, positions: np.ndarray, batch_ids: np.ndarray) -> np.ndarray:
+    """The previous row's token id where the row continues its sequence: same batch (engine step)
+    and position one more, as a step lays out a request's prompt chunk; -1 elsewhere (first rows,
+    decode rows, whose previous token was in an earlier step). token_ids, positions, batch_ids:
+    [T] int. Returns [T] int64. What serving computes from a step's input_ids and positions."""
+    T = token_ids.shape[0]
+    prev = np.full(T, -1, dtype=np.int64)
+    if T > 1:
+        ok = (batch_ids[1:] == batch_ids[:-1]) & (positions[1:].astype(np.int64) == positions[:-1].astype(np.int64) + 1)
+        prev[1:][ok] = token_ids[:-1][ok]
+    return prev
+
+
+def bigram_keys(prev_ids: np.ndarray, token_ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    """[T] int64 key of each (previous id, id) pair, -1 where there is no previous id."""
+    return np.where(prev_ids >= 0, prev_ids.astype(np.int64) * vocab_size + token_ids.astype(np.int64), -1)
+
+
+def bigram_table(keys: np.ndarray, topk_ids: np.ndarray, holds: np.ndarray, token2rank: np.ndarray,
+                 max_pairs: int, min_count: int = 2) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The (previous id, id) pairs that predict a token's ranks better than its id alone.
+
+    keys: [T] int64 from :func:`bigram_keys` (-1 = none); topk_ids: [T, L, K]; holds: [L, N, E]
+    bool; token2rank: [L, V, 2] the token table of the same placement. A pair seen at least
+    ``min_count`` times scores, summed over layers, the activations its own best rank holds minus
+    those on its token's best rank; the ``max_pairs`` best pairs with a positive score are kept.
+    Returns (bigram_keys [M] int64 increasing, bigram2rank [L, M, 2] int16, bigram_conf [L, M] float16).
+    """
+    T, L, K = topk_ids.shape
+    V = token2rank.shape[1]
+    valid = np.flatnonzero(keys >= 0)
+    uniq, inv, occ = np.unique(keys[valid], return_inverse=True, return_counts=True)
+    cand = np.flatnonzero(occ >= min_count)
+    rows = np.flatnonzero(np.isin(inv, cand))  # rows of the candidate pairs
+    pair = np.searchsorted(cand, inv[rows])
+    P = cand.size
+    gain = np.zeros(P)
+    ranks = np.full((L, P, 2), -1, dtype=np.int16)
+    conf = np.zeros((L, P), dtype=np.float16)
+    tok_best = token2rank[:, uniq[cand] % V, 0].astype(np.int64)  # [L, P]
+    for layer in range(L):
+        A = count_matrix(np.repeat(pair, K), topk_ids[valid[rows], layer].reshape(-1).astype(np.int64), P,
+                         holds.shape[2])
+        R = local_counts(A, holds[layer])  # [P, N]
+        at_token = np.where(tok_best[layer] >= 0, R[np.arange(P), np.maximum(tok_best[layer], 0)], 0.0)
+        gain += R.max(axis=1, initial=0.0) - at_token
+        ranks[layer], conf[layer] = _top2(R, occ[cand] * float(K))
+    keep = np.flatnonzero(gain > 0)
+    keep = np.sort(keep[np.argsort(-gain[keep], kind="stable")[:max_pairs]])
+    return uniq[cand][keep].astype(np.int64), ranks[:, keep], conf[:, keep]
+
+
+def bigram_lookup(tables: PredictorTables, layer: int, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(hit [T] bool, ranks [T, 2] int16, conf [T] float32) of the bigram table for ``keys`` [T]."""
+    T = keys.shape[0]
+    if not tables.has_bigrams:
+        return np.zeros(T, dtype=bool), np.full((T, 2), -1, np.int16), np.zeros(T, np.float32)
+    bk = tables.bigram_keys
+    j = np.minimum(np.searchsorted(bk, np.maximum(keys, 0)), bk.size - 1)
+    hit = (keys >= 0) & (bk[j] == keys)
+    return hit, tables.bigram2rank[layer][j], tables.bigram_conf[layer][j].astype(np.float32)
+
+
 def request_prefill_candidates(request_ids: np.ndarray, is_prefill: np.ndarray, topk_layer: np.ndarray,
                                holds_layer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Prefill -> decode prediction for one layer.
@@ -240,16 +313,22 @@ def known_preferences(topk_layer: np.ndarray, holds_layer: np.ndarray, block: in
 
 def predict_layer(tables: PredictorTables, layer: int, token_ids: np.ndarray,
                   prev_top1: np.ndarray | None = None,
-                  request_pred: tuple[np.ndarray, np.ndarray] | None = None
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  request_pred: tuple[np.ndarray, np.ndarray] | None = None,
+                  keys: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Arbitrate the predictors for one layer.
 
     token_ids: [T] int; prev_top1: [T] int, the previous layer's top-1 expert (None at layer 0
-    or when unknown); request_pred: output of :func:`request_prefill_candidates` (optional).
+    or when unknown); request_pred: output of :func:`request_prefill_candidates` (optional);
+    keys: [T] int64 bigram keys (:func:`bigram_keys`; optional): a pair in the bigram table
+    replaces its token's row (the pair is the more specific context).
     Returns (pref [T, 2] int16 ranks, conf [T] float32, source [T] int8 index into SOURCES).
     """
     T = token_ids.shape[0]
-    cands = [(tables.token2rank[layer][token_ids], tables.token_conf[layer][token_ids].astype(np.float32))]
+    tok_r, tok_c = tables.token2rank[layer][token_ids], tables.token_conf[layer][token_ids].astype(np.float32)
+    if keys is not None:
+        hit, r, c = bigram_lookup(tables, layer, keys)
+        tok_r, tok_c = np.where(hit[:, None], r, tok_r), np.where(hit, c, tok_c)
+    cands = [(tok_r, tok_c)]
     if prev_top1 is not None and layer > 0:
         cands.append((tables.markov2rank[layer][prev_top1], tables.markov_conf[layer][prev_top1].astype(np.float32)))
     else:

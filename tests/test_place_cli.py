@@ -254,8 +254,13 @@ def test_tables_of_the_wrong_shape_or_ranks_are_refused(tmp_path):
     z = dict(np.load(placement.predictor))
     for key, bad, words in [("token2rank", lambda a: np.where(a == 1, 5, a), "ranks outside"),
                             ("markov_conf", lambda a: a[:, :3], "has shape"),
-                            ("token_conf", lambda a: np.full_like(a, np.nan), "non-finite")]:
-        broken = {**z, key: bad(z[key])}
+                            ("token_conf", lambda a: np.full_like(a, np.nan), "non-finite"),
+                            ("bigram_keys", lambda a: a[::-1].copy(), "'bigram_keys' must be strictly increasing"),
+                            ("bigram2rank", lambda a: np.where(a == 1, 7, a), "'bigram2rank' holds ranks outside"),
+                            ("bigram_conf", lambda a: a[:, 1:], "'bigram_conf' has shape"),
+                            ("bigram_conf", None, r"tables lack \['bigram_conf'\]")]:
+        assert key in z  # built with a bigram table
+        broken = {**z, key: bad(z[key])} if bad else {k: v for k, v in z.items() if k != key}
         buf = io.BytesIO()
         np.savez_compressed(buf, **broken)
         open(placement.predictor, "wb").write(buf.getvalue())

@@ -185,6 +185,66 @@ def test_device_tables_prediction_equals_predict_layer():
         np.testing.assert_array_equal(conf_all[layer].numpy(), conf)
 
 
+def test_device_bigram_prediction_equals_predict_layer():
+    """The fixture's tables hold a bigram table: rows continuing a pair in it take its ranks, on
+    the device as in numpy, with the previous id taken from the step's positions alike."""
+    from vllm_smoe.placement.predict import bigram_keys, predict_layer, previous_ids
+    from vllm_smoe.placement_file import load_placement, load_tables
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    t = load_tables(load_placement(os.path.join(here, "configs", "tiny-4dom-ep4.yaml")))
+    assert t.has_bigrams
+    V, L = t.token2rank.shape[1], t.token2rank.shape[0]
+    rng = np.random.default_rng(1)
+    # a prompt chunk made of known pairs, decode rows (position jumps), and random rows
+    pairs = t.bigram_keys[rng.integers(0, t.bigram_keys.size, 40)]
+    ids = np.concatenate([np.stack([pairs // V, pairs % V], 1).reshape(-1), rng.integers(0, V, 120)])
+    pos = np.concatenate([np.arange(80), rng.integers(0, 500, 120)])
+    keys = bigram_keys(previous_ids(ids, pos, np.zeros(ids.size, int)), ids, V)
+    query = dp.bigram_query(torch.from_numpy(ids), torch.from_numpy(pos), V)
+    np.testing.assert_array_equal(query.numpy(), keys)
+    assert np.isin(keys, t.bigram_keys).sum() >= 40  # the pairs are looked up
+    big = (torch.from_numpy(t.bigram_keys), torch.from_numpy(t.bigram2rank), torch.from_numpy(t.bigram_conf), query)
+    arrays = [torch.from_numpy(getattr(t, k)) for k in ("token2rank", "token_conf", "prior2rank")]
+    pref_all, conf_all = dp.predict_token_tables(*arrays, torch.from_numpy(ids), big)
+    prev = rng.integers(0, t.markov2rank.shape[1], ids.size)
+    changed = 0
+    for layer in range(L):
+        pref, conf, _ = predict_layer(t, layer, ids, None, keys=keys)
+        np.testing.assert_array_equal(pref_all[layer].numpy(), pref)
+        np.testing.assert_array_equal(conf_all[layer].numpy(), conf)
+        changed += (pref[:, 0] != predict_layer(t, layer, ids, None)[0][:, 0]).sum()
+        pv = prev if layer else None
+        pref, conf, _ = predict_layer(t, layer, ids, pv, keys=keys)
+        one = (big[0], big[1][layer: layer + 1], big[2][layer: layer + 1], query)
+        got = dp.predict_tables(*[torch.from_numpy(np.ascontiguousarray(getattr(t, k)[layer])) for k in
+                                  ("token2rank", "token_conf", "markov2rank", "markov_conf", "prior2rank")],
+                                torch.from_numpy(ids), None if pv is None else torch.from_numpy(pv), one)
+        np.testing.assert_array_equal(got[0].numpy(), pref)
+        np.testing.assert_array_equal(got[1].numpy(), conf)
+    assert changed > 0  # the bigram rows really differ from their tokens' rows somewhere
+
+
+def test_bigram_table_golden():
+    from vllm_smoe.placement.predict import bigram_keys, bigram_table, previous_ids
+
+    # V = 4, 2 ranks: expert 0 on rank 0, expert 1 on rank 1, top-1, one layer. Token 3 follows
+    # token 1 three times (expert 0) and token 2 twice (expert 1); token 0 after 1 once.
+    ids = np.array([1, 3, 1, 3, 1, 3, 2, 3, 2, 3, 1, 0])
+    pos = np.tile([0, 1], 6)
+    ex = np.array([0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0]).reshape(12, 1, 1)
+    holds = np.array([[[True, False], [False, True]]])
+    t2r = np.array([[[1, 0], [0, 1], [1, 0], [0, 1]]], dtype=np.int16)  # token 3's own row says rank 0
+    keys = bigram_keys(previous_ids(ids, pos, np.zeros(12, int)), ids, 4)
+    np.testing.assert_array_equal(keys[:4], [-1, 1 * 4 + 3, -1, 7])
+    bk, b2r, bconf = bigram_table(keys, ex, holds, t2r, max_pairs=10)
+    # (1, 3) agrees with token 3's row: no gain, dropped; (2, 3) moves it to rank 1; (1, 0) seen once
+    np.testing.assert_array_equal(bk, [2 * 4 + 3])
+    np.testing.assert_array_equal(b2r[0, :, 0], [1])
+    np.testing.assert_allclose(bconf.astype(float), [[1.0]])
+    assert bigram_table(keys, ex, holds, t2r, max_pairs=0)[0].size == 0
+
+
 def test_assignment_of_all_layers_at_once_equals_layer_by_layer():
     rng = np.random.default_rng(7)
     for T, N in [(1, 2), (5, 4), (64, 2), (333, 8)]:

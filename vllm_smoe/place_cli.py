@@ -25,7 +25,7 @@ from .placement.layout import NEEDS_INSTANCES, PREDICTED, SOLVERS, place_model
 from .placement.metrics import evaluate, holds_from_expert2rank, local_share
 from .placement.online import PREDICTORS as SIM_PREDICTORS
 from .placement.online import simulate
-from .placement.predict import tables_for_placement
+from .placement.predict import bigram_keys, bigram_table, previous_ids, tables_for_placement
 from .placement_file import load_placement, load_tables, model_fingerprint, write_placement
 from .parallel import default_jobs, fork_map, peak_rss_since, prefetch, start_peak_rss
 from .placement.routing_counts import RoutingCounts
@@ -38,6 +38,7 @@ COMPARE_ALL = ("linear", "round_robin", "eplb", "metis", "ceo", "alternating", "
 
 
 SAMPLE_FIELDS = ("token_ids", "request_ids", "positions", "topk_ids", "step_ids", "is_prefill", "domain")
+BIGRAM_TOKENS = 131072  # training rows evaluate --compare learns its peers' bigram tables from
 EVAL_WINDOWS = 16  # evenly spaced windows a bounded evaluation sample is cut into
 
 
@@ -348,6 +349,20 @@ def _solve_dp(counts, sample, meta, args, embeddings, groups=1):
             peak_rss_since(base) / 2**20)
 
 
+def _with_bigrams(tables, sample, holds, vocab_size: int, max_pairs: int):
+    """``tables`` plus the bigram table learned from ``sample``'s rows (sorted by step)."""
+    if max_pairs == 0 or not sample:
+        return tables
+    arr, batch = _batched(sample, 512)
+    tok = arr["token_ids"].astype(np.int64)
+    keys = bigram_keys(previous_ids(tok, arr["positions"], batch), tok, vocab_size)
+    L = tables.token2rank.shape[0]
+    # default: the pairs fit in the token table's bytes (6 per id and layer; a pair: 8 + 6 per layer)
+    budget = vocab_size * 6 * L // (8 + 6 * L) if max_pairs < 0 else max_pairs
+    bk, b2r, bconf = bigram_table(keys, arr["topk_ids"], holds, tables.token2rank, budget)
+    return dataclasses.replace(tables, bigram_keys=bk, bigram2rank=b2r, bigram_conf=bconf)
+
+
 def _ticking(it, bar):
     for x in it:
         yield x
@@ -386,7 +401,7 @@ def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, 
         batch = win[order]
     elif predicted:
         t2r, _ = simulate(tables, holds, arr["token_ids"], arr["topk_ids"], batch, ep_size, capacity,
-                          arr.get("request_ids"), arr.get("is_prefill"), predictor)
+                          arr.get("request_ids"), arr.get("is_prefill"), predictor, arr["positions"])
         # the capped oracle: the same placement and cap with every token's routing known
         oracle = t2r if predictor == "router" else simulate(None, holds, arr["token_ids"], arr["topk_ids"], batch,
                                                              ep_size, capacity, predictor="router")[0]
@@ -454,6 +469,11 @@ def cmd_build(a) -> int:
         e2r, reps, tables, secs, peak = _solve_dp(counts, sample, meta, a, emb, groups)
     else:
         e2r, reps, tables, secs, peak = _solve(a.method, counts, meta, a, a.ep_size, a.nodes, emb, groups)
+        if tables is not None:
+            t1 = time.perf_counter()
+            tables = _with_bigrams(tables, sample, holds_from_expert2rank(e2r, a.ep_size, reps), meta.vocab_size,
+                                   a.bigram_pairs)
+            secs += time.perf_counter() - t1
     del counts
     sub, batch = _batched(sample, a.batch_tokens)
     m = _measure(sub, batch, meta, e2r, reps, tables, a.ep_size, a.capacity, tables is not None,
@@ -504,8 +524,9 @@ def _evaluate_all(a):
         raise ValueError(f"--compare: unknown method(s) {unknown}; choose from {', '.join(COMPARE_ALL)} or 'all'")
     if methods:
         train_specs = a.train or (load_train_specs(a.placement))
-        tmeta, counts, _, _, _ = _stream(train_specs, sample_tokens=a.instance_tokens
-                                         if any(m in NEEDS_INSTANCES for m in methods) else 0)
+        tmeta, counts, tsample, _, _ = _stream(train_specs, lambda T: [(0, min(T, BIGRAM_TOKENS))],
+                                               sample_tokens=a.instance_tokens
+                                               if any(m in NEEDS_INSTANCES for m in methods) else 0)
         if (tmeta.num_layers, tmeta.num_experts) != (meta.num_layers, meta.num_experts):
             raise ValueError(f"--train traces have a different model shape than {a.trace[0]}")
         a.replicas = 0
@@ -524,6 +545,9 @@ def _evaluate_all(a):
                                                 groups=1 if method == "eplb" else p.groups)
             if tab is None:  # a plain-EP placement: smoe's predictor built for it, for the +pred form
                 tab = tables_for_placement(counts, holds_from_expert2rank(e2r, p.ep_size, reps), tmeta.vocab_size)
+            if tab.bigram_keys is None:  # the same predictor as smoe's placement, bigrams included
+                tab = _with_bigrams(tab, tsample, holds_from_expert2rank(e2r, p.ep_size, reps), tmeta.vocab_size,
+                                    a.bigram_pairs)
             # each placement as plain EP runs it (contiguous token slices), then with smoe's predictor
             for form, predicted in ((method, False), (method + "+pred", True)):
                 m = _measure(arr, batch, meta, e2r, reps, tab, p.ep_size, p.capacity, predicted, hidden,
@@ -607,6 +631,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "what serving's default predictor uses), router (every token's routing known: serving's "
                             "predictor that runs vLLM's gate ahead, and the capped oracle every predicted form is "
                             "also scored against as oracle_lar / oracle_share)")
+        s.add_argument("--bigram-pairs", type=number(int, -1), default=-1,
+                       help="at most this many (previous token, token) pairs in the bigram table, learned from the "
+                            "first --metrics-tokens training rows (build) or first %d (evaluate --compare): the "
+                            "pairs the token table predicts worst; -1 (default) = as many as fit in the token table's "
+                            "bytes, so the tables at most double; 0 = none" % BIGRAM_TOKENS)
         s.add_argument("--capacity", type=number(float, 1.0), default=1.10,
                        help="per-batch token cap per rank, as a multiple of the fair share, >= 1 (default 1.10)")
         s.add_argument("--shuffle-requests", type=number(int, 0), default=None, metavar="SEED",

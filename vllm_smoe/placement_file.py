@@ -330,7 +330,8 @@ def load_tables(placement: Placement):
             arrays = {k: z[k] for k in names if k in z}
     except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError) as e:
         raise ValueError(f"{path}: not a readable tables file ({type(e).__name__}: {e})") from None
-    missing = [k for k in names if k not in arrays]
+    optional = ("bigram_keys", "bigram2rank", "bigram_conf")  # all three or none
+    missing = [k for k in names if k not in arrays and (k not in optional or any(o in arrays for o in optional))]
     if missing:
         raise ValueError(f"{path}: tables lack {missing}")
     e2r = arrays.pop("expert2rank")
@@ -361,3 +362,19 @@ def _check_tables(path: str, t, placement: Placement) -> None:
     if placement.vocab_size is not None and V < placement.vocab_size:
         raise ValueError(f"{path}: table 'token2rank' covers {V} token ids but field 'model.vocab_size' is "
                          f"{placement.vocab_size}")
+    if t.bigram_keys is not None:
+        k = t.bigram_keys
+        if k.ndim != 1 or k.dtype != np.int64 or k.size and (k[0] < 0 or k[-1] >= V * V or (np.diff(k) <= 0).any()):
+            raise ValueError(f"{path}: table 'bigram_keys' must be strictly increasing int64 keys in 0..{V * V - 1} "
+                             f"(previous id * {V} + id)")
+        M = k.size
+        for name, shape in (("bigram2rank", (L, M, 2)), ("bigram_conf", (L, M))):
+            a = getattr(t, name)
+            if a.shape != shape:
+                raise ValueError(f"{path}: table '{name}' has shape {a.shape}, expected {shape} for {L} layers, "
+                                 f"{M} pairs")
+        b = t.bigram2rank
+        if b.dtype.kind not in "iu" or b.size and (b.min() < -1 or b.max() >= N):
+            raise ValueError(f"{path}: table 'bigram2rank' holds ranks outside -1..{N - 1} (ep_size {N})")
+        if not np.isfinite(t.bigram_conf.astype(np.float32)).all():
+            raise ValueError(f"{path}: table 'bigram_conf' holds non-finite confidences")

@@ -27,18 +27,48 @@ def arbitrate(cands: list[tuple[torch.Tensor, torch.Tensor]], prior: torch.Tenso
     return pref, conf
 
 
+def bigram_query(token_ids: torch.Tensor, positions: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """[T] int64 bigram key of each row (previous id * V + id), -1 where the previous row does not
+    continue the row's sequence (position not one less), as
+    :func:`vllm_smoe.placement.predict.previous_ids` takes it for one step."""
+    ids = token_ids.long()
+    T = ids.shape[0]
+    if positions is None or T < 2:
+        return torch.full((T,), -1, dtype=torch.long, device=ids.device)
+    pos = positions.long()
+    ok = torch.cat([torch.zeros(1, dtype=torch.bool, device=ids.device), pos[1:] == pos[:-1] + 1])
+    prev = torch.cat([ids[:1], ids[:-1]])
+    return torch.where(ok, prev * vocab_size + ids, -1)
+
+
+def bigram_override(pref: torch.Tensor, conf: torch.Tensor, bigram: tuple | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token table's rows, replaced by the bigram table's where the row's pair is in it.
+    pref: [L, T, 2] int; conf: [L, T] float; bigram: (keys [M] int64 increasing, bigram2rank
+    [L, M, 2] int, bigram_conf [L, M] float, query [T] int64 from :func:`bigram_query`) or None."""
+    if bigram is None:
+        return pref, conf
+    keys, b2r, bconf, query = bigram
+    j = torch.searchsorted(keys, query.clamp_min(0)).clamp_max(keys.shape[0] - 1)
+    hit = (query >= 0) & (keys[j] == query)  # [T]
+    return (torch.where(hit[None, :, None], b2r[:, j].long(), pref.long()),
+            torch.where(hit[None], bconf[:, j].float(), conf.float()))
+
+
 def predict_tables(token2rank: torch.Tensor, token_conf: torch.Tensor, markov2rank: torch.Tensor,
                    markov_conf: torch.Tensor, prior2rank: torch.Tensor, token_ids: torch.Tensor,
-                   prev_top1: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                   prev_top1: torch.Tensor | None, bigram: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer of the placement's tables: token2rank [V, 2] int, token_conf [V] float,
     markov2rank [E, 2] int, markov_conf [E] float, prior2rank [2] int; token_ids: [T] int;
-    prev_top1: [T] int logical top-1 expert of the previous MoE layer, None at the first.
+    prev_top1: [T] int logical top-1 expert of the previous MoE layer, None at the first;
+    bigram: this layer's :func:`bigram_override` argument (bigram2rank [1, M, 2], bigram_conf [1, M]).
     Returns (pref [T, 2] int64, -1 = none; conf [T] float32)."""
     T = token_ids.shape[0]
     none = (torch.full((T, 2), -1, dtype=torch.long, device=token_ids.device),
             torch.zeros(T, device=token_ids.device))
     ids = token_ids.long()
-    cands = [(token2rank[ids], token_conf[ids].float())]
+    r, c = bigram_override(token2rank[ids][None], token_conf[ids].float()[None], bigram)
+    cands = [(r[0], c[0])]
     if prev_top1 is not None:
         prev = prev_top1.long()
         cands.append((markov2rank[prev], markov_conf[prev].float()))
@@ -49,12 +79,13 @@ def predict_tables(token2rank: torch.Tensor, token_conf: torch.Tensor, markov2ra
 
 
 def predict_token_tables(token2rank: torch.Tensor, token_conf: torch.Tensor, prior2rank: torch.Tensor,
-                         token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                         token_ids: torch.Tensor, bigram: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every layer at once from the token table alone (what :func:`predict_tables` gives without
     a previous layer): token2rank [L, V, 2] int, token_conf [L, V] float, prior2rank [L, 2] int,
-    token_ids [T] int. Returns (pref [L, T, 2] int64, conf [L, T] float32)."""
+    token_ids [T] int; bigram: :func:`bigram_override`'s argument (optional).
+    Returns (pref [L, T, 2] int64, conf [L, T] float32)."""
     ids = token_ids.long()
-    r, c = token2rank[:, ids].long(), token_conf[:, ids].float()
+    r, c = bigram_override(token2rank[:, ids].long(), token_conf[:, ids].float(), bigram)
     seen = r[..., :1] >= 0
     return torch.where(seen, r, prior2rank.long()[:, None, :]), torch.where(seen[..., 0], c, 0.0).clamp_min(0.0)
 

@@ -184,13 +184,17 @@ class TokenOrder:
         L, E = plan.slot2expert.shape
         self.tables = None
         if tables is not None:
-            self.tables = {k: torch.as_tensor(getattr(tables, k)).to(device) for k in
-                           ("token2rank", "token_conf", "markov2rank", "markov_conf", "prior2rank")}
+            names = ("token2rank", "token_conf", "markov2rank", "markov_conf", "prior2rank")
+            if tables.has_bigrams:
+                names += ("bigram_keys", "bigram2rank", "bigram_conf")
+            self.tables = {k: torch.as_tensor(getattr(tables, k)).to(device) for k in names}
             self.tables = {k: v.float() if v.is_floating_point() else v for k, v in self.tables.items()}
+        self.bigrams = self.tables is not None and "bigram_keys" in self.tables
         self.slot2expert = torch.as_tensor(plan.slot2expert, device=device)
         self.owner = torch.arange(E, device=device) // (E // self.N)  # physical slot -> rank
         T = vllm_config.scheduler_config.max_num_batched_tokens
         self.ids = torch.zeros(T, dtype=torch.long, device=device)
+        self.query = torch.full((T,), -1, dtype=torch.long, device=device)  # bigram keys of the step's rows
         self.perm = torch.zeros((L, T), dtype=torch.long, device=device)
         self.inv = torch.zeros((L, T), dtype=torch.long, device=device)
         c = -(-T // self.N)
@@ -226,6 +230,11 @@ class TokenOrder:
         if ids is None:
             raise ValueError("smoe mode speculate predicts from token ids; this request came as embeddings")
         self.ids[: ids.shape[0]].copy_(ids)
+        if self.bigrams:
+            positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+            if positions is not None and positions.dim() == 2:  # M-RoPE: [3, T], text rows alike
+                positions = positions[0]
+            self.query[: ids.shape[0]].copy_(dp.bigram_query(ids, positions, self.tables["token2rank"].shape[1]))
         self._maybe_log()  # the previous steps' counters, outside smoe's ops
 
     @staticmethod
@@ -311,8 +320,8 @@ class TokenOrder:
                 pref, conf = dp.predict_one_rank(ids)
             else:
                 t = self.tables
-                pref, conf = dp.vote(*dp.predict_token_tables(t["token2rank"], t["token_conf"], t["prior2rank"], ids),
-                                     self.N)
+                pref, conf = dp.vote(*dp.predict_token_tables(t["token2rank"], t["token_conf"], t["prior2rank"], ids,
+                                                              self._bigram(ids.shape[0])), self.N)
             return pref[None], conf[None]
         if self.predictor == "random":
             both = [dp.predict_random(ids, layer, self.N) for layer in layers]
@@ -322,12 +331,22 @@ class TokenOrder:
             return pref.expand(len(layers), -1, -1), conf.expand(len(layers), -1)
         t = self.tables
         if not self.markov:  # always every layer: whole tables, no index copies
-            return dp.predict_token_tables(t["token2rank"], t["token_conf"], t["prior2rank"], ids)
+            return dp.predict_token_tables(t["token2rank"], t["token_conf"], t["prior2rank"], ids,
+                                           self._bigram(ids.shape[0]))
         (layer,) = layers
         prev = self.slot2expert[layer - 1][self.prev_top1[: ids.shape[0]]] if layer > 0 else None
         pref, conf = dp.predict_tables(*(t[k][layer] for k in ("token2rank", "token_conf", "markov2rank",
-                                                               "markov_conf", "prior2rank")), ids, prev)
+                                                               "markov_conf", "prior2rank")), ids, prev,
+                                       self._bigram(ids.shape[0], layer))
         return pref[None], conf[None]
+
+    def _bigram(self, T: int, layer: int | None = None) -> tuple | None:
+        """:func:`device_predict.bigram_override`'s argument for the step's T rows (every layer, or one)."""
+        if not self.bigrams:
+            return None
+        t = self.tables
+        sl = slice(None) if layer is None else slice(layer, layer + 1)
+        return t["bigram_keys"], t["bigram2rank"][sl], t["bigram_conf"][sl], self.query[:T]
 
     def order(self, x: torch.Tensor, layer: int, predict: bool) -> torch.Tensor:
         T = x.shape[0]
