@@ -307,3 +307,29 @@ def test_device_prefer_ranks_equals_numpy(seed):
     tp, tc = dp.prefer_ranks(torch.as_tensor(er), N)
     np.testing.assert_array_equal(tp.numpy(), pref)
     np.testing.assert_allclose(tc.numpy(), conf)
+
+
+def test_table_and_router_predictions_make_no_host_sync():
+    """The step's prediction as the token order runs it (bigram query and override, token tables,
+    Markov arbitration, the router predictor's rank preference, vote, assignment, permutation)
+    reads nothing back to the host."""
+    rng = np.random.default_rng(3)
+    L, V, E, N, T, M = 3, 50, 8, 4, 37, 20
+    t2r = torch.from_numpy(rng.integers(-1, N, (L, V, 2)).astype(np.int16))
+    tconf = torch.from_numpy(rng.random((L, V)).astype(np.float32))
+    prior = torch.from_numpy(rng.integers(0, N, (L, 2)).astype(np.int16))
+    keys = torch.from_numpy(np.sort(rng.choice(V * V, M, replace=False)).astype(np.int64))
+    b2r = torch.from_numpy(rng.integers(0, N, (L, M, 2)).astype(np.int16))
+    bconf = torch.from_numpy(rng.random((L, M)).astype(np.float32))
+    m2r = torch.from_numpy(rng.integers(-1, N, (E, 2)).astype(np.int16))
+    mconf = torch.from_numpy(rng.random(E).astype(np.float32))
+    ids, pos = torch.from_numpy(rng.integers(0, V, T)), torch.arange(T)
+    with _NoHostSync():
+        query = dp.bigram_query(ids, pos, V)
+        pref, conf = dp.predict_token_tables(t2r, tconf, prior, ids, (keys, b2r, bconf, query))
+        one, c1 = dp.predict_tables(t2r[1], tconf[1], m2r, mconf, prior[1], ids, ids % E,
+                                    (keys, b2r[1:2], bconf[1:2], query))
+        rp, rc = dp.prefer_ranks(torch.from_numpy(rng.integers(0, N, (T, 4))), N)
+        vp, vc = dp.vote(pref, conf, N)
+        for p, c in ((pref, conf), (one, c1), (rp, rc), (vp, vc)):
+            dp.permutation(dp.assign(p, c, dp.chunk_caps(T, N)))

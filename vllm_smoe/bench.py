@@ -726,15 +726,25 @@ def _predictors(a) -> int:
     model = a.model if a.model is not None else (FIXTURE_MODEL if a.train is None else None)
     fields = ("token_ids", "request_ids", "positions", "topk_ids", "step_ids", "is_prefill", "domain")
     meta, tr, _ = read_traces([train], fields)
-    _, he, _ = read_traces([held], fields)
-    for name, arr in ((train, tr), (held, he)):
-        if "domain" not in arr or not meta.domains:
+    hmeta, he, _ = read_traces([held], fields)
+    for name, arr, m in ((train, tr, meta), (held, he, hmeta)):
+        if "domain" not in arr or not m.domains:
             raise ValueError(f"{name}: needs the 'domain' field and meta.domains to leave a domain out")
+    if hmeta.domains != meta.domains:  # a domain is an index into its file's list
+        raise ValueError(f"{held}: field 'meta.domains' = {list(hmeta.domains)} differs from {train}'s "
+                         f"{list(meta.domains)}")
+
+    def place(*args):
+        if place_cli.main(list(args)) != 0:
+            raise ValueError(f"smoe-bench predictors: smoe-place {' '.join(args)} failed (its error above)")
     splits = [("in-domain", None)] + [(f"without {d}", i) for i, d in enumerate(meta.domains)]
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for ep in a.ep_size:
             for label, d in splits:
+                if d is not None and not ((tr["domain"] != d).any() and (he["domain"] == d).any()):
+                    raise ValueError(f"{train if (tr['domain'] == d).all() else held}: leaving out domain "
+                                     f"{meta.domains[d]!r} leaves no training or no held-out rows")
                 pair = []
                 for arr, keep in ((tr, None if d is None else tr["domain"] != d),
                                   (he, None if d is None else he["domain"] == d)):
@@ -743,25 +753,29 @@ def _predictors(a) -> int:
                     pair.append(path)
                 yaml_path = os.path.join(work, "p.yaml")
                 build = ["build", "--trace", pair[0], "--ep-size", str(ep), "-o", yaml_path]
-                place_cli.main(build + (["--model", model] if model else []))
+                place(*build, *(["--model", model] if model else []))
+                # the same placement without the bigram table: what the pairs add to the token table
+                unigram = os.path.join(work, "u.yaml")
+                place(*build[:-1], unigram, "--bigram-pairs", "0", *(["--model", model] if model else []))
                 row = {"ep_size": ep, "split": label,
                        "test_tokens": int(he["token_ids"].size if d is None else (he["domain"] == d).sum())}
-                for pred in SIM:
-                    out = os.path.join(work, f"{pred}.json")
-                    place_cli.main(["evaluate", "--trace", pair[1], "--placement", yaml_path, "--predictor", pred,
-                                    "--json", out])
+                for name, placement, pred in [(p, yaml_path, p) for p in SIM] + [("tables-unigram", unigram, "tables")]:
+                    out = os.path.join(work, f"{name}.json")
+                    place("evaluate", "--trace", pair[1], "--placement", placement, "--predictor", pred, "--json", out)
                     m = next(iter(json.load(open(out)).values()))
-                    row[pred] = {k: m[k] for k in ("lar", "oracle_lar", "oracle_share", "a2a_bytes_per_token")}
+                    row[name] = {k: m[k] for k in ("lar", "oracle_lar", "oracle_share", "a2a_bytes_per_token")}
                 rows.append(row)
                 print(f"EP {ep} {label:>16}: oracle LAR {row['router']['lar']:.3f}; " + ", ".join(
-                    f"{p} {row[p]['lar']:.3f} ({row[p]['oracle_share']:.3f} of oracle)" for p in SIM if p != "router"),
-                    flush=True)
+                    f"{p} {row[p]['lar']:.3f} ({row[p]['oracle_share']:.3f})" for p in row
+                    if isinstance(row[p], dict) and p != "router"), flush=True)
     if a.json:
         _write_json(a.json, {"train": train, "heldout": held, "model": model, "rows": rows})
     return 0
 
 
 def main(argv=None) -> int:
+    from .cli_util import number
+
     p = argparse.ArgumentParser(prog="smoe-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -858,7 +872,7 @@ def main(argv=None) -> int:
     r.add_argument("--heldout", help="held-out trace (default: the fixture's)")
     r.add_argument("--model", help="checkpoint for smoe-place build --model (default: the fixture's with the "
                                    "fixture's traces, none otherwise)")
-    r.add_argument("--ep-size", type=int, nargs="+", default=[2, 4, 8])
+    r.add_argument("--ep-size", type=number(int, 1), nargs="+", default=[2, 4, 8])
     r.add_argument("--json", help="write every row here")
     r.set_defaults(fn=_predictors)
     from .cli_util import run_cli

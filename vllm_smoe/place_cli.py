@@ -349,11 +349,11 @@ def _solve_dp(counts, sample, meta, args, embeddings, groups=1):
             peak_rss_since(base) / 2**20)
 
 
-def _with_bigrams(tables, sample, holds, vocab_size: int, max_pairs: int):
+def _with_bigrams(tables, sample, holds, vocab_size: int, max_pairs: int, batch_tokens: int):
     """``tables`` plus the bigram table learned from ``sample``'s rows (sorted by step)."""
     if max_pairs == 0 or not sample:
         return tables
-    arr, batch = _batched(sample, 512)
+    arr, batch = _batched(sample, batch_tokens)
     tok = arr["token_ids"].astype(np.int64)
     keys = bigram_keys(previous_ids(tok, arr["positions"], batch), tok, vocab_size)
     L = tables.token2rank.shape[0]
@@ -418,6 +418,9 @@ def _check_dp_flags(a) -> None:
     if a.mode == "dp" and a.predictor != "tables-markov":
         raise ValueError(f"--predictor {a.predictor}: --mode dp routes whole requests by their prompt's votes, "
                          f"not tokens by a predictor")
+    if a.mode == "dp" and a.bigram_pairs != -1:
+        raise ValueError(f"--bigram-pairs {a.bigram_pairs}: --mode dp routes whole requests by their prompt's "
+                         f"votes and learns no bigram table")
     if a.mode != "dp":
         given = [f for f, v in (("--shuffle-requests", a.shuffle_requests is not None),
                                 ("--group-workloads", a.group_workloads)) if v]
@@ -472,11 +475,12 @@ def cmd_build(a) -> int:
         if tables is not None:
             t1 = time.perf_counter()
             tables = _with_bigrams(tables, sample, holds_from_expert2rank(e2r, a.ep_size, reps), meta.vocab_size,
-                                   a.bigram_pairs)
+                                   a.bigram_pairs, a.batch_tokens)
             secs += time.perf_counter() - t1
     del counts
     sub, batch = _batched(sample, a.batch_tokens)
-    m = _measure(sub, batch, meta, e2r, reps, tables, a.ep_size, a.capacity, tables is not None,
+    m = _measure(sub, batch, meta, e2r, reps, tables, a.ep_size, a.capacity,
+                 tables is not None or a.predictor == "router",
                  meta.hidden_size or a.hidden_size, a.dtype_bytes, mode=a.mode, nodes=a.nodes,
                  shuffle=a.shuffle_requests, workloads=a.group_workloads, predictor=a.predictor)
     m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tables.nbytes if tables is not None else 0)
@@ -487,7 +491,7 @@ def cmd_build(a) -> int:
                     replicas=reps if a.replicas else None, fingerprint=fingerprint, groups=groups,
                     built_from={"traces": [_rel(f, a.output) for f in files], "tokens": int(total),
                                 "batch_tokens": a.batch_tokens, "theta": a.theta, "seed": a.seed,
-                                "max_expert_load": a.max_expert_load, "mode": a.mode,
+                                "max_expert_load": a.max_expert_load, "mode": a.mode, "predictor": a.predictor,
                                 **({"shuffle_requests": a.shuffle_requests} if a.shuffle_requests is not None else {})},
                     metrics={k: m[k] for k in METRIC_KEYS if k in m})
     nodes = (f", a2a bytes/token {m['internode_bytes_per_token']:.0f} inter-node + "
@@ -514,7 +518,8 @@ def _evaluate_all(a):
     results: dict[str, dict] = {}
     tables = load_tables(p) if p.predictor else None
     label = f"placement ({p.method})"
-    m = _measure(arr, batch, meta, p.expert2rank, p.replicas, tables, p.ep_size, p.capacity, tables is not None,
+    m = _measure(arr, batch, meta, p.expert2rank, p.replicas, tables, p.ep_size, p.capacity,
+                 tables is not None or a.predictor == "router",
                  hidden, a.dtype_bytes, a.mode, p.nodes, a.shuffle_requests, a.group_workloads, a.predictor)
     m.update({k: p.metrics[k] for k in ("solve_seconds", "peak_mem_mb", "table_bytes") if k in p.metrics})
     results[label] = m
@@ -547,7 +552,7 @@ def _evaluate_all(a):
                 tab = tables_for_placement(counts, holds_from_expert2rank(e2r, p.ep_size, reps), tmeta.vocab_size)
             if tab.bigram_keys is None:  # the same predictor as smoe's placement, bigrams included
                 tab = _with_bigrams(tab, tsample, holds_from_expert2rank(e2r, p.ep_size, reps), tmeta.vocab_size,
-                                    a.bigram_pairs)
+                                    a.bigram_pairs, a.batch_tokens)
             # each placement as plain EP runs it (contiguous token slices), then with smoe's predictor
             for form, predicted in ((method, False), (method + "+pred", True)):
                 m = _measure(arr, batch, meta, e2r, reps, tab, p.ep_size, p.capacity, predicted, hidden,
@@ -626,9 +631,9 @@ def build_parser() -> argparse.ArgumentParser:
     def common(s):
         s.add_argument("--predictor", choices=SIM_PREDICTORS, default="tables-markov",
                        help="the token -> rank predictor simulated for smoe's placements and every X+pred form: "
-                            "tables-markov (default: token table, Markov table on the previous layer's top-1, "
-                            "prefill -> decode table; the largest confidence wins), tables (the token table alone: "
-                            "what serving's default predictor uses), router (every token's routing known: serving's "
+                            "tables-markov (default: token and bigram tables, Markov table on the previous layer's "
+                            "top-1, prefill -> decode table; the largest confidence wins), tables (the token and "
+                            "bigram tables alone: what serving's default predictor uses), router (every token's routing known: serving's "
                             "predictor that runs vLLM's gate ahead, and the capped oracle every predicted form is "
                             "also scored against as oracle_lar / oracle_share)")
         s.add_argument("--bigram-pairs", type=number(int, -1), default=-1,
