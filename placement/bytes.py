@@ -38,17 +38,22 @@ def layer_instances(token_rows: np.ndarray, topk_layer: np.ndarray) -> tuple[np.
     return u[:, 0], u[:, 1:], counts.astype(np.float64)
 
 
+def _remote_rows(sets: np.ndarray, hv: np.ndarray, expert2rank: np.ndarray, token2rank: np.ndarray) -> np.ndarray:
+    """[H] int64 per instance: distinct ranks of the set - [token's rank among them]."""
+    ranks = np.where(sets >= 0, expert2rank[np.maximum(sets, 0)], -1)
+    srt = np.sort(ranks, axis=1)
+    distinct = (srt[:, :1] >= 0).sum(axis=1) + ((srt[:, 1:] != srt[:, :-1]) & (srt[:, 1:] >= 0)).sum(axis=1)
+    hit = (ranks == token2rank[hv][:, None]).any(axis=1)
+    return distinct - hit
+
+
 def remote_bytes(sets: np.ndarray, w: np.ndarray, hv: np.ndarray, expert2rank: np.ndarray,
                  token2rank: np.ndarray) -> float:
     """Sum over instances of w x (distinct ranks of the set - [token's rank among them]): the
     rows one layer's de-duplicated all-to-all sends (times hidden x dtype bytes x 2 for bytes)."""
     if sets.shape[0] == 0:
         return 0.0
-    ranks = np.where(sets >= 0, expert2rank[np.maximum(sets, 0)], -1)
-    srt = np.sort(ranks, axis=1)
-    distinct = (srt[:, :1] >= 0).sum(axis=1) + ((srt[:, 1:] != srt[:, :-1]) & (srt[:, 1:] >= 0)).sum(axis=1)
-    hit = (ranks == token2rank[hv][:, None]).any(axis=1)
-    return float((w * (distinct - hit)).sum())
+    return float((w * _remote_rows(sets, hv, expert2rank, token2rank)).sum())
 
 
 def _rank_counts(sets: np.ndarray, expert2rank: np.ndarray, ep_size: int) -> np.ndarray:
@@ -114,20 +119,26 @@ def _search(A, occ, instances, ep_size, capacity, max_expert_load, start, seed, 
         moved = np.zeros(E, bool)
         gained = 0.0
         trials = trials_per_pass or 4 * E
+        vals = _remote_rows(sets, hv, e2r, t2r)  # each instance's rows now: a trial recounts only its own
         for a, b in zip(*np.unravel_index(cand, (E, E))):
             if moved[a] or moved[b]:  # their estimates are stale; exact recount next pass
                 continue
             if trials == 0:
                 break
             trials -= 1
+            # the load test first: it needs no recount
+            if max(rl[e2r[a]] - load[a] + load[b], rl[e2r[b]] - load[b] + load[a]) > worst + 1e-9:
+                continue
             rows = np.union1d(touch[a], touch[b])
-            before = remote_bytes(sets[rows], w[rows], hv[rows], e2r, t2r)
             e2r[a], e2r[b] = e2r[b], e2r[a]
-            delta = remote_bytes(sets[rows], w[rows], hv[rows], e2r, t2r) - before
-            rl_new = np.bincount(e2r, weights=load, minlength=ep_size)
-            if delta < -1e-9 and rl_new.max() <= worst + 1e-9:
+            new = _remote_rows(sets[rows], hv[rows], e2r, t2r)
+            delta = float((w[rows] * (new - vals[rows])).sum())
+            if delta < -1e-9:
                 moved[a] = moved[b] = True
                 gained += delta
+                vals[rows] = new
+                rl[e2r[a]] += load[a] - load[b]
+                rl[e2r[b]] += load[b] - load[a]
             else:
                 e2r[a], e2r[b] = e2r[b], e2r[a]
         if gained > -1e-9:
