@@ -41,5 +41,5 @@ def speculate_supported(vllm_config, placement, predictor: str = "tables") -> tu
                        f"{hf.vocab_size} token ids")
     if predictor.startswith("tables") and placement.predictor is None:
         return False, (f"{placement.path}: field 'predictor' is empty but predictor 'tables' needs the tables "
-                       f"(rebuild with smoe-place build, or set predictor 'random' / 'one-rank')")
+                       f"(rebuild with smoe-place build, or set predictor 'router' / 'random' / 'one-rank')")
     return True, ""
