@@ -42,16 +42,10 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 _ACTIVE: "TokenOrder | None" = None
 
 
-def find_moe_blocks(model: torch.nn.Module, moe_layers: tuple[int, ...]
-                    ) -> list[tuple[int, torch.nn.Module, torch.nn.Module]]:
-    """(MoE ordinal, block, router) of every MoE block: the module that owns a FusedMoE (a child
-    with a ``router`` that takes a capture function), in layer order."""
-    return [(layer, block, experts.router) for layer, block, experts in find_moe_experts(model, moe_layers)]
-
-
 def find_moe_experts(model: torch.nn.Module, moe_layers: tuple[int, ...]
                      ) -> list[tuple[int, torch.nn.Module, torch.nn.Module]]:
-    """(MoE ordinal, block, FusedMoE) of every MoE block, in layer order."""
+    """(MoE ordinal, block, FusedMoE) of every MoE block: the module that owns a FusedMoE (a
+    child with a ``router`` that takes a capture function), in layer order."""
     found = {}
     for name, module in model.named_modules():
         for child in module.children():
