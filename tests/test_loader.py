@@ -37,7 +37,7 @@ def test_permuted_checkpoint_is_the_same_function(tmp_path):
     with safe_open(os.path.join(FIXTURE_MODEL, "model.safetensors"), "pt") as f:
         weights = [(k, f.get_tensor(k)) for k in f.keys()]
     counts = {}
-    permuted = dict(permute_weights(weights, plan, counts))
+    permuted = dict(permute_weights(weights, plan, counts=counts))
     assert counts == {"renamed": 4 * 32 * 3, "reordered": 4}
     out = tmp_path / "m"
     os.makedirs(out)
@@ -113,3 +113,116 @@ def test_grouped_routing_refuses_cross_group_moves(tmp_path):
     (tmp_path / "cross.yaml").write_text(yaml.safe_dump(inside))
     with pytest.raises(ValueError, match=r"layers\[3\].expert_to_rank' splits expert \d+'s routing group"):
         make_load_plan(str(tmp_path / "cross.yaml"), cfg, str(tmp_path), 8)
+
+
+def _replica_yaml(path, layers=4):
+    """4 experts on 2 ranks (0, 2 on rank 0; 1, 3 on rank 1), expert 1 copied to rank 0."""
+    doc = {"smoe_placement": 1, "model": {"num_layers": layers, "num_experts": 4, "top_k": 2}, "ep_size": 2,
+           "layers": [{"expert_to_rank": [0, 1, 0, 1], "replicas": [[1, 0]]} for _ in range(layers)]}
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+_TINY = {"model_type": "qwen3_moe", "num_hidden_layers": 1, "num_experts": 4, "num_experts_per_tok": 2}
+
+
+def test_replica_layout_golden(tmp_path):
+    """Router order [0, 2 | 1, 3]; one copy per rank at most, so 3 slots per rank: rank 0 holds
+    0, 2 and the copy of 1; rank 1 holds 1, 3 and a filler (its first home expert, 1)."""
+    plan = make_load_plan(_replica_yaml(tmp_path / "r.yaml", 1), _TINY, str(tmp_path), 2)
+    np.testing.assert_array_equal(plan.slot2expert, [[0, 2, 1, 3]])
+    np.testing.assert_array_equal(plan.physical2expert, [[0, 2, 1, 1, 3, 1]])
+    np.testing.assert_array_equal(plan.route2physical, [[[0, 1, 2, 4], [0, 1, 3, 4]]])  # rank 0: its copy of 1
+    assert plan.num_redundant == 2 and plan.local_slots(1) == range(3, 6)
+    np.testing.assert_array_equal(plan.held(0), [[True, True, True, False]])
+    np.testing.assert_array_equal(plan.held(1), [[False, False, True, True]])
+    with pytest.raises(ValueError, match="copies need experts split over ranks"):
+        make_load_plan(_replica_yaml(tmp_path / "r.yaml", 1), _TINY, str(tmp_path), None)
+
+
+def test_replica_layout_routes_every_rank_to_the_same_experts():
+    """Fixture EP 2 with 4 copies: whatever rank routes, router output i reaches logical expert
+    slot2expert[i]; the rank's own copies are used; every rank holds P / N slots."""
+    from transformers import AutoConfig
+
+    plan = make_load_plan(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs",
+                                       "tiny-4dom-ep2-r4.yaml"), AutoConfig.from_pretrained(FIXTURE_MODEL),
+                          FIXTURE_MODEL, 2)
+    L, P = plan.physical2expert.shape
+    assert P == 36 and plan.route2physical.shape == (L, 2, 32)
+    for rank in range(2):
+        for layer in range(L):
+            np.testing.assert_array_equal(plan.physical2expert[layer, plan.route2physical[layer, rank]],
+                                          plan.slot2expert[layer])
+        own = plan.route2physical[:, rank] // (P // 2) == rank
+        np.testing.assert_array_equal(own, plan.held(rank))
+        assert own.sum(axis=1).tolist() == [18] * L  # 16 home experts + 2 copies per layer
+
+
+def test_slot_names_are_vllms_initial_redundant_layout():
+    from vllm.distributed.eplb.eplb_state import EplbState
+
+    from vllm_smoe.serving.load_plan import initial_physical_names
+
+    for E, R in [(4, 2), (32, 4), (8, 20)]:
+        assert initial_physical_names(E, E + R).tolist() == list(
+            EplbState.build_initial_global_physical_to_logical_map(E, R))
+
+
+def test_each_rank_loads_its_own_slots(tmp_path):
+    """With replicas a rank receives, under each slot's name, exactly the expert its slot holds."""
+    from vllm_smoe.serving.load_plan import initial_physical_names
+    from vllm_smoe.serving.loader import permute_weights
+
+    plan = make_load_plan(_replica_yaml(tmp_path / "r.yaml", 1), _TINY, str(tmp_path), 2)
+    weights = [(f"model.layers.0.mlp.experts.{e}.down_proj.weight", torch.full((2, 2), float(e))) for e in range(4)]
+    names = initial_physical_names(4, 6)
+    for rank in range(2):
+        got = dict(permute_weights(weights, plan, plan.local_slots(rank)))
+        want = {f"model.layers.0.mlp.experts.{names[p]}.down_proj.weight": plan.physical2expert[0, p]
+                for p in plan.local_slots(rank)}
+        assert sorted(got) == sorted(want)
+        for name, expert in want.items():
+            assert float(got[name][0, 0]) == expert
+    stacked = [("model.layers.0.mlp.experts.gate_up_proj", torch.zeros(4, 2, 2))]
+    with pytest.raises(ValueError, match="stacked in one tensor cannot take replicas"):
+        list(permute_weights(stacked, plan, plan.local_slots(0)))
+
+
+def test_cpu_eplb_map_golden():
+    """vLLM's map-and-record semantics: replica = Knuth hash of the token index mod count."""
+    from vllm_smoe.serving.cpu_ep import map_to_physical
+
+    l2p = torch.tensor([[5, -1], [3, 7]])
+    count = torch.tensor([1, 2])
+    ids = torch.tensor([[0, 1], [1, 0], [1, -1]], dtype=torch.int32)
+    load = torch.zeros(8, dtype=torch.int32)
+    # token 1: 2654435769 % 2 = 1; token 2: (2 * 2654435769) & 0xFFFFFFFF = 1013904242, even
+    out = map_to_physical(ids, load, l2p, count, torch.tensor(True), torch.tensor(2))
+    assert out.dtype == torch.int32 and out.tolist() == [[5, 3], [7, 5], [3, -1]]
+    assert load.tolist() == [0, 0, 0, 1, 0, 2, 0, 1]  # token 2 is padding
+    map_to_physical(ids, load, l2p, count, torch.tensor(False))
+    assert load.sum() == 4  # recording off
+
+
+def test_router_takes_the_routes_through_vllms_eplb_seam():
+    """vLLM's own router, with smoe's route in its EPLB layer state, returns the physical slots."""
+    from vllm.distributed.eplb.eplb_state import EplbLayerState
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+
+    from vllm_smoe.serving.cpu_ep import fix_cpu_eplb_map
+    from vllm_smoe.serving.loader import set_route
+
+    fix_cpu_eplb_map()
+    torch.manual_seed(0)
+    E, K, T = 8, 2, 11
+    router = CPURouter(top_k=K, global_num_experts=E + 2, eplb_state=EplbLayerState())
+    route = np.array([0, 1, 8, 3, 4, 9, 6, 7])
+    set_route(router, route, E + 2, "cpu")
+    x, logits = torch.randn(T, 16), torch.randn(T, E)
+    w, ids = router.select_experts(x, logits)
+    want = torch.topk(logits.softmax(-1), K).indices
+    assert torch.equal(ids.long().sort(1).values, torch.as_tensor(route)[want].sort(1).values)
+    assert (ids >= E).any()  # some rows reach the redundant slots
+    with pytest.raises(ValueError, match="no EPLB layer state"):
+        set_route(CPURouter(top_k=K, global_num_experts=E), route, E + 2, "cpu")

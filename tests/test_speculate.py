@@ -16,6 +16,7 @@ from vllm_smoe.trace import open_trace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EP2 = os.path.join(REPO, "configs", "tiny-4dom-ep2.yaml")
+EP2_R4 = os.path.join(REPO, "configs", "tiny-4dom-ep2-r4.yaml")  # the same build with 4 copies per layer
 HELPER = os.path.join(os.path.dirname(__file__), "helpers", "vllm_generate.py")
 
 
@@ -76,7 +77,10 @@ SPEC = {"mode": "speculate", "placement": EP2, "log_interval": 0.2}
     ({**SPEC, "predictor": "one-rank"}, False, "predictor one-rank"),  # rank 0 full, the rest anywhere
     ({**SPEC, "predictor": "tables", "all2all": "vllm"}, False, "predictor tables"),  # vLLM's allgather-RS
     ({**SPEC, "predictor": "tables"}, True, "predictor tables"),  # torch.compile keeps smoe's ops opaque
-], ids=["vllm-ep", "tables", "tables-markov", "router", "random", "one-rank", "tables-agrs", "tables-compiled"])
+    ({**SPEC, "placement": EP2_R4, "predictor": "tables"}, False, "predictor tables"),  # each rank its own copies
+    ({**SPEC, "placement": EP2_R4, "predictor": "tables", "all2all": "vllm"}, False, "predictor tables"),
+], ids=["vllm-ep", "tables", "tables-markov", "router", "random", "one-rank", "tables-agrs", "tables-compiled",
+        "replicas", "replicas-agrs"])
 def test_tp2_ep_gives_plain_tp2_tokens(plain_tp2, smoe, compiled, says):
     prompts, plain = plain_tp2
     out, log = _generate(prompts, {"smoe": smoe}, compiled=compiled, ep=True)
@@ -87,15 +91,30 @@ def test_tp2_ep_gives_plain_tp2_tokens(plain_tp2, smoe, compiled, says):
         assert "sparse de-duplicated all2all manager on group ep" in log
     assert out["tokens"] == plain["tokens"]
     np.testing.assert_allclose(out["logprobs"], plain["logprobs"], rtol=0, atol=ATOL)
+    if smoe.get("placement") == EP2_R4:
+        assert "replicas: 36 physical expert slots per layer (4 redundant), rank 1 routes to its own copies" in log
     if says and not compiled and smoe.get("all2all", "sparse") == "sparse":
         from vllm_smoe.bench import _SPEC_LINE, _rank_numbers
 
         served = _rank_numbers(log.splitlines(), _SPEC_LINE)
         assert set(served["tokens_per_rank"]) == {0, 1}  # every rank reports its own counters
-        _LOCAL[smoe["predictor"]] = served["local_share"]
+        key = smoe["predictor"] + ("-replicas" if smoe["placement"] == EP2_R4 else "")
+        _LOCAL[key], _PAIRS[key] = served["local_share"], served["remote_pairs_per_token"]
 
 
 _LOCAL: dict[str, float] = {}  # served local share of each predictor above, both ranks
+_PAIRS: dict[str, float] = {}  # remote (token, rank) pairs per token and MoE layer, from the sparse all2all
+
+
+@pytest.mark.vllm
+def test_replicas_keep_more_rows_home():
+    """Copies used where the token sits: more activations local and fewer rows on the wire than
+    the same build without copies. The pairs are counted on the physical ids vLLM's router
+    produced, so an unused copy would not lower them."""
+    if not {"tables", "tables-replicas"} <= set(_PAIRS):
+        pytest.skip("needs the served runs of test_tp2_ep_gives_plain_tp2_tokens")
+    assert _LOCAL["tables-replicas"] > _LOCAL["tables"] + 0.05, _LOCAL
+    assert _PAIRS["tables-replicas"] < _PAIRS["tables"] * 0.9, _PAIRS
 
 
 @pytest.mark.vllm
@@ -112,6 +131,7 @@ def test_router_order_is_more_local_than_every_prediction():
     ({**SPEC, "placement": os.path.join(REPO, "configs", "tiny-4dom-ep4.yaml")}, True,
      "field 'ep_size' = 4 but experts are split over 2 ranks"),
     (SPEC, False, "needs --enable-expert-parallel"),
+    ({"placement": EP2_R4}, True, "every rank routes every row"),  # TP=2 + EP without speculate's split rows
 ])
 def test_speculate_refuses_before_serving(smoe, ep, words):
     pytest.importorskip("vllm")

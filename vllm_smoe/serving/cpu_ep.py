@@ -22,6 +22,13 @@ Three gaps in vLLM 0.32's CPU build, all small (the README describes them for up
    :func:`fix_cpu_rope` passes 3-D queries and keys as contiguous ``[T, heads * dim]`` rows and
    copies back.
 
+4. The routers' logical -> physical expert map (``eplb_map_to_physical_and_record``, what EPLB
+   and redundant expert slots rest on) is a Triton kernel on CUDA/ROCm/XPU and the identity
+   everywhere else, so on CPU a redundant copy is never used (and a rearranged layout would
+   compute the wrong experts). :func:`fix_cpu_eplb_map` puts the same mapping in torch there:
+   the same replica choice (Knuth hash of the token index modulo the replica count) and the same
+   load recording.
+
 With smoe asked for (``additional_config["smoe"]`` present), :func:`install` swaps the CPU
 platform's communicator class; the communicator installs the experts fix in every worker. The
 all2all manager is smoe's sparse one (:mod:`.sparse_a2a`) when the config says so. The rope fix
@@ -79,6 +86,50 @@ def fix_cpu_experts() -> None:
     apply._smoe_original = orig
     CPUUnquantizedExperts.apply = apply
     _FIXED = True
+
+
+def map_to_physical(topk_ids: torch.Tensor, expert_load_view: torch.Tensor, logical_to_physical_map: torch.Tensor,
+                    logical_replica_count: torch.Tensor, record_enabled: torch.Tensor,
+                    num_unpadded_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """vLLM's EPLB map-and-record in torch (its Triton kernel's semantics).
+
+    topk_ids: [T, K] logical ids (outside [0, E) map to -1); logical_to_physical_map: [E, M]
+    int, physical slot of each replica, -1 = none; logical_replica_count: [E] int;
+    expert_load_view: [P] int, incremented per mapped activation when record_enabled (0-d bool)
+    and the row is below num_unpadded_tokens (0-d int, None = every row). Returns [T, K] of
+    topk_ids' dtype. No host reads: recording is masked, not branched."""
+    if topk_ids.numel() == 0:
+        return topk_ids
+    E = logical_replica_count.shape[0]
+    ids = topk_ids.long()
+    valid = (ids >= 0) & (ids < E)
+    safe = torch.where(valid, ids, 0)
+    count = logical_replica_count[safe].clamp(min=1)
+    token = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
+    replica = ((token * 2654435769) & 0xFFFFFFFF) % count
+    physical = torch.where(valid, logical_to_physical_map[safe, replica].long(), -1)
+    keep = valid & record_enabled.to(torch.bool) & (physical >= 0) & (physical < expert_load_view.shape[0])
+    if num_unpadded_tokens is not None:
+        keep &= token < num_unpadded_tokens
+    expert_load_view.index_add_(0, physical.clamp(min=0).flatten(), keep.flatten().to(expert_load_view.dtype))
+    return physical.to(topk_ids.dtype)
+
+
+_EPLB_MAP = False
+
+
+def fix_cpu_eplb_map() -> None:
+    """Where vLLM's router maps logical to physical experts with the identity (no Triton
+    kernel for the platform), map with :func:`map_to_physical` (idempotent)."""
+    global _EPLB_MAP
+    if _EPLB_MAP:
+        return
+    from vllm.model_executor.layers.fused_moe.router import base_router
+    from vllm.platforms import current_platform
+
+    if not (current_platform.is_cuda_alike() or current_platform.is_xpu()):
+        base_router.eplb_map_to_physical_and_record = map_to_physical
+    _EPLB_MAP = True
 
 
 _ROPE = False
@@ -171,6 +222,7 @@ class SmoeCpuCommunicator(CpuCommunicator):
                  use_all2all: bool = False):
         super().__init__(cpu_group, device, device_group, unique_name, use_all2all=use_all2all)
         fix_cpu_experts()
+        fix_cpu_eplb_map()
         opaque_moe_forward()
         if (unique_name.startswith("ep") and self.world_size > 1 and hasattr(torch.ops._C, "init_shm_manager")
                 and not isinstance(self.dist_module, _CPUSHMDistributed)

@@ -1,8 +1,16 @@
 """From a placement YAML and a model config to the slot permutation applied at load.
 
-Physical slots are ordered rank by rank: slot2expert[l] lists rank 0's experts (ascending
-logical id), then rank 1's, ... so that vLLM's contiguous expert split (E/N slots per EP rank)
-puts on each rank exactly the experts the YAML gives it. No torch here.
+Two orders of experts. The *router order*: the router's rows are permuted so that its output i
+is logical expert slot2expert[l, i], rank 0's home experts first (ascending logical id), then
+rank 1's, ... Without replicas this is also the *physical order*, so vLLM's contiguous expert
+split (E/N slots per EP rank) puts on each rank exactly the experts the YAML gives it.
+
+With replicas (C extra copies per rank, C = the most any rank has in any layer) vLLM allocates
+P = E + N*C physical slots, S = E/N + C per rank: rank r's slots [r*S, (r+1)*S) hold its home
+experts, then its copies, then fillers (dead copies of its first home expert, never routed to,
+where a layer has fewer copies). ``route2physical[l, r]`` sends router output i to the copy on
+rank r when r holds one, else to its home slot: applied on the rank that routes the row, a
+token uses the copy on its own rank. No torch here.
 """
 
 from __future__ import annotations
@@ -18,14 +26,42 @@ from ..placement.groups import broken_group
 from ..placement_file import Placement, load_placement, model_fingerprint
 
 
+def initial_physical_names(num_experts: int, num_physical: int) -> np.ndarray:
+    """[P] int64: the checkpoint expert id vLLM's loaders read into each physical slot when
+    redundant slots exist (its EPLB start: slot p < E holds expert p, slot p >= E expert
+    (p - E) % E). smoe loads slot p by handing it a tensor under this name."""
+    p = np.arange(num_physical, dtype=np.int64)
+    return np.where(p < num_experts, p, (p - num_experts) % num_experts)
+
+
 @dataclass(frozen=True)
 class LoadPlan:
     """moe_layers: decoder layer index of each MoE layer, [L]; slot2expert: [L, E] int64,
-    logical expert held by each physical slot; expert2slot: [L, E] int64, its inverse."""
+    logical expert of each router output (router order); expert2slot: [L, E] int64, its
+    inverse; physical2expert: [L, P] int64, logical expert held by each physical slot (P = E
+    without replicas, then equal to slot2expert); route2physical: [L, N, E] int64, physical slot
+    that rank r's rows use for router output i (N = 1 when experts are not split)."""
 
     moe_layers: tuple[int, ...]
     slot2expert: np.ndarray
     expert2slot: np.ndarray
+    physical2expert: np.ndarray
+    route2physical: np.ndarray
+
+    @property
+    def num_redundant(self) -> int:
+        """Physical slots beyond the E logical experts (vLLM's num_redundant_experts)."""
+        return self.physical2expert.shape[1] - self.slot2expert.shape[1]
+
+    def local_slots(self, rank: int) -> range:
+        """Physical slots rank ``rank`` holds (vLLM's linear split)."""
+        N, P = self.route2physical.shape[1], self.physical2expert.shape[1]
+        return range(rank * (P // N), (rank + 1) * (P // N))
+
+    def held(self, rank: int) -> np.ndarray:
+        """[L, E] bool: rank ``rank`` holds a copy (home or replica) of router output i."""
+        S = self.physical2expert.shape[1] // self.route2physical.shape[1]
+        return self.route2physical[:, rank] // S == rank
 
     def layer_of(self, decoder_layer: int) -> int | None:
         """MoE ordinal of a decoder layer index, None for dense layers."""
@@ -68,11 +104,13 @@ def make_load_plan(placement_path: str, hf_config, model_dir: str, ep_ranks: int
                              f"{model_dir} ({model_fingerprint(cfg)}): built for another checkpoint")
     if ep_ranks is not None and ep_ranks > 1 and p.ep_size != ep_ranks:
         raise ValueError(f"{where}: field 'ep_size' = {p.ep_size} but experts are split over {ep_ranks} ranks")
-    if (p.replicas[..., 0] >= 0).any():
-        raise ValueError(f"{where}: field 'layers[].replicas': redundant expert copies cannot be applied at load "
-                         f"yet; build the placement without --replicas")
+    has_replicas = bool((p.replicas[..., 0] >= 0).any())
+    if has_replicas and (ep_ranks is None or ep_ranks < 2):
+        raise ValueError(f"{where}: field 'layers[].replicas': copies need experts split over ranks "
+                         f"(--enable-expert-parallel); build the placement without --replicas")
     slot2expert = np.argsort(p.expert2rank, axis=1, kind="stable").astype(np.int64)
     expert2slot = np.argsort(slot2expert, axis=1, kind="stable").astype(np.int64)
+    physical2expert, route2physical = _physical_layout(p.expert2rank, p.replicas, p.ep_size, expert2slot)
     groups = expert_groups(hf_config)
     if groups > 1:
         for layer in range(p.num_layers):
@@ -82,7 +120,34 @@ def make_load_plan(placement_path: str, hf_config, model_dir: str, ep_ranks: int
                                  f"group ({groups} groups of {E // groups}: a rank must hold whole groups, or a "
                                  f"block of ranks one group); grouped top-k routing would change. Build the "
                                  f"placement with --model {model_dir} (reads n_group) or --groups {groups}")
-    return LoadPlan(tuple(layers), slot2expert, expert2slot)
+    return LoadPlan(tuple(layers), slot2expert, expert2slot, physical2expert, route2physical)
+
+
+def _physical_layout(expert2rank: np.ndarray, replicas: np.ndarray, ep_size: int, expert2slot: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """(physical2expert [L, P] int64, route2physical [L, N, E] int64) of the module docstring.
+    expert2rank: [L, E] home ranks, E/N per rank (validated); replicas: [L, R, 2] (expert,
+    rank), -1 = none; expert2slot: [L, E] router output of each expert."""
+    L, E = expert2rank.shape
+    N = ep_size
+    copies = [[sorted(int(e) for e, r in replicas[layer] if e >= 0 and r == rank) for rank in range(N)]
+              for layer in range(L)]
+    C = max((len(c) for per_rank in copies for c in per_rank), default=0)
+    S = E // N + C
+    physical2expert = np.empty((L, N * S), dtype=np.int64)
+    route2physical = np.empty((L, N, E), dtype=np.int64)
+    for layer in range(L):
+        home = np.arange(E) // (E // N) * S + np.arange(E) % (E // N)  # router output -> home slot
+        for rank in range(N):
+            mine = np.flatnonzero(expert2rank[layer] == rank)  # ascending: the router order's
+            held = list(mine) + copies[layer][rank]
+            held += [mine[0]] * (S - len(held))  # fillers
+            physical2expert[layer, rank * S: (rank + 1) * S] = held
+            route = home.copy()
+            for j, e in enumerate(copies[layer][rank]):
+                route[expert2slot[layer, e]] = rank * S + E // N + j
+            route2physical[layer, rank] = route
+    return physical2expert, route2physical
 
 
 def plan_for(placement_path: str, vllm_config) -> LoadPlan:

@@ -4,11 +4,20 @@ While weights stream from the checkpoint, ``...layers.{i}.<moe>.experts.{e}.*`` 
 ``experts.{expert2slot[e]}.*`` and the router's rows (and a per-expert score bias) are reordered
 the same way, so physical slot s computes exactly what logical expert slot2expert[s] did: the
 served model is the same function. Routing captured in record mode is mapped back to logical
-ids. Imported only inside vLLM processes (it imports torch and vLLM).
+ids.
+
+Replicas: vLLM allocates redundant expert slots only for its EPLB, so while the model is built
+the loader asks for them as EPLB does (``enable_eplb`` and ``num_redundant_experts``, for the
+construction only: EPLB's run-time rearrangement stays off). Each rank loads its own slots
+(home experts, then copies), and each router's EPLB layer state gets smoe's static
+logical -> physical map of this rank (one replica per expert: the copy on this rank, else the
+home slot), which vLLM's own mapping applies after top-k. Imported only inside vLLM processes
+(it imports torch and vLLM).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import re
@@ -20,7 +29,7 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from ..config import SmoeConfig
-from .load_plan import LoadPlan, plan_for
+from .load_plan import LoadPlan, initial_physical_names, plan_for
 
 logger = logging.getLogger("vllm.smoe")  # under vLLM's logger: same handlers and level
 
@@ -29,24 +38,46 @@ _FUSED = re.compile(r"^.*\.layers\.(?P<layer>\d+)\..*\.experts\.(?:gate_up_proj|
 _ROUTER = re.compile(r"^.*\.layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.gate\.(?:weight|e_score_correction_bias)$")
 
 
-def permute_weights(weights: Iterable[tuple[str, torch.Tensor]], plan: LoadPlan, counts: dict | None = None
-                    ) -> Generator[tuple[str, torch.Tensor], None, None]:
-    """Rename per-expert tensors to their slots; reorder router rows and fused expert tensors.
-    ``counts`` (optional) tallies "renamed" and "reordered" tensors."""
+def _slot_names(plan: LoadPlan, slots: range | None) -> list[list[list[int]]]:
+    """[L][E] lists: the names (checkpoint ids vLLM's loader reads into a slot) under which
+    logical expert e is handed out, one per slot of ``slots`` holding it (None = every slot)."""
+    L, P = plan.physical2expert.shape
+    E = plan.slot2expert.shape[1]
+    names = initial_physical_names(E, P)
+    slots = range(P) if slots is None else slots
+    # vLLM loads a name into each of this rank's slots carrying it: names must not repeat here
+    assert len({int(names[p]) for p in slots}) == len(slots), "slot names repeat on one rank"
+    out = [[[] for _ in range(E)] for _ in range(L)]
+    for layer in range(L):
+        for p in slots:
+            out[layer][int(plan.physical2expert[layer, p])].append(int(names[p]))
+    return out
+
+
+def permute_weights(weights: Iterable[tuple[str, torch.Tensor]], plan: LoadPlan, slots: range | None = None,
+                    counts: dict | None = None) -> Generator[tuple[str, torch.Tensor], None, None]:
+    """Rename per-expert tensors to their slots (a tensor once per slot of ``slots`` holding its
+    expert: this rank's slots with replicas, None = every slot); reorder router rows and fused
+    expert tensors. ``counts`` (optional) tallies "renamed" and "reordered" tensors."""
     counts = counts if counts is not None else {}
+    targets = _slot_names(plan, slots)
     for name, tensor in weights:
         m = _EXPERT.match(name)
         if m is not None:
             layer = plan.layer_of(int(m["layer"]))
-            if layer is not None:
-                slot = int(plan.expert2slot[layer, int(m["e"])])
-                name = f"{m['pre']}experts.{slot}.{m['rest']}"
+            if layer is None:
+                yield name, tensor
+                continue
+            for slot in targets[layer][int(m["e"])]:
                 counts["renamed"] = counts.get("renamed", 0) + 1
-            yield name, tensor
+                yield f"{m['pre']}experts.{slot}.{m['rest']}", tensor
             continue
         m = _ROUTER.match(name) or _FUSED.match(name)
         if m is not None:
             layer = plan.layer_of(int(m["layer"]))
+            if layer is not None and plan.num_redundant and _FUSED.match(name):
+                raise ValueError(f"{name}: experts stored stacked in one tensor cannot take replicas yet; build the "
+                                 f"placement without --replicas")
             if layer is not None:
                 idx = torch.as_tensor(plan.slot2expert[layer], device=tensor.device)
                 tensor = tensor.index_select(0, idx)
@@ -67,7 +98,12 @@ class SmoeModelLoader(DefaultModelLoader):
         cfg = SmoeConfig.from_additional_config(vllm_config.additional_config)
         if cfg is not None and cfg.placement is not None:
             self.plan = plan_for(cfg.placement, vllm_config)
-        model = super().load_model(vllm_config, model_config, prefix)
+        if self.plan is not None and self.plan.num_redundant:
+            with _redundant_slots(vllm_config.parallel_config, self.plan.num_redundant):
+                model = super().load_model(vllm_config, model_config, prefix)
+            install_routes(model, self.plan, self._ep_rank())
+        else:
+            model = super().load_model(vllm_config, model_config, prefix)
         if cfg is not None and cfg.mode == "record":
             from .recorder import install_recorder
 
@@ -90,11 +126,66 @@ class SmoeModelLoader(DefaultModelLoader):
             yield from weights
             return
         counts: dict = {}
-        yield from permute_weights(weights, self.plan, counts)
-        moved = int(np.count_nonzero(self.plan.slot2expert != np.arange(self.plan.slot2expert.shape[1])))
+        slots = self.plan.local_slots(self._ep_rank()) if self.plan.num_redundant else None
+        yield from permute_weights(weights, self.plan, slots, counts)
+        L, P = self.plan.physical2expert.shape
+        start = initial_physical_names(self.plan.slot2expert.shape[1], P)
+        moved = int(np.count_nonzero(self.plan.physical2expert != start))
         logger.info("smoe: placement applied: %d expert tensors renamed, %d router/fused tensors reordered, "
                     "%d of %d expert slots changed", counts.get("renamed", 0), counts.get("reordered", 0), moved,
-                    self.plan.slot2expert.size)
+                    L * P)
+
+
+    @staticmethod
+    def _ep_rank() -> int:
+        from vllm.distributed import get_ep_group
+
+        return get_ep_group().rank_in_group
+
+
+@contextlib.contextmanager
+def _redundant_slots(parallel_config, num_redundant: int):
+    """While the model is built: vLLM's models and FusedMoE allocate ``num_redundant`` extra
+    expert slots only for EPLB, so ask as EPLB would. Restored afterwards: the model runner
+    then starts no EPLB (no rearrangement, no load recording)."""
+    eplb = parallel_config.eplb_config
+    was = parallel_config.enable_eplb, eplb.num_redundant_experts
+    parallel_config.enable_eplb = True
+    eplb.num_redundant_experts = num_redundant
+    try:
+        yield
+    finally:
+        eplb.num_redundant_experts = was[1]
+        parallel_config.enable_eplb = was[0]
+
+
+def set_route(router, route: np.ndarray, num_physical: int, device) -> None:
+    """Give a router's EPLB layer state a static logical -> physical map: route [E] int, the
+    physical slot of each router output (one replica each), load recording off."""
+    state = getattr(router, "eplb_state", None)
+    if state is None or not callable(getattr(router, "_apply_eplb_mapping", None)):
+        raise ValueError(f"smoe replicas: {type(router).__name__} has no EPLB layer state (the model does not take "
+                         f"vLLM's redundant experts); build the placement without --replicas")
+    state.logical_to_physical_map = torch.as_tensor(route, dtype=torch.long, device=device)[:, None]
+    state.logical_replica_count = torch.ones(route.shape[0], dtype=torch.long, device=device)
+    state.expert_load_view = torch.zeros(num_physical, dtype=torch.int32, device=device)
+    state.should_record_tensor = torch.zeros((), dtype=torch.bool, device=device)  # never set: EPLB is off
+    state.num_unpadded_tokens_tensors = [torch.zeros((), dtype=torch.int32, device=device) for _ in range(2)]
+
+
+def install_routes(model: torch.nn.Module, plan: LoadPlan, rank: int) -> None:
+    """:func:`set_route` on every MoE router with this rank's ``route2physical[l, rank]``."""
+    from .token_order import find_moe_experts
+
+    found = find_moe_experts(model, plan.moe_layers)
+    if len(found) != len(plan.moe_layers):
+        raise RuntimeError(f"smoe replicas: found {len(found)} MoE routers, expected {len(plan.moe_layers)}")
+    L, P = plan.physical2expert.shape
+    device = next(model.parameters()).device
+    for layer, _, experts in found:
+        set_route(experts.router, plan.route2physical[layer, rank], P, device)
+    logger.info("smoe: replicas: %d physical expert slots per layer (%d redundant), rank %d routes to its own "
+                "copies", P, plan.num_redundant, rank)
 
 
 _registered = False

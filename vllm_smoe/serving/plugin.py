@@ -132,7 +132,9 @@ def _install_hooks() -> None:
         if cfg is not None and cfg.placement is not None:
             from .load_plan import plan_for
 
-            plan_for(cfg.placement, vllm_config)
+            plan = plan_for(cfg.placement, vllm_config)
+            if plan.num_redundant:
+                _check_replicas(cfg.placement, vllm_config.parallel_config)
             if cfg.mode == "speculate":
                 from .capability import speculate_supported
                 from ..placement_file import load_placement
@@ -169,6 +171,19 @@ def _install_hooks() -> None:
     EngineArgs.from_cli_args = classmethod(from_cli_args)
     EngineArgs.create_load_config = create_load_config
     EngineArgs.create_engine_config = create_engine_config
+
+
+def _check_replicas(placement: str, pc) -> None:
+    """A placement with replicas serves only where each MoE row is routed on exactly one rank
+    (which then picks its own copy) and nothing moves experts at run time."""
+    if pc.enable_eplb:
+        raise ValueError(f"{placement}: field 'layers[].replicas': --enable-eplb rearranges experts at run time, "
+                         f"which would undo smoe's copies; drop --enable-eplb or build without --replicas")
+    if pc.tensor_parallel_size > 1 and not pc.use_sequence_parallel_moe:
+        raise ValueError(f"{placement}: field 'layers[].replicas': with --tensor-parallel-size "
+                         f"{pc.tensor_parallel_size} every rank routes every row, so copies would compute a token "
+                         f"twice; serve replicas with mode speculate (rows split over the TP ranks) or with "
+                         f"--data-parallel-size and TP 1, or build without --replicas")
 
 
 _recovering: set[str] = set()

@@ -160,16 +160,20 @@ def make_manager(cpu_group, comm):
             # over shared memory a copy is cheap and a collective is not: static sizes; over a
             # network (gloo) the bytes cost time: collectives sized by the rows that really leave
             network = not isinstance(comm.dist_module, _CPUSHMDistributed)
-            self.exchange = SparseExchange(comm.rank_in_group, comm.world_size,
-                                           owner_of(num_experts(hf), comm.world_size),
+            vc = get_current_vllm_config()
+            cfg = SmoeConfig.from_additional_config(vc.additional_config)
+            slots = num_experts(hf)  # physical expert slots: the placement's replicas add some
+            if cfg is not None and cfg.placement is not None:
+                from .load_plan import plan_for
+
+                slots = plan_for(cfg.placement, vc).physical2expert.shape[1]
+            self.exchange = SparseExchange(comm.rank_in_group, comm.world_size, owner_of(slots, comm.world_size),
                                            lambda x: comm.all_gather(x.contiguous(), 0),
                                            lambda x: comm.reduce_scatterv(x, 0), exact=network)
-            vc = get_current_vllm_config()
             # under attention DP each engine logs its own requests' locality (speculate logs its own)
             self.log_dp = vc.parallel_config.data_parallel_size > 1
             self.dp_rank = vc.parallel_config.data_parallel_rank
             self.num_moe_layers = len(moe_layer_indices(hf))
-            cfg = SmoeConfig.from_additional_config(vc.additional_config)
             self.log_interval = cfg.log_interval if cfg is not None else 10.0
             self._last_log = time.monotonic()
 

@@ -28,6 +28,7 @@ tokens predicted for r in every MoE layer, and the residual stays consistent acr
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import re
@@ -185,7 +186,8 @@ class TokenOrder:
             self.tables = {k: v.float() if v.is_floating_point() else v for k, v in self.tables.items()}
         self.bigrams = self.tables is not None and "bigram_keys" in self.tables
         self.slot2expert = torch.as_tensor(plan.slot2expert, device=device)
-        self.owner = torch.arange(E, device=device) // (E // self.N)  # physical slot -> rank
+        self.owner = torch.arange(E, device=device) // (E // self.N)  # router output -> home rank
+        self.held = torch.as_tensor(plan.held(self.rank), device=device)  # [L, E]: home here, or a copy
         T = vllm_config.scheduler_config.max_num_batched_tokens
         self.ids = torch.zeros(T, dtype=torch.long, device=device)
         self.query = torch.full((T,), -1, dtype=torch.long, device=device)  # bigram keys of the step's rows
@@ -206,7 +208,7 @@ class TokenOrder:
             if not self.stack:
                 block.register_forward_pre_hook(self._pre(layer), with_kwargs=True)
                 block.register_forward_hook(self._post(layer))
-            router.set_capture_fn(self._capture)
+            router.set_capture_fn(functools.partial(self._capture, layer))
         if self.stack:
             stack = find_stack(model)
             # on the first layer's input, not on embed_tokens: drafters may share the embedding
@@ -296,12 +298,12 @@ class TokenOrder:
             return torch.ops.smoe.restore_tokens(output, layer)
         return hook
 
-    def _capture(self, topk_ids: torch.Tensor) -> None:
+    def _capture(self, layer: int, topk_ids: torch.Tensor) -> None:
         n, K = topk_ids.shape
         self.top1[:n].copy_(topk_ids[:, 0])
         # the chunk's padding rows are not tokens; shapes and Python ints only, no host reads
         real = (torch.arange(n, device=topk_ids.device) + self.rank * n) < self.rows
-        local = ((self.owner[topk_ids.long()] == self.rank) & real[:, None]).sum()
+        local = (self.held[layer][topk_ids.long()] & real[:, None]).sum()
         tokens = real.sum()
         self.counts += torch.stack([local, tokens * K, tokens])
 
