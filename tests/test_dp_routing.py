@@ -341,8 +341,8 @@ def test_dp2_serving_with_and_without_smoe_routing_gives_plain_tokens(tmp_path):
     """32 held-out prompts of all four workloads, 8 concurrent clients, DP=2 + EP on vLLM's CPU
     build: smoe's request-level placement with smoe's routing (sparse all2all, the /smoe/route
     endpoint allowlisted), the same placement with routing off on vLLM's own
-    allgather-reducescatter, and smoe's sparse all2all alone (vLLM's expert order and balancer);
-    all against plain single-rank vLLM (prompts one at a time)."""
+    allgather-reducescatter, smoe's sparse all2all alone (vLLM's expert order and balancer), and a
+    placement with expert copies (redundant slots); all against plain single-rank vLLM (prompts one at a time)."""
     pytest.importorskip("vllm")
     import json
     import urllib.request
@@ -358,7 +358,9 @@ def test_dp2_serving_with_and_without_smoe_routing_gives_plain_tokens(tmp_path):
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_PLUGINS": "smoe"}
     runs = {"vllm": dp + ("--smoe-all2all", "vllm", "--smoe-placement", DP2, "--smoe-dp-routing", "off"),
             "routed": dp + ("--smoe-placement", DP2),
-            "sparse": dp}
+            "sparse": dp,
+            # a placement with copies: each DP rank routes its own requests' rows to its own copies
+            "replicas": dp + ("--smoe-placement", os.path.join(REPO, "configs", "tiny-4dom-ep2-r4.yaml"))}
     for name, flags in runs.items():
         with VllmServer(FIXTURE_MODEL, *flags, log=tmp_path / f"{name}.log", env=env) as s:
             out = _concurrent(s, prompts)
@@ -378,7 +380,9 @@ def test_dp2_serving_with_and_without_smoe_routing_gives_plain_tokens(tmp_path):
         log = open(tmp_path / f"{name}.log").read()
         assert ("sparse de-duplicated all2all manager on group ep" in log) == (name != "vllm")
         routed = [int(x) for x in _re_all(r"smoe dp routing: \d+ requests: (\d+) by the placement", log)]
-        if name == "routed":
+        if name == "replicas":
+            assert "replicas: 36 physical expert slots per layer (4 redundant), rank 1 routes to its own copies" in log
+        if name in ("routed", "replicas"):
             assert sum(routed) > 0, "no request was routed by the placement"
             from vllm_smoe.bench import _dp_numbers
 

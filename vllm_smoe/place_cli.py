@@ -300,8 +300,8 @@ def _solve(method, counts, meta, args, ep_size, nodes, embeddings=None, groups=1
     if method == "eplb":
         from .peers import place_eplb
 
-        e2r, reps, tables = (place_eplb(counts.expert_load(), ep_size, nodes),
-                             np.zeros((meta.num_layers, 0, 2), np.int32), None)
+        e2r, reps = place_eplb(counts.expert_load(), ep_size, nodes, args.replicas)
+        tables = None
     else:
         predicted = method in PREDICTED
         bar = _bar(method, meta.num_layers, "layer")
@@ -534,7 +534,9 @@ def _evaluate_all(a):
                                                if any(m in NEEDS_INSTANCES for m in methods) else 0)
         if (tmeta.num_layers, tmeta.num_experts) != (meta.num_layers, meta.num_experts):
             raise ValueError(f"--train traces have a different model shape than {a.trace[0]}")
-        a.replicas = 0
+        # every peer that takes copies gets the placement's budget: EPLB (copies of hot experts)
+        # and smoe's locality methods
+        a.replicas = int((p.replicas[..., 0] >= 0).sum(axis=1).max()) if p.replicas.size else 0
         for method in methods:
             if p.groups > 1 and method in NEEDS_INSTANCES:
                 print(f"skipping {method}: it does not support grouped routing yet", file=sys.stderr)
