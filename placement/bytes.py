@@ -41,6 +41,13 @@ def layer_instances(token_rows: np.ndarray, topk_layer: np.ndarray) -> tuple[np.
 def _remote_rows(sets: np.ndarray, hv: np.ndarray, expert2rank: np.ndarray, token2rank: np.ndarray) -> np.ndarray:
     """[H] int64 per instance: distinct ranks of the set - [token's rank among them]."""
     ranks = np.where(sets >= 0, expert2rank[np.maximum(sets, 0)], -1)
+    if hasattr(np, "bitwise_count") and expert2rank.size and expert2rank.max() < 64:
+        # up to 64 ranks: the set's ranks as one bit mask per instance, the token's rank cleared
+        bits = np.where(ranks >= 0, np.left_shift(np.uint64(1), np.maximum(ranks, 0).astype(np.uint64)),
+                        np.uint64(0))
+        mask = np.bitwise_or.reduce(bits, axis=1)
+        mask &= ~np.left_shift(np.uint64(1), token2rank[hv].astype(np.uint64))
+        return np.bitwise_count(mask).astype(np.int64)
     srt = np.sort(ranks, axis=1)
     distinct = (srt[:, :1] >= 0).sum(axis=1) + ((srt[:, 1:] != srt[:, :-1]) & (srt[:, 1:] >= 0)).sum(axis=1)
     hit = (ranks == token2rank[hv][:, None]).any(axis=1)
@@ -65,7 +72,8 @@ def _rank_counts(sets: np.ndarray, expert2rank: np.ndarray, ep_size: int) -> np.
 
 
 def _move_deltas(sets, w, t_h, expert2rank, cnt, incidence: sp.csr_matrix) -> np.ndarray:
-    """D: [E, N] float64, change in bytes if expert e alone moved to rank r (0 on its own rank).
+    """D: [E, N] float64, change in bytes if expert e alone moved to rank r (0 on its own rank);
+    an estimate that orders the swaps tried (float32 sums), each trial recounts exactly.
 
     Leaving rank p saves a row where e was the set's only expert on p (unless p is the token's
     rank, where the row was local anyway); arriving on r costs a row where the set had no expert
@@ -78,9 +86,9 @@ def _move_deltas(sets, w, t_h, expert2rank, cnt, incidence: sp.csr_matrix) -> np
     p = expert2rank[e]
     alone = cnt[h, p] == 1
     leave = np.bincount(e, weights=w[h] * np.where(alone & (p != t_h[h]), -1.0, 0.0), minlength=E)
-    empty = (cnt == 0).astype(np.float64)
-    empty[np.arange(H), t_h] = 0.0  # arriving on the token's rank costs nothing
-    D = leave[:, None] + incidence @ (w[:, None] * empty)
+    cost = np.where(cnt == 0, w.astype(np.float32)[:, None], np.float32(0))  # [H, N] a new rank's row
+    cost[np.arange(H), t_h] = 0.0  # arriving on the token's rank costs nothing
+    D = leave[:, None] + incidence @ cost
     D[np.arange(E), expert2rank] = 0.0
     return D
 
@@ -97,13 +105,15 @@ def _search(A, occ, instances, ep_size, capacity, max_expert_load, start, seed, 
     H, K = sets.shape
     ok = sets >= 0
     inc_h = np.repeat(np.arange(H), K)[ok.ravel()]
-    incidence = sp.csr_matrix((np.ones(inc_h.size), (sets[ok], inc_h)), shape=(E, H))  # expert x set
+    incidence = sp.csr_matrix((np.ones(inc_h.size, np.float32), (sets[ok], inc_h)), shape=(E, H))  # expert x set
     touch = [incidence.indices[incidence.indptr[x]: incidence.indptr[x + 1]] for x in range(E)]
     fixed = token2rank is not None
     t2r = np.asarray(token2rank) if fixed else assign_token_ids(rank_scores(A, e2r, ep_size), occ, capacity)
     cur = remote_bytes(sets, w, hv, e2r, t2r)
     best = e2r.copy()
     rng = np.random.default_rng(seed)
+    stamp = np.full(H, -1, dtype=np.int64)  # the trial that last listed an instance
+    trial = 0
     for _ in range(max_passes):
         t_h = t2r[hv]
         D = _move_deltas(sets, w, t_h, e2r, _rank_counts(sets, e2r, ep_size), incidence)
@@ -129,7 +139,9 @@ def _search(A, occ, instances, ep_size, capacity, max_expert_load, start, seed, 
             # the load test first: it needs no recount
             if max(rl[e2r[a]] - load[a] + load[b], rl[e2r[b]] - load[b] + load[a]) > worst + 1e-9:
                 continue
-            rows = np.union1d(touch[a], touch[b])
+            trial += 1  # the instances of a or b, each once, without sorting
+            stamp[touch[a]] = trial
+            rows = np.concatenate([touch[a], touch[b][stamp[touch[b]] != trial]])
             e2r[a], e2r[b] = e2r[b], e2r[a]
             new = _remote_rows(sets[rows], hv[rows], e2r, t2r)
             delta = float((w[rows] * (new - vals[rows])).sum())

@@ -64,9 +64,9 @@ def coactivation(A: sp.csr_matrix) -> np.ndarray:
 
 def rank_scores(A: sp.csr_matrix, expert2rank: np.ndarray, ep_size: int) -> np.ndarray:
     """R: [V', N] float64, activations of each token id that rank r would serve locally."""
-    coo = A.tocoo()
-    key = coo.row.astype(np.int64) * ep_size + expert2rank[coo.col]
-    return np.bincount(key, weights=coo.data, minlength=A.shape[0] * ep_size).reshape(A.shape[0], ep_size)
+    E = A.shape[1]
+    onehot = sp.csr_matrix((np.ones(E), (np.arange(E), np.asarray(expert2rank, dtype=np.int64))), shape=(E, ep_size))
+    return np.asarray((A @ onehot).toarray(), dtype=np.float64)
 
 
 def assign_token_ids(R: np.ndarray, occ: np.ndarray, capacity: float, choices: int = 3) -> np.ndarray:
