@@ -79,7 +79,7 @@ def _move_deltas(sets, w, t_h, expert2rank, cnt, incidence: sp.csr_matrix) -> np
     rank, where the row was local anyway); arriving on r costs a row where the set had no expert
     on r (unless r is the token's rank: then the remote row it had becomes local)."""
     H, K = sets.shape
-    E, N = expert2rank.size, cnt.shape[1]
+    E = expert2rank.size
     ok = sets >= 0
     h = np.repeat(np.arange(H), K)[ok.ravel()]
     e = sets[ok]

@@ -294,12 +294,11 @@ def test_sparse_exchange_counts_served_rows_only():
     ex.dispatch(x, w, ids, served=torch.tensor([True, False, True]))
     ex.combine(torch.zeros(3 + 0, H))
     # rows 0 and 2 count: 2 tokens, 2 remote pairs, local activations 1 of 4
-    tok, pairs, nbytes, local, acts = ex.stats.tolist()
-    assert (tok, pairs, local, acts) == (2, 2, 1, 4)
-    assert nbytes == 2 * (2 * H * 4 + 8 * 2)
+    c = ex.counters()
+    assert c == {"tokens": 2, "pairs": 2, "bytes": 2 * (2 * H * 4 + 8 * 2), "local": 1, "activations": 4}
     ex.dispatch(x, w, ids, served=False)  # a dummy step: nothing counted
     ex.combine(torch.zeros(3, H))
-    assert ex.stats.tolist() == [tok, pairs, nbytes, local, acts]
+    assert ex.counters() == c
 
 
 def test_config_and_flag_for_dp_routing():

@@ -5,7 +5,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np

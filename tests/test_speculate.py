@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from vllm_smoe.config import SmoeConfig
-from vllm_smoe.server_process import VllmServer
 from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
 from vllm_smoe.trace import open_trace
 
@@ -79,8 +78,9 @@ SPEC = {"mode": "speculate", "placement": EP2, "log_interval": 0.2}
     ({**SPEC, "predictor": "tables"}, True, "predictor tables"),  # torch.compile keeps smoe's ops opaque
     ({**SPEC, "placement": EP2_R4, "predictor": "tables"}, False, "predictor tables"),  # each rank its own copies
     ({**SPEC, "placement": EP2_R4, "predictor": "tables", "all2all": "vllm"}, False, "predictor tables"),
+    ({**SPEC, "placement": EP2_R4, "predictor": "router"}, False, "predictor router"),  # counts the copies
 ], ids=["vllm-ep", "tables", "tables-markov", "router", "random", "one-rank", "tables-agrs", "tables-compiled",
-        "replicas", "replicas-agrs"])
+        "replicas", "replicas-agrs", "replicas-router"])
 def test_tp2_ep_gives_plain_tp2_tokens(plain_tp2, smoe, compiled, says):
     prompts, plain = plain_tp2
     out, log = _generate(prompts, {"smoe": smoe}, compiled=compiled, ep=True)
@@ -111,10 +111,12 @@ def test_replicas_keep_more_rows_home():
     """Copies used where the token sits: more activations local and fewer rows on the wire than
     the same build without copies. The pairs are counted on the physical ids vLLM's router
     produced, so an unused copy would not lower them."""
-    if not {"tables", "tables-replicas"} <= set(_PAIRS):
+    if not {"tables", "tables-replicas", "router", "router-replicas"} <= set(_PAIRS):
         pytest.skip("needs the served runs of test_tp2_ep_gives_plain_tp2_tokens")
-    assert _LOCAL["tables-replicas"] > _LOCAL["tables"] + 0.05, _LOCAL
-    assert _PAIRS["tables-replicas"] < _PAIRS["tables"] * 0.9, _PAIRS
+    for p in ("tables", "router"):
+        assert _LOCAL[p + "-replicas"] > _LOCAL[p] + 0.05, _LOCAL
+        assert _PAIRS[p + "-replicas"] < _PAIRS[p] * 0.9, _PAIRS
+    assert _LOCAL["router-replicas"] > _LOCAL["tables-replicas"], _LOCAL
 
 
 @pytest.mark.vllm
@@ -180,7 +182,9 @@ def test_router_predictor_uses_vllms_own_routing(grouped):
     router = CPURouter(top_k=K, global_num_experts=E, **kw)
     x = torch.randn(T, H)
     owner = torch.randperm(E) % N
-    pref, conf = route_ahead(gate, router, x, owner, N)
+    held = torch.zeros((N, E), dtype=torch.bool)
+    held[owner, torch.arange(E)] = True
+    pref, conf = route_ahead(gate, router, x, held)
     _, ids = router.select_experts(x, gate(x))
     want_pref, want_conf = prefer_ranks(owner[ids.long()].numpy(), N)
     np.testing.assert_array_equal(pref.numpy(), want_pref)

@@ -309,6 +309,29 @@ def test_device_prefer_ranks_equals_numpy(seed):
     np.testing.assert_allclose(tc.numpy(), conf)
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_device_prefer_held_equals_numpy_with_copies(seed):
+    """Router preferences counting replicas: device twin of known_preferences; without copies
+    the same as prefer_ranks on the home ranks."""
+    from vllm_smoe.placement.predict import known_preferences
+
+    rng = np.random.default_rng(seed)
+    N, K, T = int(rng.integers(2, 9)), int(rng.integers(1, 6)), int(rng.integers(1, 300))
+    E = N * int(rng.integers(K, K + 4))
+    home = rng.permutation(np.repeat(np.arange(N), E // N))
+    held = np.zeros((N, E), bool)
+    held[home, np.arange(E)] = True
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)])
+    tp, tc = dp.prefer_held(torch.as_tensor(ids), torch.as_tensor(held))
+    rp, rc = dp.prefer_ranks(torch.as_tensor(home[ids]), N)
+    assert torch.equal(tp, rp) and torch.equal(tc, rc)
+    held[rng.integers(0, N, E // 2), rng.integers(0, E, E // 2)] = True  # copies
+    pref, conf = known_preferences(ids, held)
+    tp, tc = dp.prefer_held(torch.as_tensor(ids), torch.as_tensor(held))
+    np.testing.assert_array_equal(tp.numpy(), pref)
+    np.testing.assert_allclose(tc.numpy(), conf)
+
+
 def test_table_and_router_predictions_make_no_host_sync():
     """The step's prediction as the token order runs it (bigram query and override, token tables,
     Markov arbitration, the router predictor's rank preference, vote, assignment, permutation)
@@ -324,12 +347,14 @@ def test_table_and_router_predictions_make_no_host_sync():
     m2r = torch.from_numpy(rng.integers(-1, N, (E, 2)).astype(np.int16))
     mconf = torch.from_numpy(rng.random(E).astype(np.float32))
     ids, pos = torch.from_numpy(rng.integers(0, V, T)), torch.arange(T)
+    topk, held = torch.from_numpy(rng.integers(0, E, (T, 4))), torch.from_numpy(rng.random((N, E)) < 0.4)
     with _NoHostSync():
         query = dp.bigram_query(ids, pos, V)
         pref, conf = dp.predict_token_tables(t2r, tconf, prior, ids, (keys, b2r, bconf, query))
         one, c1 = dp.predict_tables(t2r[1], tconf[1], m2r, mconf, prior[1], ids, ids % E,
                                     (keys, b2r[1:2], bconf[1:2], query))
         rp, rc = dp.prefer_ranks(torch.from_numpy(rng.integers(0, N, (T, 4))), N)
+        hp, hc = dp.prefer_held(topk, held)
         vp, vc = dp.vote(pref, conf, N)
-        for p, c in ((pref, conf), (one, c1), (rp, rc), (vp, vc)):
+        for p, c in ((pref, conf), (one, c1), (rp, rc), (hp, hc), (vp, vc)):
             dp.permutation(dp.assign(p, c, dp.chunk_caps(T, N)))

@@ -437,7 +437,7 @@ def _comm_worker(rank, world, init, plan, reps, out):
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    H, E = plan["hidden"], plan["experts"]
+    H = plan["hidden"]
     g = torch.Generator().manual_seed(0)
 
     def gather(x):

@@ -105,7 +105,6 @@ def write_placement(path: str, *, expert2rank: np.ndarray, ep_size: int, nodes: 
     their hash; the tables the previous YAML named are removed only after the new YAML is in
     place. So an interrupted build leaves the old pair intact, two concurrent builds leave
     whichever YAML landed last with its own tables, and no reader ever gets a mixed pair."""
-    import io
 
     import yaml
 

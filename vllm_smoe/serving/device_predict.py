@@ -119,8 +119,20 @@ def prefer_ranks(expert_ranks: torch.Tensor, num_ranks: int) -> tuple[torch.Tens
     T, K = expert_ranks.shape
     counts = torch.zeros((T, num_ranks), dtype=torch.long, device=expert_ranks.device).scatter_add_(
         1, expert_ranks.long(), torch.ones_like(expert_ranks, dtype=torch.long))
-    pref = torch.argsort(-counts, dim=1, stable=True)[:, : min(2, num_ranks)]
+    return _prefer(counts, K)
+
+
+def _prefer(counts: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """counts: [T, N] experts of each token on each rank -> (pref [T, min(2, N)], conf [T])."""
+    pref = torch.argsort(-counts, dim=1, stable=True)[:, : min(2, counts.shape[1])]
     return pref, counts.gather(1, pref[:, :1])[:, 0].float() / K
+
+
+def prefer_held(expert_ids: torch.Tensor, held: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`prefer_ranks` counting every copy: expert_ids [T, K] int, held [N, E] bool (rank
+    holds a copy of expert). Twin of :func:`vllm_smoe.placement.predict.known_preferences`."""
+    counts = held.T.long()[expert_ids.long()].sum(dim=1)  # [T, N]
+    return _prefer(counts, expert_ids.shape[1])
 
 
 def predict_random(token_ids: torch.Tensor, layer: int, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:

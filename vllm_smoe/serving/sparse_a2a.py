@@ -128,6 +128,12 @@ class SparseExchange:
         return (torch.cat([hidden_states, recv_h]), torch.cat([topk_weights, recv_w]),
                 torch.cat([topk_ids, recv_i]))
 
+    def counters(self) -> dict[str, int]:
+        """``stats`` by name, read back to the host (once per log interval, never per step):
+        tokens, pairs (token, remote rank), bytes, local (activations of a local expert),
+        activations."""
+        return dict(zip(("tokens", "pairs", "bytes", "local", "activations"), self.stats.tolist()))
+
     def combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [t + r, H] expert outputs of :meth:`dispatch`'s rows (weighted, summed
         over this rank's experts). Returns [t, H]: each own row plus what remote ranks computed."""
@@ -184,12 +190,13 @@ def make_manager(cpu_group, comm):
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 return  # reading device counters would break a CUDA graph capture
             self._last_log = now
-            tok, pairs, nbytes, local, acts = self.exchange.stats.tolist()  # once per log interval
-            if acts:
+            c = self.exchange.counters()
+            if c["activations"]:
                 logger.info("smoe: dp rank %d served %.3f of its requests' expert activations locally (%d tokens, "
                             "served steps); sparse all2all: %.3f remote (token, rank) pairs and %.0f B per token and "
-                            "MoE layer", self.dp_rank, local / acts, tok // max(1, self.num_moe_layers),
-                            pairs / tok, nbytes / tok)
+                            "MoE layer", self.dp_rank, c["local"] / c["activations"],
+                            c["tokens"] // max(1, self.num_moe_layers), c["pairs"] / c["tokens"],
+                            c["bytes"] / c["tokens"])
 
         def dispatch(self, hidden_states, topk_weights, topk_ids, is_sequence_parallel=False, extra_tensors=None):
             if extra_tensors:

@@ -34,6 +34,7 @@ import logging
 import re
 import time
 
+import numpy as np
 import torch
 
 from . import device_predict as dp
@@ -118,19 +119,20 @@ def block_supported(block: torch.nn.Module, model: torch.nn.Module | None = None
     return True, "", "block"
 
 
-def route_ahead(gate: torch.nn.Module, router, x: torch.Tensor, owner: torch.Tensor, num_ranks: int,
+def route_ahead(gate: torch.nn.Module, router, x: torch.Tensor, held: torch.Tensor,
                 input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Predictor router: vLLM's own gate and routing step on a block's rows, which every rank
     holds whole before the block chunks them, so each token's ranks are known exactly rather than
-    predicted. x: [T, H]; owner: [E] int64 rank of each (physical) expert id. Returns
-    (pref [T, 2] int64, conf [T] float32) as :func:`device_predict.prefer_ranks`. Costs one more
+    predicted. x: [T, H]; held: [N, E] bool, rank holds a copy of router output e (home or
+    replica). Returns (pref [T, 2] int64, conf [T] float32) as :func:`device_predict.prefer_held`.
+    Costs one more
     gate GEMM over T rows per layer (vLLM's own runs on the T / N rows of the chunk); the routing
     step is the pure one (no capture, no EPLB bookkeeping)."""
     logits = gate(x)
     if isinstance(logits, tuple):  # vLLM's linear layers return (output, bias)
         logits = logits[0]
     _, ids = router._compute_routing(x, logits, None, input_ids=input_ids)
-    return dp.prefer_ranks(owner[ids.long()], num_ranks)
+    return dp.prefer_held(ids, held)
 
 
 class TokenOrder:
@@ -186,8 +188,9 @@ class TokenOrder:
             self.tables = {k: v.float() if v.is_floating_point() else v for k, v in self.tables.items()}
         self.bigrams = self.tables is not None and "bigram_keys" in self.tables
         self.slot2expert = torch.as_tensor(plan.slot2expert, device=device)
-        self.owner = torch.arange(E, device=device) // (E // self.N)  # router output -> home rank
-        self.held = torch.as_tensor(plan.held(self.rank), device=device)  # [L, E]: home here, or a copy
+        # [L, N, E]: rank r holds a copy (home or replica) of router output e
+        self.holds = torch.as_tensor(np.stack([plan.held(r) for r in range(self.N)], axis=1), device=device)
+        self.held = self.holds[:, self.rank]  # [L, E]: this rank's
         T = vllm_config.scheduler_config.max_num_batched_tokens
         self.ids = torch.zeros(T, dtype=torch.long, device=device)
         self.query = torch.full((T,), -1, dtype=torch.long, device=device)  # bigram keys of the step's rows
@@ -351,7 +354,7 @@ class TokenOrder:
             layers = [layer] if self.per_layer or self.stack else list(range(self.perm.shape[0]))
             if self.gates:
                 gate, router = self.gates[layer]
-                pref, conf = route_ahead(gate, router, x, self.owner, self.N, self.ids[:T])
+                pref, conf = route_ahead(gate, router, x, self.holds[layer], self.ids[:T])
                 pref, conf = pref[None], conf[None]
             else:
                 pref, conf = self.preferences(layers, self.ids[:T])
@@ -384,10 +387,10 @@ class TokenOrder:
         exchange = getattr(getattr(get_ep_group().device_communicator, "all2all_manager", None), "exchange", None)
         wire = ""
         if exchange is not None:
-            tok, pairs, nbytes = exchange.stats.tolist()[:3]  # once per log interval
-            if tok:
-                wire = (f"; sparse all2all: {pairs / tok:.3f} remote (token, rank) pairs and {nbytes / tok:.0f} B "
-                        f"per token and MoE layer")
+            c = exchange.counters()
+            if c["tokens"]:
+                wire = (f"; sparse all2all: {c['pairs'] / c['tokens']:.3f} remote (token, rank) pairs and "
+                        f"{c['bytes'] / c['tokens']:.0f} B per token and MoE layer")
         logger.info("smoe: speculate (predictor %s): rank %d served %.3f of its expert activations locally "
                     "(%d tokens)%s", self.predictor, self.rank, local / acts, tokens // self.inv.shape[0], wire)
 
