@@ -226,3 +226,20 @@ def test_router_takes_the_routes_through_vllms_eplb_seam():
     assert (ids >= E).any()  # some rows reach the redundant slots
     with pytest.raises(ValueError, match="no EPLB layer state"):
         set_route(CPURouter(top_k=K, global_num_experts=E), route, E + 2, "cpu")
+
+
+def test_routes_refuse_a_layout_vllm_did_not_build():
+    from types import SimpleNamespace as NS
+
+    from vllm_smoe.serving.loader import _check_slots
+
+    def runner(P, local, fused=0, naive=False):
+        return NS(routed_experts=NS(global_num_experts=P, local_num_experts=local,
+                                    expert_map_manager=NS(num_fused_shared_experts=fused)),
+                  do_naive_dispatch_combine=naive)
+
+    _check_slots(runner(36, 18), 0, 36, 2)
+    for bad, words in [(runner(32, 16), "32 expert slots"), (runner(36, 18, fused=1), "fuses shared experts"),
+                       (runner(36, 18, naive=True), "gathers every rank's rows")]:
+        with pytest.raises(ValueError, match=words):
+            _check_slots(bad, 3, 36, 2)

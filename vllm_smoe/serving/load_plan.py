@@ -40,7 +40,8 @@ class LoadPlan:
     logical expert of each router output (router order); expert2slot: [L, E] int64, its
     inverse; physical2expert: [L, P] int64, logical expert held by each physical slot (P = E
     without replicas, then equal to slot2expert); route2physical: [L, N, E] int64, physical slot
-    that rank r's rows use for router output i (N = 1 when experts are not split)."""
+    that rank r's rows use for router output i (N = the placement's ep_size; the identity
+    without replicas)."""
 
     moe_layers: tuple[int, ...]
     slot2expert: np.ndarray

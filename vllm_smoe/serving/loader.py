@@ -173,6 +173,25 @@ def set_route(router, route: np.ndarray, num_physical: int, device) -> None:
     state.num_unpadded_tokens_tensors = [torch.zeros((), dtype=torch.int32, device=device) for _ in range(2)]
 
 
+def _check_slots(experts, layer: int, P: int, N: int) -> None:
+    """The layout smoe named and routes for is the one vLLM built: P slots, P / N per rank, no
+    fused shared experts among them, and each rank routing only its own rows (vLLM's naive
+    dispatch gathers every rank's rows first, so a row would meet its copy on two ranks)."""
+    routed = getattr(experts, "routed_experts", experts)
+    got = (getattr(routed, "global_num_experts", None), getattr(routed, "local_num_experts", None))
+    if got != (P, P // N):
+        raise ValueError(f"smoe replicas: MoE layer {layer} has {got[0]} expert slots ({got[1]} per rank), not the "
+                         f"{P} ({P // N} per rank) of the placement: the model does not take vLLM's redundant "
+                         f"experts as EPLB gives them; build the placement without --replicas")
+    if getattr(getattr(routed, "expert_map_manager", None), "num_fused_shared_experts", 0):
+        raise ValueError(f"smoe replicas: MoE layer {layer} fuses shared experts into its slots; build the placement "
+                         f"without --replicas")
+    if getattr(experts, "do_naive_dispatch_combine", False):
+        raise ValueError(f"smoe replicas: MoE layer {layer} gathers every rank's rows before routing (vLLM's naive "
+                         f"dispatch, for this quantization), so a row would be computed on its home and its copy; "
+                         f"build the placement without --replicas")
+
+
 def install_routes(model: torch.nn.Module, plan: LoadPlan, rank: int) -> None:
     """:func:`set_route` on every MoE router with this rank's ``route2physical[l, rank]``."""
     from .token_order import find_moe_experts
@@ -181,8 +200,10 @@ def install_routes(model: torch.nn.Module, plan: LoadPlan, rank: int) -> None:
     if len(found) != len(plan.moe_layers):
         raise RuntimeError(f"smoe replicas: found {len(found)} MoE routers, expected {len(plan.moe_layers)}")
     L, P = plan.physical2expert.shape
+    N = plan.route2physical.shape[1]
     device = next(model.parameters()).device
     for layer, _, experts in found:
+        _check_slots(experts, layer, P, N)
         set_route(experts.router, plan.route2physical[layer, rank], P, device)
     logger.info("smoe: replicas: %d physical expert slots per layer (%d redundant), rank %d routes to its own "
                 "copies", P, plan.num_redundant, rank)

@@ -134,7 +134,7 @@ def _install_hooks() -> None:
 
             plan = plan_for(cfg.placement, vllm_config)
             if plan.num_redundant:
-                _check_replicas(cfg.placement, vllm_config.parallel_config)
+                _check_replicas(cfg.placement, vllm_config)
             if cfg.mode == "speculate":
                 from .capability import speculate_supported
                 from ..placement_file import load_placement
@@ -173,9 +173,13 @@ def _install_hooks() -> None:
     EngineArgs.create_engine_config = create_engine_config
 
 
-def _check_replicas(placement: str, pc) -> None:
+def _check_replicas(placement: str, vllm_config) -> None:
     """A placement with replicas serves only where each MoE row is routed on exactly one rank
     (which then picks its own copy) and nothing moves experts at run time."""
+    pc = vllm_config.parallel_config
+    if vllm_config.speculative_config is not None or pc.pipeline_parallel_size > 1:
+        raise ValueError(f"{placement}: field 'layers[].replicas': copies are not supported with speculative "
+                         f"decoding or pipeline parallelism yet; build the placement without --replicas")
     if pc.enable_eplb:
         raise ValueError(f"{placement}: field 'layers[].replicas': --enable-eplb rearranges experts at run time, "
                          f"which would undo smoe's copies; drop --enable-eplb or build without --replicas")

@@ -197,7 +197,8 @@ class TokenOrder:
         self.perm = torch.zeros((L, T), dtype=torch.long, device=device)
         self.inv = torch.zeros((L, T), dtype=torch.long, device=device)
         c = -(-T // self.N)
-        self.top1 = torch.zeros(c, dtype=torch.long, device=device)  # this rank's chunk, physical slots
+        # this rank's chunk, router outputs (before vLLM's logical -> physical map)
+        self.top1 = torch.zeros(c, dtype=torch.long, device=device)
         self.prev_top1 = torch.zeros(T, dtype=torch.long, device=device)
         self.counts = torch.zeros(3, dtype=torch.long, device=device)  # local activations, activations, tokens
         self.rows = 0  # rows of the current step (host int, known to the op from its input shape)
