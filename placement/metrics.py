@@ -47,15 +47,27 @@ def local_share(topk_ids: np.ndarray, token2rank: np.ndarray, holds: np.ndarray)
     return local / max(1, T * L * K)
 
 
+def _hashed_copies(topk: np.ndarray, holds_layer: np.ndarray, row_in_step: np.ndarray) -> np.ndarray:
+    """[T, K] the rank whose copy vLLM's EPLB mapping picks for each activation: the expert's
+    holders in rank order, indexed by the Knuth hash of the row's index in its step modulo the
+    copy count. topk: [T, K] int; holds_layer: [N, E] bool; row_in_step: [T] int."""
+    count = holds_layer.sum(axis=0)  # [E]
+    order = np.argsort(~holds_layer, axis=0, kind="stable")  # [N, E]: holders first, by rank
+    pick = ((row_in_step.astype(np.int64) * 2654435769) & 0xFFFFFFFF)[:, None] % np.maximum(count[topk], 1)
+    return order[pick, topk]
+
+
 def evaluate(topk_ids: np.ndarray, token2rank: np.ndarray, expert2rank: np.ndarray, batch_ids: np.ndarray,
              ep_size: int, holds: np.ndarray | None = None, hidden_size: int = 4096,
-             dtype_bytes: int = 2, nodes: int = 1) -> dict[str, float]:
+             dtype_bytes: int = 2, nodes: int = 1, copies: str = "own") -> dict[str, float]:
     """All metrics of one method on one trace.
 
     topk_ids: [T, L, K] int; token2rank: [T, L] int in [0, N); expert2rank: [L, E] int home
     ranks; batch_ids: [T] int non-decreasing; holds: [L, N, E] bool (default: home copies only).
-    Returns a dict of floats plus ``lar_per_layer`` ([L] list) and ``rank_tokens``/``rank_compute``
-    ([N] lists, totals over the trace).
+    copies: which copy an activation uses where an expert has several: "own" (smoe's serving:
+    the one on the token's rank, else the home) or "hashed" (vLLM's EPLB: one picked by the
+    token's row in its step, wherever it is). Returns a dict of floats plus ``lar_per_layer``
+    ([L] list) and ``rank_tokens``/``rank_compute`` ([N] lists, totals over the trace).
     """
     T, L, K = topk_ids.shape
     N = ep_size
@@ -71,11 +83,20 @@ def evaluate(topk_ids: np.ndarray, token2rank: np.ndarray, expert2rank: np.ndarr
     rank_tokens = np.zeros(N, dtype=np.int64)
     rank_compute = np.zeros(N, dtype=np.int64)
     single_copy = bool((holds.sum(axis=1) == 1).all())
+    if copies not in ("own", "hashed"):
+        raise ValueError(f"copies must be 'own' or 'hashed', got {copies!r}")
+    hashed = copies == "hashed" and not single_copy
+    if hashed:
+        row_in_step = np.arange(T) - np.searchsorted(batch, batch)  # batch is non-decreasing
     for layer in range(L):
         e = topk_ids[:, layer, :].astype(np.int64)
         r = token2rank[:, layer].astype(np.int64)
         hl = holds[layer]  # [N, E]
-        local = hl[r[:, None], e]  # [T, K]
+        if hashed:
+            used = _hashed_copies(e, hl, row_in_step)  # [T, K] the copy each activation reaches
+            local = used == r[:, None]
+        else:
+            local = hl[r[:, None], e]  # [T, K]
         nloc = local.sum(axis=1)
         local_total += int(nloc.sum())
         lar_layer[layer] = nloc.sum() / max(1, T * K)
@@ -90,6 +111,8 @@ def evaluate(topk_ids: np.ndarray, token2rank: np.ndarray, expert2rank: np.ndarr
             for rr in range(N):
                 best = np.maximum(best, hl[rr][e].sum(axis=1))
         oracle_hits += int((nloc == best).sum())
+        if hashed:
+            home = used  # a remote activation goes to the hashed copy
         remote_rank = np.where(local, -1, home)
         srt = np.sort(remote_rank, axis=1)
         distinct = (srt[:, 1:] != srt[:, :-1]) & (srt[:, 1:] >= 0)

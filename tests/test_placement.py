@@ -329,3 +329,22 @@ def test_grouped_placement_golden_and_errors():
         place_model("coclust", RoutingCounts.from_arrays(tok, topk, 12), 4, groups=3)
     with pytest.raises(ValueError, match="does not support grouped routing"):
         place_model("bytes", counts, 2, groups=4)
+
+
+def test_evaluate_models_vllms_hashed_copy_choice():
+    """Expert 0 on both ranks, expert 1 on rank 1; three tokens of one step on rank 0. smoe's
+    serving uses the token's own copy; vLLM's EPLB picks copy (row * 2654435769 mod 2^32) mod 2:
+    row 0 the first holder (rank 0), row 1 the second (rank 1)."""
+    from vllm_smoe.placement.metrics import evaluate, holds_from_expert2rank
+
+    e2r = np.array([[0, 1]])
+    holds = holds_from_expert2rank(e2r, 2, np.array([[[0, 1]]]))
+    topk = np.array([[[0]], [[0]], [[1]]])
+    t2r, batch = np.zeros((3, 1), dtype=np.int64), np.zeros(3, dtype=np.int64)
+    own = evaluate(topk, t2r, e2r, batch, 2, holds, copies="own")
+    hashed = evaluate(topk, t2r, e2r, batch, 2, holds, copies="hashed")
+    assert own["lar"] == pytest.approx(2 / 3) and hashed["lar"] == pytest.approx(1 / 3)
+    assert own["rank_compute"] == [2, 1] and hashed["rank_compute"] == [1, 2]
+    assert hashed["remote_unique_per_token"] == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="copies"):
+        evaluate(topk, t2r, e2r, batch, 2, holds, copies="random")

@@ -370,7 +370,7 @@ def _ticking(it, bar):
 
 
 def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, hidden, dtype_bytes, mode="tp",
-             nodes=1, shuffle=None, workloads=False, predictor="tables-markov"):
+             nodes=1, shuffle=None, workloads=False, predictor="tables-markov", copies="own"):
     holds = holds_from_expert2rank(e2r, ep_size, reps)
     if mode == "dp":  # whole requests on attention-DP ranks
         reqs, q = request_index(arr["request_ids"])  # q: each token's request, in first-appearance order
@@ -411,7 +411,7 @@ def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, 
         return m
     else:
         t2r = np.repeat(contiguous_tokens(batch, ep_size)[:, None], meta.num_layers, axis=1)
-    return evaluate(arr["topk_ids"], t2r, e2r, batch, ep_size, holds, hidden, dtype_bytes, nodes)
+    return evaluate(arr["topk_ids"], t2r, e2r, batch, ep_size, holds, hidden, dtype_bytes, nodes, copies=copies)
 
 
 def _check_dp_flags(a) -> None:
@@ -557,8 +557,10 @@ def _evaluate_all(a):
                                     a.bigram_pairs, a.batch_tokens)
             # each placement as plain EP runs it (contiguous token slices), then with smoe's predictor
             for form, predicted in ((method, False), (method + "+pred", True)):
+                # served as plain EP, EPLB's copies are picked by vLLM's hash; smoe picks the token's own
                 m = _measure(arr, batch, meta, e2r, reps, tab, p.ep_size, p.capacity, predicted, hidden,
-                             a.dtype_bytes, a.mode, p.nodes, a.shuffle_requests, a.group_workloads, a.predictor)
+                             a.dtype_bytes, a.mode, p.nodes, a.shuffle_requests, a.group_workloads, a.predictor,
+                             copies="hashed" if method == "eplb" and not predicted else "own")
                 m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tab.nbytes if predicted else 0)
                 results[form] = m
     return p, results, meta, arr
