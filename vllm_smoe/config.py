@@ -11,7 +11,8 @@ import os
 from dataclasses import asdict, dataclass
 
 MODES = ("place", "record", "speculate")
-_KEYS = ("mode", "placement", "record", "log_interval", "record_chunk_tokens", "predictor", "all2all", "dp_routing")
+_KEYS = ("mode", "placement", "record", "log_interval", "record_chunk_tokens", "predictor", "all2all", "dp_routing",
+         "metrics_dir")
 PREDICTORS = ("tables", "tables-markov", "router", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.serving.token_order)
 ALL2ALL = ("sparse", "vllm")  # smoe's sparse de-duplicated manager, or vLLM's own choice
 
@@ -27,7 +28,9 @@ class SmoeConfig:
     ceil(T / N) rows of vLLM's sequence-parallel chunk: capacity 1.0); all2all: the expert-
     parallel all2all manager on CPU (``sparse`` = smoe's, ``vllm`` = vLLM's allgather-reducescatter);
     dp_routing: with DP > 1 and a placement with tables, route each request to the DP engine its
-    prompt's tokens score best (:mod:`vllm_smoe.serving.dp_router`); False = vLLM's balancer."""
+    prompt's tokens score best (:mod:`vllm_smoe.serving.dp_router`); False = vLLM's balancer.
+    metrics_dir: where workers publish their counters for ``/metrics`` once per log interval
+    (:mod:`vllm_smoe.serving.metrics`); the server makes a fresh one when none is given."""
 
     mode: str = "place"
     placement: str | None = None
@@ -37,6 +40,7 @@ class SmoeConfig:
     predictor: str = "tables"
     all2all: str = "sparse"
     dp_routing: bool = True
+    metrics_dir: str | None = None
 
     @property
     def needs_loader(self) -> bool:
@@ -90,13 +94,17 @@ class SmoeConfig:
         if not isinstance(interval, (int, float)) or isinstance(interval, bool) or not interval > 0 \
                 or interval == float("inf"):
             raise ValueError(f"{where}: field 'log_interval' must be a positive number, got {interval!r}")
+        metrics_dir = d.get("metrics_dir")
+        if metrics_dir is not None and (not isinstance(metrics_dir, str) or not metrics_dir):
+            raise ValueError(f"{where}: field 'metrics_dir' must be a path, got {metrics_dir!r}")
         chunk = d.get("record_chunk_tokens", 1 << 18)
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
             raise ValueError(f"{where}: field 'record_chunk_tokens' must be a positive integer, got {chunk!r}")
         return cls(mode=mode, placement=os.path.abspath(placement) if placement else None,
                    record=os.path.abspath(record) if record else None, log_interval=float(interval),
                    record_chunk_tokens=chunk, predictor=predictor,
-                   all2all=all2all, dp_routing=dp_routing)
+                   all2all=all2all, dp_routing=dp_routing,
+                   metrics_dir=os.path.abspath(metrics_dir) if metrics_dir else None)
 
     @classmethod
     def from_additional_config(cls, additional_config: object) -> "SmoeConfig | None":
@@ -111,6 +119,9 @@ class SmoeConfig:
             from .placement_file import load_placement
 
             load_placement(self.placement)
+        if self.metrics_dir is not None and not (os.path.isdir(self.metrics_dir)
+                                                 and os.access(self.metrics_dir, os.W_OK | os.X_OK)):
+            raise ValueError(f"{self.metrics_dir}: field 'metrics_dir' is not a writable directory")
         if self.record is not None:  # checked, not created: a refused server leaves nothing behind
             base = self.record
             while not os.path.exists(base):

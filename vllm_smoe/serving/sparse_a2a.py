@@ -181,6 +181,8 @@ def make_manager(cpu_group, comm):
             self.dp_rank = vc.parallel_config.data_parallel_rank
             self.num_moe_layers = len(moe_layer_indices(hf))
             self.log_interval = cfg.log_interval if cfg is not None else 10.0
+            self.metrics_dir = cfg.metrics_dir if cfg is not None else None
+            self.rank = comm.rank_in_group
             self._last_log = time.monotonic()
 
         def _maybe_log(self):
@@ -191,7 +193,15 @@ def make_manager(cpu_group, comm):
                 return  # reading device counters would break a CUDA graph capture
             self._last_log = now
             c = self.exchange.counters()
-            if c["activations"]:
+            if self.metrics_dir is not None and c["tokens"]:
+                from .metrics import publish
+
+                try:
+                    publish(self.metrics_dir, "a2a", self.rank, c)
+                except OSError as e:  # the server is shutting down and took its directory along
+                    logger.warning("smoe: metrics not published any more: %s", e)
+                    self.metrics_dir = None
+            if self.log_dp and c["activations"]:
                 logger.info("smoe: dp rank %d served %.3f of its requests' expert activations locally (%d tokens, "
                             "served steps); sparse all2all: %.3f remote (token, rank) pairs and %.0f B per token and "
                             "MoE layer", self.dp_rank, c["local"] / c["activations"],
@@ -209,7 +219,7 @@ def make_manager(cpu_group, comm):
             rows = max(dpm.get_chunk_sizes_across_dp_rank()) if dpm is not None else None
             out = self.exchange.dispatch(hidden_states, topk_weights, topk_ids, rows,
                                          served_rows(fc, hidden_states.shape[0], is_sequence_parallel))
-            if self.log_dp:
+            if self.log_dp or self.metrics_dir is not None:
                 self._maybe_log()
             return out
 

@@ -200,7 +200,10 @@ class TokenOrder:
         # this rank's chunk, router outputs (before vLLM's logical -> physical map)
         self.top1 = torch.zeros(c, dtype=torch.long, device=device)
         self.prev_top1 = torch.zeros(T, dtype=torch.long, device=device)
-        self.counts = torch.zeros(3, dtype=torch.long, device=device)  # local activations, activations, tokens
+        # per MoE layer, served steps only: local activations, activations, tokens, hits (tokens
+        # with an expert on their rank); read back once per log interval (metrics.ORDER_FIELDS)
+        self.counts = torch.zeros((L, 4), dtype=torch.long, device=device)
+        self.metrics_dir = cfg.metrics_dir
         self.rows = 0  # rows of the current step (host int, known to the op from its input shape)
         # tables-markov: each layer waits for the previous one's top-1 (one extra all-gather per
         # layer); the others predict every layer at the first MoE layer of the step
@@ -306,10 +309,14 @@ class TokenOrder:
         n, K = topk_ids.shape
         self.top1[:n].copy_(topk_ids[:, 0])
         # the chunk's padding rows are not tokens; shapes and Python ints only, no host reads
+        from vllm.forward_context import get_forward_context
+
+        if get_forward_context().attn_metadata is None:
+            return  # a profile, warm-up or dummy step: not served, not counted
         real = (torch.arange(n, device=topk_ids.device) + self.rank * n) < self.rows
-        local = (self.held[layer][topk_ids.long()] & real[:, None]).sum()
+        local = (self.held[layer][topk_ids.long()] & real[:, None]).sum(dim=1)  # [n]
         tokens = real.sum()
-        self.counts += torch.stack([local, tokens * K, tokens])
+        self.counts[layer] += torch.stack([local.sum(), tokens * K, tokens, (local > 0).sum()])
 
     def preferences(self, layers: list[int], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(pref [len(layers), T, P], conf [len(layers), T]) for the step's token ids."""
@@ -380,9 +387,18 @@ class TokenOrder:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return  # reading device counters would break a CUDA graph capture
         self._last_log = now
-        local, acts, tokens = self.counts.tolist()  # once per log interval, not per step
+        layers = self.counts.tolist()  # once per log interval, not per step
+        local, acts, tokens = (sum(row[i] for row in layers) for i in range(3))
         if not acts:
             return
+        if self.metrics_dir is not None:
+            from .metrics import publish
+
+            try:
+                publish(self.metrics_dir, "order", self.rank, {"layers": layers})
+            except OSError as e:  # the server is shutting down and took its directory along
+                logger.warning("smoe: metrics not published any more: %s", e)
+                self.metrics_dir = None
         from vllm.distributed import get_ep_group
 
         exchange = getattr(getattr(get_ep_group().device_communicator, "all2all_manager", None), "exchange", None)

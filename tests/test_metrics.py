@@ -1,0 +1,80 @@
+"""smoe's counters on /metrics: snapshots, the collector, and a served check (speculate, TP=2)."""
+
+import os
+import re
+import time
+import urllib.request
+
+import pytest
+
+from vllm_smoe.serving.metrics import SmoeCollector, families, publish, read_snapshots
+
+
+def _values(fams):
+    """{(name, labels tuple): value} of every sample."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams for s in f.samples}
+
+
+def test_collector_sums_ranks_golden(tmp_path):
+    """Two ranks, two MoE layers: counters per rank and layer, ratios over ranks."""
+    publish(str(tmp_path), "order", 0, {"layers": [[6, 8, 2, 2], [2, 8, 2, 1]]})
+    publish(str(tmp_path), "order", 1, {"layers": [[2, 8, 2, 1], [0, 8, 2, 0]]})
+    publish(str(tmp_path), "a2a", 0, {"tokens": 4, "pairs": 3, "bytes": 300, "local": 8, "activations": 16})
+    publish(str(tmp_path), "a2a", 1, {"tokens": 4, "pairs": 1, "bytes": 100, "local": 2, "activations": 16})
+    (tmp_path / "junk.json").write_text("{not json")  # a torn or foreign file is skipped
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+    v = _values(SmoeCollector(str(tmp_path)).collect())
+    assert v[("smoe:local_expert_activations_total", (("layer", "0"), ("rank", "0")))] == 6
+    assert v[("smoe:tokens_total", (("layer", "1"), ("rank", "1")))] == 2
+    assert v[("smoe:local_activation_ratio", (("layer", "0"),))] == pytest.approx(8 / 16)
+    assert v[("smoe:local_activation_ratio", (("layer", "1"),))] == pytest.approx(2 / 16)
+    assert v[("smoe:local_activation_ratio", (("layer", "all"),))] == pytest.approx(10 / 32)
+    assert v[("smoe:predictor_hit_rate", (("layer", "all"),))] == pytest.approx(4 / 8)
+    assert v[("smoe:a2a_remote_pairs_total", (("rank", "1"),))] == 1
+    assert v[("smoe:a2a_bytes_per_token", ())] == pytest.approx(400 / 8)
+    publish(str(tmp_path), "a2a", 1, {"tokens": 6, "pairs": 1, "bytes": 100, "local": 2, "activations": 16})
+    assert len(read_snapshots(str(tmp_path))) == 4  # replaced, not added
+    assert list(families([])) == [] and read_snapshots(str(tmp_path / "gone")) == []
+
+
+@pytest.mark.vllm
+def test_speculate_serves_its_counters_on_metrics(tmp_path):
+    """vllm serve at TP=2 + EP, mode speculate: /metrics carries smoe's families, they count
+    served tokens only (each distinct prompt's tokens plus its generated ones but the last, per
+    MoE layer, summed over ranks; no warm-up or profile rows) and agree with the log line read
+    from the same snapshot."""
+    pytest.importorskip("vllm")
+    from vllm_smoe.server_process import VllmServer
+    from vllm_smoe.testbed import FIXTURE_MODEL
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    placement = os.path.join(repo, "configs", "tiny-4dom-ep2.yaml")
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    prompts = [[7 + i, 300 + i, 42, 9 + i, 1000 + 3 * i] for i in range(6)]  # distinct: no prefix-cache hits
+    max_tokens = 4
+    with VllmServer(FIXTURE_MODEL, "--tensor-parallel-size", "2", "--enable-expert-parallel", "--plugin", "smoe",
+                    "--smoe-mode", "speculate", "--smoe-placement", placement, "--smoe-log-interval", "0.2",
+                    "--no-enable-prefix-caching", log=tmp_path / "s.log", env=env) as s:
+        s.complete(prompts, max_tokens=max_tokens)
+        time.sleep(0.5)
+        s.complete([[5]], max_tokens=1)  # one more step past the interval: every rank publishes
+        time.sleep(0.3)
+        with urllib.request.urlopen(f"http://127.0.0.1:{s.port}/metrics", timeout=30) as r:
+            text = r.read().decode()
+    metric = {}
+    for line in text.splitlines():
+        m = re.match(r'^(smoe:[a-z0-9_]+)(\{[^}]*\})? (\S+)$', line)
+        if m:
+            metric[(m.group(1), m.group(2) or "")] = float(m.group(3))
+    # the extra request's step published the counters of the steps before it
+    served = sum(len(p) + max_tokens - 1 for p in prompts)
+    for layer in range(4):
+        rows = sum(v for (n, lab), v in metric.items() if n == "smoe:tokens_total" and f'layer="{layer}"' in lab)
+        assert rows == served, (layer, rows, served)
+    ratio = metric[("smoe:local_activation_ratio", '{layer="all"}')]
+    from vllm_smoe.bench import _SPEC_LINE, _rank_numbers
+
+    logged = _rank_numbers(open(tmp_path / "s.log").read().splitlines(), _SPEC_LINE)
+    assert ratio == pytest.approx(logged["local_share"], abs=2e-3)
+    assert 0 < metric[("smoe:predictor_hit_rate", '{layer="all"}')] <= 1
+    assert metric[("smoe:a2a_bytes_per_token", "")] > 0
