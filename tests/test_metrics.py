@@ -78,3 +78,33 @@ def test_speculate_serves_its_counters_on_metrics(tmp_path):
     assert ratio == pytest.approx(logged["local_share"], abs=2e-3)
     assert 0 < metric[("smoe:predictor_hit_rate", '{layer="all"}')] <= 1
     assert metric[("smoe:a2a_bytes_per_token", "")] > 0
+
+
+def test_drift_judges_whole_windows_against_the_placement():
+    from vllm_smoe.serving.metrics import Drift
+
+    d = Drift(0.6, 0.8, min_tokens=100)
+    assert d.update(50, 80, 20) is None  # too few tokens yet
+    w = d.update(300, 400, 100)  # 0.75 >= 0.8 * 0.6
+    assert w == {"local": 300, "activations": 400, "tokens": 100, "ratio": 0.75, "drifted": False}
+    w = d.update(300 + 120, 400 + 400, 200)  # the next window alone: 0.30 < 0.48
+    assert w["ratio"] == pytest.approx(0.3) and w["drifted"] and w["tokens"] == 100
+    assert Drift("0.6", 0.8).expected is None and not Drift(None, 0.8).update(1, 2, 10**6)["drifted"]
+    snaps = [{"source": "order", "rank": r, "layers": [[1, 2, 1, 1]], "drift": {**d.snapshot()}} for r in (0, 1)]
+    v = _values(families(snaps))
+    assert v[("smoe:window_local_activation_ratio", ())] == pytest.approx(0.3)
+    assert v[("smoe:expected_local_activation_ratio", ())] == 0.6 and v[("smoe:drift", ())] == 1.0
+
+
+def test_metric_settings_are_validated(tmp_path):
+    from vllm_smoe.config import SmoeConfig
+
+    c = SmoeConfig.from_dict({"metrics_dir": str(tmp_path), "drift_threshold": 0.5})
+    assert c.metrics_dir == str(tmp_path) and c.drift_threshold == 0.5
+    c.check_files()
+    for bad, words in [({"drift_threshold": 0}, "drift_threshold"), ({"drift_threshold": True}, "drift_threshold"),
+                       ({"metrics_dir": 3}, "metrics_dir")]:
+        with pytest.raises(ValueError, match=words):
+            SmoeConfig.from_dict(bad)
+    with pytest.raises(ValueError, match="not a writable directory"):
+        SmoeConfig.from_dict({"metrics_dir": str(tmp_path / "missing")}).check_files()

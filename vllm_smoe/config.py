@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 MODES = ("place", "record", "speculate")
 _KEYS = ("mode", "placement", "record", "log_interval", "record_chunk_tokens", "predictor", "all2all", "dp_routing",
-         "metrics_dir")
+         "metrics_dir", "drift_threshold")
 PREDICTORS = ("tables", "tables-markov", "router", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.serving.token_order)
 ALL2ALL = ("sparse", "vllm")  # smoe's sparse de-duplicated manager, or vLLM's own choice
 
@@ -30,7 +30,9 @@ class SmoeConfig:
     dp_routing: with DP > 1 and a placement with tables, route each request to the DP engine its
     prompt's tokens score best (:mod:`vllm_smoe.serving.dp_router`); False = vLLM's balancer.
     metrics_dir: where workers publish their counters for ``/metrics`` once per log interval
-    (:mod:`vllm_smoe.serving.metrics`); the server makes a fresh one when none is given."""
+    (:mod:`vllm_smoe.serving.metrics`); the server makes a fresh one when none is given.
+    drift_threshold: warn (and set ``smoe:drift``) when a window's local activation ratio falls
+    below this share of the placement's own (its YAML's ``metrics.lar``)."""
 
     mode: str = "place"
     placement: str | None = None
@@ -41,6 +43,7 @@ class SmoeConfig:
     all2all: str = "sparse"
     dp_routing: bool = True
     metrics_dir: str | None = None
+    drift_threshold: float = 0.8
 
     @property
     def needs_loader(self) -> bool:
@@ -97,6 +100,9 @@ class SmoeConfig:
         metrics_dir = d.get("metrics_dir")
         if metrics_dir is not None and (not isinstance(metrics_dir, str) or not metrics_dir):
             raise ValueError(f"{where}: field 'metrics_dir' must be a path, got {metrics_dir!r}")
+        drift = d.get("drift_threshold", 0.8)
+        if not isinstance(drift, (int, float)) or isinstance(drift, bool) or not 0 < drift <= 1:
+            raise ValueError(f"{where}: field 'drift_threshold' must be a number in (0, 1], got {drift!r}")
         chunk = d.get("record_chunk_tokens", 1 << 18)
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
             raise ValueError(f"{where}: field 'record_chunk_tokens' must be a positive integer, got {chunk!r}")
@@ -104,7 +110,7 @@ class SmoeConfig:
                    record=os.path.abspath(record) if record else None, log_interval=float(interval),
                    record_chunk_tokens=chunk, predictor=predictor,
                    all2all=all2all, dp_routing=dp_routing,
-                   metrics_dir=os.path.abspath(metrics_dir) if metrics_dir else None)
+                   metrics_dir=os.path.abspath(metrics_dir) if metrics_dir else None, drift_threshold=float(drift))
 
     @classmethod
     def from_additional_config(cls, additional_config: object) -> "SmoeConfig | None":

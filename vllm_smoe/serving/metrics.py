@@ -24,6 +24,39 @@ ORDER_FIELDS = ("local", "activations", "tokens", "hits")  # per MoE layer
 A2A_FIELDS = ("tokens", "pairs", "bytes", "local", "activations")
 
 
+class Drift:
+    """Local activation ratio over a window of served tokens against the placement's expected one.
+
+    expected: the placement's ratio (its YAML's ``metrics.lar``, in-sample when built), None =
+    unknown; threshold: the share of ``expected`` below which the window counts as drifted;
+    min_tokens: tokens a window needs before it is judged. :meth:`update` takes the cumulative
+    counters (host ints, read once per log interval) and returns the last complete window."""
+
+    def __init__(self, expected: float | None, threshold: float, min_tokens: int = 2048):
+        ok = isinstance(expected, (int, float)) and not isinstance(expected, bool) and expected > 0
+        self.expected = float(expected) if ok else None  # a YAML without (or with a bad) metrics.lar
+        self.threshold, self.min_tokens = threshold, min_tokens
+        self._start = (0, 0, 0)  # cumulative (local, activations, tokens) where the window began
+        self.window: dict | None = None
+
+    def update(self, local: int, activations: int, tokens: int) -> dict | None:
+        """The window just completed ({"local", "activations", "tokens", "ratio", "drifted"}),
+        or None while the current one is still short of ``min_tokens``."""
+        l0, a0, t0 = self._start
+        if tokens - t0 < self.min_tokens or activations <= a0:
+            return None
+        ratio = (local - l0) / (activations - a0)
+        drifted = self.expected is not None and ratio < self.threshold * self.expected
+        self.window = {"local": local - l0, "activations": activations - a0, "tokens": tokens - t0,
+                       "ratio": ratio, "drifted": drifted}
+        self._start = (local, activations, tokens)
+        return self.window
+
+    def snapshot(self) -> dict:
+        """What a published snapshot carries about drift."""
+        return {"expected": self.expected, "threshold": self.threshold, "window": self.window}
+
+
 def publish(directory: str, source: str, rank: int, counters: dict) -> None:
     """Replace ``{directory}/{source}-rank{rank}.json`` with ``counters`` (atomic rename)."""
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{source}-rank{rank}.", suffix=".tmp")
@@ -86,6 +119,7 @@ def families(snapshots: list[dict]):
             hit.add_metric(["all"], total[3] / total[2])
         yield ratio
         yield hit
+    yield from _drift_families(order or a2a)
     if a2a:
         names = {"tokens": ("smoe:a2a_tokens", "served tokens through the sparse all2all (rows x MoE layers)"),
                  "pairs": ("smoe:a2a_remote_pairs", "(token, remote rank) rows the sparse all2all sent"),
@@ -103,6 +137,31 @@ def families(snapshots: list[dict]):
         if tok:
             per.add_metric([], sum(s["bytes"] for s in a2a) / tok)
         yield per
+
+
+def _drift_families(snapshots: list[dict]):
+    """The window ratio over the ranks' last complete windows, the placement's expected ratio,
+    and whether the window fell below threshold x expected."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    windows = [s["drift"]["window"] for s in snapshots if (s.get("drift") or {}).get("window")]
+    if not windows:
+        return
+    drift = snapshots[0]["drift"]
+    acts = sum(w["activations"] for w in windows)
+    ratio = sum(w["local"] for w in windows) / max(1, acts)
+    g = GaugeMetricFamily("smoe:window_local_activation_ratio", "local activation ratio over each rank's last "
+                          "complete window of served tokens, over all ranks")
+    g.add_metric([], ratio)
+    yield g
+    if drift.get("expected") is not None:
+        e = GaugeMetricFamily("smoe:expected_local_activation_ratio", "the placement's own ratio (its YAML's "
+                              "metrics.lar)")
+        e.add_metric([], drift["expected"])
+        yield e
+        d = GaugeMetricFamily("smoe:drift", "1 when the window ratio is below drift_threshold x expected, else 0")
+        d.add_metric([], float(ratio < drift["threshold"] * drift["expected"]))
+        yield d
 
 
 class SmoeCollector:

@@ -182,6 +182,14 @@ def make_manager(cpu_group, comm):
             self.num_moe_layers = len(moe_layer_indices(hf))
             self.log_interval = cfg.log_interval if cfg is not None else 10.0
             self.metrics_dir = cfg.metrics_dir if cfg is not None else None
+            from .metrics import Drift
+
+            expected = None
+            if cfg is not None and cfg.placement is not None:
+                from ..placement_file import load_placement
+
+                expected = load_placement(cfg.placement).metrics.get("lar")
+            self.drift = Drift(expected, cfg.drift_threshold if cfg is not None else 0.8)
             self.rank = comm.rank_in_group
             self._last_log = time.monotonic()
 
@@ -193,11 +201,17 @@ def make_manager(cpu_group, comm):
                 return  # reading device counters would break a CUDA graph capture
             self._last_log = now
             c = self.exchange.counters()
+            window = self.drift.update(c["local"], c["activations"], c["tokens"] // max(1, self.num_moe_layers))
+            if self.log_dp and window is not None and window["drifted"]:
+                logger.warning("smoe: drift: dp rank %d kept %.3f of its last %d tokens' expert activations local, "
+                               "below %.2f x the placement's %.3f: the workload may have moved",
+                               self.dp_rank, window["ratio"], window["tokens"], self.drift.threshold,
+                               self.drift.expected)
             if self.metrics_dir is not None and c["tokens"]:
                 from .metrics import publish
 
                 try:
-                    publish(self.metrics_dir, "a2a", self.rank, c)
+                    publish(self.metrics_dir, "a2a", self.rank, {**c, "drift": self.drift.snapshot()})
                 except OSError as e:  # the server is shutting down and took its directory along
                     logger.warning("smoe: metrics not published any more: %s", e)
                     self.metrics_dir = None

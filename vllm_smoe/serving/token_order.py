@@ -139,7 +139,7 @@ class TokenOrder:
     """Per-worker state: device tables, the step's token ids, per-layer inverse permutations,
     the previous layer's top-1, and device-side counters read only when logging."""
 
-    def __init__(self, model, vllm_config, cfg, tables, plan):
+    def __init__(self, model, vllm_config, cfg, tables, plan, expected: float | None = None):
         from vllm.distributed import get_tp_group
 
         self.tp = get_tp_group()
@@ -204,6 +204,9 @@ class TokenOrder:
         # with an expert on their rank); read back once per log interval (metrics.ORDER_FIELDS)
         self.counts = torch.zeros((L, 4), dtype=torch.long, device=device)
         self.metrics_dir = cfg.metrics_dir
+        from .metrics import Drift
+
+        self.drift = Drift(expected, cfg.drift_threshold)  # expected: the placement's own ratio
         self.rows = 0  # rows of the current step (host int, known to the op from its input shape)
         # tables-markov: each layer waits for the previous one's top-1 (one extra all-gather per
         # layer); the others predict every layer at the first MoE layer of the step
@@ -391,11 +394,16 @@ class TokenOrder:
         local, acts, tokens = (sum(row[i] for row in layers) for i in range(3))
         if not acts:
             return
+        window = self.drift.update(local, acts, tokens // len(layers))
+        if window is not None and window["drifted"]:
+            logger.warning("smoe: drift: rank %d kept %.3f of its last %d tokens' expert activations local, below "
+                           "%.2f x the placement's %.3f: the workload may have moved (smoe-place advise)",
+                           self.rank, window["ratio"], window["tokens"], self.drift.threshold, self.drift.expected)
         if self.metrics_dir is not None:
             from .metrics import publish
 
             try:
-                publish(self.metrics_dir, "order", self.rank, {"layers": layers})
+                publish(self.metrics_dir, "order", self.rank, {"layers": layers, "drift": self.drift.snapshot()})
             except OSError as e:  # the server is shutting down and took its directory along
                 logger.warning("smoe: metrics not published any more: %s", e)
                 self.metrics_dir = None
@@ -441,7 +449,7 @@ def install_token_order(model, vllm_config, cfg, plan) -> TokenOrder:
 
     placement = load_placement(cfg.placement)
     tables = load_tables(placement) if cfg.predictor.startswith("tables") else None
-    _ACTIVE = TokenOrder(model, vllm_config, cfg, tables, plan)
+    _ACTIVE = TokenOrder(model, vllm_config, cfg, tables, plan, expected=placement.metrics.get("lar"))
     logger.info("smoe: mode speculate: token order over %d ranks around %d MoE blocks (%s), %s, predictor %s",
                 _ACTIVE.N, len(_ACTIVE.blocks), type(_ACTIVE.blocks[0][1]).__name__,
                 "one order per step" if _ACTIVE.stack else "one order per layer", cfg.predictor)
