@@ -427,3 +427,31 @@ def test_evaluate_gives_peers_the_placements_replica_budget(tmp_path):
     # coclust rebuilt with the same 4 copies scores what the placement does; EPLB's copies serve load
     assert abs(res["coclust+pred"]["lar"] - ours["lar"]) < 0.02
     assert ours["lar"] > res["eplb+pred"]["lar"] > res["eplb"]["lar"]
+
+
+def test_advise_finds_the_gain_of_a_placement_built_from_live_traffic(tmp_path):
+    """Served placement trained on one workload, live traffic from another: the candidate built
+    from the recording's first half keeps clearly more activations local on its second half, and
+    the written candidate loads; against a recording of its own workload it gains little."""
+    from vllm_smoe.trace import read_traces, write_trace
+
+    fields = ("token_ids", "request_ids", "positions", "topk_ids", "step_ids", "is_prefill", "domain")
+    meta, tr, _ = read_traces([TRAIN], fields)
+    _, he, _ = read_traces([HELDOUT], fields)
+    for name, arr, d in (("py.npz", tr, 0), ("live.npz", he, 3), ("same.npz", he, 0)):
+        keep = arr["domain"] == d
+        write_trace(str(tmp_path / name), meta, **{k: v[keep] for k, v in arr.items()})
+    served = tmp_path / "served.yaml"
+    assert main(["build", "--trace", str(tmp_path / "py.npz"), "--ep-size", "4", "-o", str(served)]) == 0
+    js, cand = tmp_path / "a.json", tmp_path / "cand.yaml"
+    assert main(["advise", "--trace", str(tmp_path / "live.npz"), "--placement", str(served), "-o", str(cand),
+                 "--json", str(js)]) == 0
+    res = json.load(open(js))
+    cur, new = res["served (coclust)"], res["candidate (coclust)"]
+    assert new["lar"] > cur["lar"] + 0.05 and new["remote_unique_per_token"] < cur["remote_unique_per_token"]
+    p = load_placement(str(cand))
+    assert p.ep_size == 4 and p.predictor is not None and load_tables(p).token2rank.shape == (4, 4096, 2)
+    assert main(["advise", "--trace", str(tmp_path / "same.npz"), "--placement", str(served), "--json", str(js)]) == 0
+    same = json.load(open(js))
+    assert abs(same["candidate (coclust)"]["lar"] - same["served (coclust)"]["lar"]) < new["lar"] - cur["lar"]
+    assert main(["advise", "--trace", str(tmp_path / "live.npz"), "--placement", str(tmp_path / "nope.yaml")]) == 2

@@ -614,6 +614,78 @@ def cmd_evaluate(a) -> int:
     return 0
 
 
+ADVISE_KEYS = ("lar", "remote_unique_per_token", "a2a_bytes_per_token", "expert_load", "token_load")
+
+
+def cmd_advise(a) -> int:
+    """What a placement built from a live recording would gain over the one being served: the
+    recording's first half of steps trains a candidate (the served placement's method, ep_size,
+    nodes, groups, replicas and capacity), its second half scores both with the same predictor."""
+    if a.json:
+        check_output_file(a.json, "--json")
+    if a.output:
+        check_output_file(a.output, "-o")
+    p = load_placement(a.placement)
+    if p.method == "dp-coclust":
+        raise ValueError(f"{a.placement}: field 'method' = dp-coclust: advise judges tensor-parallel placements only "
+                         f"so far")
+    meta, _, arr, files, total = _stream(a.trace, lambda T: _windows(T, a.max_tokens), counts=False, desc="reading")
+    for key, want in (("num_layers", p.num_layers), ("num_experts", p.num_experts), ("top_k", p.top_k)):
+        if getattr(meta, key) != want:
+            raise ValueError(f"{a.trace[0]}: trace meta.{key} = {getattr(meta, key)} but placement "
+                             f"{a.placement} has model.{key} = {want}")
+    arr, batch = _batched(arr, a.batch_tokens)
+    steps = np.unique(batch)
+    if steps.size < 2:
+        raise ValueError(f"{a.trace[0]}: {steps.size} engine step(s) recorded; advise needs two or more (one half "
+                         f"trains the candidate, the other judges it)")
+    late = batch >= steps[steps.size // 2]
+    train = {k: v[~late] for k, v in arr.items()}
+    test, test_batch = {k: v[late] for k, v in arr.items()}, batch[late]
+    print(f"training a candidate on {int((~late).sum())} tokens, judging both on the next {int(late.sum())}",
+          file=sys.stderr)
+    counts = RoutingCounts.from_arrays(train["token_ids"], train["topk_ids"], meta.num_experts, meta.vocab_size)
+    method = p.method if p.method in PREDICTED else "coclust"
+    a.replicas = int((p.replicas[..., 0] >= 0).sum(axis=1).max()) if p.replicas.size else 0
+    a.capacity = p.capacity
+    e2r, reps, tables, secs, _ = _solve(method, counts, meta, a, p.ep_size, p.nodes, groups=p.groups)
+    holds = holds_from_expert2rank(e2r, p.ep_size, reps)
+    tables = _with_bigrams(tables, train, holds, meta.vocab_size, a.bigram_pairs, a.batch_tokens)
+    hidden = meta.hidden_size or a.hidden_size
+    current = load_tables(p) if p.predictor else None
+    results = {
+        f"served ({p.method})": _measure(test, test_batch, meta, p.expert2rank, p.replicas, current, p.ep_size,
+                                         p.capacity, current is not None or a.predictor == "router", hidden,
+                                         a.dtype_bytes, nodes=p.nodes, predictor=a.predictor),
+        f"candidate ({method})": _measure(test, test_batch, meta, e2r, reps, tables, p.ep_size, p.capacity, True,
+                                          hidden, a.dtype_bytes, nodes=p.nodes, predictor=a.predictor)}
+    (cur, new) = results.values()
+    print(f"{'':26}{'served':>12}{'candidate':>12}{'change':>10}")
+    for k in ADVISE_KEYS:
+        print(f"{k:26}{cur[k]:12.4g}{new[k]:12.4g}{(new[k] / cur[k] - 1) * 100 if cur[k] else 0.0:+9.1f}%")
+    verdict = ("the candidate keeps more activations local" if new["lar"] > cur["lar"]
+               else "the served placement still does as well")
+    print(f"{verdict}: LAR {cur['lar']:.3f} -> {new['lar']:.3f}, rows per token "
+          f"{cur['remote_unique_per_token']:.3f} -> {new['remote_unique_per_token']:.3f} (held-out half, predictor "
+          f"{a.predictor}; candidate built in {secs:.1f} s)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"wrote {a.json}")
+    if a.output:
+        write_placement(a.output, expert2rank=e2r, ep_size=p.ep_size, nodes=p.nodes, top_k=meta.top_k,
+                        vocab_size=meta.vocab_size, method=method, capacity=p.capacity,
+                        tables=tables.arrays() if tables is not None else None,
+                        replicas=reps if a.replicas else None, fingerprint=p.fingerprint, groups=p.groups,
+                        built_from={"traces": [_rel(f, a.output) for f in files], "tokens": int((~late).sum()),
+                                    "batch_tokens": a.batch_tokens, "theta": a.theta, "seed": a.seed,
+                                    "max_expert_load": a.max_expert_load, "mode": "tp", "predictor": a.predictor,
+                                    "advised_over": os.path.abspath(a.placement)},
+                        metrics={k: new[k] for k in METRIC_KEYS if k in new})
+        print(f"wrote {a.output}")
+    return 0
+
+
 def cmd_report(a) -> int:
     from .report import write_report
 
@@ -718,6 +790,18 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             e.add_argument("-o", "--output", required=True, help="report directory")
         e.set_defaults(fn=fn, replicas=0)
+
+    v = sub.add_parser("advise", help="what a placement built from a live recording would gain over the served one")
+    v.add_argument("--trace", nargs="+", required=True,
+                   help="the live recording (trace files, directories or globs, e.g. a --smoe-record directory)")
+    v.add_argument("--placement", required=True, help="the placement being served")
+    v.add_argument("--max-tokens", type=number(int, 0), default=1 << 20,
+                   help=f"use at most this many recorded tokens, in {EVAL_WINDOWS} evenly spaced windows "
+                        "(default 1048576; 0 = all, held in memory)")
+    v.add_argument("-o", "--output", help="also write the candidate placement here (serve it after a restart)")
+    v.add_argument("--json", help="write {placement: {metric: value}} here")
+    common(v)
+    v.set_defaults(fn=cmd_advise)
     return p
 
 
