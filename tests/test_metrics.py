@@ -1,5 +1,6 @@
 """smoe's counters on /metrics: snapshots, the collector, and a served check (speculate, TP=2)."""
 
+import json
 import os
 import re
 import time
@@ -22,6 +23,7 @@ def test_collector_sums_ranks_golden(tmp_path):
     publish(str(tmp_path), "a2a", 0, {"tokens": 4, "pairs": 3, "bytes": 300, "local": 8, "activations": 16})
     publish(str(tmp_path), "a2a", 1, {"tokens": 4, "pairs": 1, "bytes": 100, "local": 2, "activations": 16})
     (tmp_path / "junk.json").write_text("{not json")  # a torn or foreign file is skipped
+    (tmp_path / "odd.json").write_text(json.dumps({"source": "order", "rank": 2, "layers": "x"}))
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
     v = _values(SmoeCollector(str(tmp_path)).collect())
     assert v[("smoe:local_expert_activations_total", (("layer", "0"), ("rank", "0")))] == 6
@@ -108,3 +110,17 @@ def test_metric_settings_are_validated(tmp_path):
             SmoeConfig.from_dict(bad)
     with pytest.raises(ValueError, match="not a writable directory"):
         SmoeConfig.from_dict({"metrics_dir": str(tmp_path / "missing")}).check_files()
+
+
+def test_server_makes_and_exports_its_directory_once(tmp_path, monkeypatch):
+    from vllm_smoe.config import SmoeConfig
+    from vllm_smoe.serving.metrics import ENV, metrics_dir, server_metrics_dir
+
+    monkeypatch.delenv(ENV, raising=False)
+    cfg = SmoeConfig()
+    assert metrics_dir(cfg) is None
+    made = server_metrics_dir(cfg)
+    assert os.path.isdir(made) and os.environ[ENV] == made
+    assert server_metrics_dir(cfg) == made == metrics_dir(cfg)  # engines and workers started later see it
+    given = SmoeConfig.from_dict({"metrics_dir": str(tmp_path)})
+    assert server_metrics_dir(given) == str(tmp_path) == metrics_dir(given)

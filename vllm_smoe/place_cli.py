@@ -621,6 +621,12 @@ def cmd_advise(a) -> int:
     """What a placement built from a live recording would gain over the one being served: the
     recording's first half of steps trains a candidate (the served placement's method, ep_size,
     nodes, groups, replicas and capacity), its second half scores both with the same predictor."""
+    given = [f for f, v in (("--capacity", a.capacity is not None), ("--replicas", a.replicas is not None),
+                            ("--shuffle-requests", a.shuffle_requests is not None),
+                            ("--group-workloads", a.group_workloads)) if v]
+    if given:
+        raise ValueError(f"{', '.join(given)}: advise takes capacity and copies from the served placement, and judges "
+                         f"tensor-parallel placements only")
     if a.json:
         check_output_file(a.json, "--json")
     if a.output:
@@ -634,6 +640,9 @@ def cmd_advise(a) -> int:
         if getattr(meta, key) != want:
             raise ValueError(f"{a.trace[0]}: trace meta.{key} = {getattr(meta, key)} but placement "
                              f"{a.placement} has model.{key} = {want}")
+    if p.vocab_size is not None and meta.vocab_size > p.vocab_size:
+        raise ValueError(f"{a.trace[0]}: trace meta.vocab_size = {meta.vocab_size} but placement {a.placement} has "
+                         f"model.vocab_size = {p.vocab_size}")
     arr, batch = _batched(arr, a.batch_tokens)
     steps = np.unique(batch)
     if steps.size < 2:
@@ -791,7 +800,11 @@ def build_parser() -> argparse.ArgumentParser:
             e.add_argument("-o", "--output", required=True, help="report directory")
         e.set_defaults(fn=fn, replicas=0)
 
-    v = sub.add_parser("advise", help="what a placement built from a live recording would gain over the served one")
+    v = sub.add_parser("advise", help="what a placement built from a live recording would gain over the served one",
+                       description="Trains a candidate on the recording's first half of engine steps (the served "
+                                   "placement's method, ep_size, nodes, groups, copies and capacity) and scores both "
+                                   "on the second half. --predictor defaults to tables here (serving's default). "
+                                   "The steps of one engine: with DP, pass one engine's files.")
     v.add_argument("--trace", nargs="+", required=True,
                    help="the live recording (trace files, directories or globs, e.g. a --smoe-record directory)")
     v.add_argument("--placement", required=True, help="the placement being served")
@@ -801,7 +814,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("-o", "--output", help="also write the candidate placement here (serve it after a restart)")
     v.add_argument("--json", help="write {placement: {metric: value}} here")
     common(v)
-    v.set_defaults(fn=cmd_advise)
+    # serving's default predictor; capacity and copies come from the served placement
+    v.set_defaults(fn=cmd_advise, predictor="tables", capacity=None, replicas=None)
     return p
 
 

@@ -7,6 +7,11 @@ The API server process registers :class:`SmoeCollector` on prometheus_client's d
 registry, which vLLM's ``/metrics`` serves; it reads the snapshots at scrape time. Nothing here
 runs on a step's path.
 
+The directory: ``metrics_dir`` when the settings give one, else a fresh temporary directory the
+API server process makes and hands to the engine and worker processes it starts through the
+environment (``SMOE_METRICS_DIR``, as vLLM hands over ``PROMETHEUS_MULTIPROC_DIR``): kept out of
+``additional_config``, whose hash keys vLLM's compile caches.
+
 Sources: ``order`` (speculate's token order: per MoE layer, the rows each rank served) and
 ``a2a`` (smoe's sparse all2all: the rows that crossed, whatever orders the tokens). With vLLM's
 multiprocess Prometheus mode (several API servers) the default registry is not the one served,
@@ -16,8 +21,13 @@ so the smoe families are missing there.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
+
+logger = logging.getLogger("vllm.smoe")
+
+ENV = "SMOE_METRICS_DIR"
 
 # the device counters of each source, in the order the workers keep them
 ORDER_FIELDS = ("local", "activations", "tokens", "hits")  # per MoE layer
@@ -57,17 +67,67 @@ class Drift:
         return {"expected": self.expected, "threshold": self.threshold, "window": self.window}
 
 
+def metrics_dir(cfg) -> str | None:
+    """Where this process publishes: the settings' ``metrics_dir``, else the directory its API
+    server made (read once, when a publisher is set up)."""
+    return cfg.metrics_dir if cfg.metrics_dir is not None else os.environ.get(ENV)
+
+
+def server_metrics_dir(cfg) -> str:
+    """In the API server process, before it starts engines: the directory to serve, made (and
+    exported to the processes it starts) when the settings give none."""
+    path = metrics_dir(cfg)
+    if path is None:
+        import atexit
+        import shutil
+
+        path = tempfile.mkdtemp(prefix="smoe-metrics-")
+        atexit.register(shutil.rmtree, path, True)
+        os.environ[ENV] = path
+    return path
+
+
 def publish(directory: str, source: str, rank: int, counters: dict) -> None:
     """Replace ``{directory}/{source}-rank{rank}.json`` with ``counters`` (atomic rename)."""
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{source}-rank{rank}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"source": source, "rank": rank, **counters}, f)
-    os.replace(tmp, os.path.join(directory, f"{source}-rank{rank}.json"))
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"source": source, "rank": rank, **counters}, f)
+        os.replace(tmp, os.path.join(directory, f"{source}-rank{rank}.json"))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _counts(x, n: int) -> bool:
+    return isinstance(x, list) and len(x) == n and all(isinstance(v, int) and not isinstance(v, bool) for v in x)
+
+
+def _valid(s: object) -> bool:
+    """A snapshot as :func:`publish` writes them (anything else in the directory is ignored)."""
+    if not isinstance(s, dict) or not isinstance(s.get("rank"), int):
+        return False
+    d = s.get("drift")
+    if d is not None:
+        num = (int, float)
+        w = d.get("window") if isinstance(d, dict) else None
+        if not (isinstance(d, dict) and isinstance(d.get("threshold"), num)
+                and (d.get("expected") is None or isinstance(d["expected"], num))
+                and (w is None or (isinstance(w, dict) and _counts([w.get(k) for k in ("local", "activations",
+                                                                                       "tokens")], 3)))):
+            return False
+    if s.get("source") == "order":
+        layers = s.get("layers")
+        return isinstance(layers, list) and bool(layers) and all(_counts(r, len(ORDER_FIELDS)) for r in layers)
+    if s.get("source") == "a2a":
+        return _counts([s.get(k) for k in A2A_FIELDS], len(A2A_FIELDS))
+    return False
 
 
 def read_snapshots(directory: str) -> list[dict]:
-    """Every worker's latest snapshot (unreadable or half-gone files are skipped: the next
-    scrape sees them)."""
+    """Every worker's latest snapshot. Files that do not read as one are skipped (a file being
+    replaced, or something else in the directory) and logged."""
     out = []
     try:
         names = sorted(os.listdir(directory))
@@ -75,11 +135,17 @@ def read_snapshots(directory: str) -> list[dict]:
         return out
     for name in names:
         if name.endswith(".json") and not name.startswith("."):
+            path = os.path.join(directory, name)
             try:
-                with open(os.path.join(directory, name)) as f:
-                    out.append(json.load(f))
-            except (OSError, ValueError):
+                with open(path) as f:
+                    s = json.load(f)
+            except (OSError, ValueError) as e:
+                logger.warning("smoe metrics: skipping %s: %s", path, e)
                 continue
+            if _valid(s):
+                out.append(s)
+            else:
+                logger.warning("smoe metrics: skipping %s: not a snapshot smoe wrote", path)
     return out
 
 
@@ -144,10 +210,11 @@ def _drift_families(snapshots: list[dict]):
     and whether the window fell below threshold x expected."""
     from prometheus_client.core import GaugeMetricFamily
 
-    windows = [s["drift"]["window"] for s in snapshots if (s.get("drift") or {}).get("window")]
+    judged = [s["drift"] for s in snapshots if s.get("drift") and s["drift"].get("window")]
+    windows = [d["window"] for d in judged]
     if not windows:
         return
-    drift = snapshots[0]["drift"]
+    drift = judged[0]
     acts = sum(w["activations"] for w in windows)
     ratio = sum(w["local"] for w in windows) / max(1, acts)
     g = GaugeMetricFamily("smoe:window_local_activation_ratio", "local activation ratio over each rank's last "

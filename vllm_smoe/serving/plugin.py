@@ -16,7 +16,6 @@ Settings then reach engine core and workers inside ``vllm_config.additional_conf
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 
@@ -122,14 +121,12 @@ def _install_hooks() -> None:
         cfg = SmoeConfig.from_additional_config(self.additional_config)
         if cfg is not None:
             cfg.check_files()
-            if cfg.metrics_dir is None:  # where this server's workers publish for /metrics
-                cfg = dataclasses.replace(cfg, metrics_dir=_metrics_dir())
             self.additional_config = {**self.additional_config, "smoe": cfg.to_dict()}  # normalised paths
         vllm_config = orig_engine(self, *args, **kwargs)
-        if cfg is not None:
-            from .metrics import register_collector
+        if cfg is not None:  # /metrics: where this server's workers publish, before any engine starts
+            from .metrics import register_collector, server_metrics_dir
 
-            register_collector(cfg.metrics_dir)
+            register_collector(server_metrics_dir(cfg))
         if cfg is not None and cfg.mode == "record":
             _recover_at_exit(cfg.record)
         if cfg is not None and cfg.mode == "speculate":
@@ -178,17 +175,6 @@ def _install_hooks() -> None:
     EngineArgs.from_cli_args = classmethod(from_cli_args)
     EngineArgs.create_load_config = create_load_config
     EngineArgs.create_engine_config = create_engine_config
-
-
-def _metrics_dir() -> str:
-    """A fresh directory for this server's metric snapshots, removed when the process exits."""
-    import atexit
-    import shutil
-    import tempfile
-
-    path = tempfile.mkdtemp(prefix="smoe-metrics-")
-    atexit.register(shutil.rmtree, path, True)
-    return path
 
 
 def _check_replicas(placement: str, vllm_config) -> None:

@@ -181,14 +181,17 @@ def make_manager(cpu_group, comm):
             self.dp_rank = vc.parallel_config.data_parallel_rank
             self.num_moe_layers = len(moe_layer_indices(hf))
             self.log_interval = cfg.log_interval if cfg is not None else 10.0
-            self.metrics_dir = cfg.metrics_dir if cfg is not None else None
-            from .metrics import Drift
+            from .metrics import Drift, metrics_dir
 
+            self.metrics_dir = metrics_dir(cfg) if cfg is not None else None
+            # judged only where the placement's own ratio is what serving aims at: a DP placement
+            # with smoe's request routing (speculate judges its own order)
             expected = None
-            if cfg is not None and cfg.placement is not None:
+            if cfg is not None and cfg.placement is not None and self.log_dp and cfg.dp_routing:
                 from ..placement_file import load_placement
 
-                expected = load_placement(cfg.placement).metrics.get("lar")
+                p = load_placement(cfg.placement)
+                expected = p.metrics.get("lar") if p.method == "dp-coclust" else None
             self.drift = Drift(expected, cfg.drift_threshold if cfg is not None else 0.8)
             self.rank = comm.rank_in_group
             self._last_log = time.monotonic()

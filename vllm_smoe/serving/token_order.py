@@ -203,10 +203,13 @@ class TokenOrder:
         # per MoE layer, served steps only: local activations, activations, tokens, hits (tokens
         # with an expert on their rank); read back once per log interval (metrics.ORDER_FIELDS)
         self.counts = torch.zeros((L, 4), dtype=torch.long, device=device)
-        self.metrics_dir = cfg.metrics_dir
-        from .metrics import Drift
+        from .metrics import Drift, metrics_dir
 
-        self.drift = Drift(expected, cfg.drift_threshold)  # expected: the placement's own ratio
+        self.metrics_dir = metrics_dir(cfg)
+        # the placement's own ratio is what a trained predictor should reach; random and one-rank
+        # orders are not judged against it
+        self.drift = Drift(expected if cfg.predictor in ("tables", "tables-markov", "router") else None,
+                           cfg.drift_threshold)
         self.rows = 0  # rows of the current step (host int, known to the op from its input shape)
         # tables-markov: each layer waits for the previous one's top-1 (one extra all-gather per
         # layer); the others predict every layer at the first MoE layer of the step
@@ -314,8 +317,9 @@ class TokenOrder:
         # the chunk's padding rows are not tokens; shapes and Python ints only, no host reads
         from vllm.forward_context import get_forward_context
 
-        if get_forward_context().attn_metadata is None:
-            return  # a profile, warm-up or dummy step: not served, not counted
+        if get_forward_context().attn_metadata is None and not (
+                torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            return  # a profile or warm-up step: not served, not counted (a CUDA graph keeps counting)
         real = (torch.arange(n, device=topk_ids.device) + self.rank * n) < self.rows
         local = (self.held[layer][topk_ids.long()] & real[:, None]).sum(dim=1)  # [n]
         tokens = real.sum()
