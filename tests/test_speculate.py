@@ -189,3 +189,88 @@ def test_router_predictor_uses_vllms_own_routing(grouped):
     want_pref, want_conf = prefer_ranks(owner[ids.long()].numpy(), N)
     np.testing.assert_array_equal(pref.numpy(), want_pref)
     np.testing.assert_allclose(conf.numpy(), want_conf)
+
+
+def _served_tokens(port: int, prompt: list[int], max_tokens: int = 8) -> list[int]:
+    import urllib.request
+
+    body = json.dumps({"model": FIXTURE_MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                       "ignore_eos": True, "return_token_ids": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.load(r)["choices"][0]["token_ids"]
+
+
+def _swap(port: int, path: str, method: str = "POST") -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    data = json.dumps({"placement": path}).encode() if method == "POST" else None
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/smoe/placement", data,
+                                 {"Content-Type": "application/json"}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:  # vLLM's API server wraps errors as {"error": {"message": ...}}
+        body = json.load(e)
+        return e.code, {"detail": body.get("detail") or body["error"]["message"]}
+
+
+@pytest.mark.vllm
+def test_live_swap_under_load_keeps_plain_tokens(plain_tp2, tmp_path):
+    """vllm serve TP=2 + EP, speculate with tables: placements swapped live (python-only ->
+    the mixed build -> back) while clients keep sending the held-out prompts. Every answer equals
+    plain TP=2 vLLM's greedy tokens, before, during and after the swaps; bad files are refused
+    with the field named and the served placement stays."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from vllm_smoe.place_cli import main as place
+    from vllm_smoe.server_process import VllmServer
+    from vllm_smoe.trace import read_traces, write_trace
+
+    prompts, plain = plain_tp2
+    fields = ("token_ids", "request_ids", "positions", "topk_ids", "step_ids", "is_prefill", "domain")
+    meta, tr, _ = read_traces([FIXTURE_TRACES["train"]], fields)
+    keep = tr["domain"] == 0
+    write_trace(str(tmp_path / "py.npz"), meta, **{k: v[keep] for k, v in tr.items()})
+    first = str(tmp_path / "python.yaml")
+    assert place(["build", "--trace", str(tmp_path / "py.npz"), "--ep-size", "2", "-o", first]) == 0
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_PLUGINS": "smoe"}  # VLLM_PLUGINS: vLLM's gate for new routes
+    with VllmServer(FIXTURE_MODEL, "--tensor-parallel-size", "2", "--enable-expert-parallel", "--plugin", "smoe",
+                    "--smoe-mode", "speculate", "--smoe-placement", first, "--smoe-log-interval", "0.5",
+                    log=tmp_path / "s.log", env=env) as s:
+        assert _swap(s.port, "", "GET") == (200, {"placement": first, "swaps": 0, "last_swap": None})
+        with ThreadPoolExecutor(8) as pool:
+            def wave():
+                return [pool.submit(_served_tokens, s.port, p) for p in prompts]
+
+            def busy(w):  # a wave's first answers are in: the rest are being generated
+                next(as_completed(w))
+                next(as_completed(w[8:]))
+
+            waves = [wave()]
+            busy(waves[-1])
+            status, done = _swap(s.port, EP2)
+            assert status == 200 and done["previous"] == first and done["moved_slots"] > 0, done
+            waves.append(wave())
+            for bad, words in [(os.path.join(REPO, "configs", "tiny-4dom-ep4.yaml"), "field 'ep_size' = 4"),
+                               (EP2_R4, "field 'layers[].replicas'"),
+                               (str(tmp_path / "missing.yaml"), "placement file not found")]:
+                status, answer = _swap(s.port, bad)
+                assert status == 400 and words in answer["detail"], answer
+            assert _swap(s.port, "", "GET")[1]["placement"] == EP2
+            waves.append(wave())
+            busy(waves[-1])
+            status, back = _swap(s.port, first)
+            assert status == 200 and back["previous"] == EP2, back
+            waves.append(wave())
+            outs = [[f.result() for f in w] for w in waves]
+        assert _swap(s.port, "", "GET")[1]["swaps"] == 2
+    for out in outs:
+        assert out == plain["tokens"]
+    log = (tmp_path / "s.log").read_text()
+    assert log.count("smoe: live placement:") == 4  # two swaps, both ranks
+    swapped = [i for i, ln in enumerate(log.splitlines()) if "smoe: live placement:" in ln]
+    served = [i for i, ln in enumerate(log.splitlines()) if "/v1/completions HTTP/1.1\" 200" in ln]
+    assert served[0] < swapped[0] < served[-1] and served[0] < swapped[-1] < served[-1]  # answers on both sides

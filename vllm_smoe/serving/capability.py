@@ -43,3 +43,46 @@ def speculate_supported(vllm_config, placement, predictor: str = "tables") -> tu
         return False, (f"{placement.path}: field 'predictor' is empty but predictor 'tables' needs the tables "
                        f"(rebuild with smoe-place build, or set predictor 'router' / 'random' / 'one-rank')")
     return True, ""
+
+
+def _check_replicas(placement: str, vllm_config) -> None:
+    """A placement with replicas serves only where each MoE row is routed on exactly one rank
+    (which then picks its own copy) and nothing moves experts at run time."""
+    pc = vllm_config.parallel_config
+    if vllm_config.speculative_config is not None or pc.pipeline_parallel_size > 1:
+        raise ValueError(f"{placement}: field 'layers[].replicas': copies are not supported with speculative "
+                         f"decoding or pipeline parallelism yet; build the placement without --replicas")
+    if pc.enable_eplb:
+        raise ValueError(f"{placement}: field 'layers[].replicas': --enable-eplb rearranges experts at run time, "
+                         f"which would undo smoe's copies; drop --enable-eplb or build without --replicas")
+    if pc.tensor_parallel_size > 1 and not pc.use_sequence_parallel_moe:
+        raise ValueError(f"{placement}: field 'layers[].replicas': with --tensor-parallel-size "
+                         f"{pc.tensor_parallel_size} every rank routes every row, so copies would compute a token "
+                         f"twice; serve replicas with mode speculate (rows split over the TP ranks) or with "
+                         f"--data-parallel-size and TP 1, or build without --replicas")
+
+
+def check_served_placement(path: str, cfg, vllm_config):
+    """Everything a server checks of a placement before serving it (at start and before a live
+    swap): it fits the model and the parallel layout, its copies can be served, speculate can
+    order tokens with it, its tables load. Returns its :class:`~.load_plan.LoadPlan`; raises
+    ValueError naming the file and field."""
+    from ..placement_file import load_placement, load_tables
+    from .load_plan import plan_for
+
+    plan = plan_for(path, vllm_config)
+    if plan.num_redundant:
+        _check_replicas(path, vllm_config)
+    placement = load_placement(path)
+    if cfg.mode == "speculate":
+        ok, reason = speculate_supported(vllm_config, placement, cfg.predictor)
+        if not ok:
+            raise ValueError(f"smoe mode speculate: {reason}")
+        if cfg.predictor.startswith("tables"):
+            load_tables(placement)  # everything a worker will index with, before any worker starts
+    pc = vllm_config.parallel_config
+    if placement.method == "dp-coclust" and pc.tensor_parallel_size > 1:
+        raise ValueError(f"{path}: field 'method' = dp-coclust: placements from smoe-place build --mode dp put one "
+                         f"expert-parallel rank on each DP rank (TP = 1), but --tensor-parallel-size is "
+                         f"{pc.tensor_parallel_size}")
+    return plan

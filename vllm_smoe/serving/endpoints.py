@@ -9,9 +9,21 @@ attack surface), so: ``VLLM_PLUGINS=smoe vllm serve M --plugin smoe --smoe-place
 score best on under the server's placement (null = no preference), for a router in front of
 ``--data-parallel-external-lb`` servers. Balance is the router's own. A text prompt is tokenized
 as it is (no chat template): send the token ids the server will see for chat requests.
+
+``POST /smoe/placement`` with ``{"placement": "<path>"}`` serves a new placement without a restart
+(:mod:`.live`): checked first (400 with the file and field named, the old placement stays),
+then weights, routers and tables swapped between two engine steps; the answer comes when every
+worker is done: ``{"placement", "previous", "moved_slots", "seconds"}``. ``GET /smoe/placement``
+answers the served one. Swaps are taken one at a time; requests keep running.
 """
 
+import asyncio
+import os
+import time
+
 from fastapi import APIRouter, HTTPException, Request  # FastAPI resolves the handler's annotations
+
+EXTENSION = "vllm_smoe.serving.live.SmoeWorkerExtension"
 
 
 class SmoeEndpoints:
@@ -51,16 +63,68 @@ class SmoeEndpoints:
                 raise HTTPException(status_code=409, detail=str(e)) from None
             return {"rank": rank, "scores": scores, "placement": placement}
 
+        @router.get("/smoe/placement")
+        async def get_placement(raw: Request):
+            live = raw.app.state.smoe_live
+            if live is None or live["path"] is None:
+                raise HTTPException(status_code=404, detail="this server runs without an smoe placement")
+            return {"placement": live["path"], "swaps": live["swaps"], "last_swap": live["last"]}
+
+        @router.post("/smoe/placement")
+        async def post_placement(raw: Request):
+            live = raw.app.state.smoe_live
+            if live is None or live["path"] is None:
+                raise HTTPException(status_code=404, detail="this server runs without an smoe placement "
+                                                            "(--plugin smoe --smoe-placement P): nothing to swap")
+            if live["refused"]:
+                raise HTTPException(status_code=409, detail=live["refused"])
+            try:
+                body = await raw.json()
+            except ValueError:
+                raise HTTPException(status_code=400, detail="body must be JSON") from None
+            path = body.get("placement") if isinstance(body, dict) else None
+            if not isinstance(path, str) or not path:
+                raise HTTPException(status_code=400, detail="give 'placement': the path of a placement YAML")
+            path = os.path.abspath(path)
+            from .capability import check_served_placement
+
+            async with live["lock"]:  # one swap at a time
+                try:  # the API server's own check first: a bad file never reaches the engine
+                    await asyncio.to_thread(check_served_placement, path, live["cfg"], live["vllm_config"])
+                except ValueError as e:
+                    raise HTTPException(status_code=400, detail=str(e)) from None
+                engine = live["engine"]
+                t0 = time.monotonic()
+                reasons = [r for r in await engine.collective_rpc("smoe_prepare_placement", args=(path,)) if r]
+                if reasons:
+                    raise HTTPException(status_code=400, detail=reasons[0])
+                try:
+                    done = await engine.collective_rpc("smoe_apply_placement", args=(path,))
+                except Exception as e:  # noqa: BLE001 - reported, and no further swap is taken
+                    live["refused"] = (f"a live swap to {path} failed while weights moved ({e}); the served "
+                                       f"placement is unknown: restart the server")
+                    raise HTTPException(status_code=500, detail=live["refused"]) from None
+                answer = {"placement": path, "previous": live["path"],
+                          "moved_slots": done[0]["moved_slots"],
+                          "seconds": time.monotonic() - t0, "worker_seconds": max(d["seconds"] for d in done)}
+                live["path"], live["last"] = path, answer
+                live["swaps"] += 1
+            return answer
+
         app.include_router(router)
 
     async def init_state(self, engine_client, state, args) -> None:
         if engine_client is None:  # vLLM's render-only server: nothing to score against
             state.smoe_route = (None, None, None)
+            state.smoe_live = None
             return
         from ..config import SmoeConfig
 
         vc = engine_client.vllm_config
         cfg = SmoeConfig.from_additional_config(vc.additional_config)
+        state.smoe_live = None if cfg is None else {
+            "engine": engine_client, "vllm_config": vc, "cfg": cfg, "path": cfg.placement, "lock": asyncio.Lock(),
+            "swaps": 0, "last": None, "refused": _live_refused(vc)}
         placement = cfg.placement if cfg is not None else None
         tokenizer = None
         if placement is not None:
@@ -71,6 +135,17 @@ class SmoeEndpoints:
             elif not vc.model_config.skip_tokenizer_init:
                 tokenizer = engine_client.renderer.get_tokenizer()
         state.smoe_route = (placement, vc.parallel_config.data_parallel_size, tokenizer)
+
+
+def _live_refused(vllm_config) -> str:
+    """Why this server cannot swap placements live ('' = it can)."""
+    pc = vllm_config.parallel_config
+    if pc.data_parallel_size > 1:
+        return ("live re-placement needs --data-parallel-size 1: DP engines step on their own, so no moment lies "
+                "between the steps of all of them; restart with the new placement")
+    if pc.worker_extension_cls != EXTENSION:
+        return f"--worker-extension-cls {pc.worker_extension_cls} replaces smoe's, which live re-placement calls"
+    return ""
 
 
 def endpoints() -> SmoeEndpoints:

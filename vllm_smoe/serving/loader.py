@@ -55,10 +55,13 @@ def _slot_names(plan: LoadPlan, slots: range | None) -> list[list[list[int]]]:
 
 
 def permute_weights(weights: Iterable[tuple[str, torch.Tensor]], plan: LoadPlan, slots: range | None = None,
-                    counts: dict | None = None) -> Generator[tuple[str, torch.Tensor], None, None]:
+                    counts: dict | None = None, gate_rows: dict | None = None
+                    ) -> Generator[tuple[str, torch.Tensor], None, None]:
     """Rename per-expert tensors to their slots (a tensor once per slot of ``slots`` holding its
     expert: this rank's slots with replicas, None = every slot); reorder router rows and fused
-    expert tensors. ``counts`` (optional) tallies "renamed" and "reordered" tensors."""
+    expert tensors. ``counts`` (optional) tallies "renamed" and "reordered" tensors;
+    ``gate_rows`` (optional) keeps each MoE layer's router weight in checkpoint order, by MoE
+    ordinal (for a live re-placement where vLLM drops the loaded weight, see :mod:`.live`)."""
     counts = counts if counts is not None else {}
     targets = _slot_names(plan, slots)
     for name, tensor in weights:
@@ -79,6 +82,8 @@ def permute_weights(weights: Iterable[tuple[str, torch.Tensor]], plan: LoadPlan,
                 raise ValueError(f"{name}: experts stored stacked in one tensor cannot take replicas yet; build the "
                                  f"placement without --replicas")
             if layer is not None:
+                if gate_rows is not None and name.endswith("gate.weight"):
+                    gate_rows[layer] = tensor
                 idx = torch.as_tensor(plan.slot2expert[layer], device=tensor.device)
                 tensor = tensor.index_select(0, idx)
                 counts["reordered"] = counts.get("reordered", 0) + 1
@@ -93,6 +98,11 @@ class SmoeModelLoader(DefaultModelLoader):
         inner.load_format = "auto"  # the file discovery of the default loader
         super().__init__(inner)
         self.plan: LoadPlan | None = None
+        # vLLM's CPU build packs router GEMM weights and drops the loaded ones: a live swap
+        # rebuilds them from these checkpoint-order rows (E x hidden per MoE layer)
+        from vllm.platforms import current_platform
+
+        self.gate_rows: dict | None = {} if current_platform.is_cpu() else None
 
     def load_model(self, vllm_config, model_config, prefix: str = ""):
         cfg = SmoeConfig.from_additional_config(vllm_config.additional_config)
@@ -112,6 +122,10 @@ class SmoeModelLoader(DefaultModelLoader):
             from .token_order import install_token_order
 
             install_token_order(model, vllm_config, cfg, self.plan)
+        if cfg is not None:
+            from .live import remember
+
+            remember(model, vllm_config, cfg, self.plan, self.gate_rows)  # what POST /smoe/placement swaps
         return model
 
     def _init_ep_weight_filter(self, model_config) -> None:
@@ -127,7 +141,7 @@ class SmoeModelLoader(DefaultModelLoader):
             return
         counts: dict = {}
         slots = self.plan.local_slots(self._ep_rank()) if self.plan.num_redundant else None
-        yield from permute_weights(weights, self.plan, slots, counts)
+        yield from permute_weights(weights, self.plan, slots, counts, self.gate_rows)
         L, P = self.plan.physical2expert.shape
         start = initial_physical_names(self.plan.slot2expert.shape[1], P)
         moved = int(np.count_nonzero(self.plan.physical2expert != start))

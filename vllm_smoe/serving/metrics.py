@@ -62,6 +62,11 @@ class Drift:
         self._start = (local, activations, tokens)
         return self.window
 
+    def restart(self, local: int, activations: int, tokens: int) -> None:
+        """Start the next window at these cumulative counters (a new placement)."""
+        self._start = (local, activations, tokens)
+        self.window = None
+
     def snapshot(self) -> dict:
         """What a published snapshot carries about drift."""
         return {"expected": self.expected, "threshold": self.threshold, "window": self.window}

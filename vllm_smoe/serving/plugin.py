@@ -127,6 +127,13 @@ def _install_hooks() -> None:
             from .metrics import register_collector, server_metrics_dir
 
             register_collector(server_metrics_dir(cfg))
+        if cfg is not None and cfg.placement is not None:
+            pc = vllm_config.parallel_config
+            if not pc.worker_extension_cls:  # live re-placement's calls (POST /smoe/placement)
+                pc.worker_extension_cls = "vllm_smoe.serving.live.SmoeWorkerExtension"
+            elif pc.worker_extension_cls != "vllm_smoe.serving.live.SmoeWorkerExtension":
+                logger.warning("smoe: --worker-extension-cls %s is set, so live re-placement (POST "
+                               "/smoe/placement) is off", pc.worker_extension_cls)
         if cfg is not None and cfg.mode == "record":
             _recover_at_exit(cfg.record)
         if cfg is not None and cfg.mode == "speculate":
@@ -134,32 +141,14 @@ def _install_hooks() -> None:
             # only with DP > 1; the flag carries to every worker inside the parallel config
             vllm_config.parallel_config.smoe_sequence_parallel = True
         if cfg is not None and cfg.placement is not None:
-            from .load_plan import plan_for
+            from .capability import check_served_placement
 
-            plan = plan_for(cfg.placement, vllm_config)
-            if plan.num_redundant:
-                _check_replicas(cfg.placement, vllm_config)
-            if cfg.mode == "speculate":
-                from .capability import speculate_supported
-                from ..placement_file import load_placement
-
-                placement = load_placement(cfg.placement)
-                ok, reason = speculate_supported(vllm_config, placement, cfg.predictor)
-                if not ok:
-                    raise ValueError(f"smoe mode speculate: {reason}")
-                if cfg.predictor.startswith("tables"):
-                    from ..placement_file import load_tables
-
-                    load_tables(placement)  # everything a worker will index with, before any worker starts
+            check_served_placement(cfg.placement, cfg, vllm_config)
             logger.info("smoe: placement %s checked against %s", cfg.placement, vllm_config.model_config.model)
             pc = vllm_config.parallel_config
             from ..placement_file import load_placement, load_tables
 
             placement = load_placement(cfg.placement)
-            if placement.method == "dp-coclust" and pc.tensor_parallel_size > 1:
-                raise ValueError(f"{cfg.placement}: field 'method' = dp-coclust: placements from smoe-place build "
-                                 f"--mode dp put one expert-parallel rank on each DP rank (TP = 1), but "
-                                 f"--tensor-parallel-size is {pc.tensor_parallel_size}")
             if pc.data_parallel_size > 1 and cfg.dp_routing and not pc.enable_expert_parallel:
                 logger.warning("smoe dp routing: off without --enable-expert-parallel (every DP rank holds every "
                                "expert, so no rank is closer to a request's experts)")
@@ -175,23 +164,6 @@ def _install_hooks() -> None:
     EngineArgs.from_cli_args = classmethod(from_cli_args)
     EngineArgs.create_load_config = create_load_config
     EngineArgs.create_engine_config = create_engine_config
-
-
-def _check_replicas(placement: str, vllm_config) -> None:
-    """A placement with replicas serves only where each MoE row is routed on exactly one rank
-    (which then picks its own copy) and nothing moves experts at run time."""
-    pc = vllm_config.parallel_config
-    if vllm_config.speculative_config is not None or pc.pipeline_parallel_size > 1:
-        raise ValueError(f"{placement}: field 'layers[].replicas': copies are not supported with speculative "
-                         f"decoding or pipeline parallelism yet; build the placement without --replicas")
-    if pc.enable_eplb:
-        raise ValueError(f"{placement}: field 'layers[].replicas': --enable-eplb rearranges experts at run time, "
-                         f"which would undo smoe's copies; drop --enable-eplb or build without --replicas")
-    if pc.tensor_parallel_size > 1 and not pc.use_sequence_parallel_moe:
-        raise ValueError(f"{placement}: field 'layers[].replicas': with --tensor-parallel-size "
-                         f"{pc.tensor_parallel_size} every rank routes every row, so copies would compute a token "
-                         f"twice; serve replicas with mode speculate (rows split over the TP ranks) or with "
-                         f"--data-parallel-size and TP 1, or build without --replicas")
 
 
 _recovering: set[str] = set()

@@ -160,6 +160,17 @@ class Recorder:
             logger.info("smoe record: %d tokens in %d steps written to %s", self.total, self.step, self.cfg.record)
             self.last_log = now
 
+    def swap(self, plan, path: str) -> None:
+        """A live re-placement (:mod:`.live`): files written from now on map slots through the new
+        placement and name it; the open file, written under the old one, is closed."""
+        import dataclasses
+
+        with self.lock:
+            if self.writer is not None:
+                self._close_writer()
+            self.slot2expert = torch.as_tensor(plan.slot2expert)
+            self.meta = dataclasses.replace(self.meta, extra={**self.meta.extra, "placement": path})
+
     def close(self) -> None:
         with self.lock:
             if self.writer is not None:

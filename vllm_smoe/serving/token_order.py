@@ -42,6 +42,7 @@ from . import device_predict as dp
 logger = logging.getLogger("vllm.smoe")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 _ACTIVE: "TokenOrder | None" = None
+TABLE_NAMES = ("token2rank", "token_conf", "markov2rank", "markov_conf", "prior2rank")  # + bigrams when built
 
 
 def find_moe_experts(model: torch.nn.Module, moe_layers: tuple[int, ...]
@@ -179,13 +180,7 @@ class TokenOrder:
                     raise ValueError(f"smoe mode speculate: predictor 'router': {reason}")
                 self.gates.append((gate, e.router))
         L, E = plan.slot2expert.shape
-        self.tables = None
-        if tables is not None:
-            names = ("token2rank", "token_conf", "markov2rank", "markov_conf", "prior2rank")
-            if tables.has_bigrams:
-                names += ("bigram_keys", "bigram2rank", "bigram_conf")
-            self.tables = {k: torch.as_tensor(getattr(tables, k)).to(device) for k in names}
-            self.tables = {k: v.float() if v.is_floating_point() else v for k, v in self.tables.items()}
+        self.tables = None if tables is None else self._device_tables(tables, device)
         self.bigrams = self.tables is not None and "bigram_keys" in self.tables
         self.slot2expert = torch.as_tensor(plan.slot2expert, device=device)
         # [L, N, E]: rank r holds a copy (home or replica) of router output e
@@ -233,6 +228,41 @@ class TokenOrder:
                 if i > 0 and split[i - 1]:
                     decoder_layer.register_forward_pre_hook(self._one_row_layer, with_kwargs=True)
             stack.norm.register_forward_pre_hook(self._one_row_final if split[-1] else self._final)
+
+    @staticmethod
+    def _device_tables(tables, device) -> dict[str, torch.Tensor]:
+        names = TABLE_NAMES + (("bigram_keys", "bigram2rank", "bigram_conf") if tables.has_bigrams else ())
+        out = {k: torch.as_tensor(getattr(tables, k)).to(device) for k in names}
+        return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
+
+    def swap(self, plan, placement) -> None:
+        """A live re-placement (:mod:`.live`), between two steps: the new placement's tables,
+        slot map and held experts, copied into the tensors the ops read (their addresses stay, so
+        captured graphs read the new values); a table of another shape (bigrams) is replaced,
+        which :func:`.live.check_swap` refuses under CUDA graphs. Drift restarts its window
+        against the new placement's own ratio."""
+        if self.tables is not None:
+            from ..placement_file import load_tables
+
+            new = self._device_tables(load_tables(placement), self.slot2expert.device)
+            for k, v in new.items():
+                old = self.tables.get(k)
+                if old is not None and old.shape == v.shape and old.dtype == v.dtype:
+                    old.copy_(v)
+                else:
+                    self.tables[k] = v
+            for k in set(self.tables) - set(new):
+                del self.tables[k]
+            self.bigrams = "bigram_keys" in self.tables
+        self.slot2expert.copy_(torch.as_tensor(plan.slot2expert))
+        self.holds.copy_(torch.as_tensor(np.stack([plan.held(r) for r in range(self.N)], axis=1)))  # held: a view
+        from .metrics import Drift
+
+        expected = placement.metrics.get("lar") if self.drift.expected is not None else None
+        self.drift = Drift(expected, self.drift.threshold)
+        rows = self.counts.tolist()  # between steps, once per swap: the new window starts here
+        local, acts, tokens = (sum(row[i] for row in rows) for i in range(3))
+        self.drift.restart(local, acts, tokens // len(rows))
 
     def _step_ids(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)

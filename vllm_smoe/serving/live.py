@@ -1,0 +1,235 @@
+"""Live re-placement: serve a new placement YAML without a restart.
+
+``POST /smoe/placement`` (:mod:`.endpoints`) reaches every worker through vLLM's
+``collective_rpc``, which the engine core runs between two steps, in two calls:
+
+1. ``smoe_prepare_placement(path)``: each worker checks the file as the server checked its first
+   one at start (:func:`.capability.check_served_placement`), and that it fits what was
+   allocated at load (the same physical expert slots; table shapes that captured CUDA graphs
+   read). Nothing changes; any refusal on any worker stops the swap here.
+2. ``smoe_apply_placement(path)``: every worker moves its expert weights to the new slots in
+   place (vLLM's EPLB transfer, ``rearrange_expert_weights_inplace``, over the expert-parallel
+   group; a local permutation where every rank holds every expert), reorders its routers' rows
+   the way the loader does, copies the new logical -> physical routes into the routers' EPLB
+   state, and swaps the token order's tables and the recorder's slot map, all in place.
+
+Row i of a router then scores expert slot2expert[i] of the new placement, and physical slot p
+holds expert physical2expert[p]: the served model is the same function before and after, so
+greedy tokens do not change. A step never sees half a swap: the worker runs the call between
+two of its steps, and every tensor a step reads keeps its address (captured graphs stay valid).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("vllm.smoe")
+
+
+@dataclass
+class Served:
+    """What a worker serves: set by smoe's loader once the weights are in place."""
+
+    model: torch.nn.Module
+    vllm_config: object
+    cfg: object  # SmoeConfig
+    plan: object  # LoadPlan
+    path: str
+    gate_rows: dict | None = None  # MoE ordinal -> router weight in checkpoint order (CPU build)
+    pending: dict = field(default_factory=dict)  # path -> checked LoadPlan, between prepare and apply
+
+
+_SERVED: Served | None = None
+
+
+def remember(model, vllm_config, cfg, plan, gate_rows: dict | None = None) -> None:
+    """Called by the loader: the placement this worker serves (None plan = none, nothing to swap)."""
+    global _SERVED
+    _SERVED = None if plan is None else Served(model, vllm_config, cfg, plan, cfg.placement, gate_rows)
+
+
+def router_rows(model: torch.nn.Module, moe_layers: tuple[int, ...], num_experts: int
+                ) -> list[tuple[list[torch.nn.Parameter], torch.nn.Module | None]]:
+    """Per MoE layer: the parameters the loader put in router order that still hold their E rows
+    (the gate's weight, a per-expert score bias), and the gate module when vLLM dropped its loaded
+    weight (its CPU build packs router GEMMs: ``weight`` is left empty), else None."""
+    from .loader import _ROUTER
+
+    out: list[tuple[list[torch.nn.Parameter], torch.nn.Module | None]] = [([], None) for _ in moe_layers]
+    modules = dict(model.named_modules())
+    for name, p in model.named_parameters():
+        m = _ROUTER.match(name)
+        if m is None or int(m["layer"]) not in moe_layers:
+            continue
+        layer = moe_layers.index(int(m["layer"]))
+        if p.dim() and p.shape[0] == num_experts:
+            out[layer][0].append(p)
+        elif name.endswith(".weight") and p.numel() == 0:
+            out[layer] = (out[layer][0], modules[name[: -len(".weight")]])
+        else:
+            raise ValueError(f"smoe live placement: {name} has shape {tuple(p.shape)}, not {num_experts} router rows")
+    return out
+
+
+def _ep_split(vllm_config) -> bool:
+    pc = vllm_config.parallel_config
+    return bool(pc.enable_expert_parallel) and pc.tensor_parallel_size * pc.data_parallel_size > 1
+
+
+def check_swap(served: Served, path: str):
+    """The new placement's LoadPlan, if it can replace the served one live; ValueError otherwise."""
+    from .capability import check_served_placement
+
+    plan = check_served_placement(path, served.cfg, served.vllm_config)
+    old = served.plan
+    dropped = [layer for layer, (_, gate) in enumerate(router_rows(served.model, old.moe_layers,
+                                                                    old.slot2expert.shape[1])) if gate is not None]
+    if dropped and not (served.gate_rows is not None and all(layer in served.gate_rows for layer in dropped)):
+        raise ValueError(f"smoe live placement: the routers of MoE layers {dropped} were packed at load and their "
+                         f"rows were not kept; restart with the new placement")
+    compiled = getattr(served.vllm_config.compilation_config, "mode", None)
+    if dropped and compiled is not None and int(compiled) != 0:
+        raise ValueError("smoe live placement: vLLM's CPU build packs router weights into GEMMs that a compiled "
+                         "model keeps; serve with --enforce-eager to swap placements live, or restart with the "
+                         "new placement")
+    if plan.physical2expert.shape != old.physical2expert.shape:
+        raise ValueError(f"{path}: field 'layers[].replicas': needs {plan.physical2expert.shape[1]} physical expert "
+                         f"slots per layer, but the server allocated {old.physical2expert.shape[1]} at load; a "
+                         f"placement with another number of copies per rank needs a restart")
+    from . import token_order
+
+    order = token_order._ACTIVE
+    if order is not None and order.tables is not None:
+        from ..placement_file import load_placement, load_tables
+
+        new = _table_tensors(load_tables(load_placement(path)))
+        mode = served.vllm_config.compilation_config.cudagraph_mode
+        graphs = mode is not None and mode.name != "NONE"  # piecewise graphs capture smoe's ops too
+        differ = sorted(k for k in set(new) | set(order.tables)
+                        if k not in new or k not in order.tables or new[k].shape != order.tables[k].shape)
+        if differ and graphs and next(served.model.parameters()).is_cuda:
+            raise ValueError(f"{path}: field 'predictor': tables {differ} differ in shape from the served ones, which "
+                             f"captured CUDA graphs read; build with the same options or restart")
+    return plan
+
+
+def _table_tensors(tables) -> dict[str, np.ndarray]:
+    from .token_order import TABLE_NAMES
+
+    names = TABLE_NAMES + (("bigram_keys", "bigram2rank", "bigram_conf") if tables.has_bigrams else ())
+    return {k: np.asarray(getattr(tables, k)) for k in names}
+
+
+def _move_experts(served: Served, new) -> int:
+    """Expert weights to the new physical slots, in place; returns the slots whose expert changed."""
+    from .token_order import find_moe_experts
+
+    old = served.plan
+    found = find_moe_experts(served.model, old.moe_layers)
+    if len(found) != len(old.moe_layers):
+        raise RuntimeError(f"smoe live placement: found {len(found)} MoE layers, expected {len(old.moe_layers)}")
+    weights = [list(experts.get_expert_weights()) for _, _, experts in found]
+    moved = int(np.count_nonzero(old.physical2expert != new.physical2expert))
+    if not moved:
+        return 0
+    if _ep_split(served.vllm_config):
+        from vllm.distributed import get_ep_group
+        from vllm.distributed.eplb.eplb_communicator import create_eplb_communicator
+        from vllm.distributed.eplb.rebalance_execute import rearrange_expert_weights_inplace
+
+        group = get_ep_group()
+        device = weights[0][0].device
+        # CPU tensors: plain P2P on the group's gloo side ("torch_nccl" takes the CPU group for
+        # them; vLLM's "torch_gloo" stages through an accelerator stream a CPU build lacks)
+        backend = "torch_nccl" if device.type == "cpu" else (
+            served.vllm_config.parallel_config.eplb_config.communicator or "torch_nccl")
+        buffer = [torch.empty_like(w) for w in weights[0]]
+        comm = create_eplb_communicator(group, backend, weights, buffer)
+        pg = group.cpu_group if device.type == "cpu" else group.device_group
+        rearrange_expert_weights_inplace(torch.as_tensor(old.physical2expert), torch.as_tensor(new.physical2expert),
+                                         weights, buffer, pg, comm)
+    else:  # every rank holds every expert (no copies possible): a permutation of the slots
+        for layer, ws in enumerate(weights):
+            src = np.argsort(old.physical2expert[layer], kind="stable")[new.physical2expert[layer]]
+            idx = torch.as_tensor(src, device=ws[0].device)
+            for w in ws:
+                w.copy_(w.index_select(0, idx))
+    return moved
+
+
+def _reorder_routers(served: Served, new) -> None:
+    old = served.plan
+    for layer, (params, packed) in enumerate(router_rows(served.model, old.moe_layers, old.slot2expert.shape[1])):
+        # new row i scores expert new.slot2expert[i], which the old order put at old.expert2slot[.]
+        idx = old.expert2slot[layer][new.slot2expert[layer]]
+        for p in params:
+            p.data.copy_(p.data.index_select(0, torch.as_tensor(idx, device=p.device)))
+        if packed is not None:  # vLLM's own packing again, from the checkpoint's rows in the new order
+            rows = served.gate_rows[layer]
+            w = rows.index_select(0, torch.as_tensor(new.slot2expert[layer], device=rows.device))
+            packed.weight = torch.nn.Parameter(w.to(packed.weight.dtype), requires_grad=False)
+            packed.quant_method.process_weights_after_loading(packed)
+
+
+def _set_routes(served: Served, new) -> None:
+    if not new.num_redundant:
+        return
+    from vllm.distributed import get_ep_group
+
+    from .token_order import find_moe_experts
+
+    rank = get_ep_group().rank_in_group
+    for layer, _, experts in find_moe_experts(served.model, new.moe_layers):
+        state = experts.router.eplb_state
+        state.logical_to_physical_map.copy_(torch.as_tensor(new.route2physical[layer, rank])[:, None])
+
+
+def apply_swap(served: Served, path: str, new) -> dict:
+    """Move weights, routers, routes, tables; ``served`` then names the new placement."""
+    from ..placement_file import load_placement
+    from . import recorder, token_order
+
+    t0 = time.monotonic()
+    moved = _move_experts(served, new)
+    _reorder_routers(served, new)
+    _set_routes(served, new)
+    placement = load_placement(path)
+    if token_order._ACTIVE is not None:
+        token_order._ACTIVE.swap(new, placement)
+    if recorder._ACTIVE is not None:
+        recorder._ACTIVE.swap(new, path)
+    old = served.path
+    served.plan, served.path = new, path
+    seconds = time.monotonic() - t0
+    logger.info("smoe: live placement: %s -> %s: %d of %d expert slots moved in %.3f s", old, path, moved,
+                new.physical2expert.size, seconds)
+    return {"placement": path, "previous": old, "moved_slots": moved, "seconds": seconds}
+
+
+class SmoeWorkerExtension:
+    """Mixed into vLLM's worker class (``parallel_config.worker_extension_cls``, set by smoe's
+    plugin): the methods ``collective_rpc`` calls by name."""
+
+    def smoe_placement(self) -> str | None:
+        return None if _SERVED is None else _SERVED.path
+
+    def smoe_prepare_placement(self, path: str) -> str:
+        """Check ``path`` on this worker; '' = ready, else the reason (nothing changed)."""
+        if _SERVED is None:
+            return ("this server loaded no smoe placement (start it with --smoe-placement to swap placements "
+                    "live)")
+        try:
+            _SERVED.pending = {path: check_swap(_SERVED, path)}
+        except ValueError as e:
+            return str(e)
+        return ""
+
+    def smoe_apply_placement(self, path: str) -> dict:
+        assert _SERVED is not None and path in _SERVED.pending, "apply without a successful prepare"
+        new = _SERVED.pending.pop(path)
+        return apply_swap(_SERVED, path, new)
