@@ -26,8 +26,10 @@ def _prompts(n=5):
     return [tok[req == r][: 6 + 5 * i].tolist() for i, r in enumerate(reqs)]
 
 
-@pytest.fixture(scope="module", params=["eager", "compiled"])
+@pytest.fixture(scope="module", params=["eager", "compiled", "speculate"])
 def recorded(tmp_path_factory, request):
+    """Record mode at one rank (eager, compiled), and recording left on while speculating at TP=2
+    + EP (each rank routes its chunk of reordered rows; the recorder gathers them back)."""
     d = tmp_path_factory.mktemp("rec")
     placement = d / "p.yaml"  # every expert moved: recording must still report logical ids
     placement.write_text(yaml.safe_dump({
@@ -37,6 +39,11 @@ def recorded(tmp_path_factory, request):
                       "record_chunk_tokens": 40}}
     prompts = _prompts()
     env = {**os.environ, "SMOE_TEST_COMPILED": "1" if request.param == "compiled" else "0"}
+    if request.param == "speculate":
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        extra = {"smoe": {"mode": "speculate", "placement": os.path.join(repo, "configs", "tiny-4dom-ep2.yaml"),
+                          "record": str(d / "traces"), "record_chunk_tokens": 40, "record_max_mb": 64}}
+        env.update({"SMOE_TEST_TP": "2", "SMOE_TEST_EP": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     r = subprocess.run([sys.executable, HELPER, FIXTURE_MODEL, json.dumps(prompts), "6", json.dumps(extra)],
                        capture_output=True, text=True, timeout=600, env=env)
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("SMOE_RESULT ")]

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 MODES = ("place", "record", "speculate")
 _KEYS = ("mode", "placement", "record", "log_interval", "record_chunk_tokens", "predictor", "all2all", "dp_routing",
-         "metrics_dir", "drift_threshold")
+         "metrics_dir", "drift_threshold", "record_sample", "record_max_mb")
 PREDICTORS = ("tables", "tables-markov", "router", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.serving.token_order)
 ALL2ALL = ("sparse", "vllm")  # smoe's sparse de-duplicated manager, or vLLM's own choice
 
@@ -32,7 +32,10 @@ class SmoeConfig:
     metrics_dir: where workers publish their counters for ``/metrics`` once per log interval
     (:mod:`vllm_smoe.serving.metrics`); the server makes a fresh one when none is given.
     drift_threshold: warn (and set ``smoe:drift``) when a window's local activation ratio falls
-    below this share of the placement's own (its YAML's ``metrics.lar``)."""
+    below this share of the placement's own (its YAML's ``metrics.lar``).
+    record_sample: share of requests recorded (whole requests, chosen by a stable hash of the
+    request id), with ``record`` in any mode; record_max_mb: disk budget of the record
+    directory's trace files, oldest removed first (None = no limit)."""
 
     mode: str = "place"
     placement: str | None = None
@@ -44,14 +47,17 @@ class SmoeConfig:
     dp_routing: bool = True
     metrics_dir: str | None = None
     drift_threshold: float = 0.8
+    record_sample: float = 1.0
+    record_max_mb: float | None = None
 
     @property
     def needs_loader(self) -> bool:
-        return self.placement is not None or self.mode == "record"
+        return self.placement is not None or self.record is not None
 
     def to_dict(self) -> dict:
-        speculate_only = ("predictor",) if self.mode != "speculate" else ()
-        return {k: v for k, v in asdict(self).items() if v is not None and k not in speculate_only}
+        skip = (("predictor",) if self.mode != "speculate" else ()) + (
+            ("record_sample",) if self.record is None else ())
+        return {k: v for k, v in asdict(self).items() if v is not None and k not in skip}
 
     @classmethod
     def from_dict(cls, d: object, where: str = "additional_config['smoe']") -> "SmoeConfig":
@@ -65,12 +71,9 @@ class SmoeConfig:
         mode = d.get("mode", "record" if d.get("record") else "place")
         if mode not in MODES:
             raise ValueError(f"{where}: field 'mode' must be one of {', '.join(MODES)}, got {mode!r}")
-        if d.get("record") is not None and mode != "record":
-            raise ValueError(f"{where}: field 'record' is given but mode is {mode!r}: "
-                             + ("mode 'speculate' does not record (its routers' capture hooks count local "
-                                "activations); record with mode 'record' and the same placement"
-                                if mode == "speculate" else
-                                "mode 'record' applies a placement as well; drop the mode or set it to 'record'"))
+        if d.get("record") is not None and mode == "place":
+            raise ValueError(f"{where}: field 'record' is given but mode is 'place': mode 'record' applies a "
+                             f"placement as well; drop the mode or set it to 'record'")
         placement = d.get("placement")
         record = d.get("record")
         for key, v in (("placement", placement), ("record", record)):
@@ -103,6 +106,16 @@ class SmoeConfig:
         drift = d.get("drift_threshold", 0.8)
         if not isinstance(drift, (int, float)) or isinstance(drift, bool) or not 0 < drift <= 1:
             raise ValueError(f"{where}: field 'drift_threshold' must be a number in (0, 1], got {drift!r}")
+        sample = d.get("record_sample", 1.0)
+        if not isinstance(sample, (int, float)) or isinstance(sample, bool) or not 0 < sample <= 1:
+            raise ValueError(f"{where}: field 'record_sample' must be a number in (0, 1], got {sample!r}")
+        budget = d.get("record_max_mb")
+        if budget is not None and (not isinstance(budget, (int, float)) or isinstance(budget, bool)
+                                   or not 0 < budget < float("inf")):
+            raise ValueError(f"{where}: field 'record_max_mb' must be a positive number of MiB, got {budget!r}")
+        for key in ("record_sample", "record_max_mb"):
+            if key in d and record is None:
+                raise ValueError(f"{where}: field '{key}' is given but field 'record' (a directory) is not")
         chunk = d.get("record_chunk_tokens", 1 << 18)
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
             raise ValueError(f"{where}: field 'record_chunk_tokens' must be a positive integer, got {chunk!r}")
@@ -110,7 +123,8 @@ class SmoeConfig:
                    record=os.path.abspath(record) if record else None, log_interval=float(interval),
                    record_chunk_tokens=chunk, predictor=predictor,
                    all2all=all2all, dp_routing=dp_routing,
-                   metrics_dir=os.path.abspath(metrics_dir) if metrics_dir else None, drift_threshold=float(drift))
+                   metrics_dir=os.path.abspath(metrics_dir) if metrics_dir else None, drift_threshold=float(drift),
+                   record_sample=float(sample), record_max_mb=None if budget is None else float(budget))
 
     @classmethod
     def from_additional_config(cls, additional_config: object) -> "SmoeConfig | None":

@@ -114,14 +114,15 @@ class SmoeModelLoader(DefaultModelLoader):
             install_routes(model, self.plan, self._ep_rank())
         else:
             model = super().load_model(vllm_config, model_config, prefix)
-        if cfg is not None and cfg.mode == "record":
-            from .recorder import install_recorder
-
-            install_recorder(model, vllm_config, cfg, self.plan)
+        order = None
         if cfg is not None and cfg.mode == "speculate":
             from .token_order import install_token_order
 
-            install_token_order(model, vllm_config, cfg, self.plan)
+            order = install_token_order(model, vllm_config, cfg, self.plan)
+        if cfg is not None and cfg.record is not None:  # after the token order: its rows are split
+            from .recorder import install_recorder
+
+            install_recorder(model, vllm_config, cfg, self.plan, order)
         if cfg is not None:
             from .live import remember
 

@@ -31,6 +31,8 @@ _FLAGS = {  # CLI dest -> key in additional_config["smoe"]
     "smoe_predictor": "predictor",
     "smoe_all2all": "all2all",
     "smoe_dp_routing": "dp_routing",
+    "smoe_record_sample": "record_sample",
+    "smoe_record_max_mb": "record_max_mb",
 }
 _done = False
 
@@ -43,8 +45,14 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
                    help="enable the smoe plugin for this server (its --smoe-* flags need it)")
     g.add_argument("--smoe-placement", default=None, help="placement YAML written by smoe-place build")
     g.add_argument("--smoe-record", default=None, help="directory to write routing traces into")
+    g.add_argument("--smoe-record-sample", type=float, default=None,
+                   help="with --smoe-record: share of requests recorded, whole requests (default 1.0)")
+    g.add_argument("--smoe-record-max-mb", type=float, default=None,
+                   help="with --smoe-record: disk budget of the trace files in MiB; the oldest are removed first "
+                        "(default: no limit)")
     g.add_argument("--smoe-mode", choices=MODES, default=None,
-                   help="place (default with a placement) | record (default with --smoe-record; applies --smoe-placement too) | speculate")
+                   help="place (default with a placement) | record (default with --smoe-record; applies "
+                        "--smoe-placement too) | speculate (records too with --smoe-record)")
     g.add_argument("--smoe-log-interval", type=float, default=None,
                    help="seconds between smoe's log lines (recorder, speculate, DP routing and locality)")
     g.add_argument("--smoe-predictor", choices=PREDICTORS, default=None,
@@ -134,7 +142,7 @@ def _install_hooks() -> None:
             elif pc.worker_extension_cls != "vllm_smoe.serving.live.SmoeWorkerExtension":
                 logger.warning("smoe: --worker-extension-cls %s is set, so live re-placement (POST "
                                "/smoe/placement) is off", pc.worker_extension_cls)
-        if cfg is not None and cfg.mode == "record":
+        if cfg is not None and cfg.record is not None:
             _recover_at_exit(cfg.record)
         if cfg is not None and cfg.mode == "speculate":
             # smoe's token order sits around vLLM's sequence-parallel MoE, which vLLM turns on

@@ -1,18 +1,28 @@
-"""Record mode: live routing of every scheduled token, written as routing-trace chunks.
+"""Recording: live routing of the scheduled tokens, written as routing-trace chunks, in any mode
+(``record`` with or without a placement, ``speculate``).
 
-- Each MoE layer's router gets a capture callback (``router.set_capture_fn``, vLLM's own hook)
-  that copies the step's top-k ids into a preallocated buffer in place, so it keeps working
-  where the forward runs compiled or as a replayed graph.
+- Each MoE layer's router gets a capture callback (``router.set_capture_fn``, vLLM's own hook,
+  chained after the token order's when speculating) that copies the step's top-k ids into a
+  preallocated buffer in place, so it keeps working where the forward runs compiled or as a
+  replayed graph. Under speculate each rank routes only its chunk of the reordered rows: the
+  chunks are all-gathered on the TP group and put back in the step's order
+  (``TokenOrder.gather_rows``, one [T, K] integer all-gather per MoE layer).
 - After each engine step (``execute_model`` of the model runner, wrapped only when recording)
-  the buffer is drained together with the runner's token ids, positions and request order.
-  Warm-up and profiling runs never pass through ``execute_model``, so they are never written.
+  the step's buffers are copied off the device without waiting for it (pinned memory and an
+  event on GPU) and handed to a writer thread through a bounded queue; the step never waits
+  for the disk. A full queue drops the step and counts it (logged). Warm-up and profiling
+  runs never pass through ``execute_model``, so they are never written.
+- Sampling (``record_sample``): whole requests, kept when a stable hash of the request id falls
+  under the share, so a kept request's every step is written.
+- Disk budget (``record_max_mb``): whenever a file is closed, the directory's oldest trace files
+  are removed until the closed ones fit (the open chunk adds at most ``record_chunk_tokens``).
 - Physical slots are mapped back to logical expert ids when a placement is applied.
 - Only tensor-parallel rank 0 writes (other TP ranks see the same tokens); each data-parallel
   rank writes its own files, ``trace-dp{rank}-{start time}-{pid}-{chunk:05d}.npz``, rotated every
   ``record_chunk_tokens`` tokens, and closed by a background thread once no step has come for
   ``IDLE_CLOSE_S`` seconds.
 - Durability: every step's rows go to the writer's spill files with unbuffered writes, so once
-  a step is appended it survives the process. A clean stop (Ctrl-C, SIGTERM, vLLM's shutdown of
+  a step is appended (by the writer thread, right after the step) it survives the process. A clean stop (Ctrl-C, SIGTERM, vLLM's shutdown of
   its engine and workers) closes the open file: vLLM's engine and workers are multiprocessing
   children, which skip ``atexit``, so the close is registered with ``multiprocessing.util.Finalize``
   as well. A hard kill leaves a spill directory; the next recorder start on the same directory
@@ -22,12 +32,15 @@
 from __future__ import annotations
 
 import atexit
+import glob
 import logging
 import multiprocessing.util
 import os
+import queue
 import re
 import threading
 import time
+import zlib
 from functools import partial
 
 import numpy as np
@@ -41,10 +54,24 @@ logger = logging.getLogger("vllm.smoe")
 _ACTIVE: "Recorder | None" = None
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 IDLE_CLOSE_S = 2.0
+QUEUE_STEPS = 64  # steps waiting for the writer thread before new ones are dropped
+
+
+def sampled(request_id: str, share: float) -> bool:
+    """Is this request recorded? Stable across processes and restarts (crc32 of the id)."""
+    return share >= 1.0 or zlib.crc32(request_id.encode()) < share * 2**32
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host copy the next step cannot overwrite, started without waiting for the device."""
+    if t.device.type == "cpu":
+        return t.clone()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t, non_blocking=True)
 
 
 class Recorder:
-    def __init__(self, model: torch.nn.Module, vllm_config, cfg: SmoeConfig, plan):
+    def __init__(self, model: torch.nn.Module, vllm_config, cfg: SmoeConfig, plan, order=None):
         hf = vllm_config.model_config.hf_config
         self.cfg = cfg
         self.layers = moe_layer_indices(hf)
@@ -53,6 +80,7 @@ class Recorder:
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         device = next(model.parameters()).device
         self.buf = torch.zeros((max_tokens, self.L, self.K), dtype=torch.int32, device=device)
+        self.order = order  # speculate's TokenOrder: each rank's router sees its chunk of reordered rows
         hooked = 0
         for name, module in model.named_modules():
             router = getattr(module, "router", None)
@@ -61,7 +89,8 @@ class Recorder:
             m = _LAYER.search("." + name + ".")
             if m is None or int(m.group(1)) not in self.layers:
                 continue
-            router.set_capture_fn(partial(self._capture, self.layers.index(int(m.group(1)))))
+            prev = getattr(router, "capture_fn", None)  # the token order's, when speculating
+            router.set_capture_fn(partial(self._capture, self.layers.index(int(m.group(1))), prev))
             hooked += 1
         if hooked != self.L:
             raise RuntimeError(f"smoe record: found {hooked} MoE routers, expected {self.L} MoE layers")
@@ -80,6 +109,10 @@ class Recorder:
         self.chunk = 0
         self.writer: TraceWriter | None = None
         self.total = 0
+        self.dropped = 0  # tokens of steps dropped because the writer fell behind
+        self.skipped = 0  # tokens of requests left out by sampling
+        self.removed = 0  # files removed for the disk budget
+        self.queue: queue.Queue = queue.Queue(maxsize=QUEUE_STEPS)
         self.last_log = time.monotonic()
         self.last_step = time.monotonic()
         self.lock = threading.Lock()
@@ -89,6 +122,45 @@ class Recorder:
         atexit.register(self.close)  # a main process (LLM offline, uniprocess)
         multiprocessing.util.Finalize(self, self.close, exitpriority=100)  # vLLM's engine / worker processes
         threading.Thread(target=self._close_when_idle, name="smoe-record", daemon=True).start()
+        if self.writes:
+            threading.Thread(target=self._write_loop, name="smoe-record-writer", daemon=True).start()
+            self._check_budget()
+
+    def _check_budget(self) -> None:
+        mb = self.cfg.record_max_mb
+        if mb is None:
+            return
+        per_file = self.cfg.record_chunk_tokens * (self.L * self.K * 2 + 14) / 2**20  # uncompressed bound
+        if per_file * 2 > mb:
+            logger.warning("smoe record: files rotate every %d tokens (up to %.1f MiB each), so fewer than two fit "
+                           "in record_max_mb %.1f: lower record_chunk_tokens", self.cfg.record_chunk_tokens,
+                           per_file, mb)
+
+    def _enforce_budget(self) -> None:
+        """Under self.lock, after a file is closed: oldest trace files out until the rest fit."""
+        if self.cfg.record_max_mb is None:
+            return
+        limit = self.cfg.record_max_mb * 2**20
+        files = []
+        for f in glob.glob(os.path.join(self.cfg.record, "trace-*.npz")):
+            try:
+                st = os.stat(f)
+            except FileNotFoundError:  # another DP rank's recorder removed it
+                continue
+            files.append((st.st_mtime, f, st.st_size))
+        files.sort()
+        total = sum(size for _, _, size in files)
+        for _, f, size in files:
+            if total <= limit:
+                break
+            try:
+                os.remove(f)
+            except FileNotFoundError:
+                pass  # removed by another DP rank's recorder sharing the directory: the goal either way
+            total -= size
+            self.removed += 1
+            logger.info("smoe record: removed %s (%.1f MiB) to keep %s under record_max_mb %.1f", f, size / 2**20,
+                        self.cfg.record, self.cfg.record_max_mb)
 
     def _recover_leftovers(self) -> None:
         """Spill directories of recorders killed before closing their file (earlier runs)."""
@@ -109,6 +181,7 @@ class Recorder:
                          writer.path, e, writer.num_tokens, os.path.dirname(writer.path))
             return
         logger.info("smoe record: wrote %s: %d tokens", path, writer.num_tokens)
+        self._enforce_budget()
 
     def _close_when_idle(self) -> None:
         while True:
@@ -117,7 +190,11 @@ class Recorder:
                 if self.writer is not None and time.monotonic() - self.last_step > IDLE_CLOSE_S:
                     self._close_writer()
 
-    def _capture(self, layer: int, topk_ids: torch.Tensor) -> None:
+    def _capture(self, layer: int, prev, topk_ids: torch.Tensor) -> None:
+        if prev is not None:
+            prev(topk_ids)
+        if self.order is not None:  # this rank's chunk -> every row, in the step's order
+            topk_ids = self.order.gather_rows(layer, topk_ids)
         n = topk_ids.shape[0]
         self.buf[:n, layer].copy_(topk_ids)
 
@@ -128,43 +205,82 @@ class Recorder:
         return TraceWriter(path, self.meta)
 
     def after_step(self, runner, scheduler_output) -> None:
+        """On the step's thread: copies off the device, queued for the writer; no waiting."""
         n = int(scheduler_output.total_num_scheduled_tokens)
         if n == 0 or not self.writes:
             return
         req_ids = list(runner.input_batch.req_ids)
         counts = np.array([scheduler_output.num_scheduled_tokens.get(r, 0) for r in req_ids], dtype=np.int64)
+        step = self.step
+        self.step += 1
         if counts.sum() != n:
-            logger.warning("smoe record: step %d skipped: %d tokens scheduled but %d in the batch", self.step, n,
+            logger.warning("smoe record: step %d skipped: %d tokens scheduled but %d in the batch", step, n,
                            counts.sum())
             return
-        ids = runner.input_ids.gpu[:n].to("cpu").numpy().astype(np.int32)
-        pos = runner.positions[:n].to("cpu").numpy().astype(np.int32)
-        topk = self.buf[:n].to("cpu")
-        if self.slot2expert is not None:  # physical slot -> logical expert, per layer
-            topk = torch.stack([self.slot2expert[layer][topk[:, layer].long()] for layer in range(self.L)], dim=1)
-        req = np.repeat([self.req_index.setdefault(r, len(self.req_index)) for r in req_ids], counts)
-        prompt = np.repeat(np.asarray(runner.input_batch.num_prompt_tokens[: len(req_ids)]), counts)
+        keep = np.array([sampled(r, self.cfg.record_sample) for r in req_ids], dtype=bool)
+        self.skipped += int(counts[~keep].sum())
+        if keep.any():
+            ev = None
+            ids, pos, topk = (_host_copy(t) for t in (runner.input_ids.gpu[:n], runner.positions[:n], self.buf[:n]))
+            if ids.is_pinned():
+                ev = torch.cuda.Event()
+                ev.record()
+            prompt = np.asarray(runner.input_batch.num_prompt_tokens[: len(req_ids)]).copy()
+            try:
+                self.queue.put_nowait((ids, pos, topk, ev, req_ids, counts, keep, prompt, step, self.slot2expert))
+            except queue.Full:
+                self.dropped += n
+        now = time.monotonic()
+        if now - self.last_log >= self.cfg.log_interval:
+            extra = [f"{v} {what}" for v, what in ((self.skipped, "tokens not sampled"),
+                                                   (self.dropped, "tokens dropped (writer behind)"),
+                                                   (self.removed, "files removed for the disk budget")) if v]
+            logger.info("smoe record: %d tokens in %d steps written to %s%s", self.total, self.step,
+                        self.cfg.record, "".join(", " + e for e in extra))
+            self.last_log = now
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self.queue.get()
+            try:
+                self._write(*item)
+            except (OSError, ValueError) as e:  # a full disk must not stop serving
+                logger.error("smoe record: step %d not written: %s", item[8], e)
+            finally:
+                self.queue.task_done()
+
+    def _write(self, ids, pos, topk, ev, req_ids, counts, keep, prompt, step, slot2expert) -> None:
+        if ev is not None:
+            ev.synchronize()
+        if slot2expert is not None:  # physical slot -> logical expert, per layer
+            topk = torch.stack([slot2expert[layer][topk[:, layer].long()] for layer in range(self.L)], dim=1)
+        rows = np.repeat(keep, counts)
+        req = np.repeat([self.req_index.setdefault(r, len(self.req_index)) for r in req_ids], counts)[rows]
+        pos = pos.numpy().astype(np.int32)[rows]
+        is_prefill = pos < np.repeat(prompt, counts)[rows]
         with self.lock:
             if self.writer is None:
                 self.writer = self._open()
-            self.writer.append(token_ids=ids, request_ids=req.astype(np.int32), positions=pos,
-                               topk_ids=topk.numpy().astype(np.int16 if self.E < 32768 else np.int32),
-                               step_ids=np.full(n, self.step, dtype=np.int32), is_prefill=pos < prompt)
-            self.step += 1
-            self.total += n
+            self.writer.append(token_ids=ids.numpy().astype(np.int32)[rows], request_ids=req.astype(np.int32),
+                               positions=pos, topk_ids=topk.numpy().astype(np.int16 if self.E < 32768 else np.int32)[rows],
+                               step_ids=np.full(int(rows.sum()), step, dtype=np.int32), is_prefill=is_prefill)
+            self.total += int(rows.sum())
             self.last_step = time.monotonic()
             if self.writer.num_tokens >= self.cfg.record_chunk_tokens:
                 self._close_writer()
-        now = time.monotonic()
-        if now - self.last_log >= self.cfg.log_interval:
-            logger.info("smoe record: %d tokens in %d steps written to %s", self.total, self.step, self.cfg.record)
-            self.last_log = now
+
+    def drain(self, timeout: float = 10.0) -> None:
+        """Wait for the writer thread to take every queued step (shutdown, swap)."""
+        end = time.monotonic() + timeout
+        while self.queue.unfinished_tasks and time.monotonic() < end:
+            time.sleep(0.005)
 
     def swap(self, plan, path: str) -> None:
         """A live re-placement (:mod:`.live`): files written from now on map slots through the new
         placement and name it; the open file, written under the old one, is closed."""
         import dataclasses
 
+        self.drain()
         with self.lock:
             if self.writer is not None:
                 self._close_writer()
@@ -172,6 +288,7 @@ class Recorder:
             self.meta = dataclasses.replace(self.meta, extra={**self.meta.extra, "placement": path})
 
     def close(self) -> None:
+        self.drain()
         with self.lock:
             if self.writer is not None:
                 self._close_writer()
@@ -196,11 +313,13 @@ def _wrap_runner() -> None:
     GPUModelRunner.execute_model = execute_model
 
 
-def install_recorder(model, vllm_config, cfg: SmoeConfig, plan) -> Recorder:
-    """Hook the routers of ``model`` and the runner's step; called by the smoe loader."""
+def install_recorder(model, vllm_config, cfg: SmoeConfig, plan, order=None) -> Recorder:
+    """Hook the routers of ``model`` and the runner's step; called by the smoe loader after the
+    token order (``order``, speculate) is in place."""
     global _ACTIVE
     _wrap_runner()
-    _ACTIVE = Recorder(model, vllm_config, cfg, plan)
-    logger.info("smoe record: capturing %d MoE layers into %s", _ACTIVE.L, cfg.record)
+    _ACTIVE = Recorder(model, vllm_config, cfg, plan, order)
+    logger.info("smoe record: capturing %d MoE layers into %s (%s of requests%s)", _ACTIVE.L, cfg.record,
+                f"{cfg.record_sample:.0%}", "" if cfg.record_max_mb is None else f", at most {cfg.record_max_mb:g} MiB")
     return _ACTIVE
 

@@ -355,6 +355,13 @@ class TokenOrder:
         tokens = real.sum()
         self.counts[layer] += torch.stack([local.sum(), tokens * K, tokens, (local > 0).sum()])
 
+    def gather_rows(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Recording: [c, K] router outputs of this rank's chunk -> [T, K] for every row of the
+        step, in its original order (one all-gather on the TP group; static shapes)."""
+        T = self.rows
+        rows = self.tp.all_gather(topk_ids.contiguous(), 0)[:T]
+        return rows.index_select(0, self.inv[0 if self.stack else layer, :T])
+
     def preferences(self, layers: list[int], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(pref [len(layers), T, P], conf [len(layers), T]) for the step's token ids."""
         if self.stack:  # one order for every layer
