@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm_smoe.serving.live import Served, _move_experts, _reorder_routers  # noqa: E402
+from vllm_smoe.serving.live import Served, Swap, _move_experts, _reorder_routers  # noqa: E402
 from vllm_smoe.serving.load_plan import LoadPlan, _physical_layout  # noqa: E402
 
 L, E, N, H = 2, 8, 2, 3
@@ -81,7 +81,8 @@ def test_swap_leaves_what_a_fresh_load_would(packed):
     vc = SimpleNamespace(parallel_config=SimpleNamespace(enable_expert_parallel=False, tensor_parallel_size=1,
                                                          data_parallel_size=1))
     served = Served(model, vc, cfg, old, "a.yaml", gate_rows={m: gates[m] for m in range(L)} if packed else None)
-    moved = _move_experts(served, new)
+    weights = [[model.model.layers[i].mlp.experts.w13] for i in (1, 3)]
+    moved = _move_experts(served, Swap("b.yaml", new, None, None, weights, None))
     _reorder_routers(served, new)
     assert moved == int((old.physical2expert != new.physical2expert).sum()) > 0
     for m, i in enumerate((1, 3)):

@@ -18,12 +18,16 @@ answers the served one. Swaps are taken one at a time; requests keep running.
 """
 
 import asyncio
+import logging
 import os
+import signal
 import time
 
 from fastapi import APIRouter, HTTPException, Request  # FastAPI resolves the handler's annotations
 
 EXTENSION = "vllm_smoe.serving.live.SmoeWorkerExtension"
+PREPARE_S, APPLY_S = 300.0, 1800.0  # collective_rpc timeouts: parsing tables; moving every expert
+logger = logging.getLogger("vllm.smoe")
 
 
 class SmoeEndpoints:
@@ -76,8 +80,6 @@ class SmoeEndpoints:
             if live is None or live["path"] is None:
                 raise HTTPException(status_code=404, detail="this server runs without an smoe placement "
                                                             "(--plugin smoe --smoe-placement P): nothing to swap")
-            if live["refused"]:
-                raise HTTPException(status_code=409, detail=live["refused"])
             try:
                 body = await raw.json()
             except ValueError:
@@ -87,22 +89,33 @@ class SmoeEndpoints:
                 raise HTTPException(status_code=400, detail="give 'placement': the path of a placement YAML")
             path = os.path.abspath(path)
             from .capability import check_served_placement
+            from .live import file_digest
 
             async with live["lock"]:  # one swap at a time
+                if live["refused"]:
+                    raise HTTPException(status_code=409, detail=live["refused"])
                 try:  # the API server's own check first: a bad file never reaches the engine
                     await asyncio.to_thread(check_served_placement, path, live["cfg"], live["vllm_config"])
+                    digest = await asyncio.to_thread(file_digest, path)  # what every worker must read too
                 except ValueError as e:
                     raise HTTPException(status_code=400, detail=str(e)) from None
                 engine = live["engine"]
                 t0 = time.monotonic()
-                reasons = [r for r in await engine.collective_rpc("smoe_prepare_placement", args=(path,)) if r]
-                if reasons:
+                # prepare parses the file once per worker and allocates the transfer buffers;
+                # apply then only moves, so whatever can be refused is refused before a byte moves
+                reasons = [r for r in await engine.collective_rpc("smoe_prepare_placement", timeout=PREPARE_S,
+                                                                  args=(path, digest)) if r]
+                if reasons:  # the ranks that were ready free what they allocated
+                    await engine.collective_rpc("smoe_cancel_placement", timeout=PREPARE_S)
                     raise HTTPException(status_code=400, detail=reasons[0])
-                try:
-                    done = await engine.collective_rpc("smoe_apply_placement", args=(path,))
-                except Exception as e:  # noqa: BLE001 - reported, and no further swap is taken
-                    live["refused"] = (f"a live swap to {path} failed while weights moved ({e}); the served "
-                                       f"placement is unknown: restart the server")
+                try:  # shielded: a client that goes away does not leave the swap half-recorded here
+                    done = await asyncio.shield(engine.collective_rpc("smoe_apply_placement", timeout=APPLY_S,
+                                                                      args=(digest,)))
+                except Exception as e:  # noqa: BLE001 - the weights are in an unknown state: stop serving
+                    live["refused"] = (f"a live swap to {path} failed while weights moved ({e}); this server "
+                                       f"stops rather than answer from a half-moved model")
+                    logger.error("smoe: %s", live["refused"])
+                    asyncio.get_running_loop().call_later(0.5, os.kill, os.getpid(), signal.SIGTERM)
                     raise HTTPException(status_code=500, detail=live["refused"]) from None
                 answer = {"placement": path, "previous": live["path"],
                           "moved_slots": done[0]["moved_slots"],
@@ -143,6 +156,14 @@ def _live_refused(vllm_config) -> str:
     if pc.data_parallel_size > 1:
         return ("live re-placement needs --data-parallel-size 1: DP engines step on their own, so no moment lies "
                 "between the steps of all of them; restart with the new placement")
+    if pc.pipeline_parallel_size > 1:
+        return "live re-placement needs --pipeline-parallel-size 1; restart with the new placement"
+    if pc.enable_eplb:
+        return ("--enable-eplb moves experts at run time, so the served layout is no longer the placement's; "
+                "restart with the new placement")
+    if getattr(pc, "_api_process_count", 1) > 1:
+        return ("live re-placement needs one API server (--api-server-count 1): each would swap on its own; "
+                "restart with the new placement")
     if pc.worker_extension_cls != EXTENSION:
         return f"--worker-extension-cls {pc.worker_extension_cls} replaces smoe's, which live re-placement calls"
     return ""

@@ -81,41 +81,92 @@ def _ep_split(vllm_config) -> bool:
     return bool(pc.enable_expert_parallel) and pc.tensor_parallel_size * pc.data_parallel_size > 1
 
 
-def check_swap(served: Served, path: str):
-    """The new placement's LoadPlan, if it can replace the served one live; ValueError otherwise."""
-    from .capability import check_served_placement
+def file_digest(path: str) -> str:
+    """sha256 of the placement file's bytes: every process swaps to the same file contents."""
+    import hashlib
 
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror})") from None
+
+
+@dataclass
+class Swap:
+    """Everything a swap needs, checked and allocated before anything changes."""
+
+    path: str
+    plan: object  # LoadPlan
+    placement: object  # Placement
+    tables: object | None  # PredictorTables, for the token order
+    weights: list  # [L] lists of this rank's per-expert tensors
+    transfer: tuple | None  # (buffers, communicator, process group) for moves over the EP group
+
+
+def check_swap(served: Served, path: str, digest: str | None = None) -> Swap:
+    """The new placement, parsed once, if it can replace the served one live; ValueError
+    otherwise. ``digest``: the file's sha256 as the API server read it."""
+    from ..placement_file import load_placement, load_tables
+    from .capability import check_served_placement
+    from .token_order import find_moe_experts
+
+    if digest is not None and file_digest(path) != digest:
+        raise ValueError(f"{path}: the file changed while it was being swapped in; send the request again")
     plan = check_served_placement(path, served.cfg, served.vllm_config)
+    placement = load_placement(path)
     old = served.plan
+    if plan.physical2expert.shape != old.physical2expert.shape:
+        raise ValueError(f"{path}: field 'layers[].replicas': needs {plan.physical2expert.shape[1]} physical expert "
+                         f"slots per layer, but the server allocated {old.physical2expert.shape[1]} at load; a "
+                         f"placement with another number of copies per rank needs a restart")
     dropped = [layer for layer, (_, gate) in enumerate(router_rows(served.model, old.moe_layers,
                                                                     old.slot2expert.shape[1])) if gate is not None]
     if dropped and not (served.gate_rows is not None and all(layer in served.gate_rows for layer in dropped)):
         raise ValueError(f"smoe live placement: the routers of MoE layers {dropped} were packed at load and their "
                          f"rows were not kept; restart with the new placement")
-    compiled = getattr(served.vllm_config.compilation_config, "mode", None)
+    cc = served.vllm_config.compilation_config
+    compiled = getattr(cc, "mode", None)
     if dropped and compiled is not None and int(compiled) != 0:
         raise ValueError("smoe live placement: vLLM's CPU build packs router weights into GEMMs that a compiled "
                          "model keeps; serve with --enforce-eager to swap placements live, or restart with the "
                          "new placement")
-    if plan.physical2expert.shape != old.physical2expert.shape:
-        raise ValueError(f"{path}: field 'layers[].replicas': needs {plan.physical2expert.shape[1]} physical expert "
-                         f"slots per layer, but the server allocated {old.physical2expert.shape[1]} at load; a "
-                         f"placement with another number of copies per rank needs a restart")
+    if compiled is not None and int(compiled) != 0 and (cc.inductor_compile_config or {}).get("freezing"):
+        raise ValueError("smoe live placement: inductor freezing bakes the weights into the compiled model, so moved "
+                         "experts would not be seen; restart with the new placement")
     from . import token_order
 
     order = token_order._ACTIVE
+    tables = None
     if order is not None and order.tables is not None:
-        from ..placement_file import load_placement, load_tables
-
-        new = _table_tensors(load_tables(load_placement(path)))
-        mode = served.vllm_config.compilation_config.cudagraph_mode
-        graphs = mode is not None and mode.name != "NONE"  # piecewise graphs capture smoe's ops too
+        tables = load_tables(placement)
+        new = _table_tensors(tables)
+        graphs = cc.cudagraph_mode is not None and cc.cudagraph_mode.name != "NONE"  # piecewise ones capture them too
         differ = sorted(k for k in set(new) | set(order.tables)
-                        if k not in new or k not in order.tables or new[k].shape != order.tables[k].shape)
+                        if k not in new or k not in order.tables or tuple(new[k].shape) != tuple(order.tables[k].shape))
         if differ and graphs and next(served.model.parameters()).is_cuda:
             raise ValueError(f"{path}: field 'predictor': tables {differ} differ in shape from the served ones, which "
                              f"captured CUDA graphs read; build with the same options or restart")
-    return plan
+    found = find_moe_experts(served.model, old.moe_layers)
+    if len(found) != len(old.moe_layers):
+        raise ValueError(f"smoe live placement: found {len(found)} MoE layers, expected {len(old.moe_layers)} (pipeline "
+                         f"parallel?)")
+    weights = [list(experts.get_expert_weights()) for _, _, experts in found]
+    transfer = None
+    if _ep_split(served.vllm_config) and (old.physical2expert != plan.physical2expert).any():
+        from vllm.distributed import get_ep_group
+        from vllm.distributed.eplb.eplb_communicator import create_eplb_communicator
+
+        group = get_ep_group()
+        device = weights[0][0].device
+        # CPU tensors: plain P2P on the group's gloo side ("torch_nccl" takes the CPU group for
+        # them; vLLM's "torch_gloo" stages through an accelerator stream a CPU build lacks)
+        backend = "torch_nccl" if device.type == "cpu" else (
+            served.vllm_config.parallel_config.eplb_config.communicator or "torch_nccl")
+        buffers = [torch.empty_like(w) for w in weights[0]]  # one layer's worth, allocated before anything moves
+        transfer = (buffers, create_eplb_communicator(group, backend, weights, buffers),
+                    group.cpu_group if device.type == "cpu" else group.device_group)
+    return Swap(path, plan, placement, tables, weights, transfer)
 
 
 def _table_tensors(tables) -> dict[str, np.ndarray]:
@@ -125,36 +176,20 @@ def _table_tensors(tables) -> dict[str, np.ndarray]:
     return {k: np.asarray(getattr(tables, k)) for k in names}
 
 
-def _move_experts(served: Served, new) -> int:
+def _move_experts(served: Served, swap: Swap) -> int:
     """Expert weights to the new physical slots, in place; returns the slots whose expert changed."""
-    from .token_order import find_moe_experts
-
-    old = served.plan
-    found = find_moe_experts(served.model, old.moe_layers)
-    if len(found) != len(old.moe_layers):
-        raise RuntimeError(f"smoe live placement: found {len(found)} MoE layers, expected {len(old.moe_layers)}")
-    weights = [list(experts.get_expert_weights()) for _, _, experts in found]
+    old, new = served.plan, swap.plan
     moved = int(np.count_nonzero(old.physical2expert != new.physical2expert))
     if not moved:
         return 0
-    if _ep_split(served.vllm_config):
-        from vllm.distributed import get_ep_group
-        from vllm.distributed.eplb.eplb_communicator import create_eplb_communicator
+    if swap.transfer is not None:
         from vllm.distributed.eplb.rebalance_execute import rearrange_expert_weights_inplace
 
-        group = get_ep_group()
-        device = weights[0][0].device
-        # CPU tensors: plain P2P on the group's gloo side ("torch_nccl" takes the CPU group for
-        # them; vLLM's "torch_gloo" stages through an accelerator stream a CPU build lacks)
-        backend = "torch_nccl" if device.type == "cpu" else (
-            served.vllm_config.parallel_config.eplb_config.communicator or "torch_nccl")
-        buffer = [torch.empty_like(w) for w in weights[0]]
-        comm = create_eplb_communicator(group, backend, weights, buffer)
-        pg = group.cpu_group if device.type == "cpu" else group.device_group
+        buffers, comm, group = swap.transfer
         rearrange_expert_weights_inplace(torch.as_tensor(old.physical2expert), torch.as_tensor(new.physical2expert),
-                                         weights, buffer, pg, comm)
+                                         swap.weights, buffers, group, comm)
     else:  # every rank holds every expert (no copies possible): a permutation of the slots
-        for layer, ws in enumerate(weights):
+        for layer, ws in enumerate(swap.weights):
             src = np.argsort(old.physical2expert[layer], kind="stable")[new.physical2expert[layer]]
             idx = torch.as_tensor(src, device=ws[0].device)
             for w in ws:
@@ -189,18 +224,17 @@ def _set_routes(served: Served, new) -> None:
         state.logical_to_physical_map.copy_(torch.as_tensor(new.route2physical[layer, rank])[:, None])
 
 
-def apply_swap(served: Served, path: str, new) -> dict:
+def apply_swap(served: Served, swap: Swap) -> dict:
     """Move weights, routers, routes, tables; ``served`` then names the new placement."""
-    from ..placement_file import load_placement
     from . import recorder, token_order
 
     t0 = time.monotonic()
-    moved = _move_experts(served, new)
+    path, new = swap.path, swap.plan
+    moved = _move_experts(served, swap)
     _reorder_routers(served, new)
     _set_routes(served, new)
-    placement = load_placement(path)
     if token_order._ACTIVE is not None:
-        token_order._ACTIVE.swap(new, placement)
+        token_order._ACTIVE.swap(new, swap.placement, swap.tables)
     if recorder._ACTIVE is not None:
         recorder._ACTIVE.swap(new, path)
     old = served.path
@@ -218,18 +252,23 @@ class SmoeWorkerExtension:
     def smoe_placement(self) -> str | None:
         return None if _SERVED is None else _SERVED.path
 
-    def smoe_prepare_placement(self, path: str) -> str:
-        """Check ``path`` on this worker; '' = ready, else the reason (nothing changed)."""
+    def smoe_prepare_placement(self, path: str, digest: str) -> str:
+        """Check ``path`` (with these contents) on this worker and allocate what the move needs;
+        '' = ready, else the reason (nothing changed)."""
         if _SERVED is None:
             return ("this server loaded no smoe placement (start it with --smoe-placement to swap placements "
                     "live)")
+        _SERVED.pending = {}
         try:
-            _SERVED.pending = {path: check_swap(_SERVED, path)}
+            _SERVED.pending = {digest: check_swap(_SERVED, path, digest)}
         except ValueError as e:
             return str(e)
         return ""
 
-    def smoe_apply_placement(self, path: str) -> dict:
-        assert _SERVED is not None and path in _SERVED.pending, "apply without a successful prepare"
-        new = _SERVED.pending.pop(path)
-        return apply_swap(_SERVED, path, new)
+    def smoe_cancel_placement(self) -> None:
+        if _SERVED is not None:
+            _SERVED.pending = {}
+
+    def smoe_apply_placement(self, digest: str) -> dict:
+        assert _SERVED is not None and digest in _SERVED.pending, "apply without a successful prepare"
+        return apply_swap(_SERVED, _SERVED.pending.pop(digest))

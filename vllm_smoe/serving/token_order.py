@@ -203,8 +203,8 @@ class TokenOrder:
         self.metrics_dir = metrics_dir(cfg)
         # the placement's own ratio is what a trained predictor should reach; random and one-rank
         # orders are not judged against it
-        self.drift = Drift(expected if cfg.predictor in ("tables", "tables-markov", "router") else None,
-                           cfg.drift_threshold)
+        self.judged = cfg.predictor in ("tables", "tables-markov", "router")
+        self.drift = Drift(expected if self.judged else None, cfg.drift_threshold)
         self.rows = 0  # rows of the current step (host int, known to the op from its input shape)
         # tables-markov: each layer waits for the previous one's top-1 (one extra all-gather per
         # layer); the others predict every layer at the first MoE layer of the step
@@ -235,20 +235,18 @@ class TokenOrder:
         out = {k: torch.as_tensor(getattr(tables, k)).to(device) for k in names}
         return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
 
-    def swap(self, plan, placement) -> None:
+    def swap(self, plan, placement, tables=None) -> None:
         """A live re-placement (:mod:`.live`), between two steps: the new placement's tables,
         slot map and held experts, copied into the tensors the ops read (their addresses stay, so
         captured graphs read the new values); a table of another shape (bigrams) is replaced,
         which :func:`.live.check_swap` refuses under CUDA graphs. Drift restarts its window
         against the new placement's own ratio."""
         if self.tables is not None:
-            from ..placement_file import load_tables
-
-            new = self._device_tables(load_tables(placement), self.slot2expert.device)
+            new = self._device_tables(tables, self.slot2expert.device)
             for k, v in new.items():
                 old = self.tables.get(k)
-                if old is not None and old.shape == v.shape and old.dtype == v.dtype:
-                    old.copy_(v)
+                if old is not None and old.shape == v.shape:
+                    old.copy_(v)  # casts to the served dtype
                 else:
                     self.tables[k] = v
             for k in set(self.tables) - set(new):
@@ -258,8 +256,7 @@ class TokenOrder:
         self.holds.copy_(torch.as_tensor(np.stack([plan.held(r) for r in range(self.N)], axis=1)))  # held: a view
         from .metrics import Drift
 
-        expected = placement.metrics.get("lar") if self.drift.expected is not None else None
-        self.drift = Drift(expected, self.drift.threshold)
+        self.drift = Drift(placement.metrics.get("lar") if self.judged else None, self.drift.threshold)
         rows = self.counts.tolist()  # between steps, once per swap: the new window starts here
         local, acts, tokens = (sum(row[i] for row in rows) for i in range(3))
         self.drift.restart(local, acts, tokens // len(rows))
