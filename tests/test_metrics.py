@@ -105,7 +105,7 @@ def test_metric_settings_are_validated(tmp_path):
     assert c.metrics_dir == str(tmp_path) and c.drift_threshold == 0.5
     c.check_files()
     for bad, words in [({"drift_threshold": 0}, "drift_threshold"), ({"drift_threshold": True}, "drift_threshold"),
-                       ({"metrics_dir": 3}, "metrics_dir")]:
+                       ({"metrics_dir": 3}, "metrics_dir"), ({"metrics": "off"}, "field 'metrics'")]:
         with pytest.raises(ValueError, match=words):
             SmoeConfig.from_dict(bad)
     with pytest.raises(ValueError, match="not a writable directory"):
@@ -124,3 +124,5 @@ def test_server_makes_and_exports_its_directory_once(tmp_path, monkeypatch):
     assert server_metrics_dir(cfg) == made == metrics_dir(cfg)  # engines and workers started later see it
     given = SmoeConfig.from_dict({"metrics_dir": str(tmp_path)})
     assert server_metrics_dir(given) == str(tmp_path) == metrics_dir(given)
+    off = SmoeConfig.from_dict({"metrics_dir": str(tmp_path), "metrics": False})
+    assert server_metrics_dir(off) is None and metrics_dir(off) is None  # nothing published, nothing served

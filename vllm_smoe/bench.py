@@ -6,6 +6,7 @@
   smoe-bench comm    -- one EP MoE layer on N gloo ranks: baseline EP vs speculative shuffling
   smoe-bench kernels -- on a CUDA GPU: shuffle kernels vs their torch references, bandwidth vs peak
   smoe-bench place-scale -- smoe-place build/evaluate on a large trace: wall time, peak memory of all its processes
+  smoe-bench load    -- speculate under a workload shift: metrics cost, live re-placement from the recording, plot
 """
 
 from __future__ import annotations
@@ -875,6 +876,9 @@ def main(argv=None) -> int:
     r.add_argument("--ep-size", type=number(int, 1), nargs="+", default=[2, 4, 8])
     r.add_argument("--json", help="write every row here")
     r.set_defaults(fn=_predictors)
+    from .bench_load import add_parser as add_load
+
+    add_load(sub)
     from .cli_util import run_cli
 
     return run_cli(p, argv)

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 MODES = ("place", "record", "speculate")
 _KEYS = ("mode", "placement", "record", "log_interval", "record_chunk_tokens", "predictor", "all2all", "dp_routing",
-         "metrics_dir", "drift_threshold", "record_sample", "record_max_mb")
+         "metrics_dir", "drift_threshold", "record_sample", "record_max_mb", "metrics")
 PREDICTORS = ("tables", "tables-markov", "router", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.serving.token_order)
 ALL2ALL = ("sparse", "vllm")  # smoe's sparse de-duplicated manager, or vLLM's own choice
 
@@ -35,7 +35,8 @@ class SmoeConfig:
     below this share of the placement's own (its YAML's ``metrics.lar``).
     record_sample: share of requests recorded (whole requests, chosen by a stable hash of the
     request id), with ``record`` in any mode; record_max_mb: disk budget of the record
-    directory's trace files, oldest removed first (None = no limit)."""
+    directory's trace files, oldest removed first (None = no limit). metrics: False turns off the
+    counters on /metrics and their log lines (device counting, publishing, drift)."""
 
     mode: str = "place"
     placement: str | None = None
@@ -49,6 +50,7 @@ class SmoeConfig:
     drift_threshold: float = 0.8
     record_sample: float = 1.0
     record_max_mb: float | None = None
+    metrics: bool = True
 
     @property
     def needs_loader(self) -> bool:
@@ -100,6 +102,9 @@ class SmoeConfig:
         if not isinstance(interval, (int, float)) or isinstance(interval, bool) or not interval > 0 \
                 or interval == float("inf"):
             raise ValueError(f"{where}: field 'log_interval' must be a positive number, got {interval!r}")
+        metrics = d.get("metrics", True)
+        if not isinstance(metrics, bool):
+            raise ValueError(f"{where}: field 'metrics' must be true or false, got {metrics!r}")
         metrics_dir = d.get("metrics_dir")
         if metrics_dir is not None and (not isinstance(metrics_dir, str) or not metrics_dir):
             raise ValueError(f"{where}: field 'metrics_dir' must be a path, got {metrics_dir!r}")
@@ -124,7 +129,8 @@ class SmoeConfig:
                    record_chunk_tokens=chunk, predictor=predictor,
                    all2all=all2all, dp_routing=dp_routing,
                    metrics_dir=os.path.abspath(metrics_dir) if metrics_dir else None, drift_threshold=float(drift),
-                   record_sample=float(sample), record_max_mb=None if budget is None else float(budget))
+                   record_sample=float(sample), record_max_mb=None if budget is None else float(budget),
+                   metrics=metrics)
 
     @classmethod
     def from_additional_config(cls, additional_config: object) -> "SmoeConfig | None":

@@ -74,13 +74,17 @@ class Drift:
 
 def metrics_dir(cfg) -> str | None:
     """Where this process publishes: the settings' ``metrics_dir``, else the directory its API
-    server made (read once, when a publisher is set up)."""
+    server made (read once, when a publisher is set up); None with metrics off."""
+    if not cfg.metrics:
+        return None
     return cfg.metrics_dir if cfg.metrics_dir is not None else os.environ.get(ENV)
 
 
-def server_metrics_dir(cfg) -> str:
+def server_metrics_dir(cfg) -> str | None:
     """In the API server process, before it starts engines: the directory to serve, made (and
-    exported to the processes it starts) when the settings give none."""
+    exported to the processes it starts) when the settings give none; None with metrics off."""
+    if not cfg.metrics:
+        return None
     path = metrics_dir(cfg)
     if path is None:
         import atexit

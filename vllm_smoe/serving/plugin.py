@@ -33,6 +33,7 @@ _FLAGS = {  # CLI dest -> key in additional_config["smoe"]
     "smoe_dp_routing": "dp_routing",
     "smoe_record_sample": "record_sample",
     "smoe_record_max_mb": "record_max_mb",
+    "smoe_metrics": "metrics",
 }
 _done = False
 
@@ -50,6 +51,8 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--smoe-record-max-mb", type=float, default=None,
                    help="with --smoe-record: disk budget of the trace files in MiB; the oldest are removed first "
                         "(default: no limit)")
+    g.add_argument("--smoe-metrics", choices=["on", "off"], default=None,
+                   help="smoe's counters on /metrics, their log lines and drift warnings (default on)")
     g.add_argument("--smoe-mode", choices=MODES, default=None,
                    help="place (default with a placement) | record (default with --smoe-record; applies "
                         "--smoe-placement too) | speculate (records too with --smoe-record)")
@@ -68,8 +71,9 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
 
 def _smoe_from_args(args: argparse.Namespace) -> dict | None:
     given = {key: getattr(args, dest) for dest, key in _FLAGS.items() if getattr(args, dest, None) is not None}
-    if "dp_routing" in given:
-        given["dp_routing"] = given["dp_routing"] == "on"
+    for key in ("dp_routing", "metrics"):
+        if key in given:
+            given[key] = given[key] == "on"
     if getattr(args, "plugin", None) != "smoe":
         if given:
             flags = ", ".join("--" + d.replace("_", "-") for d in _FLAGS if getattr(args, d, None) is not None)
@@ -134,7 +138,9 @@ def _install_hooks() -> None:
         if cfg is not None:  # /metrics: where this server's workers publish, before any engine starts
             from .metrics import register_collector, server_metrics_dir
 
-            register_collector(server_metrics_dir(cfg))
+            directory = server_metrics_dir(cfg)
+            if directory is not None:
+                register_collector(directory)
         if cfg is not None and cfg.placement is not None:
             pc = vllm_config.parallel_config
             if not pc.worker_extension_cls:  # live re-placement's calls (POST /smoe/placement)

@@ -203,6 +203,7 @@ class TokenOrder:
         self.metrics_dir = metrics_dir(cfg)
         # the placement's own ratio is what a trained predictor should reach; random and one-rank
         # orders are not judged against it
+        self.count = cfg.metrics  # off: no device counters, no log line, no drift
         self.judged = cfg.predictor in ("tables", "tables-markov", "router")
         self.drift = Drift(expected if self.judged else None, cfg.drift_threshold)
         self.rows = 0  # rows of the current step (host int, known to the op from its input shape)
@@ -341,6 +342,8 @@ class TokenOrder:
     def _capture(self, layer: int, topk_ids: torch.Tensor) -> None:
         n, K = topk_ids.shape
         self.top1[:n].copy_(topk_ids[:, 0])
+        if not self.count:
+            return
         # the chunk's padding rows are not tokens; shapes and Python ints only, no host reads
         from vllm.forward_context import get_forward_context
 
@@ -422,6 +425,8 @@ class TokenOrder:
         return y.index_select(0, inv)
 
     def _maybe_log(self) -> None:
+        if not self.count:
+            return
         now = time.monotonic()
         if now - self._last_log < self.log_interval:
             return
