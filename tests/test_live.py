@@ -91,3 +91,19 @@ def test_swap_leaves_what_a_fresh_load_would(packed):
         torch.testing.assert_close(gate, gates[m][new.slot2expert[m]], rtol=0, atol=0)
         torch.testing.assert_close(mlp.gate.e_score_correction_bias, gates[m][new.slot2expert[m], 0], rtol=0, atol=0)
         torch.testing.assert_close(mlp.experts.w13, experts[m][new.physical2expert[m]], rtol=0, atol=0)
+
+
+def test_servers_that_cannot_swap_say_why():
+    from vllm_smoe.serving.endpoints import EXTENSION, _live_refused
+
+    def vc(**kw):
+        pc = dict(data_parallel_size=1, pipeline_parallel_size=1, enable_eplb=False, _api_process_count=1,
+                  worker_extension_cls=EXTENSION)
+        return SimpleNamespace(parallel_config=SimpleNamespace(**{**pc, **kw}))
+
+    assert _live_refused(vc()) == ""
+    for kw, words in [({"data_parallel_size": 2}, "--data-parallel-size 1"),
+                      ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size 1"),
+                      ({"enable_eplb": True}, "--enable-eplb"), ({"_api_process_count": 2}, "--api-server-count 1"),
+                      ({"worker_extension_cls": "my.Ext"}, "--worker-extension-cls my.Ext")]:
+        assert words in _live_refused(vc(**kw))
