@@ -218,11 +218,13 @@ def _swap(port: int, path: str, method: str = "POST") -> tuple[int, dict]:
 
 
 @pytest.mark.vllm
-def test_live_swap_under_load_keeps_plain_tokens(plain_tp2, tmp_path):
+@pytest.mark.parametrize("replicas", [0, 4], ids=["homes", "replicas"])
+def test_live_swap_under_load_keeps_plain_tokens(plain_tp2, tmp_path, replicas):
     """vllm serve TP=2 + EP, speculate with tables: placements swapped live (python-only ->
     the mixed build -> back) while clients keep sending the held-out prompts. Every answer equals
     plain TP=2 vLLM's greedy tokens, before, during and after the swaps; bad files are refused
-    with the field named and the served placement stays."""
+    with the field named and the served placement stays. With copies, the routes move too (each
+    rank's copies change), and a placement with another slot count is refused."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
     from vllm_smoe.place_cli import main as place
@@ -235,7 +237,9 @@ def test_live_swap_under_load_keeps_plain_tokens(plain_tp2, tmp_path):
     keep = tr["domain"] == 0
     write_trace(str(tmp_path / "py.npz"), meta, **{k: v[keep] for k, v in tr.items()})
     first = str(tmp_path / "python.yaml")
-    assert place(["build", "--trace", str(tmp_path / "py.npz"), "--ep-size", "2", "-o", first]) == 0
+    assert place(["build", "--trace", str(tmp_path / "py.npz"), "--ep-size", "2", "-o", first]
+                 + (["--replicas", str(replicas)] if replicas else [])) == 0
+    target, other_slots = (EP2_R4, EP2) if replicas else (EP2, EP2_R4)
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_PLUGINS": "smoe"}  # VLLM_PLUGINS: vLLM's gate for new routes
     with VllmServer(FIXTURE_MODEL, "--tensor-parallel-size", "2", "--enable-expert-parallel", "--plugin", "smoe",
                     "--smoe-mode", "speculate", "--smoe-placement", first, "--smoe-log-interval", "0.5",
@@ -251,19 +255,19 @@ def test_live_swap_under_load_keeps_plain_tokens(plain_tp2, tmp_path):
 
             waves = [wave()]
             busy(waves[-1])
-            status, done = _swap(s.port, EP2)
+            status, done = _swap(s.port, target)
             assert status == 200 and done["previous"] == first and done["moved_slots"] > 0, done
             waves.append(wave())
             for bad, words in [(os.path.join(REPO, "configs", "tiny-4dom-ep4.yaml"), "field 'ep_size' = 4"),
-                               (EP2_R4, "field 'layers[].replicas'"),
+                               (other_slots, "field 'layers[].replicas'"),
                                (str(tmp_path / "missing.yaml"), "placement file not found")]:
                 status, answer = _swap(s.port, bad)
                 assert status == 400 and words in answer["detail"], answer
-            assert _swap(s.port, "", "GET")[1]["placement"] == EP2
+            assert _swap(s.port, "", "GET")[1]["placement"] == target
             waves.append(wave())
             busy(waves[-1])
             status, back = _swap(s.port, first)
-            assert status == 200 and back["previous"] == EP2, back
+            assert status == 200 and back["previous"] == target, back
             waves.append(wave())
             outs = [[f.result() for f in w] for w in waves]
         assert _swap(s.port, "", "GET")[1]["swaps"] == 2
