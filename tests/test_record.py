@@ -29,7 +29,8 @@ def _prompts(n=5):
 @pytest.fixture(scope="module", params=["eager", "compiled", "speculate"])
 def recorded(tmp_path_factory, request):
     """Record mode at one rank (eager, compiled), and recording left on while speculating at TP=2
-    + EP (each rank routes its chunk of reordered rows; the recorder gathers them back)."""
+    + EP under vLLM's default compilation (each rank routes its chunk of reordered rows; the
+    recorder gathers them back)."""
     d = tmp_path_factory.mktemp("rec")
     placement = d / "p.yaml"  # every expert moved: recording must still report logical ids
     placement.write_text(yaml.safe_dump({
@@ -38,7 +39,7 @@ def recorded(tmp_path_factory, request):
     extra = {"smoe": {"mode": "record", "record": str(d / "traces"), "placement": str(placement),
                       "record_chunk_tokens": 40}}
     prompts = _prompts()
-    env = {**os.environ, "SMOE_TEST_COMPILED": "1" if request.param == "compiled" else "0"}
+    env = {**os.environ, "SMOE_TEST_COMPILED": "0" if request.param == "eager" else "1"}
     if request.param == "speculate":
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         extra = {"smoe": {"mode": "speculate", "placement": os.path.join(repo, "configs", "tiny-4dom-ep2.yaml"),

@@ -64,6 +64,10 @@ def test_disk_budget_removes_the_oldest_files_first(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["notes.npz", "trace-dp0-x-00002.npz", "trace-dp0-x-00003.npz",
                                             "trace-dp0-x-00004.npz"]
     assert rec.removed == 2
+    big = tmp_path / "trace-dp0-x-00005.npz"
+    big.write_bytes(b"0" * 2_000_000)  # alone over the budget: the file just closed stays, the rest go
+    Recorder._enforce_budget(rec, str(big))
+    assert sorted(os.listdir(tmp_path)) == ["notes.npz", big.name] and rec.removed == 5
 
 
 def _prompts(n=4):

@@ -167,6 +167,9 @@ def run(a) -> int:
         return 1
     first = domain_prompts(FIXTURE_TRACES["heldout"], a.first_domain, a.prompt_tokens)
     then = domain_prompts(FIXTURE_TRACES["heldout"], a.then_domain, a.prompt_tokens)
+    # the candidate learns from the first half of the shifted prompts (recorded before the swap);
+    # after the swap the clients send the other half: the gain is measured on unseen requests
+    then_seen, then_unseen = then[: len(then) // 2], then[len(then) // 2:]
     names = meta.domains
     env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(a.tp)), "VLLM_PLUGINS": "smoe"}
     base = ("--tensor-parallel-size", str(a.tp), "--enable-expert-parallel", "--plugin", "smoe", "--smoe-mode",
@@ -181,8 +184,9 @@ def run(a) -> int:
     observed += ("--additional-config", json.dumps({"smoe": {"record_chunk_tokens": a.chunk_tokens}}))
     # 1. cost of metrics and sampled recording: same clients, same prompts, side by side
     cost: dict = {"off": [], "on": []}
+    arms = [("off", base + ("--smoe-metrics", "off")), ("on", observed)]
     for rnd in range(a.cost_rounds):
-        for name, flags in (("off", base + ("--smoe-metrics", "off")), ("on", observed)):
+        for name, flags in arms if rnd % 2 == 0 else arms[::-1]:  # alternate which arm runs first
             with VllmServer(model, *flags, log=os.path.join(work, f"cost-{name}-{rnd}.log"), env=env) as s:
                 s.complete(first[:2], max_tokens=4)
                 c = Clients(s, model, a.clients, a.max_tokens, first).start()
@@ -193,9 +197,11 @@ def run(a) -> int:
                   f"requests", flush=True)
     if a.cost_rounds:
         off, on = float(np.median(cost["off"])), float(np.median(cost["on"]))
-        result["cost"] = {"tpot_off_s": cost["off"], "tpot_on_s": cost["on"], "ratio_on_off": on / off}
-        print(f"metrics + {a.sample:.0%} sampled recording: TPOT {1e3 * on:.1f} ms vs {1e3 * off:.1f} ms off "
-              f"({on / off:.3f}x)", flush=True)
+        ratios = [b / c for b, c in zip(cost["on"], cost["off"])]
+        result["cost"] = {"tpot_off_s": cost["off"], "tpot_on_s": cost["on"], "ratio_on_off": on / off,
+                          "round_ratios": ratios}
+        print(f"metrics + {a.sample:.0%} sampled recording: median TPOT {1e3 * on:.1f} ms vs {1e3 * off:.1f} ms off "
+              f"({on / off:.3f}x; per round {', '.join(f'{r:.3f}' for r in ratios)})", flush=True)
 
     # 2. the shift and the live re-placement
     timeline: list[dict] = []
@@ -219,11 +225,13 @@ def run(a) -> int:
                 return
             built = time.perf_counter() - tb
             answer = post_placement(s.port, cand)
+            with clients.lock:  # requests the candidate never saw
+                clients.prompts = then_unseen
             swap.update(t=time.perf_counter() - t0, advise_s=built, answer=answer, advise=json.load(open(js)),
                         files=len(files))
             print(f"t={swap['t']:6.1f} s  swapped to {cand}, built from {len(files)} recorded files (advise "
-                  f"{built:.1f} s): {answer['moved_slots']} slots moved, serving paused {answer['seconds']:.3f} s "
-                  f"(workers {answer['worker_seconds']:.3f} s)", flush=True)
+                  f"{built:.1f} s): {answer['moved_slots']} slots moved, swap took {answer['seconds']:.3f} s "
+                  f"(workers' apply {answer['worker_seconds']:.3f} s)", flush=True)
 
         while True:
             time.sleep(a.scrape)
@@ -238,7 +246,7 @@ def run(a) -> int:
             if not shifted and now >= shift_t:
                 before_shift = set(glob.glob(os.path.join(record, "trace-*.npz")))
                 with clients.lock:
-                    clients.prompts = then
+                    clients.prompts = then_seen
                 shifted, shift_t = True, now
                 print(f"t={now:6.1f} s  traffic shifts to {names[a.then_domain]}", flush=True)
             if shifted and drift_t is None and cur[2] >= 1:
@@ -280,7 +288,8 @@ def run(a) -> int:
         print(f"{name:>24}: local ratio {ratio}, {p['requests']} requests ({p['failed']} failed), "
               f"TPOT {1e3 * p['tpot_s']:.1f} ms")
     if swap:
-        print(f"swap: serving paused {swap['answer']['seconds']:.3f} s; largest inter-token gap of a request across "
+        print(f"swap took {swap['answer']['seconds']:.3f} s (prepare + apply, between steps); largest inter-token "
+              f"gap of a request across "
               f"it {1e3 * (result['max_gap_across_swap_s'] or float('nan')):.0f} ms vs median TPOT "
               f"{1e3 * result['median_gap_s']:.0f} ms")
     if a.plot:
@@ -307,7 +316,8 @@ def add_parser(sub) -> None:
     p.add_argument("--after", type=float, default=90.0, help="seconds of load after the swap (default 90)")
     p.add_argument("--scrape", type=float, default=5.0, help="seconds between /metrics scrapes (default 5)")
     p.add_argument("--cost-seconds", type=float, default=45.0)
-    p.add_argument("--cost-rounds", type=int, default=1, help="interleaved off/on rounds (0 = skip)")
+    p.add_argument("--cost-rounds", type=int, default=3,
+                   help="off/on rounds, the first arm alternating (0 = skip; default 3)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=24)
     p.add_argument("--first-domain", type=int, default=0, help="fixture domain index before the shift (0 python)")

@@ -58,7 +58,8 @@ QUEUE_STEPS = 64  # steps waiting for the writer thread before new ones are drop
 
 
 def sampled(request_id: str, share: float) -> bool:
-    """Is this request recorded? Stable across processes and restarts (crc32 of the id)."""
+    """Is this request recorded? The same answer for every step of it, on every rank (crc32 of
+    vLLM's request id, which carries a random suffix: another run picks other requests)."""
     return share >= 1.0 or zlib.crc32(request_id.encode()) < share * 2**32
 
 
@@ -104,7 +105,8 @@ class Recorder:
                               extra={"recorded_by": "vllm-smoe", "placement": cfg.placement,
                                      "recording": f"{os.uname().nodename}-{os.getpid()}-{time.time_ns()}"})
         self.started = time.strftime("%Y%m%dT%H%M%S")
-        self.req_index: dict[str, int] = {}
+        self.req_index: dict[str, int] = {}  # vLLM request id -> trace request id, while it runs
+        self.next_req = 0
         self.step = 0
         self.chunk = 0
         self.writer: TraceWriter | None = None
@@ -136,8 +138,9 @@ class Recorder:
                            "in record_max_mb %.1f: lower record_chunk_tokens", self.cfg.record_chunk_tokens,
                            per_file, mb)
 
-    def _enforce_budget(self) -> None:
-        """Under self.lock, after a file is closed: oldest trace files out until the rest fit."""
+    def _enforce_budget(self, keep: str | None = None) -> None:
+        """Under self.lock, after a file is closed: oldest trace files out until the rest fit;
+        ``keep`` (the file just closed) stays even when it alone exceeds the budget."""
         if self.cfg.record_max_mb is None:
             return
         limit = self.cfg.record_max_mb * 2**20
@@ -153,11 +156,13 @@ class Recorder:
         for _, f, size in files:
             if total <= limit:
                 break
+            if keep is not None and os.path.abspath(f) == os.path.abspath(keep):
+                continue
+            total -= size
             try:
                 os.remove(f)
             except FileNotFoundError:
-                pass  # removed by another DP rank's recorder sharing the directory: the goal either way
-            total -= size
+                continue  # removed by another DP rank's recorder sharing the directory: the goal either way
             self.removed += 1
             logger.info("smoe record: removed %s (%.1f MiB) to keep %s under record_max_mb %.1f", f, size / 2**20,
                         self.cfg.record, self.cfg.record_max_mb)
@@ -181,7 +186,7 @@ class Recorder:
                          writer.path, e, writer.num_tokens, os.path.dirname(writer.path))
             return
         logger.info("smoe record: wrote %s: %d tokens", path, writer.num_tokens)
-        self._enforce_budget()
+        self._enforce_budget(path)
 
     def _close_when_idle(self) -> None:
         while True:
@@ -206,6 +211,8 @@ class Recorder:
 
     def after_step(self, runner, scheduler_output) -> None:
         """On the step's thread: copies off the device, queued for the writer; no waiting."""
+        for r in getattr(scheduler_output, "finished_req_ids", ()) or ():
+            self.req_index.pop(r, None)  # ids stay unique: the counter never goes back
         n = int(scheduler_output.total_num_scheduled_tokens)
         if n == 0 or not self.writes:
             return
@@ -225,11 +232,12 @@ class Recorder:
             if ids.is_pinned():
                 ev = torch.cuda.Event()
                 ev.record()
+            req = np.array([self._req_id(r) if k else -1 for r, k in zip(req_ids, keep)], dtype=np.int32)
             prompt = np.asarray(runner.input_batch.num_prompt_tokens[: len(req_ids)]).copy()
             try:
-                self.queue.put_nowait((ids, pos, topk, ev, req_ids, counts, keep, prompt, step, self.slot2expert))
+                self.queue.put_nowait(("step", ids, pos, topk, ev, req, counts, keep, prompt, step, self.slot2expert))
             except queue.Full:
-                self.dropped += n
+                self.dropped += int(counts[keep].sum())
         now = time.monotonic()
         if now - self.last_log >= self.cfg.log_interval:
             extra = [f"{v} {what}" for v, what in ((self.skipped, "tokens not sampled"),
@@ -239,35 +247,54 @@ class Recorder:
                         self.cfg.record, "".join(", " + e for e in extra))
             self.last_log = now
 
+    def _req_id(self, request_id: str) -> int:
+        i = self.req_index.get(request_id)
+        if i is None:
+            i = self.req_index[request_id] = self.next_req
+            self.next_req += 1
+        return i
+
     def _write_loop(self) -> None:
         while True:
             item = self.queue.get()
             try:
-                self._write(*item)
-            except (OSError, ValueError) as e:  # a full disk must not stop serving
-                logger.error("smoe record: step %d not written: %s", item[8], e)
+                if item[0] == "swap":
+                    self._rotate(*item[1:])
+                else:
+                    self._write(*item[1:])
+            except Exception:  # noqa: BLE001 - logged; the thread must outlive one bad step or a full disk
+                logger.exception("smoe record: %s not written", f"step {item[9]}" if item[0] == "step" else "swap")
             finally:
                 self.queue.task_done()
 
-    def _write(self, ids, pos, topk, ev, req_ids, counts, keep, prompt, step, slot2expert) -> None:
+    def _write(self, ids, pos, topk, ev, req, counts, keep, prompt, step, slot2expert) -> None:
         if ev is not None:
             ev.synchronize()
         if slot2expert is not None:  # physical slot -> logical expert, per layer
             topk = torch.stack([slot2expert[layer][topk[:, layer].long()] for layer in range(self.L)], dim=1)
         rows = np.repeat(keep, counts)
-        req = np.repeat([self.req_index.setdefault(r, len(self.req_index)) for r in req_ids], counts)[rows]
         pos = pos.numpy().astype(np.int32)[rows]
         is_prefill = pos < np.repeat(prompt, counts)[rows]
         with self.lock:
             if self.writer is None:
                 self.writer = self._open()
-            self.writer.append(token_ids=ids.numpy().astype(np.int32)[rows], request_ids=req.astype(np.int32),
+            self.writer.append(token_ids=ids.numpy().astype(np.int32)[rows], request_ids=np.repeat(req, counts)[rows],
                                positions=pos, topk_ids=topk.numpy().astype(np.int16 if self.E < 32768 else np.int32)[rows],
                                step_ids=np.full(int(rows.sum()), step, dtype=np.int32), is_prefill=is_prefill)
             self.total += int(rows.sum())
             self.last_step = time.monotonic()
             if self.writer.num_tokens >= self.cfg.record_chunk_tokens:
                 self._close_writer()
+
+    def _rotate(self, path: str) -> None:
+        """Writer thread, in step order: close the file written under the old placement; the next
+        one names the new placement."""
+        import dataclasses
+
+        with self.lock:
+            if self.writer is not None:
+                self._close_writer()
+            self.meta = dataclasses.replace(self.meta, extra={**self.meta.extra, "placement": path})
 
     def drain(self, timeout: float = 10.0) -> None:
         """Wait for the writer thread to take every queued step (shutdown, swap)."""
@@ -276,16 +303,12 @@ class Recorder:
             time.sleep(0.005)
 
     def swap(self, plan, path: str) -> None:
-        """A live re-placement (:mod:`.live`): files written from now on map slots through the new
-        placement and name it; the open file, written under the old one, is closed."""
-        import dataclasses
-
-        self.drain()
-        with self.lock:
-            if self.writer is not None:
-                self._close_writer()
-            self.slot2expert = torch.as_tensor(plan.slot2expert)
-            self.meta = dataclasses.replace(self.meta, extra={**self.meta.extra, "placement": path})
+        """A live re-placement (:mod:`.live`), between two steps: steps from now on map slots
+        through the new placement (each queued step carries its own map), and the writer thread
+        rotates to a file naming it once the steps before are written."""
+        self.slot2expert = torch.as_tensor(plan.slot2expert)
+        if self.writes:
+            self.queue.put(("swap", path))  # waits only if 64 steps are queued
 
     def close(self) -> None:
         self.drain()
