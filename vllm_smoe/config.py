@@ -33,7 +33,7 @@ class SmoeConfig:
     (:mod:`vllm_smoe.serving.metrics`); the server makes a fresh one when none is given.
     drift_threshold: warn (and set ``smoe:drift``) when a window's local activation ratio falls
     below this share of the placement's own (its YAML's ``metrics.lar``).
-    record_sample: share of requests recorded (whole requests, chosen by a stable hash of the
+    record_sample: share of requests recorded (whole requests, chosen by a hash of vLLM's
     request id), with ``record`` in any mode; record_max_mb: disk budget of the record
     directory's trace files, oldest removed first (None = no limit). metrics: False turns off the
     counters on /metrics and their log lines (device counting, publishing, drift)."""
