@@ -107,3 +107,72 @@ def test_servers_that_cannot_swap_say_why():
                       ({"enable_eplb": True}, "--enable-eplb"), ({"_api_process_count": 2}, "--api-server-count 1"),
                       ({"worker_extension_cls": "my.Ext"}, "--worker-extension-cls my.Ext")]:
         assert words in _live_refused(vc(**kw))
+
+
+def test_placement_endpoint_checks_prepares_then_applies(tmp_path, monkeypatch):
+    """The route's protocol against a stand-in engine: a bad file never reaches the workers, a
+    worker's refusal is answered and the ready ones free what they allocated, a swap answers
+    with what moved and GET follows it, a failed apply refuses every later swap and stops."""
+    import asyncio
+    import time
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from vllm_smoe.serving import capability, endpoints
+    from vllm_smoe.serving.live import file_digest
+
+    old, new, bad = (tmp_path / n for n in ("old.yaml", "new.yaml", "bad.yaml"))
+    for f in (old, new, bad):
+        f.write_text(f"# {f.name}\n")
+
+    def check(path, cfg, vc):
+        if path.endswith("bad.yaml"):
+            raise ValueError(f"{path}: field 'ep_size' = 4 but experts are split over 2 ranks")
+
+    monkeypatch.setattr(capability, "check_served_placement", check)
+    stopped = []
+    monkeypatch.setattr(endpoints, "_stop_server", lambda: stopped.append(1))
+
+    class Engine:
+        def __init__(self):
+            self.calls, self.refuse, self.fail = [], "", False
+
+        async def collective_rpc(self, method, timeout=None, args=()):
+            self.calls.append((method, args))
+            if method == "smoe_prepare_placement":
+                return ["", self.refuse]  # two workers, the second may refuse
+            if method == "smoe_apply_placement":
+                if self.fail:
+                    raise RuntimeError("transfer failed")
+                return [{"moved_slots": 7, "seconds": 0.01}, {"moved_slots": 7, "seconds": 0.02}]
+            return [None, None]
+
+    engine = Engine()
+    app = FastAPI()
+    endpoints.SmoeEndpoints().attach_router(app)
+    app.state.smoe_live = {"engine": engine, "vllm_config": None, "cfg": None, "path": str(old),
+                           "lock": asyncio.Lock(), "swaps": 0, "last": None, "refused": ""}
+    with TestClient(app) as c:  # one event loop for every request, as in a server
+        assert c.post("/smoe/placement", content=b"{").status_code == 400
+        assert c.post("/smoe/placement", json={"path": str(new)}).status_code == 400
+        r = c.post("/smoe/placement", json={"placement": str(bad)})
+        assert r.status_code == 400 and "field 'ep_size'" in r.json()["detail"] and engine.calls == []
+        engine.refuse = f"{new}: the file changed while it was being swapped in"
+        r = c.post("/smoe/placement", json={"placement": str(new)})
+        assert r.status_code == 400 and "changed" in r.json()["detail"]
+        assert [m for m, _ in engine.calls] == ["smoe_prepare_placement", "smoe_cancel_placement"]
+        assert c.get("/smoe/placement").json()["placement"] == str(old)
+        engine.refuse, engine.calls = "", []
+        r = c.post("/smoe/placement", json={"placement": str(new)})
+        assert r.status_code == 200, r.text
+        assert r.json()["previous"] == str(old) and r.json()["moved_slots"] == 7 and r.json()["worker_seconds"] == 0.02
+        digest = file_digest(str(new))
+        assert engine.calls == [("smoe_prepare_placement", (str(new), digest)), ("smoe_apply_placement", (digest,))]
+        assert c.get("/smoe/placement").json()["placement"] == str(new) and c.get("/smoe/placement").json()["swaps"] == 1
+        engine.fail = True
+        r = c.post("/smoe/placement", json={"placement": str(old)})
+        assert r.status_code == 500 and "stops" in r.json()["detail"]
+        assert c.post("/smoe/placement", json={"placement": str(new)}).status_code == 409
+        time.sleep(0.7)  # the stop is scheduled after the answer, on the server's loop
+    assert stopped == [1]

@@ -44,12 +44,8 @@ class SmoeEndpoints:
             if placement is None:
                 raise HTTPException(status_code=404, detail="this server runs without an smoe placement with "
                                                             "tables (--plugin smoe --smoe-placement P)")
-            try:
-                body = await raw.json()
-            except ValueError:
-                raise HTTPException(status_code=400, detail="body must be JSON") from None
-            ids = body.get("prompt_token_ids") if isinstance(body, dict) else None
-            text = body.get("prompt") if isinstance(body, dict) else None
+            body = await _json_object(raw)
+            ids, text = body.get("prompt_token_ids"), body.get("prompt")
             if ids is None and isinstance(text, str):
                 if tokenizer is None:
                     raise HTTPException(status_code=400, detail="this server has no tokenizer "
@@ -80,11 +76,7 @@ class SmoeEndpoints:
             if live is None or live["path"] is None:
                 raise HTTPException(status_code=404, detail="this server runs without an smoe placement "
                                                             "(--plugin smoe --smoe-placement P): nothing to swap")
-            try:
-                body = await raw.json()
-            except ValueError:
-                raise HTTPException(status_code=400, detail="body must be JSON") from None
-            path = body.get("placement") if isinstance(body, dict) else None
+            path = (await _json_object(raw)).get("placement")
             if not isinstance(path, str) or not path:
                 raise HTTPException(status_code=400, detail="give 'placement': the path of a placement YAML")
             path = os.path.abspath(path)
@@ -115,7 +107,7 @@ class SmoeEndpoints:
                     live["refused"] = (f"a live swap to {path} failed while weights moved ({e}); this server "
                                        f"stops rather than answer from a half-moved model")
                     logger.error("smoe: %s", live["refused"])
-                    asyncio.get_running_loop().call_later(0.5, os.kill, os.getpid(), signal.SIGTERM)
+                    asyncio.get_running_loop().call_later(0.5, _stop_server)  # after the answer is out
                     raise HTTPException(status_code=500, detail=live["refused"]) from None
                 answer = {"placement": path, "previous": live["path"],
                           "moved_slots": done[0]["moved_slots"],
@@ -148,6 +140,19 @@ class SmoeEndpoints:
             elif not vc.model_config.skip_tokenizer_init:
                 tokenizer = engine_client.renderer.get_tokenizer()
         state.smoe_route = (placement, vc.parallel_config.data_parallel_size, tokenizer)
+
+
+def _stop_server() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)  # vLLM's API server shuts its engines down on SIGTERM
+
+
+async def _json_object(raw: Request) -> dict:
+    """The request's JSON body; {} when it is JSON but not an object (each route names what it needs)."""
+    try:
+        body = await raw.json()
+    except ValueError:
+        raise HTTPException(status_code=400, detail="body must be JSON") from None
+    return body if isinstance(body, dict) else {}
 
 
 def _live_refused(vllm_config) -> str:
