@@ -1,7 +1,8 @@
 """``smoe-bench load``: smoe in production under a workload shift, on one ``vllm serve``.
 
-1. Cost: the same clients and prompts against a speculate server with smoe's metrics off, then
-   with metrics on and sampled recording; median TPOT of each, and the ratio.
+1. Cost: the same clients and prompts against a speculate server with smoe's metrics off and one
+   with metrics on and sampled recording, in ``--cost-rounds`` rounds whose first arm alternates;
+   median TPOT of each, and the ratio.
 2. Shift: a speculate server (metrics on, sampled recording with a disk budget) serves held-out
    prompts of one domain to ``--clients`` streaming clients; at ``--seconds / 2`` the prompts
    switch to another domain; once ``smoe:drift`` reads 1 and ``--settle`` seconds of the new

@@ -35,8 +35,9 @@ class SmoeConfig:
     below this share of the placement's own (its YAML's ``metrics.lar``).
     record_sample: share of requests recorded (whole requests, chosen by a hash of vLLM's
     request id), with ``record`` in any mode; record_max_mb: disk budget of the record
-    directory's trace files, oldest removed first (None = no limit). metrics: False turns off the
-    counters on /metrics and their log lines (device counting, publishing, drift)."""
+    directory's trace files, oldest removed first (None = no limit). metrics: False publishes
+    nothing for /metrics and turns off speculate's device counters, log line and drift (the
+    sparse all2all's own counters keep counting)."""
 
     mode: str = "place"
     placement: str | None = None

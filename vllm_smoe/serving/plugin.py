@@ -52,7 +52,8 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
                    help="with --smoe-record: disk budget of the trace files in MiB; the oldest are removed first "
                         "(default: no limit)")
     g.add_argument("--smoe-metrics", choices=["on", "off"], default=None,
-                   help="smoe's counters on /metrics, their log lines and drift warnings (default on)")
+                   help="smoe's counters on /metrics (default on); off also stops speculate's device counters, log "
+                        "line and drift warnings")
     g.add_argument("--smoe-mode", choices=MODES, default=None,
                    help="place (default with a placement) | record (default with --smoe-record; applies "
                         "--smoe-placement too) | speculate (records too with --smoe-record)")

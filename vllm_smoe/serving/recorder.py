@@ -26,7 +26,7 @@
   its engine and workers) closes the open file: vLLM's engine and workers are multiprocessing
   children, which skip ``atexit``, so the close is registered with ``multiprocessing.util.Finalize``
   as well. A hard kill leaves a spill directory; the next recorder start on the same directory
-  (or ``smoe-trace recover DIR``) turns it into a trace, losing at most the step being written.
+  (or ``smoe-trace recover DIR``) turns it into a trace, losing at most the steps still queued.
 """
 
 from __future__ import annotations
