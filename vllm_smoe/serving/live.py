@@ -140,7 +140,9 @@ def check_swap(served: Served, path: str, digest: str | None = None) -> Swap:
     tables = None
     if order is not None and order.tables is not None:
         tables = load_tables(placement)
-        new = _table_tensors(tables)
+        from .token_order import TokenOrder
+
+        new = TokenOrder._device_tables(tables, "cpu")  # the tensors swap() would copy in
         graphs = cc.cudagraph_mode is not None and cc.cudagraph_mode.name != "NONE"  # piecewise ones capture them too
         differ = sorted(k for k in set(new) | set(order.tables)
                         if k not in new or k not in order.tables or tuple(new[k].shape) != tuple(order.tables[k].shape))
@@ -167,13 +169,6 @@ def check_swap(served: Served, path: str, digest: str | None = None) -> Swap:
         transfer = (buffers, create_eplb_communicator(group, backend, weights, buffers),
                     group.cpu_group if device.type == "cpu" else group.device_group)
     return Swap(path, plan, placement, tables, weights, transfer)
-
-
-def _table_tensors(tables) -> dict[str, np.ndarray]:
-    from .token_order import TABLE_NAMES
-
-    names = TABLE_NAMES + (("bigram_keys", "bigram2rank", "bigram_conf") if tables.has_bigrams else ())
-    return {k: np.asarray(getattr(tables, k)) for k in names}
 
 
 def _move_experts(served: Served, swap: Swap) -> int:

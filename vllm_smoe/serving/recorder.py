@@ -297,7 +297,7 @@ class Recorder:
             self.meta = dataclasses.replace(self.meta, extra={**self.meta.extra, "placement": path})
 
     def drain(self, timeout: float = 10.0) -> None:
-        """Wait for the writer thread to take every queued step (shutdown, swap)."""
+        """Wait for the writer thread to take every queued step (at shutdown)."""
         end = time.monotonic() + timeout
         while self.queue.unfinished_tasks and time.monotonic() < end:
             time.sleep(0.005)
