@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -106,6 +107,25 @@ def _cmd_synth(a) -> int:
     return 0
 
 
+def _cmd_inflate(a) -> int:
+    from ..cli_util import check_output_dir
+    from .inflate import inflate_checkpoint
+
+    if os.path.abspath(a.output) == os.path.abspath(a.source):
+        raise ValueError(f"{a.output}: -o must differ from the source checkpoint")
+    if os.path.isdir(a.output) and os.listdir(a.output) and not a.force:
+        raise ValueError(f"{a.output}: -o names a non-empty directory (--force writes into it)")
+    check_output_dir(a.output, "-o")
+    t0 = time.time()
+    s = inflate_checkpoint(a.source, a.output, a.hidden, a.moe_intermediate, heads=a.heads, kv_heads=a.kv_heads,
+                           intermediate=a.intermediate)
+    o, n = s["old"], s["new"]
+    print(f"wrote {a.output}: hidden {o['H']} -> {n['H']}, expert FFN {o['I']} -> {n['I']}, heads "
+          f"{o['nh']}/{o['nkv']} -> {n['nh']}/{n['nkv']}, {s['parameters']['old'] / 1e6:.1f}M -> "
+          f"{s['parameters']['new'] / 1e6:.1f}M parameters in {time.time() - t0:.1f} s")
+    return 0
+
+
 def _cmd_path(a) -> int:
     model, traces = FIXTURES[a.fixture]
     print(model if a.what == "model" else traces[a.what])
@@ -175,6 +195,20 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--topk-group", type=number(int, 1), help="groups a token may use, with --groups")
     y.add_argument("-o", "--output", required=True, help="trace file, or directory with --file-tokens")
     y.set_defaults(fn=_cmd_synth)
+
+    w = sub.add_parser("inflate", help="widen a checkpoint losslessly to production row sizes (same routing, "
+                                       "same tokens)")
+    w.add_argument("source", help="save_pretrained directory (Qwen3-MoE, Mixtral, DeepSeek-V2/V3)")
+    w.add_argument("-o", "--output", required=True, help="output directory")
+    w.add_argument("--hidden", type=number(int, 1), required=True, help="new hidden size (a multiple of 32)")
+    w.add_argument("--moe-intermediate", type=number(int, 1), required=True,
+                   help="new FFN size of each routed expert (shared experts widen in proportion)")
+    w.add_argument("--heads", type=number(int, 1), help="new attention heads (default: unchanged)")
+    w.add_argument("--kv-heads", type=number(int, 1), help="new kv heads for GQA models (default: unchanged)")
+    w.add_argument("--intermediate", type=number(int, 1),
+                   help="new dense-MLP size (default: widened in proportion to the hidden size)")
+    w.add_argument("--force", action="store_true", help="write into a non-empty output directory")
+    w.set_defaults(fn=_cmd_inflate)
 
     q = sub.add_parser("path", help="print where an embedded fixture or its traces live")
     q.add_argument("what", choices=("model", "train", "heldout"))

@@ -1,0 +1,132 @@
+"""`smoe-testbed inflate`: a widened checkpoint computes what its source computes.
+
+Checked against transformers (logits, every MoE layer's top-k, argmax) for every shipped
+architecture, and in vLLM (greedy tokens of the source and the widened model, fp32)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vllm_smoe.testbed import FIXTURES
+from vllm_smoe.testbed.inflate import head_positions, inflate_checkpoint, widen_config
+from vllm_smoe.trace import open_trace
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+HELPER = os.path.join(os.path.dirname(__file__), "helpers", "vllm_generate.py")
+# (hidden, expert FFN, heads, kv heads): irregular multiples, a new GQA group size for Qwen3
+WIDE = {"qwen3_moe": (224, 96, 12, 4), "deepseek_v2": (192, 80, 6, None), "deepseek_v3": (160, 72, 5, None),
+        "mixtral": (160, 96, 8, 4)}
+
+
+def _ids(arch, n=2, length=40):
+    t = open_trace(FIXTURES.get(arch, FIXTURES["qwen3_moe"])[1]["heldout"])
+    tok, req = t["token_ids"], t["request_ids"]
+    return np.stack([tok[req == r][:length] for r in np.unique(req)[:: 7][:n]]).astype(np.int64)
+
+
+def _source(arch, tmp_path):
+    if arch in FIXTURES:
+        return FIXTURES[arch][0]
+    from vllm_smoe.testbed.models import build_random
+
+    return build_random(arch, str(tmp_path / "src"), FIXTURES["qwen3_moe"][0], num_layers=2, num_experts=8, top_k=2)
+
+
+@pytest.mark.parametrize("arch", sorted(WIDE))
+def test_widened_model_computes_the_same(tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+
+    from vllm_smoe.testbed.record import router_topk
+
+    hidden, inter, heads, kv = WIDE[arch]
+    src, dst = _source(arch, tmp_path), str(tmp_path / "wide")
+    s = inflate_checkpoint(src, dst, hidden, inter, heads=heads, kv_heads=kv)
+    assert s["parameters"]["new"] > s["parameters"]["old"]
+    cfg = json.load(open(os.path.join(dst, "config.json")))
+    assert (cfg["hidden_size"], cfg["num_attention_heads"]) == (hidden, heads)
+    ids = torch.from_numpy(_ids(arch))
+    a = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    b = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+    assert sum(p.numel() for p in b.state_dict().values()) == s["parameters"]["new"]
+    with torch.no_grad():
+        la, lb = a(ids).logits, b(ids).logits
+    assert (la - lb).abs().max().item() < 1e-4 * max(1.0, la.abs().max().item())
+    assert torch.equal(la.argmax(-1), lb.argmax(-1))
+    k = a.config.num_experts_per_tok
+    np.testing.assert_array_equal(router_topk(a, ids, k)[0], router_topk(b, ids, k)[0])
+
+
+def test_cli_refusals(tmp_path):
+    src = FIXTURES["qwen3_moe"][0]
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "vllm_smoe.testbed.cli", "inflate", src, *args],
+                              capture_output=True, text=True)
+
+    out = str(tmp_path / "w")
+    for args, said in ((("--hidden", "64", "--moe-intermediate", "64"), "--hidden 64 is smaller"),
+                       (("--hidden", "200", "--moe-intermediate", "64"), "multiple of 32"),
+                       (("--hidden", "256", "--moe-intermediate", "64", "--heads", "6", "--kv-heads", "4"),
+                        "whole group size"),
+                       (("--hidden", "256", "--moe-intermediate", "32"), "--moe-intermediate 32 is smaller")):
+        r = run("-o", out, *args)
+        assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert not os.path.exists(os.path.join(out, "model.safetensors"))
+    os.makedirs(out, exist_ok=True)
+    open(os.path.join(out, "x"), "w").close()
+    r = run("-o", out, "--hidden", "256", "--moe-intermediate", "64")
+    assert r.returncode == 2 and "non-empty" in r.stderr
+    r = run("-o", src, "--hidden", "256", "--moe-intermediate", "64")
+    assert r.returncode == 2 and "must differ" in r.stderr
+
+
+def test_unknown_tensor_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    from vllm_smoe.testbed.inflate import widen_tensor
+
+    cfg = json.load(open(os.path.join(FIXTURES["qwen3_moe"][0], "config.json")))
+    _, old, new = widen_config(cfg, 256, 64)
+    with pytest.raises(ValueError, match="model.layers.0.mlp.router_bias: no widening rule"):
+        widen_tensor("model.layers.0.mlp.router_bias", torch.zeros(32), old, new)
+    with pytest.raises(ValueError, match="config.json says 128"):
+        widen_tensor("model.layers.0.mlp.gate.weight", torch.zeros(32, 100), old, new)
+    bad = tmp_path / "bad"
+    os.makedirs(bad)
+    json.dump(dict(cfg, model_type="gpt_oss"), open(bad / "config.json", "w"))
+    save_file({"x": torch.zeros(1)}, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match="model_type 'gpt_oss' cannot be widened"):
+        inflate_checkpoint(str(bad), str(tmp_path / "o"), 256, 64)
+
+
+@given(st.integers(1, 8), st.integers(1, 4), st.integers(1, 4), st.integers(0, 3))
+def test_head_positions_keep_each_query_heads_kv_head(nkv, g, grow_g, grow_kv):
+    nh, nkv2, g2 = nkv * g, nkv + grow_kv, g + grow_g - 1
+    pos = head_positions(nh, nkv, nkv2 * g2, nkv2)
+    assert len(set(pos.tolist())) == nh and pos.max() < nkv2 * g2
+    np.testing.assert_array_equal(pos // g2, np.arange(nh) // g)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+def test_widened_model_greedy_tokens_equal_in_vllm(tmp_path, arch):
+    hidden, inter, heads, kv = WIDE[arch]
+    dst = str(tmp_path / "wide")
+    inflate_checkpoint(FIXTURES[arch][0], dst, hidden, inter, heads=heads, kv_heads=kv)
+    prompts = [p[: 5 + 3 * i].tolist() for i, p in enumerate(_ids(arch, n=6, length=30))]
+    env = {**os.environ, "SMOE_TEST_TP": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    tokens = []
+    for model in (FIXTURES[arch][0], dst):
+        r = subprocess.run([sys.executable, HELPER, model, json.dumps(prompts), "16"], capture_output=True,
+                           text=True, timeout=900, env=env)
+        line = [ln for ln in r.stdout.splitlines() if ln.startswith("SMOE_RESULT ")]
+        assert r.returncode == 0 and line, (r.stdout + r.stderr)[-3000:]
+        tokens.append(json.loads(line[0][len("SMOE_RESULT "):])["tokens"])
+    assert tokens[0] == tokens[1]
