@@ -7,6 +7,7 @@
   smoe-bench kernels -- on a CUDA GPU: shuffle kernels vs their torch references, bandwidth vs peak
   smoe-bench place-scale -- smoe-place build/evaluate on a large trace: wall time, peak memory of all its processes
   smoe-bench load    -- speculate under a workload shift: metrics cost, live re-placement from the recording, plot
+  smoe-bench cluster -- vLLM nodes in network namespaces over a link at a real cluster's proportions (needs root)
 """
 
 from __future__ import annotations
@@ -879,6 +880,9 @@ def main(argv=None) -> int:
     from .bench_load import add_parser as add_load
 
     add_load(sub)
+    from .bench_cluster import add_parser as add_cluster
+
+    add_cluster(sub)
     from .cli_util import run_cli
 
     return run_cli(p, argv)

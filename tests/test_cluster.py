@@ -1,0 +1,90 @@
+"""`smoe-bench cluster`'s parts that need no root: the link derived from the host and a target,
+the wire read from (synthetic) veth counters against smoe's counters, SLO throughput."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vllm_smoe.bench_cluster import (HEADER_BYTES, TARGETS, counters_agree, latency_summary, link_settings,
+                                     metric_sum, slo_rate, wire_delta)
+
+HOST = {"gemm_flops": 170e9, "read_bw": 6e9}
+
+
+def test_link_keeps_the_targets_proportions():
+    d = link_settings(HOST, "ib-ndr", "decode")
+    # an H200 reads 4.8 TB/s, this host 6 GB/s: 800x slower, so is its link (50 GB/s -> 62.5 MB/s)
+    assert d["scale"] == pytest.approx(800) and d["rate_bytes_s"] == pytest.approx(62.5e6)
+    assert d["ratio"] == pytest.approx(96) and d["rate_bit"] == 500_000_000
+    # the bandwidth-delay product in bytes is the target's
+    assert d["rate_bytes_s"] * d["delay_s"] == pytest.approx(TARGETS["ib-ndr"]["link_bw"] * TARGETS["ib-ndr"]["latency"])
+    p = link_settings(HOST, "ib-ndr", "prefill")
+    assert p["rate_bytes_s"] == pytest.approx(170e9 / (989e12 / 50e9))  # ~8.6 MB/s: ~20,000 FLOP per byte
+    assert link_settings(HOST, "nvlink", "decode")["rate_bytes_s"] == pytest.approx(9 * d["rate_bytes_s"])
+    with pytest.raises(ValueError, match="--target 'tpu'"):
+        link_settings(HOST, "tpu", "decode")
+    with pytest.raises(ValueError, match="phase"):
+        link_settings(HOST, "ib-ndr", "train")
+
+
+def test_wire_from_veth_counters_against_smoes():
+    before = {"a": {"tx_bytes": 1000, "tx_packets": 10}, "b": {"tx_bytes": 500, "tx_packets": 5}}
+    after = {"a": {"tx_bytes": 1000 + 10 * 1514, "tx_packets": 20}, "b": {"tx_bytes": 500 + 2 * 66, "tx_packets": 7}}
+    w = wire_delta(before, after)
+    assert w == {"bytes": 10 * 1514 + 132, "packets": 12, "payload": 10 * (1514 - HEADER_BYTES)}
+    assert counters_agree(w["payload"], 10 * 1448 * 1.03)["within"]
+    off = counters_agree(w["payload"], 10 * 1448 * 0.5)
+    assert not off["within"] and off["ratio"] == pytest.approx(0.5)
+    assert counters_agree(w["payload"], None) is None
+    with pytest.raises(ValueError, match="backwards"):
+        wire_delta(after, before)
+    with pytest.raises(ValueError, match="different devices"):
+        wire_delta(before, {"a": after["a"]})
+
+
+def test_slo_rate_golden():
+    ladder = [{"rate": 1.0, "p90_itl_ms": 20.0}, {"rate": 2.0, "p90_itl_ms": 28.0},
+              {"rate": 4.0, "p90_itl_ms": 45.0}, {"rate": 8.0, "p90_itl_ms": 29.0}]
+    assert slo_rate(ladder, "p90_itl_ms", 30.0) == 2.0  # 8 req/s under the bound again does not count
+    assert slo_rate(ladder, "p90_itl_ms", 10.0) == 0.0
+    assert slo_rate(ladder, "p90_itl_ms", 50.0) == 8.0
+    ladder[0]["failed"] = 1
+    assert slo_rate(ladder, "p90_itl_ms", 50.0) == 0.0
+
+
+@given(st.lists(st.tuples(st.floats(0.1, 50), st.floats(1, 100)), min_size=1, max_size=8), st.floats(1, 100))
+def test_slo_rate_every_lower_rate_meets_the_bound(rows, bound):
+    ladder = [{"rate": r, "p90_itl_ms": v} for r, v in rows]
+    best = slo_rate(ladder, "p90_itl_ms", bound)
+    assert best == 0.0 or best in [r["rate"] for r in ladder]
+    assert all(r["p90_itl_ms"] <= bound for r in ladder if r["rate"] <= best)
+
+
+def test_latency_summary_golden():
+    outs = [(0.0, [0.5, 0.6, 0.7, 0.9], 4, None), (0.1, [0.3, 0.4], 2, None), (0.2, [], 0, "timeout")]
+    s = latency_summary(outs, 2.0)
+    assert s["requests"] == 2 and s["failed"] == 1 and s["tokens"] == 6 and s["tok_s"] == 3.0
+    assert s["ttft_ms"] == pytest.approx(350.0)
+    assert s["tpot_ms"] == pytest.approx(1e3 * np.median([0.4 / 3, 0.1]))
+    assert s["p90_itl_ms"] == pytest.approx(1e3 * np.percentile([0.1, 0.1, 0.2, 0.1], 90))
+
+
+def test_metric_sum_reads_counters_and_labels():
+    text = ("# HELP smoe:a2a_bytes bytes\n# TYPE smoe:a2a_bytes counter\n"
+            'smoe:a2a_bytes_total{layer="0",rank="0"} 1.5e3\nsmoe:a2a_bytes_total{layer="0",rank="1"} 500\n'
+            'smoe:a2a_bytes_per_token{rank="0"} 99\nsmoe:a2a_bytes_created{rank="0"} 1.7e9\n')
+    assert metric_sum(text, "smoe:a2a_bytes") == 2000.0
+    assert metric_sum(text, "smoe:tokens") is None
+
+
+def test_cli_refuses_unknown_target_before_any_work(tmp_path):
+    from vllm_smoe.testbed import FIXTURE_MODEL
+
+    r = subprocess.run([sys.executable, "-m", "vllm_smoe.bench", "cluster", "--model", FIXTURE_MODEL, "--target",
+                        "tpu", "--work", str(tmp_path / "w")], capture_output=True, text=True)
+    assert r.returncode == 2 and "--target tpu" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "w").exists()

@@ -1,0 +1,745 @@
+"""``smoe-bench cluster``: vLLM nodes in network namespaces, joined by a link shaped to a real
+cluster's proportions; every configuration served end to end on the same prompts and model.
+
+Why proportions: what decides the all-to-all's share of a step is a GPU's own speed over its
+link, not the link's absolute rate. The host is measured first (fp32 GEMM throughput for
+prefill, weight-read bandwidth for a decode-like GEMV, one thread: one core is one node here),
+then the link gets ``rate = host speed / target ratio`` (``TARGETS``: an H200 over NDR
+InfiniBand, NVLink, PCIe 5) and a delay of the target's latency times the same slow-down, so
+the bandwidth-delay product in bytes stays the target's. tbf shapes each veth end with a bucket of a few
+frames, so that every message pays its size; netem adds the delay where the kernel has it (the
+JSON says whether it did).
+
+Each configuration starts one vLLM node per namespace (TP across nodes with ``--nnodes``, or
+vLLM's multi-node data parallel with ``--data-parallel-size-local 1`` and ``--headless``); a
+client inside namespace 0 runs fixed-concurrency mixes and Poisson arrivals, reading the veth
+byte counters (``/sys/class/net/*/statistics``) and smoe's own counters (``smoe:a2a_bytes`` on
+``/metrics``) around each. Needs root and iproute2 (ip, tc; ethtool turns segmentation offloads off); everything it
+makes (namespaces, veth, processes) is removed on exit and its traffic stays on its own veth.
+
+The pure parts (rate derivation, wire payload from counters, SLO throughput) are functions
+below that CI tests without root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+# A target: the accelerator's dense throughput in the serving dtype (FLOP/s), its memory
+# bandwidth (B/s), the link one way (B/s) and the link's one-way latency (s).
+TARGETS = {
+    "ib-ndr": dict(flops=989e12, mem_bw=4.8e12, link_bw=50e9, latency=3e-6,
+                   what="H200 (989 TFLOP/s bf16, 4.8 TB/s HBM) with one 400 Gbit/s NDR InfiniBand NIC"),
+    "nvlink": dict(flops=989e12, mem_bw=4.8e12, link_bw=450e9, latency=1e-6,
+                   what="H200 over NVLink 4 (900 GB/s both directions)"),
+    "pcie5": dict(flops=989e12, mem_bw=4.8e12, link_bw=63e9, latency=2e-6,
+                  what="H200 over PCIe 5 x16 (s-MoE's slow server)"),
+}
+BURST_PACKETS = 4  # tbf's bucket: a few frames, never a whole message
+HEADER_BYTES = 66  # Ethernet 14 + IPv4 20 + TCP 20 + timestamps 12, per packet on the veth
+ADDR = ("10.213.0.1", "10.213.0.2")
+
+
+# ----- pure parts (tested in CI) ------------------------------------------------------------
+
+def link_settings(host: dict, target: str, phase: str) -> dict:
+    """The emulated link for ``phase`` ("decode" or "prefill") at ``target``'s proportions.
+
+    host: {"gemm_flops": FLOP/s, "read_bw": B/s} of one node (one core). The host is slower
+    than the target's accelerator by ``scale`` (decode: memory bandwidth, prefill: GEMM
+    throughput); the link is slowed by the same factor and its latency stretched by it, which
+    keeps the target's bandwidth-delay product in bytes. Returns rate_bytes_s, rate_bit (an
+    integer for tc), delay_s, scale, the ratio (accelerator units per link byte) and the phase."""
+    if target not in TARGETS:
+        raise ValueError(f"--target {target!r}: choose one of {', '.join(TARGETS)}")
+    t = TARGETS[target]
+    if phase == "decode":
+        ratio, scale = t["mem_bw"] / t["link_bw"], t["mem_bw"] / host["read_bw"]
+    elif phase == "prefill":
+        ratio, scale = t["flops"] / t["link_bw"], t["flops"] / host["gemm_flops"]
+    else:
+        raise ValueError(f"phase {phase!r}: decode or prefill")
+    rate = t["link_bw"] / scale
+    return {"target": target, "phase": phase, "ratio": ratio, "scale": scale, "rate_bytes_s": rate,
+            "rate_bit": int(8 * rate), "delay_s": t["latency"] * scale}
+
+
+def wire_delta(before: dict, after: dict) -> dict:
+    """What crossed the link between two readings of the veth counters.
+
+    before, after: {device: {"tx_bytes": int, "tx_packets": int}} for every veth end. Returns
+    bytes (frames, all ends summed: both directions), packets, and payload (bytes less
+    HEADER_BYTES per packet: TCP payload when segmentation offloads are off)."""
+    if set(before) != set(after):
+        raise ValueError(f"veth readings of different devices: {sorted(before)} vs {sorted(after)}")
+    b = sum(after[d]["tx_bytes"] - before[d]["tx_bytes"] for d in after)
+    p = sum(after[d]["tx_packets"] - before[d]["tx_packets"] for d in after)
+    if b < 0 or p < 0:
+        raise ValueError("veth counters went backwards: a device was recreated between the readings")
+    return {"bytes": b, "packets": p, "payload": b - HEADER_BYTES * p}
+
+
+def counters_agree(wire_payload: float, counter_bytes: float | None, tol: float = 0.05) -> dict | None:
+    """smoe's byte counters against the wire: ratio counter / wire and whether it is within
+    ``tol``. None where smoe counts nothing."""
+    if counter_bytes is None:
+        return None
+    ratio = counter_bytes / wire_payload if wire_payload > 0 else float("inf")
+    return {"ratio": ratio, "within": bool(abs(ratio - 1.0) <= tol), "tol": tol}
+
+
+def slo_rate(ladder: list[dict], key: str, bound_ms: float) -> float:
+    """The highest offered request rate of a Poisson ladder whose ``key`` (e.g. p90_itl_ms)
+    stays under ``bound_ms`` with no failed request, every lower rate meeting it too (a
+    configuration that misses the SLO at a low rate does not count a lucky higher one).
+    ladder: [{"rate": req/s, key: ms, "failed": int}, ...]. 0.0 when even the lowest misses."""
+    best = 0.0
+    for row in sorted(ladder, key=lambda r: r["rate"]):
+        v = row.get(key)
+        if v is None or not np.isfinite(v) or v > bound_ms or row.get("failed", 0):
+            break
+        best = row["rate"]
+    return best
+
+
+def latency_summary(outs: list, seconds: float) -> dict:
+    """outs: per request (start s, [arrival s of each streamed chunk], completion tokens, error
+    or None). Median TPOT and TTFT, p90 inter-token latency (TBT), output tok/s."""
+    ok = [o for o in outs if o[3] is None]
+    tpot = [(ts[-1] - ts[0]) / (n - 1) for _, ts, n, _ in ok if len(ts) > 1 and n > 1]
+    ttft = [ts[0] - st for st, ts, _, _ in ok if ts]
+    itl = [d for _, ts, _, _ in ok for d in np.diff(ts)]
+    tokens = sum(n for _, _, n, _ in ok)
+
+    def ms(v, f):
+        return 1e3 * float(f(v)) if v else None
+    return {"tpot_ms": ms(tpot, np.median), "ttft_ms": ms(ttft, np.median),
+            "p90_itl_ms": ms(itl, lambda v: np.percentile(v, 90)), "p90_ttft_ms": ms(ttft, lambda v: np.percentile(v, 90)),
+            "tok_s": tokens / seconds if seconds > 0 else None, "tokens": tokens, "requests": len(ok),
+            "failed": len(outs) - len(ok), "seconds": seconds}
+
+
+def metric_sum(text: str, name: str) -> float | None:
+    """Sum of every sample of Prometheus family ``name`` (a counter's ``_total`` too) in an
+    exposition text; None when the family is absent."""
+    pat = re.compile(rf"^{re.escape(name)}(?:_total)?(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+)\s*$", re.M)
+    vals = [float(v) for v in pat.findall(text)]
+    return sum(vals) if vals else None
+
+
+# ----- host and link --------------------------------------------------------------------------
+
+def host_speed(seconds: float = 1.0) -> dict:
+    """One thread of this host: fp32 GEMM throughput (prefill-like, 256 x 1536 x 4608) and the
+    weight-read bandwidth of a decode-like GEMV (8 rows against 192 MiB of weights)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        def rate(fn, work):
+            fn()
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                fn()
+                n += 1
+            return n * work / (time.perf_counter() - t0)
+        a, b = torch.randn(256, 1536), torch.randn(1536, 4608)
+        gemm = rate(lambda: a @ b, 2 * 256 * 1536 * 4608)
+        w, x = torch.randn(12288, 4096), torch.randn(8, 4096)
+        read = rate(lambda: x @ w.T, w.numel() * 4)
+    finally:
+        torch.set_num_threads(threads)
+    return {"gemm_flops": gemm, "read_bw": read, "dtype": "float32", "threads": 1}
+
+
+def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if check and r.returncode:
+        raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()}")
+    return r
+
+
+class Net:
+    """Two namespaces joined by one veth pair; names carry this process's pid."""
+
+    def __init__(self) -> None:
+        tag = os.getpid()
+        self.ns = (f"smoecl-{tag}-0", f"smoecl-{tag}-1")
+        self.dev = (f"scl{tag}a", f"scl{tag}b")
+        self.shaping: dict | None = None
+        self.delay_applied = False
+
+    def up(self) -> None:
+        for ns in self.ns:
+            sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
+        for ns, dev, addr in zip(self.ns, self.dev, ADDR):
+            sh("ip", "link", "set", dev, "netns", ns)
+            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            sh("ip", "-n", ns, "link", "set", dev, "up")
+            # real packets: the wire counts frames of the MTU, and the shaper charges each its size
+            sh("ip", "netns", "exec", ns, "ethtool", "-K", dev, "tso", "off", "gso", "off", "gro", "off", check=False)
+
+    def shape(self, link: dict | None) -> None:
+        """Both ends: tbf at the link's rate with a burst of a few packets, so that every message
+        pays its size, under netem's delay where the kernel has netem (None: no shaping)."""
+        self.delay_applied = False
+        for ns, dev in zip(self.ns, self.dev):
+            tc = ("ip", "netns", "exec", ns, "tc", "qdisc")
+            sh(*tc, "del", "dev", dev, "root", check=False)
+            if link is None:
+                continue
+            tbf = ("tbf", "rate", f"{link['rate_bit']}bit", "burst", str(BURST_PACKETS * 1514), "limit", "8000000")
+            if link["delay_s"] > 0 and sh(*tc, "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
+                                          f"{1e6 * link['delay_s']:.0f}us", "limit", "100000", check=False).returncode == 0:
+                sh(*tc, "add", "dev", dev, "parent", "1:", "handle", "2:", *tbf)
+                self.delay_applied = True
+            else:
+                sh(*tc, "add", "dev", dev, "root", *tbf)
+        self.shaping = link
+
+    def stats(self) -> dict:
+        out = {}
+        for ns, dev in zip(self.ns, self.dev):
+            vals = sh("ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/statistics/tx_bytes",
+                      f"/sys/class/net/{dev}/statistics/tx_packets").stdout.split()
+            out[dev] = {"tx_bytes": int(vals[0]), "tx_packets": int(vals[1])}
+        return out
+
+    def kill_all(self) -> None:
+        for ns in self.ns:
+            for pid in sh("ip", "netns", "pids", ns, check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+
+    def down(self) -> None:
+        self.kill_all()
+        time.sleep(0.5)
+        for ns in self.ns:
+            sh("ip", "netns", "del", ns, check=False)  # deleting a namespace deletes its veth end
+        sh("ip", "link", "del", self.dev[0], check=False)
+
+
+def _probe_sink(port: int) -> int:
+    """Inside namespace 1: echo short messages, count bulk bytes (the link probe's far end)."""
+    import socket
+
+    with socket.create_server((ADDR[1], port)) as srv:
+        srv.settimeout(60)
+        for _ in range(2):
+            conn, _ = srv.accept()
+            with conn:
+                kind = conn.recv(1)
+                if kind == b"p":  # ping-pong
+                    while data := conn.recv(64):
+                        conn.sendall(data)
+                else:
+                    n = 0
+                    while data := conn.recv(1 << 20):
+                        n += len(data)
+                    conn.sendall(str(n).encode())
+    return 0
+
+
+def measure_link(net: Net, port: int = 29500, nbytes: int = 4 << 20) -> dict:
+    """Round-trip time of 64-byte messages and the rate of a bulk TCP transfer, 0 -> 1."""
+    sink = subprocess.Popen(["ip", "netns", "exec", net.ns[1], sys.executable, "-m", "vllm_smoe.bench_cluster",
+                             "--probe-sink", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    code = f"""
+import socket, time, json
+def conn():
+    for _ in range(100):
+        try:
+            return socket.create_connection(("{ADDR[1]}", {port}), timeout=60)
+        except OSError:
+            time.sleep(0.1)
+c = conn(); c.sendall(b"p"); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1); rtt = []
+for _ in range(20):
+    t = time.perf_counter(); c.sendall(b"x" * 64); got = 0
+    while got < 64:
+        got += len(c.recv(64))
+    rtt.append(time.perf_counter() - t)
+c.close(); c = conn(); c.sendall(b"b"); t = time.perf_counter(); c.sendall(b"\\0" * {nbytes})
+c.shutdown(socket.SHUT_WR); n = int(c.recv(64)); s = time.perf_counter() - t
+print(json.dumps({{"rtt_s": sorted(rtt)[10], "bulk_bytes": n, "bulk_s": s}}))
+"""
+    try:
+        r = sh("ip", "netns", "exec", net.ns[0], sys.executable, "-c", code)
+        out = json.loads(r.stdout)
+    finally:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            sink.wait(10)
+        if sink.poll() is None:
+            sink.kill()
+    out["rate_bytes_s"] = out["bulk_bytes"] / out["bulk_s"]
+    return out
+
+
+# ----- configurations ---------------------------------------------------------------------------
+
+def configurations(tp_placement: str, dp_placement: str, metrics_dir: str) -> dict:
+    """name -> {kind: tp|dp, smoe: whether smoe orders, routes or places anything, flags}.
+    vLLM's peers run as vLLM's docs run them across nodes; the CPU build needs smoe's CPU fixes
+    for expert parallelism (--plugin smoe with nothing placed or ordered, vLLM's all2all)."""
+    ep = ("--enable-expert-parallel", "--plugin", "smoe", "--smoe-log-interval", "0.5",
+          "--additional-config", json.dumps({"smoe": {"metrics_dir": metrics_dir}}))
+    return {
+        "tp": {"kind": "tp", "smoe": False, "flags": ()},
+        "tp-ep": {"kind": "tp", "smoe": False, "flags": ep + ("--smoe-all2all", "vllm")},
+        "tp-ep-speculate": {"kind": "tp", "smoe": True,
+                            "flags": ep + ("--smoe-mode", "speculate", "--smoe-placement", tp_placement)},
+        "tp-ep-speculate-agrs": {"kind": "tp", "smoe": True,
+                                 "flags": ep + ("--smoe-mode", "speculate", "--smoe-placement", tp_placement,
+                                                "--smoe-all2all", "vllm")},
+        "dp-ep": {"kind": "dp", "smoe": False, "flags": ep + ("--smoe-all2all", "vllm")},
+        "dp-ep-sparse": {"kind": "dp", "smoe": True, "flags": ep},
+        "dp-ep-smoe": {"kind": "dp", "smoe": True, "flags": ep + ("--smoe-placement", dp_placement)},
+        "dp-ep-smoe-agrs": {"kind": "dp", "smoe": True,
+                            "flags": ep + ("--smoe-placement", dp_placement, "--smoe-all2all", "vllm")},
+    }
+
+
+def node_command(model: str, cfg: dict, node: int, api: int, port: int, max_seqs: int) -> list[str]:
+    from .server_process import CPU_ARGS, vllm_executable
+
+    cmd = [vllm_executable(), "serve", model, *CPU_ARGS, "--max-num-seqs", str(max_seqs), *cfg["flags"]]
+    if cfg["kind"] == "tp":
+        cmd += ["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", str(node), "--master-addr", ADDR[0],
+                "--master-port", str(port)]
+    else:
+        cmd += ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-address", ADDR[0],
+                "--data-parallel-rpc-port", str(port)]
+        if node:
+            cmd += ["--data-parallel-start-rank", "1"]
+    return cmd + (["--headless"] if node else ["--host", "127.0.0.1", "--port", str(api)])
+
+
+# ----- the client, inside namespace 0 ---------------------------------------------------------
+
+def _one(client, model, prompt, max_tokens, start_at=None):
+    from .bench import _stream
+
+    if start_at is not None:
+        time.sleep(max(0.0, start_at - time.perf_counter()))
+    try:
+        st, ts, n = _stream(client, model, prompt, max_tokens)
+        return st, ts, n, None
+    except Exception as e:  # a failed request counts as failed, the run goes on
+        return time.perf_counter(), [], 0, repr(e)
+
+
+def _scrape(port: int) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def run_phase(spec: dict, net_spec: dict, phase: dict, prompts: list) -> dict:
+    """One load (fixed concurrency or Poisson arrivals) with the wire and smoe's counters read
+    around it. Runs inside namespace 0."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    net = Net.__new__(Net)
+    net.ns, net.dev = tuple(net_spec["ns"]), tuple(net_spec["dev"])
+    net.shape(phase["link"])
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{spec['api']}/v1", api_key="smoe", timeout=900)
+    model = spec["model"]
+    m0 = metric_sum(_scrape(spec["api"]), "smoe:a2a_bytes")
+    w0 = net.stats()
+    t0 = time.perf_counter()
+    if phase["arrivals"] == "poisson":
+        gaps = np.random.default_rng(phase.get("seed", 0)).exponential(1.0 / phase["rate"], len(prompts))
+        at = t0 + np.cumsum(gaps) - gaps[0]
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            outs = list(ex.map(lambda i: _one(c, model, prompts[i], phase["max_tokens"], at[i]), range(len(prompts))))
+    else:
+        with ThreadPoolExecutor(phase["concurrency"]) as ex:
+            outs = list(ex.map(lambda p: _one(c, model, p, phase["max_tokens"]), prompts))
+    secs = time.perf_counter() - t0
+    w1 = net.stats()
+    res = {**{k: v for k, v in phase.items() if k != "link"}, **latency_summary(outs, secs)}
+    wire = wire_delta(w0, w1)
+    if m0 is not None:  # counters publish once per log interval: wait one, step once to flush
+        time.sleep(1.2)
+        _one(c, model, prompts[0][:1], 1)
+        time.sleep(1.2)
+        m1 = metric_sum(_scrape(spec["api"]), "smoe:a2a_bytes")
+        wire = wire_delta(w0, net.stats())  # the flush request's own bytes on both sides
+        res["counter_bytes"] = m1 - m0
+    tok = max(1, res["tokens"])
+    res["wire"] = wire
+    res["wire_bytes_per_token"] = wire["payload"] / tok
+    res["counter_bytes_per_token"] = res["counter_bytes"] / tok if "counter_bytes" in res else None
+    res["counters_vs_wire"] = counters_agree(wire["payload"], res.get("counter_bytes"))
+    res["errors"] = sorted({o[3] for o in outs if o[3]})[:3]
+    return res
+
+
+def client_main(spec_path: str) -> int:
+    """Inside namespace 0: wait for the server, warm it, run every phase; write the results."""
+    import urllib.request
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < spec["timeout"]:
+        with contextlib.suppress(OSError), urllib.request.urlopen(f"http://127.0.0.1:{spec['api']}/health",
+                                                                  timeout=2) as r:
+            if r.status == 200:
+                break
+        time.sleep(1)
+    else:
+        sys.exit(f"server not healthy after {spec['timeout']} s")
+    out = {"start_s": time.monotonic() - t0, "phases": []}
+    import openai
+
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{spec['api']}/v1", api_key="smoe", timeout=900)
+    for p in spec["prompts"][:2]:  # warm-up: compile paths, first allocations
+        _one(c, spec["model"], p, 4)
+    for phase in spec["phases"]:
+        prompts = [p[: phase["prompt_tokens"]] for p in spec["prompts"][phase["offset"]: phase["offset"] + phase["requests"]]]
+        r = run_phase(spec, spec["net"], phase, prompts)
+        out["phases"].append(r)
+        print(json.dumps({k: r.get(k) for k in ("name", "tpot_ms", "ttft_ms", "p90_itl_ms", "tok_s", "failed",
+                                                "wire_bytes_per_token", "counter_bytes_per_token")}), flush=True)
+        with open(spec["out"], "w") as f:
+            json.dump(out, f)
+    return 0
+
+
+# ----- the orchestrator ---------------------------------------------------------------------------
+
+def _tail(log: str, n: int = 8) -> str:
+    lines = [re.sub(r"^.*?\[\S+\.py:\d+\] ", "", ln) for ln in open(log, errors="replace").read().splitlines()
+             if ln.strip()]
+    errors = list(dict.fromkeys(ln for ln in lines if re.match(r"[\w.]+(Error|Exception): ", ln)))
+    return "\n".join(errors[:n] or lines[-n:])
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(max(0.1, deadline - time.monotonic()))
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def run_config(net: Net, name: str, cfg: dict, idx: int, work: str, a, phases: list, prompts: list) -> dict:
+    api, port = 8200 + idx, 29700 + 2 * idx  # fresh ports per start: no TIME_WAIT clashes
+    procs, logs = [], []
+    try:
+        for node in (1, 0):
+            env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(node), "VLLM_HOST_IP": ADDR[node],
+                   "GLOO_SOCKET_IFNAME": net.dev[node]}
+            log = os.path.join(work, f"{idx:02d}-{name}-node{node}.log")
+            cmd = ["ip", "netns", "exec", net.ns[node],
+                   *node_command(a.model, cfg, node, api, port, max(phase.get("concurrency", 0) for phase in phases)
+                                 or 8)]
+            procs.insert(0, subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                             start_new_session=True, env=env, cwd=work))
+            logs.insert(0, log)
+        spec = {"api": api, "model": a.model, "timeout": a.timeout, "prompts": prompts, "phases": phases,
+                "net": {"ns": net.ns, "dev": net.dev}, "out": os.path.join(work, f"{idx:02d}-{name}-client.json")}
+        with open(spec["out"] + ".spec", "w") as f:
+            json.dump(spec, f)
+        logs.append(spec["out"].replace(".json", ".log"))
+        client = subprocess.Popen(["ip", "netns", "exec", net.ns[0], sys.executable, "-m", "vllm_smoe.bench_cluster",
+                                   "--client", spec["out"] + ".spec"], stdout=open(logs[2], "w"),
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(client)
+        deadline = time.monotonic() + a.timeout + a.config_timeout
+        while client.poll() is None:
+            dead = [(n, p.returncode) for n, p in enumerate(procs[:2]) if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                why = f"node {dead[0][0]} exited with {dead[0][1]}" if dead else "timeout"
+                raise RuntimeError(f"{name}: {why}" + "".join(f"\n--- {log}\n{_tail(log)}" for log in logs))
+            time.sleep(0.5)
+        if client.returncode:
+            raise RuntimeError(f"{name}: client exited with {client.returncode}\n{_tail(logs[2])}")
+        with open(spec["out"]) as f:
+            res = json.load(f)
+    finally:
+        _stop(procs)
+        net.kill_all()
+        net.shape(None)
+    text = open(logs[0], errors="replace").read() + open(logs[1], errors="replace").read()
+    res["logs"] = logs
+    res["smoe_log"] = [ln.split("smoe: ", 1)[1].strip() for ln in text.splitlines()
+                       if re.search(r"smoe: (speculate \(|dp rank \d+ served)", ln)][-2:]
+    return res
+
+
+def plan_phases(a, links: dict) -> list:
+    """Fixed-concurrency mixes, then the Poisson ladder (rates filled in per run)."""
+    phases, off = [], 2
+    for c in a.concurrency:
+        n = max(c, a.requests_per_level if c > 1 else max(2, a.requests_per_level // 4))
+        phases.append({"name": f"decode-c{c}", "mix": "decode", "arrivals": "fixed", "concurrency": c, "requests": n,
+                       "prompt_tokens": a.decode_prompt, "max_tokens": a.decode_output, "offset": off,
+                       "link": links["decode"]})
+        off += n
+    if a.prefill_requests:
+        phases.append({"name": "prefill-c8", "mix": "prefill", "arrivals": "fixed", "concurrency": 8,
+                       "requests": a.prefill_requests, "prompt_tokens": a.prefill_prompt,
+                       "max_tokens": a.prefill_output, "offset": off, "link": links["prefill"]})
+        off += a.prefill_requests
+    for i, rate in enumerate(a.rates):
+        phases.append({"name": f"poisson-{rate:g}", "mix": "decode", "arrivals": "poisson", "rate": rate, "seed": i,
+                       "requests": a.poisson_requests, "prompt_tokens": a.decode_prompt,
+                       "max_tokens": a.decode_output, "offset": off, "link": links["decode"]})
+        off += a.poisson_requests
+    return phases
+
+
+def summarise(results: dict, slo_scale: float) -> dict:
+    """Per target and configuration: the JSON's headline numbers (concurrency-8 decode mix),
+    and the SLO throughput against a bound of slo_scale x the best single-stream p90 TBT."""
+    out = {}
+    for target, res in results.items():
+        ok = {n: r for n, r in res.items() if "error" not in r}
+        single = [p["p90_itl_ms"] for r in ok.values() for p in r["phases"]
+                  if p["name"] == "decode-c1" and p.get("p90_itl_ms")]
+        bound = slo_scale * min(single) if single else None
+        rows = {}
+        for name, r in res.items():
+            if "error" in r:
+                rows[name] = {"error": r["error"], "smoe": r.get("smoe")}
+                continue
+            by = {p["name"]: p for p in r["phases"]}
+            head = by.get("decode-c8") or next(iter(by.values()))
+            ladder = [p for p in r["phases"] if p["arrivals"] == "poisson"]
+            rows[name] = {"smoe": r["smoe"], "tpot_ms": head["tpot_ms"], "ttft_ms": head["ttft_ms"],
+                          "p90_itl_ms": head["p90_itl_ms"], "tok_s": head["tok_s"],
+                          "slo_rps": slo_rate(ladder, "p90_itl_ms", bound) if bound and ladder else None,
+                          "slo_bound_ms": bound,
+                          "wire_bytes_per_token": head["wire_bytes_per_token"],
+                          "counter_bytes_per_token": head["counter_bytes_per_token"],
+                          "counters_vs_wire": head["counters_vs_wire"],
+                          "phases": {p["name"]: {k: p.get(k) for k in ("tpot_ms", "ttft_ms", "p90_itl_ms", "tok_s",
+                                                                       "failed", "wire_bytes_per_token",
+                                                                       "counter_bytes_per_token")}
+                                     for p in r["phases"]},
+                          "smoe_log": r.get("smoe_log")}
+        out[target] = rows
+    return out
+
+
+def run(a) -> int:
+    from .cli_util import check_output_file
+    from .bench import _mixed_prompts
+
+    if a.json:
+        check_output_file(a.json, "--json")
+    if bad := [t for t in a.target if t not in TARGETS and t != "none"]:
+        raise ValueError(f"--target {' '.join(bad)}: choose from {', '.join(TARGETS)}, none")
+    if not os.path.isfile(os.path.join(a.model, "config.json")):
+        raise ValueError(f"--model {a.model}: no config.json there")
+    import shutil
+
+    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+    if os.geteuid() != 0 or missing:
+        print(f"smoe-bench cluster: needs root (namespaces, veth, tc) and iproute2's ip and tc; uid "
+              f"{os.geteuid()}, not found: {', '.join(missing) or 'none'}", file=sys.stderr)
+        return 2
+    from .testbed import FIXTURE_TRACES
+
+    work = a.work or tempfile.mkdtemp(prefix="smoe-cluster-")
+    os.makedirs(work, exist_ok=True)
+    print(f"logs in {work}", flush=True)
+    a.model = os.path.abspath(a.model)
+    tp_pl, dp_pl = a.placement, a.dp_placement
+    for mode, given, flags in (("tp", tp_pl, ()), ("dp", dp_pl, ("--mode", "dp"))):
+        if given:
+            continue
+        if not a.trace:
+            raise ValueError(f"--trace is needed to build the {mode} placement (or give --{mode}-placement)")
+        out = os.path.join(work, f"placement-{mode}.yaml")
+        sh(sys.executable, "-m", "vllm_smoe.place_cli", "build", "--trace", *a.trace, "--ep-size", "2", "--model",
+           a.model, *flags, "-o", out)
+        tp_pl, dp_pl = (out, dp_pl) if mode == "tp" else (tp_pl, out)
+    metrics_dir = os.path.join(work, "metrics")
+    os.makedirs(metrics_dir, exist_ok=True)
+    all_cfgs = configurations(tp_pl, dp_pl, metrics_dir)
+    names = [c for c in a.configs.split(",") if c]
+    if bad := [c for c in names if c not in all_cfgs]:
+        raise ValueError(f"--configs: unknown {bad}; choose from {', '.join(all_cfgs)}")
+    host = host_speed()
+    print(f"host, one thread: {host['gemm_flops'] / 1e9:.0f} GFLOP/s fp32 GEMM, {host['read_bw'] / 1e9:.1f} GB/s "
+          f"weight reads", flush=True)
+    need = len(a.concurrency) * a.requests_per_level + max(a.concurrency) + a.prefill_requests \
+        + a.poisson_requests * len(a.rates) + 8
+    prompts = _mixed_prompts(a.prompts_trace or FIXTURE_TRACES["heldout"], need,
+                             max(a.decode_prompt, a.prefill_prompt), a.seed)
+    if len(prompts) < need:
+        prompts = (prompts * (need // max(1, len(prompts)) + 1))[:need]
+    net, results, meta, idx, rc = Net(), {}, {"links": {}, "measured_link": {}}, 0, 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        net.up()
+        for target in a.target:
+            links = ({"decode": None, "prefill": None} if target == "none" else
+                     {ph: link_settings(host, target, ph) for ph in ("decode", "prefill")})
+            if a.rate:  # a fixed rate instead of the target's proportions
+                links = {ph: {"target": "fixed", "phase": ph, "rate_bytes_s": a.rate / 8, "rate_bit": int(a.rate),
+                              "delay_s": a.delay} for ph in ("decode", "prefill")}
+            meta["links"][target] = links
+            net.shape(links["decode"])
+            meta["measured_link"][target] = {**measure_link(net), "delay_applied": net.delay_applied}
+            net.shape(None)
+            m = meta["measured_link"][target]
+            print(f"[{target}] decode link {links['decode'] and links['decode']['rate_bit'] / 1e6}"
+                  f" Mbit/s: measured {8 * m['rate_bytes_s'] / 1e6:.1f} Mbit/s, RTT {1e3 * m['rtt_s']:.2f} ms",
+                  flush=True)
+            phases = plan_phases(a, links)
+            results[target] = {}
+            for name in names:
+                for rnd in range(a.repeats):
+                    idx += 1
+                    t = time.monotonic()
+                    key = name if a.repeats == 1 else f"{name}#{rnd}"
+                    try:
+                        r = run_config(net, name, all_cfgs[name], idx, work, a, phases, prompts)
+                        r["smoe"] = all_cfgs[name]["smoe"]
+                        results[target][key] = r
+                        head = next((p for p in r["phases"] if p["name"] == "decode-c8"), r["phases"][0])
+                        print(f"[{target}] {key}: TPOT {head['tpot_ms']:.1f} ms, wire "
+                              f"{head['wire_bytes_per_token']:.0f} B/token ({time.monotonic() - t:.0f} s)", flush=True)
+                    except RuntimeError as e:
+                        results[target][key] = {"error": str(e), "smoe": all_cfgs[name]["smoe"]}
+                        print(f"FAILED {e}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        print("interrupted: cleaning up", file=sys.stderr)
+        rc = 130
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        net.down()
+    summary = summarise(results, a.slo_scale)
+    _print(summary)
+    payload = {"date": datetime.datetime.now().astimezone().isoformat(), "uname": " ".join(os.uname()),
+               "model": a.model, "placements": {"tp": tp_pl, "dp": dp_pl}, "host": host, **meta,
+               "targets": {t: TARGETS.get(t) for t in a.target},
+               "args": {k: v for k, v in vars(a).items() if k != "fn"},
+               "configs": {n: {k: list(v) if k == "flags" else v for k, v in all_cfgs[n].items()} for n in names},
+               "summary": summary, "results": results}
+    if a.json:
+        from .bench import _write_json
+
+        _write_json(a.json, payload)
+    if a.plot:
+        _plot(summary, results, a.plot)
+    return rc or int(any("error" in r for res in results.values() for r in res.values()))
+
+
+def _print(summary: dict) -> None:
+    for target, rows in summary.items():
+        print(f"\ntarget {target} (decode mix at concurrency 8; SLO: p90 TBT bound)")
+        print(f"{'config':>22} {'smoe':>5} {'TPOT ms':>8} {'TTFT ms':>8} {'p90 ITL':>8} {'tok/s':>7} {'SLO rps':>8} "
+              f"{'wire B/tok':>10} {'ctr B/tok':>10}")
+        for name, r in rows.items():
+            if "error" in r:
+                print(f"{name:>22} failed: {r['error'].splitlines()[0]}")
+                continue
+
+            def f(v, fmt):
+                return format(v, fmt) if v is not None else "-"
+            print(f"{name:>22} {str(r['smoe']):>5} {f(r['tpot_ms'], '8.1f')} {f(r['ttft_ms'], '8.0f')} "
+                  f"{f(r['p90_itl_ms'], '8.1f')} {f(r['tok_s'], '7.1f')} {f(r['slo_rps'], '8.2f')} "
+                  f"{f(r['wire_bytes_per_token'], '10.0f')} {f(r['counter_bytes_per_token'], '10.0f')}")
+
+
+def _plot(summary: dict, results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, (target, res) in zip(axes[0], results.items()):
+        for name, r in res.items():
+            if "error" in r:
+                continue
+            ladder = [p for p in r["phases"] if p["arrivals"] == "poisson" and p.get("p90_itl_ms")]
+            ax.plot([p["rate"] for p in ladder], [p["p90_itl_ms"] for p in ladder], "o-", label=name)
+        bound = next((r.get("slo_bound_ms") for r in summary[target].values() if r.get("slo_bound_ms")), None)
+        if bound:
+            ax.axhline(bound, color="gray", ls="--", lw=1, label="SLO")
+        ax.set(title=f"link: {target}", xlabel="offered requests/s (Poisson)", ylabel="p90 inter-token latency (ms)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def add_parser(sub) -> None:
+    from .cli_util import number
+
+    p = sub.add_parser("cluster", help="vLLM nodes in network namespaces over a link shaped to a real cluster's "
+                                       "proportions: every configuration end to end (needs root; JSON, plot)")
+    p.add_argument("--model", required=True, help="checkpoint (e.g. one widened with smoe-testbed inflate)")
+    p.add_argument("--trace", nargs="+", help="routing trace(s) smoe's placements are built from, as a user would")
+    p.add_argument("--placement", help="TP placement (instead of building one from --trace)")
+    p.add_argument("--dp-placement", help="DP placement (instead of building one from --trace)")
+    p.add_argument("--prompts-trace", help="prompts from this trace's requests (default: the fixture's held-out)")
+    p.add_argument("--target", nargs="+", default=["ib-ndr", "none"],
+                   help=f"link proportions: {', '.join(TARGETS)}, or none (no shaping: the veth's speed)")
+    p.add_argument("--rate", type=number(float, 0, lo_open=True), help="fixed link rate in bit/s instead of a target")
+    p.add_argument("--delay", type=number(float, 0), default=0.0, help="with --rate: one-way delay in s")
+    p.add_argument("--configs", default="tp,tp-ep,tp-ep-speculate,dp-ep,dp-ep-smoe",
+                   help="comma-separated, from: tp, tp-ep, tp-ep-speculate, tp-ep-speculate-agrs, dp-ep, "
+                        "dp-ep-sparse, dp-ep-smoe, dp-ep-smoe-agrs")
+    p.add_argument("--concurrency", type=number(int, 1), nargs="+", default=[1, 8, 32])
+    p.add_argument("--requests-per-level", type=number(int, 1), default=16)
+    p.add_argument("--decode-prompt", type=number(int, 1), default=32)
+    p.add_argument("--decode-output", type=number(int, 2), default=32)
+    p.add_argument("--prefill-prompt", type=number(int, 1), default=384)
+    p.add_argument("--prefill-output", type=number(int, 2), default=4)
+    p.add_argument("--prefill-requests", type=number(int, 0), default=8)
+    p.add_argument("--rates", type=number(float, 0, lo_open=True), nargs="*", default=[0.5, 1.0, 2.0, 4.0],
+                   help="Poisson request rates of the SLO ladder (req/s)")
+    p.add_argument("--poisson-requests", type=number(int, 1), default=16)
+    p.add_argument("--slo-scale", type=number(float, 1), default=3.0,
+                   help="p90 TBT bound = this x the best configuration's single-stream p90 TBT")
+    p.add_argument("--repeats", type=number(int, 1), default=1, help="starts of each configuration (spread)")
+    p.add_argument("--timeout", type=number(float, 1), default=600.0, help="seconds for a server start")
+    p.add_argument("--config-timeout", type=number(float, 1), default=1800.0, help="seconds for a configuration's load")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work", help="directory for logs and placements (default: a temp dir)")
+    p.add_argument("--plot", help="PNG: p90 TBT against offered rate, per target")
+    p.add_argument("--json")
+    p.set_defaults(fn=run)
+
+
+def main(argv=None) -> int:
+    """Internal entries: the client (inside namespace 0) and the link probe's sink."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--client"]:
+        return client_main(argv[1])
+    if argv[:1] == ["--probe-sink"]:
+        return _probe_sink(int(argv[1]))
+    print("use: smoe-bench cluster ...", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
