@@ -88,3 +88,21 @@ def test_cli_refuses_unknown_target_before_any_work(tmp_path):
                         "tpu", "--work", str(tmp_path / "w")], capture_output=True, text=True)
     assert r.returncode == 2 and "--target tpu" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "w").exists()
+
+
+def test_socket_bytes_by_process():
+    from vllm_smoe.bench_cluster import parse_ss, socket_delta
+
+    text = """ESTAB 0      0               10.213.0.1:29708          10.213.0.2:35314 users:(("VLLM::Worker_TP",pid=5563,fd=5))
+\t bbr wscale:10,10 rto:208 mss:1448 bytes_sent:567 bytes_acked:567 bytes_received:142 segs_out:5
+ESTAB 0      0      [::ffff:10.213.0.1]:37425 [::ffff:10.213.0.2]:55276 users:(("vllm",pid=5563,fd=6))
+\t bbr rto:204 bytes_sent:4 bytes_acked:4 bytes_received:42
+ESTAB 0      0      [::ffff:10.213.0.1]:37425 [::ffff:10.213.0.1]:48608 users:(("vllm",pid=5563,fd=21))
+\t bbr rto:204 bytes_sent:9999 bytes_acked:4
+"""
+    before = parse_ss(text)
+    assert before == {("10.213.0.1:29708", "10.213.0.2:35314"): ("VLLM::Worker_TP", 567),
+                      ("10.213.0.1:37425", "10.213.0.2:55276"): ("vllm", 4)}
+    after = {**before, ("10.213.0.1:29708", "10.213.0.2:35314"): ("VLLM::Worker_TP", 1567),
+             ("10.213.0.1:1", "10.213.0.2:2"): ("vllm", 10)}
+    assert socket_delta(before, after) == {"VLLM::Worker_TP": 1000, "vllm": 10}

@@ -104,12 +104,14 @@ def slo_rate(ladder: list[dict], key: str, bound_ms: float) -> float:
     stays under ``bound_ms`` with no failed request, every lower rate meeting it too (a
     configuration that misses the SLO at a low rate does not count a lucky higher one).
     ladder: [{"rate": req/s, key: ms, "failed": int}, ...]. 0.0 when even the lowest misses."""
-    best = 0.0
-    for row in sorted(ladder, key=lambda r: r["rate"]):
+    def meets(row):
         v = row.get(key)
-        if v is None or not np.isfinite(v) or v > bound_ms or row.get("failed", 0):
+        return v is not None and np.isfinite(v) and v <= bound_ms and not row.get("failed", 0)
+    best = 0.0
+    for rate in sorted({r["rate"] for r in ladder}):
+        if not all(meets(r) for r in ladder if r["rate"] == rate):
             break
-        best = row["rate"]
+        best = rate
     return best
 
 
@@ -128,6 +130,34 @@ def latency_summary(outs: list, seconds: float) -> dict:
             "p90_itl_ms": ms(itl, lambda v: np.percentile(v, 90)), "p90_ttft_ms": ms(ttft, lambda v: np.percentile(v, 90)),
             "tok_s": tokens / seconds if seconds > 0 else None, "tokens": tokens, "requests": len(ok),
             "failed": len(outs) - len(ok), "seconds": seconds}
+
+
+def parse_ss(text: str) -> dict:
+    """``ss -tinpH`` output -> {(local, peer): (process name, bytes_sent)} for TCP sockets between
+    two different hosts (a socket within one namespace never touches the veth)."""
+    out, key = {}, None
+    for ln in text.splitlines():
+        m = re.match(r"^\S+\s+\d+\s+\d+\s+(\S+):(\d+)\s+(\S+):(\d+)\s*(.*)$", ln)
+        if m:
+            local, peer = m.group(1).replace("[::ffff:", "").rstrip("]"), m.group(3).replace("[::ffff:", "").rstrip("]")
+            who = re.search(r'users:\(\("([^"]+)"', m.group(5))
+            key = (f"{local}:{m.group(2)}", f"{peer}:{m.group(4)}", who.group(1) if who else "?") \
+                if local != peer else None
+            continue
+        b = re.search(r"bytes_sent:(\d+)", ln)
+        if key is not None and b:
+            out[key[:2]] = (key[2], int(b.group(1)))
+            key = None
+    return out
+
+
+def socket_delta(before: dict, after: dict) -> dict:
+    """TCP payload sent between two :func:`parse_ss` readings, summed per process name (a
+    socket opened in between counts whole)."""
+    out: dict[str, int] = {}
+    for k, (who, sent) in after.items():
+        out[who] = out.get(who, 0) + sent - (before[k][1] if k in before else 0)
+    return out
 
 
 def metric_sum(text: str, name: str) -> float | None:
@@ -217,6 +247,12 @@ class Net:
             vals = sh("ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/statistics/tx_bytes",
                       f"/sys/class/net/{dev}/statistics/tx_packets").stdout.split()
             out[dev] = {"tx_bytes": int(vals[0]), "tx_packets": int(vals[1])}
+        return out
+
+    def sockets(self) -> dict:
+        out = {}
+        for ns in self.ns:
+            out.update(parse_ss(sh("ip", "netns", "exec", ns, "ss", "-tinpH", check=False).stdout))
         return out
 
     def kill_all(self) -> None:
@@ -320,8 +356,9 @@ def node_command(model: str, cfg: dict, node: int, api: int, port: int, max_seqs
         cmd += ["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", str(node), "--master-addr", ADDR[0],
                 "--master-port", str(port)]
     else:
+        # one API server: smoe's collector is not on the registry of vLLM's multi-server mode
         cmd += ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-address", ADDR[0],
-                "--data-parallel-rpc-port", str(port)]
+                "--data-parallel-rpc-port", str(port), "--api-server-count", "1"]
         if node:
             cmd += ["--data-parallel-start-rank", "1"]
     return cmd + (["--headless"] if node else ["--host", "127.0.0.1", "--port", str(api)])
@@ -361,7 +398,7 @@ def run_phase(spec: dict, net_spec: dict, phase: dict, prompts: list) -> dict:
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{spec['api']}/v1", api_key="smoe", timeout=900)
     model = spec["model"]
     m0 = metric_sum(_scrape(spec["api"]), "smoe:a2a_bytes")
-    w0 = net.stats()
+    w0, s0 = net.stats(), net.sockets()
     t0 = time.perf_counter()
     if phase["arrivals"] == "poisson":
         gaps = np.random.default_rng(phase.get("seed", 0)).exponential(1.0 / phase["rate"], len(prompts))
@@ -384,6 +421,9 @@ def run_phase(spec: dict, net_spec: dict, phase: dict, prompts: list) -> dict:
         res["counter_bytes"] = m1 - m0
     tok = max(1, res["tokens"])
     res["wire"] = wire
+    # who sent it: vLLM's workers (collectives on gloo), its engine and API processes (scheduler
+    # output to the remote node, results back), by process name
+    res["sent_by_process"] = socket_delta(s0, net.sockets())
     res["wire_bytes_per_token"] = wire["payload"] / tok
     res["counter_bytes_per_token"] = res["counter_bytes"] / tok if "counter_bytes" in res else None
     res["counters_vs_wire"] = counters_agree(wire["payload"], res.get("counter_bytes"))
