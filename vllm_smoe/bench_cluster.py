@@ -324,6 +324,102 @@ print(json.dumps({{"rtt_s": sorted(rtt)[10], "bulk_bytes": n, "bulk_s": s}}))
     return out
 
 
+# ----- the exchange alone on the wire ---------------------------------------------------------
+
+def _wire_worker(rank: int, spec_path: str) -> int:
+    """One gloo rank per namespace: the MoE layer's exchange alone on the veth, smoe's sparse one
+    and vLLM's allgather-reducescatter, each step as served over a network (exact sizes,
+    all_gather_into_tensor and reduce_scatter_tensor as smoe's CPU communicator uses on gloo).
+    Writes each pipeline's counted bytes and this rank's veth tx counters around it."""
+    import torch
+    import torch.distributed as dist
+
+    from .serving.sparse_a2a import SparseExchange
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    plan, dev, N = spec["plan"], spec["dev"][rank], 2
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{ADDR[0]}:{spec['port']}", rank=rank, world_size=N)
+
+    def tx():
+        vals = [int(open(f"/sys/class/net/{dev}/statistics/{k}").read()) for k in ("tx_bytes", "tx_packets")]
+        return {"tx_bytes": vals[0], "tx_packets": vals[1]}
+
+    def gather(x):
+        o = x.new_empty((N * x.shape[0],) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(o, x.contiguous())
+        return o
+
+    def reduce_scatter(x):
+        o = x.new_empty((x.shape[0] // N,) + tuple(x.shape[1:]))
+        dist.reduce_scatter_tensor(o, x.contiguous())
+        return o
+
+    H, g = plan["hidden"], torch.Generator().manual_seed(rank)
+    out = {}
+    for name in ("smoe", "vllm"):
+        owner = torch.as_tensor(plan["smoe" if name == "smoe" else "baseline"]["expert2rank"]).long()
+        counted = 0
+        dist.barrier()
+        before = tx()
+        for step in plan["steps"]:
+            ids_all = torch.as_tensor(step["ids"]).long()
+            T, K = ids_all.shape
+            c = -(-T // N)
+            order = torch.as_tensor(step["order"]) if name == "smoe" else torch.arange(T)
+            rows = order[rank * c: (rank + 1) * c]
+            ids = ids_all[rows]
+            x, w = torch.randn(len(rows), H, generator=g), torch.full((len(rows), K), 1.0 / K)
+            if name == "smoe":
+                ex = SparseExchange(rank, N, owner, gather, reduce_scatter, exact=True)
+                h, ww, ii = ex.dispatch(x, w, ids)
+                ex.combine(h * (ww * (owner[ii] == rank)).sum(1, keepdim=True))
+                counted += int(ex.stats[2])
+            else:  # vLLM's: every row to every rank (ids, weights too), full partial sums back
+                full = gather(x)
+                gather(w), gather(ids)
+                reduce_scatter(full.contiguous())
+                counted += (N - 1) * x.shape[0] * (2 * H * x.element_size() + 8 * K)
+        dist.barrier()
+        out[name] = {"counted": counted, "before": before, "after": tx()}
+    with open(spec["out"].format(rank=rank), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+    return 0
+
+
+def wire_check(net: Net, hidden: int, work: str, tokens: int = 64, steps: int = 24, port: int = 29650) -> dict:
+    """smoe's byte counters (and the bytes vLLM's allgather-reducescatter is modelled to carry)
+    against the veth, on the exchange alone: the fixture's held-out routing, its placement and
+    predictor (as ``smoe-bench comm``), ``steps`` steps of ``tokens`` tokens at ``hidden``."""
+    import argparse
+
+    from .bench import _comm_plan
+
+    plan = _comm_plan(argparse.Namespace(routing="testbed", layer=1, tokens=tokens, steps=steps, ranks=2,
+                                         hidden=hidden))
+    plan = json.loads(json.dumps(plan, default=lambda o: o.tolist()))
+    spec = {"plan": plan, "dev": net.dev, "port": port, "out": os.path.join(work, "wire-{rank}.json")}
+    path = os.path.join(work, "wire-spec.json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    procs = [subprocess.Popen(["ip", "netns", "exec", net.ns[r], sys.executable, "-m", "vllm_smoe.bench_cluster",
+                               "--wire-worker", str(r), path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env={**os.environ, "GLOO_SOCKET_IFNAME": net.dev[r]}) for r in (0, 1)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError("wire check failed:\n" + "\n".join(log[-2000:] for log in logs))
+    ranks = [json.load(open(spec["out"].format(rank=r))) for r in (0, 1)]
+    res = {"tokens_per_step": tokens, "steps": steps, "hidden": hidden, "lar": {"smoe": plan["lar"],
+                                                                              "vllm": plan["base_lar"]}}
+    for name in ("smoe", "vllm"):
+        w = wire_delta({r: ranks[r][name]["before"] for r in (0, 1)}, {r: ranks[r][name]["after"] for r in (0, 1)})
+        counted = sum(ranks[r][name]["counted"] for r in (0, 1))
+        res[name] = {"counted_bytes": counted, "wire": w, "agreement": counters_agree(w["payload"], counted)}
+    return res
+
+
 # ----- configurations ---------------------------------------------------------------------------
 
 def configurations(tp_placement: str, dp_placement: str, metrics_dir: str) -> dict:
@@ -348,19 +444,25 @@ def configurations(tp_placement: str, dp_placement: str, metrics_dir: str) -> di
     }
 
 
-def node_command(model: str, cfg: dict, node: int, api: int, port: int, max_seqs: int) -> list[str]:
+def node_command(model: str, cfg: dict, node: int, api: int, port: int, max_seqs: int,
+                 mem_share: float = 0.3) -> list[str]:
     from .server_process import CPU_ARGS, vllm_executable
 
-    cmd = [vllm_executable(), "serve", model, *CPU_ARGS, "--max-num-seqs", str(max_seqs), *cfg["flags"]]
+    # KV cache: vLLM's CPU budget is a share of RAM less the weights, and production-width
+    # weights take more than the tests' 0.15 leaves
+    cmd = [vllm_executable(), "serve", model, *CPU_ARGS, "--max-num-seqs", str(max_seqs),
+           "--gpu-memory-utilization", str(mem_share), *cfg["flags"]]
     if cfg["kind"] == "tp":
         cmd += ["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", str(node), "--master-addr", ADDR[0],
                 "--master-port", str(port)]
     else:
         # one API server: smoe's collector is not on the registry of vLLM's multi-server mode
         cmd += ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-address", ADDR[0],
-                "--data-parallel-rpc-port", str(port), "--api-server-count", "1"]
+                "--data-parallel-rpc-port", str(port)]
         if node:
             cmd += ["--data-parallel-start-rank", "1"]
+    if not node and cfg["kind"] == "dp":
+        cmd += ["--api-server-count", "1"]
     return cmd + (["--headless"] if node else ["--host", "127.0.0.1", "--port", str(api)])
 
 
@@ -495,7 +597,7 @@ def run_config(net: Net, name: str, cfg: dict, idx: int, work: str, a, phases: l
             log = os.path.join(work, f"{idx:02d}-{name}-node{node}.log")
             cmd = ["ip", "netns", "exec", net.ns[node],
                    *node_command(a.model, cfg, node, api, port, max(phase.get("concurrency", 0) for phase in phases)
-                                 or 8)]
+                                 or 8, a.memory_share)]
             procs.insert(0, subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                              start_new_session=True, env=env, cwd=work))
             logs.insert(0, log)
@@ -637,6 +739,14 @@ def run(a) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         net.up()
+        if a.wire_check:
+            hidden = json.load(open(os.path.join(a.model, "config.json")))["hidden_size"]
+            meta["wire_check"] = wc = wire_check(net, hidden, work)
+            for name in ("smoe", "vllm"):
+                ag = wc[name]["agreement"]
+                print(f"wire check, {name} exchange alone: counted {wc[name]['counted_bytes'] / 1e6:.2f} MB, veth "
+                      f"payload {wc[name]['wire']['payload'] / 1e6:.2f} MB (counted / wire {ag['ratio']:.3f}, "
+                      f"{'within' if ag['within'] else 'NOT within'} {100 * ag['tol']:.0f}%)", flush=True)
         for target in a.target:
             links = ({"decode": None, "prefill": None} if target == "none" else
                      {ph: link_settings(host, target, ph) for ph in ("decode", "prefill")})
@@ -668,9 +778,9 @@ def run(a) -> int:
                     except RuntimeError as e:
                         results[target][key] = {"error": str(e), "smoe": all_cfgs[name]["smoe"]}
                         print(f"FAILED {e}", file=sys.stderr, flush=True)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C, or SIGTERM: what was measured is still written
         print("interrupted: cleaning up", file=sys.stderr)
-        rc = 130
+        rc = 130 if isinstance(e, KeyboardInterrupt) else 143
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
@@ -732,6 +842,8 @@ def _plot(summary: dict, results: dict, path: str) -> None:
 
 
 def add_parser(sub) -> None:
+    import argparse
+
     from .cli_util import number
 
     p = sub.add_parser("cluster", help="vLLM nodes in network namespaces over a link shaped to a real cluster's "
@@ -760,6 +872,10 @@ def add_parser(sub) -> None:
     p.add_argument("--poisson-requests", type=number(int, 1), default=16)
     p.add_argument("--slo-scale", type=number(float, 1), default=3.0,
                    help="p90 TBT bound = this x the best configuration's single-stream p90 TBT")
+    p.add_argument("--wire-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="first run the MoE exchange alone across the veth: smoe's counters against the wire")
+    p.add_argument("--memory-share", type=number(float, 0, 1, lo_open=True), default=0.3,
+                   help="--gpu-memory-utilization of each node (on CPU: the share of RAM for weights and KV cache)")
     p.add_argument("--repeats", type=number(int, 1), default=1, help="starts of each configuration (spread)")
     p.add_argument("--timeout", type=number(float, 1), default=600.0, help="seconds for a server start")
     p.add_argument("--config-timeout", type=number(float, 1), default=1800.0, help="seconds for a configuration's load")
@@ -775,6 +891,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--client"]:
         return client_main(argv[1])
+    if argv[:1] == ["--wire-worker"]:
+        return _wire_worker(int(argv[1]), argv[2])
     if argv[:1] == ["--probe-sink"]:
         return _probe_sink(int(argv[1]))
     print("use: smoe-bench cluster ...", file=sys.stderr)
