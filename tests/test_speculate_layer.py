@@ -2,7 +2,7 @@
 
 One layer as serving runs it: predicted token order (``device_predict``) -> vLLM's contiguous
 sequence-parallel chunk -> router -> expert-parallel MoE (smoe's sparse exchange, or vLLM's
-allgather-reducescatter) -> all-gather -> original order. Whatever the predictor says, every
+allgather-reducescatter, or its point-to-point transport) -> all-gather -> original order. Whatever the predictor says, every
 rank must end with the reference output. A second run patches ``Tensor.item/.tolist/.cpu/
 .numpy`` to raise around the token order and the static allgather-reducescatter path: nothing
 there may read device values on the host. The reference MoE below is test-only math.
@@ -73,6 +73,10 @@ class _NoHostSync:
             setattr(torch.Tensor, n, f)
 
 
+def _a2a(out, inp, out_splits, in_splits):
+    dist.all_to_all_single(out, inp, out_splits, in_splits)
+
+
 def _layer(rank, x, ids, predictor, exchange_kind, router, w13, w2, owner, exact=False):
     T = x.shape[0]
     pref, conf = (dp.predict_random(ids, 0, WORLD) if predictor == "random" else
@@ -84,8 +88,9 @@ def _layer(rank, x, ids, predictor, exchange_kind, router, w13, w2, owner, exact
     chunk = torch.nn.functional.pad(xs, (0, 0, 0, c * WORLD - T))[rank * c:(rank + 1) * c]
     w, top = _route(chunk, router)
     keep = owner == rank
-    if exchange_kind == "sparse":
-        ex = SparseExchange(rank, WORLD, owner, _gather, _reduce_scatter, exact)
+    if exchange_kind in ("sparse", "p2p"):
+        ex = SparseExchange(rank, WORLD, owner, _gather, _reduce_scatter, exact,
+                            all_to_all=_a2a if exchange_kind == "p2p" else None)
         hs, ws, ids_ = ex.dispatch(chunk, w, top)
         out = ex.combine(_experts(hs, ws, ids_, w13, w2, keep))
     else:  # vLLM's allgather-reducescatter with equal chunks: static shapes end to end
@@ -113,10 +118,14 @@ def _worker(rank, port, results):
                 got = _layer(rank, x, ids, predictor, "sparse", router, w13, w2, owner, exact)
                 if not torch.allclose(got, want, atol=1e-5):
                     failures.append(f"sparse T={T} {predictor} exact={exact}: {(got - want).abs().max():.2e}")
-            # every expert on rank 0: ranks 1-3 receive nothing, rank 0 sends nothing
-            got = _layer(rank, x, ids, predictor, "sparse", router, w13, w2, torch.zeros(E, dtype=torch.long))
+            got = _layer(rank, x, ids, predictor, "p2p", router, w13, w2, owner)
             if not torch.allclose(got, want, atol=1e-5):
-                failures.append(f"sparse T={T} {predictor} all-on-0: {(got - want).abs().max():.2e}")
+                failures.append(f"p2p T={T} {predictor}: {(got - want).abs().max():.2e}")
+            # every expert on rank 0: ranks 1-3 receive nothing, rank 0 sends nothing
+            for kind in ("sparse", "p2p"):
+                got = _layer(rank, x, ids, predictor, kind, router, w13, w2, torch.zeros(E, dtype=torch.long))
+                if not torch.allclose(got, want, atol=1e-5):
+                    failures.append(f"{kind} T={T} {predictor} all-on-0: {(got - want).abs().max():.2e}")
             with _NoHostSync():
                 got = _layer(rank, x, ids, predictor, "agrs", router, w13, w2, owner)
             if not torch.allclose(got, want, atol=1e-5):

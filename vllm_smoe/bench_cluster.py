@@ -326,6 +326,11 @@ print(json.dumps({{"rtt_s": sorted(rtt)[10], "bulk_bytes": n, "bulk_s": s}}))
 
 # ----- the exchange alone on the wire ---------------------------------------------------------
 
+# smoe's sparse exchange over the shared-memory transport's gather (as it would run over a
+# network before the point-to-point one), over its point-to-point transport, and vLLM's
+# allgather-reducescatter
+PIPELINES = ("smoe-gather", "smoe-p2p", "vllm")
+
 def _wire_worker(rank: int, spec_path: str) -> int:
     """One gloo rank per namespace: the MoE layer's exchange alone on the veth, smoe's sparse one
     and vLLM's allgather-reducescatter, each step as served over a network (exact sizes,
@@ -356,23 +361,27 @@ def _wire_worker(rank: int, spec_path: str) -> int:
         dist.reduce_scatter_tensor(o, x.contiguous())
         return o
 
+    def all_to_all(o, x, out_splits, in_splits):
+        dist.all_to_all_single(o, x, out_splits, in_splits)
+
     H, g = plan["hidden"], torch.Generator().manual_seed(rank)
     out = {}
-    for name in ("smoe", "vllm"):
-        owner = torch.as_tensor(plan["smoe" if name == "smoe" else "baseline"]["expert2rank"]).long()
+    for name in PIPELINES:
+        owner = torch.as_tensor(plan["baseline" if name == "vllm" else "smoe"]["expert2rank"]).long()
         counted = 0
         dist.barrier()
-        before = tx()
+        before, t0 = tx(), time.perf_counter()
         for step in plan["steps"]:
             ids_all = torch.as_tensor(step["ids"]).long()
             T, K = ids_all.shape
             c = -(-T // N)
-            order = torch.as_tensor(step["order"]) if name == "smoe" else torch.arange(T)
+            order = torch.arange(T) if name == "vllm" else torch.as_tensor(step["order"])
             rows = order[rank * c: (rank + 1) * c]
             ids = ids_all[rows]
             x, w = torch.randn(len(rows), H, generator=g), torch.full((len(rows), K), 1.0 / K)
-            if name == "smoe":
-                ex = SparseExchange(rank, N, owner, gather, reduce_scatter, exact=True)
+            if name != "vllm":
+                ex = SparseExchange(rank, N, owner, gather, reduce_scatter, exact=True,
+                                    all_to_all=all_to_all if name == "smoe-p2p" else None)
                 h, ww, ii = ex.dispatch(x, w, ids)
                 ex.combine(h * (ww * (owner[ii] == rank)).sum(1, keepdim=True))
                 counted += int(ex.stats[2])
@@ -382,7 +391,7 @@ def _wire_worker(rank: int, spec_path: str) -> int:
                 reduce_scatter(full.contiguous())
                 counted += (N - 1) * x.shape[0] * (2 * H * x.element_size() + 8 * K)
         dist.barrier()
-        out[name] = {"counted": counted, "before": before, "after": tx()}
+        out[name] = {"counted": counted, "before": before, "after": tx(), "seconds": time.perf_counter() - t0}
     with open(spec["out"].format(rank=rank), "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
@@ -413,7 +422,8 @@ def wire_check(net: Net, hidden: int, work: str, tokens: int = 64, steps: int = 
     ranks = [json.load(open(spec["out"].format(rank=r))) for r in (0, 1)]
     res = {"tokens_per_step": tokens, "steps": steps, "hidden": hidden, "lar": {"smoe": plan["lar"],
                                                                               "vllm": plan["base_lar"]}}
-    for name in ("smoe", "vllm"):
+    res["seconds"] = {name: max(ranks[r][name]["seconds"] for r in (0, 1)) for name in PIPELINES}
+    for name in PIPELINES:
         w = wire_delta({r: ranks[r][name]["before"] for r in (0, 1)}, {r: ranks[r][name]["after"] for r in (0, 1)})
         counted = sum(ranks[r][name]["counted"] for r in (0, 1))
         res[name] = {"counted_bytes": counted, "wire": w, "agreement": counters_agree(w["payload"], counted)}
@@ -428,7 +438,8 @@ def configurations(tp_placement: str, dp_placement: str, metrics_dir: str) -> di
     for expert parallelism (--plugin smoe with nothing placed or ordered, vLLM's all2all)."""
     ep = ("--enable-expert-parallel", "--plugin", "smoe", "--smoe-log-interval", "0.5",
           "--additional-config", json.dumps({"smoe": {"metrics_dir": metrics_dir}}))
-    return {
+    # "counts": the configuration's all2all is smoe's sparse exchange, whose counters are read
+    cfgs = {
         "tp": {"kind": "tp", "smoe": False, "flags": ()},
         "tp-ep": {"kind": "tp", "smoe": False, "flags": ep + ("--smoe-all2all", "vllm")},
         "tp-ep-speculate": {"kind": "tp", "smoe": True,
@@ -442,6 +453,9 @@ def configurations(tp_placement: str, dp_placement: str, metrics_dir: str) -> di
         "dp-ep-smoe-agrs": {"kind": "dp", "smoe": True,
                             "flags": ep + ("--smoe-placement", dp_placement, "--smoe-all2all", "vllm")},
     }
+    for c in cfgs.values():
+        c["counts"] = "--enable-expert-parallel" in c["flags"] and "vllm" not in c["flags"]
+    return cfgs
 
 
 def node_command(model: str, cfg: dict, node: int, api: int, port: int, max_seqs: int,
@@ -499,7 +513,7 @@ def run_phase(spec: dict, net_spec: dict, phase: dict, prompts: list) -> dict:
     net.shape(phase["link"])
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{spec['api']}/v1", api_key="smoe", timeout=900)
     model = spec["model"]
-    m0 = metric_sum(_scrape(spec["api"]), "smoe:a2a_bytes")
+    m0 = metric_sum(_scrape(spec["api"]), "smoe:a2a_bytes") if spec["counts"] else None
     w0, s0 = net.stats(), net.sockets()
     t0 = time.perf_counter()
     if phase["arrivals"] == "poisson":
@@ -552,8 +566,12 @@ def client_main(spec_path: str) -> int:
     import openai
 
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{spec['api']}/v1", api_key="smoe", timeout=900)
-    for p in spec["prompts"][:2]:  # warm-up: compile paths, first allocations
-        _one(c, spec["model"], p, 4)
+    out["greedy"] = []  # warm-up, and the tokens every configuration must agree on (lossless)
+    for p in spec["prompts"][:4]:
+        r = c.completions.create(model=spec["model"], prompt=p[:24], max_tokens=12, temperature=0.0,
+                                 extra_body={"ignore_eos": True, "return_token_ids": True})
+        ch = r.choices[0]
+        out["greedy"].append(list(getattr(ch, "token_ids", None) or []) or ch.text)
     for phase in spec["phases"]:
         prompts = [p[: phase["prompt_tokens"]] for p in spec["prompts"][phase["offset"]: phase["offset"] + phase["requests"]]]
         r = run_phase(spec, spec["net"], phase, prompts)
@@ -602,6 +620,7 @@ def run_config(net: Net, name: str, cfg: dict, idx: int, work: str, a, phases: l
                                              start_new_session=True, env=env, cwd=work))
             logs.insert(0, log)
         spec = {"api": api, "model": a.model, "timeout": a.timeout, "prompts": prompts, "phases": phases,
+                "counts": cfg["counts"],
                 "net": {"ns": net.ns, "dev": net.dev}, "out": os.path.join(work, f"{idx:02d}-{name}-client.json")}
         with open(spec["out"] + ".spec", "w") as f:
             json.dump(spec, f)
@@ -664,6 +683,7 @@ def summarise(results: dict, slo_scale: float) -> dict:
                   if p["name"] == "decode-c1" and p.get("p90_itl_ms")]
         bound = slo_scale * min(single) if single else None
         rows = {}
+        ref = next((r["greedy"] for n, r in ok.items() if n.split("#")[0] == "tp" and r.get("greedy")), None)
         for name, r in res.items():
             if "error" in r:
                 rows[name] = {"error": r["error"], "smoe": r.get("smoe")}
@@ -678,6 +698,7 @@ def summarise(results: dict, slo_scale: float) -> dict:
                           "wire_bytes_per_token": head["wire_bytes_per_token"],
                           "counter_bytes_per_token": head["counter_bytes_per_token"],
                           "counters_vs_wire": head["counters_vs_wire"],
+                          "greedy_equal_tp": None if ref is None or not r.get("greedy") else r["greedy"] == ref,
                           "phases": {p["name"]: {k: p.get(k) for k in ("tpot_ms", "ttft_ms", "p90_itl_ms", "tok_s",
                                                                        "failed", "wire_bytes_per_token",
                                                                        "counter_bytes_per_token")}
@@ -742,9 +763,9 @@ def run(a) -> int:
         if a.wire_check:
             hidden = json.load(open(os.path.join(a.model, "config.json")))["hidden_size"]
             meta["wire_check"] = wc = wire_check(net, hidden, work)
-            for name in ("smoe", "vllm"):
+            for name in PIPELINES:
                 ag = wc[name]["agreement"]
-                print(f"wire check, {name} exchange alone: counted {wc[name]['counted_bytes'] / 1e6:.2f} MB, veth "
+                print(f"wire check, {name} exchange alone ({1e3 * wc['seconds'][name]:.0f} ms): counted {wc[name]['counted_bytes'] / 1e6:.2f} MB, veth "
                       f"payload {wc[name]['wire']['payload'] / 1e6:.2f} MB (counted / wire {ag['ratio']:.3f}, "
                       f"{'within' if ag['within'] else 'NOT within'} {100 * ag['tol']:.0f}%)", flush=True)
         for target in a.target:

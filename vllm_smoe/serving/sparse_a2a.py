@@ -73,12 +73,17 @@ class SparseExchange:
     remote rank) pairs, bytes a point-to-point transport carries for them (rows out with ids and
     weights, rows back), expert activations of a local expert, expert activations. exact: first
     gather the number of outgoing rows and size both collectives by the largest (one more tiny
-    collective and a host read; worth it where bytes cost time, e.g. over a network)."""
+    collective and a host read; worth it where bytes cost time, e.g. over a network).
+    all_to_all: ``(out, inp, out_splits, in_splits) -> None`` as ``all_to_all_single`` (splits
+    lists of rows per rank, or None for equal splits): when given, the point-to-point transport
+    replaces the gather and reduce-scatter (see the module docstring)."""
 
     def __init__(self, rank: int, world_size: int, owner: torch.Tensor, gather: Callable[[torch.Tensor], torch.Tensor],
-                 reduce_scatter: Callable[[torch.Tensor], torch.Tensor], exact: bool = False):
+                 reduce_scatter: Callable[[torch.Tensor], torch.Tensor], exact: bool = False,
+                 all_to_all: Callable | None = None):
         assert world_size <= 31, "destination masks are int32 bit sets"
         self.exact = exact
+        self.all_to_all = all_to_all
         self.rank, self.world_size, self.owner = rank, world_size, owner
         self.gather, self.reduce_scatter = gather, reduce_scatter
         self.stats = torch.zeros(5, dtype=torch.long)
@@ -100,6 +105,10 @@ class SparseExchange:
             self.owner = self.owner.to(dev)
             self.stats = self.stats.to(dev)
         bits = destinations(topk_ids, self.owner, me, N)
+        if served is not False:
+            self._count(bits, topk_ids, served, H * hidden_states.element_size())
+        if self.all_to_all is not None:
+            return self._dispatch_p2p(hidden_states, topk_weights, topk_ids, bits)
         out_rows = torch.nonzero(bits, as_tuple=True)[0]  # rows leaving this rank, once each
         if self.exact:  # size both collectives by the most rows any rank sends, not by the chunk
             m = max(1, int(self.gather(out_rows.new_tensor([[out_rows.shape[0]]])).max()))
@@ -119,12 +128,38 @@ class SparseExchange:
         recv_i = rows[:, Hw: Hw + K].contiguous().view(torch.int32).to(topk_ids.dtype)
         recv_w = rows[:, Hw + K: Hw + 2 * K].to(topk_weights.dtype)
         self._plan = (t, m, out_rows, src, pos)
-        if served is not False:
-            per_row = sum((bits >> q) & 1 for q in range(N))  # [t] remote ranks each row visits
-            local = (self.owner[topk_ids.long()] == me).sum(dim=1)  # [t] activations served here
-            w = per_row.new_ones(t) if served is True else served.to(per_row.dtype)
-            pairs = (per_row * w).sum()
-            self.stats += torch.stack([w.sum(), pairs, pairs * (2 * row + 8 * K), (local * w).sum(), w.sum() * K])
+        return (torch.cat([hidden_states, recv_h]), torch.cat([topk_weights, recv_w]),
+                torch.cat([topk_ids, recv_i]))
+
+    def _count(self, bits: torch.Tensor, topk_ids: torch.Tensor, served, row: int) -> None:
+        """Add a step's served rows to ``stats`` (on the device; ``row``: bytes of one hidden row)."""
+        N, K, t = self.world_size, topk_ids.shape[1], topk_ids.shape[0]
+        per_row = sum((bits >> q) & 1 for q in range(N))  # [t] remote ranks each row visits
+        local = (self.owner[topk_ids.long()] == self.rank).sum(dim=1)  # [t] activations served here
+        w = per_row.new_ones(t) if served is True else served.to(per_row.dtype)
+        pairs = (per_row * w).sum()
+        self.stats += torch.stack([w.sum(), pairs, pairs * (2 * row + 8 * K), (local * w).sum(), w.sum() * K])
+
+    def _dispatch_p2p(self, hidden_states, topk_weights, topk_ids, bits):
+        """:meth:`dispatch` over ``all_to_all``: each (token, remote rank) pair once, to that rank."""
+        N, (t, K), H = self.world_size, topk_ids.shape, hidden_states.shape[1]
+        peers = torch.arange(N, device=bits.device)
+        to_rank, rows = torch.nonzero(((bits[None, :] >> peers[:, None]) & 1).bool(), as_tuple=True)  # rank, row
+        send_counts = torch.bincount(to_rank, minlength=N)
+        recv_counts = torch.empty_like(send_counts)
+        self.all_to_all(recv_counts, send_counts, None, None)
+        sc, rc = send_counts.tolist(), recv_counts.tolist()  # the splits: one host read per layer
+        row = H * hidden_states.element_size()
+        words = hidden_states.contiguous().view(torch.uint8).view(t, row).view(torch.float32)
+        Hw = words.shape[1]
+        packed = torch.cat([words, topk_ids.to(torch.int32).view(torch.float32), topk_weights.float()], dim=1)
+        recv = packed.new_empty((sum(rc), packed.shape[1]))
+        self.all_to_all(recv, packed.index_select(0, rows), rc, sc)
+        r = recv.shape[0]
+        recv_h = recv[:, :Hw].contiguous().view(torch.uint8).view(r, row).view(hidden_states.dtype).view(r, H)
+        recv_i = recv[:, Hw: Hw + K].contiguous().view(torch.int32).to(topk_ids.dtype)
+        recv_w = recv[:, Hw + K:].to(topk_weights.dtype)
+        self._plan = ("p2p", t, rows, sc, rc)
         return (torch.cat([hidden_states, recv_h]), torch.cat([topk_weights, recv_w]),
                 torch.cat([topk_ids, recv_i]))
 
@@ -138,6 +173,14 @@ class SparseExchange:
         """hidden_states: [t + r, H] expert outputs of :meth:`dispatch`'s rows (weighted, summed
         over this rank's experts). Returns [t, H]: each own row plus what remote ranks computed."""
         assert self._plan is not None, "combine without dispatch"
+        if self._plan[0] == "p2p":  # each received row's partial sum straight back to its source
+            _, t, rows, sc, rc = self._plan
+            self._plan = None
+            own = hidden_states[:t].clone()
+            back = hidden_states.new_empty((sum(sc), hidden_states.shape[1]))
+            self.all_to_all(back, hidden_states[t:].contiguous(), sc, rc)
+            own.index_add_(0, rows, back)
+            return own
         t, m, out_rows, src, pos = self._plan
         self._plan = None
         N, H = self.world_size, hidden_states.shape[1]
@@ -173,9 +216,16 @@ def make_manager(cpu_group, comm):
                 from .load_plan import plan_for
 
                 slots = plan_for(cfg.placement, vc).physical2expert.shape[1]
+            # over a network each (token, rank) pair travels to that rank alone (all_to_all_single
+            # on the group's gloo); over shared memory the static-size gather costs less
+            group = comm.device_group
+
+            def all_to_all(out, inp, out_splits, in_splits):
+                torch.distributed.all_to_all_single(out, inp, out_splits, in_splits, group=group)
             self.exchange = SparseExchange(comm.rank_in_group, comm.world_size, owner_of(slots, comm.world_size),
                                            lambda x: comm.all_gather(x.contiguous(), 0),
-                                           lambda x: comm.reduce_scatterv(x, 0), exact=network)
+                                           lambda x: comm.reduce_scatterv(x, 0), exact=network,
+                                           all_to_all=all_to_all if network else None)
             # under attention DP each engine logs its own requests' locality (speculate logs its own)
             self.log_dp = vc.parallel_config.data_parallel_size > 1
             self.dp_rank = vc.parallel_config.data_parallel_rank
