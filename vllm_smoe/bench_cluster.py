@@ -432,15 +432,16 @@ def wire_check(net: Net, hidden: int, work: str, tokens: int = 64, steps: int = 
 
 # ----- configurations ---------------------------------------------------------------------------
 
-def configurations(tp_placement: str, dp_placement: str, metrics_dir: str) -> dict:
+def configurations(tp_placement: str, dp_placement: str, metrics_dir: str, mla: bool = False) -> dict:
     """name -> {kind: tp|dp, smoe: whether smoe orders, routes or places anything, flags}.
     vLLM's peers run as vLLM's docs run them across nodes; the CPU build needs smoe's CPU fixes
-    for expert parallelism (--plugin smoe with nothing placed or ordered, vLLM's all2all)."""
+    for expert parallelism (--plugin smoe with nothing placed or ordered, vLLM's all2all), and MLA
+    models need its rotary fix even for plain TP."""
     ep = ("--enable-expert-parallel", "--plugin", "smoe", "--smoe-log-interval", "0.5",
           "--additional-config", json.dumps({"smoe": {"metrics_dir": metrics_dir}}))
     # "counts": the configuration's all2all is smoe's sparse exchange, whose counters are read
     cfgs = {
-        "tp": {"kind": "tp", "smoe": False, "flags": ()},
+        "tp": {"kind": "tp", "smoe": False, "flags": ("--plugin", "smoe") if mla else ()},
         "tp-ep": {"kind": "tp", "smoe": False, "flags": ep + ("--smoe-all2all", "vllm")},
         "tp-ep-speculate": {"kind": "tp", "smoe": True,
                             "flags": ep + ("--smoe-mode", "speculate", "--smoe-placement", tp_placement)},
@@ -743,7 +744,9 @@ def run(a) -> int:
         tp_pl, dp_pl = (out, dp_pl) if mode == "tp" else (tp_pl, out)
     metrics_dir = os.path.join(work, "metrics")
     os.makedirs(metrics_dir, exist_ok=True)
-    all_cfgs = configurations(tp_pl, dp_pl, metrics_dir)
+    from .bench import _is_mla
+
+    all_cfgs = configurations(tp_pl, dp_pl, metrics_dir, mla=_is_mla(a.model))
     names = [c for c in a.configs.split(",") if c]
     if bad := [c for c in names if c not in all_cfgs]:
         raise ValueError(f"--configs: unknown {bad}; choose from {', '.join(all_cfgs)}")
