@@ -609,6 +609,13 @@ def _stop(procs) -> None:
 def run_config(net: Net, name: str, cfg: dict, idx: int, work: str, a, phases: list, prompts: list) -> dict:
     api, port = 8200 + idx, 29700 + 2 * idx  # fresh ports per start: no TIME_WAIT clashes
     procs, logs = [], []
+    metrics = json.loads(cfg["flags"][cfg["flags"].index("--additional-config") + 1])["smoe"]["metrics_dir"] \
+        if "--additional-config" in cfg["flags"] else None
+    if metrics:  # no snapshot of an earlier configuration's ranks may be read as this one's
+        import shutil
+
+        shutil.rmtree(metrics, ignore_errors=True)
+        os.makedirs(metrics)
     try:
         for node in (1, 0):
             env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(node), "VLLM_HOST_IP": ADDR[node],
