@@ -49,6 +49,7 @@ TARGETS = {
 BURST_PACKETS = 4  # tbf's bucket: a few frames, never a whole message
 HEADER_BYTES = 66  # Ethernet 14 + IPv4 20 + TCP 20 + timestamps 12, per packet on the veth
 ADDR = ("10.213.0.1", "10.213.0.2")
+DEFAULT_WIDTHS = dict(hidden=1536, moe_intermediate=768, heads=24, kv_heads=12)
 
 
 # ----- pure parts (tested in CI) ------------------------------------------------------------
@@ -443,6 +444,7 @@ def configurations(tp_placement: str, dp_placement: str, metrics_dir: str, mla: 
     cfgs = {
         "tp": {"kind": "tp", "smoe": False, "flags": ("--plugin", "smoe") if mla else ()},
         "tp-ep": {"kind": "tp", "smoe": False, "flags": ep + ("--smoe-all2all", "vllm")},
+        "tp-ep-place": {"kind": "tp", "smoe": True, "flags": ep + ("--smoe-placement", tp_placement)},
         "tp-ep-speculate": {"kind": "tp", "smoe": True,
                             "flags": ep + ("--smoe-mode", "speculate", "--smoe-placement", tp_placement)},
         "tp-ep-speculate-agrs": {"kind": "tp", "smoe": True,
@@ -724,7 +726,7 @@ def run(a) -> int:
         check_output_file(a.json, "--json")
     if bad := [t for t in a.target if t not in TARGETS and t != "none"]:
         raise ValueError(f"--target {' '.join(bad)}: choose from {', '.join(TARGETS)}, none")
-    if not os.path.isfile(os.path.join(a.model, "config.json")):
+    if a.model is not None and not os.path.isfile(os.path.join(a.model, "config.json")):
         raise ValueError(f"--model {a.model}: no config.json there")
     import shutil
 
@@ -733,11 +735,18 @@ def run(a) -> int:
         print(f"smoe-bench cluster: needs root (namespaces, veth, tc) and iproute2's ip and tc; uid "
               f"{os.geteuid()}, not found: {', '.join(missing) or 'none'}", file=sys.stderr)
         return 2
-    from .testbed import FIXTURE_TRACES
+    from .testbed import FIXTURE_MODEL, FIXTURE_TRACES
 
     work = a.work or tempfile.mkdtemp(prefix="smoe-cluster-")
     os.makedirs(work, exist_ok=True)
     print(f"logs in {work}", flush=True)
+    if a.model is None:  # the trained fixture at production row sizes, its routing unchanged
+        from .testbed.inflate import inflate_checkpoint
+
+        a.model = os.path.join(work, "fixture-wide")
+        if not os.path.isfile(os.path.join(a.model, "model.safetensors")):
+            inflate_checkpoint(FIXTURE_MODEL, a.model, **DEFAULT_WIDTHS)
+        a.trace = a.trace or [FIXTURE_TRACES["train"]]
     a.model = os.path.abspath(a.model)
     tp_pl, dp_pl = a.placement, a.dp_placement
     for mode, given, flags in (("tp", tp_pl, ()), ("dp", dp_pl, ("--mode", "dp"))):
@@ -879,7 +888,8 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser("cluster", help="vLLM nodes in network namespaces over a link shaped to a real cluster's "
                                        "proportions: every configuration end to end (needs root; JSON, plot)")
-    p.add_argument("--model", required=True, help="checkpoint (e.g. one widened with smoe-testbed inflate)")
+    p.add_argument("--model", help="checkpoint (default: the trained Qwen3-MoE fixture widened with smoe-testbed "
+                                   "inflate to hidden 1536, expert FFN 768, 24/12 heads, with its training trace)")
     p.add_argument("--trace", nargs="+", help="routing trace(s) smoe's placements are built from, as a user would")
     p.add_argument("--placement", help="TP placement (instead of building one from --trace)")
     p.add_argument("--dp-placement", help="DP placement (instead of building one from --trace)")
@@ -889,8 +899,8 @@ def add_parser(sub) -> None:
     p.add_argument("--rate", type=number(float, 0, lo_open=True), help="fixed link rate in bit/s instead of a target")
     p.add_argument("--delay", type=number(float, 0), default=0.0, help="with --rate: one-way delay in s")
     p.add_argument("--configs", default="tp,tp-ep,tp-ep-speculate,dp-ep,dp-ep-smoe",
-                   help="comma-separated, from: tp, tp-ep, tp-ep-speculate, tp-ep-speculate-agrs, dp-ep, "
-                        "dp-ep-sparse, dp-ep-smoe, dp-ep-smoe-agrs")
+                   help="comma-separated, from: tp, tp-ep, tp-ep-place, tp-ep-speculate, tp-ep-speculate-agrs, "
+                        "dp-ep, dp-ep-sparse, dp-ep-smoe, dp-ep-smoe-agrs")
     p.add_argument("--concurrency", type=number(int, 1), nargs="+", default=[1, 8, 32])
     p.add_argument("--requests-per-level", type=number(int, 1), default=16)
     p.add_argument("--decode-prompt", type=number(int, 1), default=32)
