@@ -46,7 +46,7 @@ TARGETS = {
     "pcie5": dict(flops=989e12, mem_bw=4.8e12, link_bw=63e9, latency=2e-6,
                   what="H200 over PCIe 5 x16 (s-MoE's slow server)"),
 }
-BURST_PACKETS = 4  # tbf's bucket: a few frames, never a whole message
+BURST_PACKETS, BURST_SECONDS = 4, 50e-6  # tbf's bucket: a few frames, never a whole message
 HEADER_BYTES = 66  # Ethernet 14 + IPv4 20 + TCP 20 + timestamps 12, per packet on the veth
 ADDR = ("10.213.0.1", "10.213.0.2")
 DEFAULT_WIDTHS = dict(hidden=1536, moe_intermediate=768, heads=24, kv_heads=12)
@@ -233,7 +233,10 @@ class Net:
             sh(*tc, "del", "dev", dev, "root", check=False)
             if link is None:
                 continue
-            tbf = ("tbf", "rate", f"{link['rate_bit']}bit", "burst", str(BURST_PACKETS * 1514), "limit", "8000000")
+            # a few frames, or 50 us at the rate where the kernel's timers cannot refill a few
+            # frames fast enough (seen: 4 frames held a 4.7 Gbit/s target to 1.1 Gbit/s)
+            burst = max(BURST_PACKETS * 1514, int(link["rate_bytes_s"] * BURST_SECONDS))
+            tbf = ("tbf", "rate", f"{link['rate_bit']}bit", "burst", str(burst), "limit", "8000000")
             if link["delay_s"] > 0 and sh(*tc, "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
                                           f"{1e6 * link['delay_s']:.0f}us", "limit", "100000", check=False).returncode == 0:
                 sh(*tc, "add", "dev", dev, "parent", "1:", "handle", "2:", *tbf)
@@ -859,6 +862,55 @@ def _print(summary: dict) -> None:
                   f"{f(r['wire_bytes_per_token'], '10.0f')} {f(r['counter_bytes_per_token'], '10.0f')}")
 
 
+def markdown(payload: dict) -> str:
+    """The JSON of a run as BENCHMARKS.md tables: per target, every configuration's headline
+    (decode mix at concurrency 8), its concurrency sweep, the prefill mix and SLO throughput."""
+    lines = []
+    host = payload["host"]
+    lines.append(f"host, one thread: {host['gemm_flops'] / 1e9:.0f} GFLOP/s fp32 GEMM, {host['read_bw'] / 1e9:.2f} GB/s "
+                 "weight reads")
+    if "wire_check" in payload:
+        wc = payload["wire_check"]
+        lines += ["", f"exchange alone, {wc['steps']} steps x {wc['tokens_per_step']} tokens, hidden {wc['hidden']}, "
+                      "2 gloo ranks over the veth (no shaping):", "",
+                  "| transport | counted MB | veth payload MB | counted / wire | time ms |", "|---|---|---|---|---|"]
+        for name in [n for n in PIPELINES if n in wc]:
+            w = wc[name]
+            lines.append(f"| {name} | {w['counted_bytes'] / 1e6:.2f} | {w['wire']['payload'] / 1e6:.2f} | "
+                         f"{w['agreement']['ratio']:.3f} | {1e3 * wc.get('seconds', {}).get(name, float('nan')):.0f} |")
+    for target, rows in payload["summary"].items():
+        links = payload["links"].get(target) or {}
+        m = payload["measured_link"].get(target, {})
+        dec, pre = links.get("decode"), links.get("prefill")
+        shaped = (f"decode {dec['rate_bit'] / 1e6:.0f} Mbit/s, prefill mix {pre['rate_bit'] / 1e6:.0f} Mbit/s; "
+                  f"delay {'applied' if m.get('delay_applied') else 'not applied'}" if dec else "no shaping")
+        lines += ["", f"**{target}** ({shaped}; a 4 MB TCP stream measured {8 * m.get('rate_bytes_s', 0) / 1e6:.0f} "
+                      f"Mbit/s)", "",
+                  "| config | smoe | TPOT ms | TTFT ms | p90 ITL ms | tok/s | SLO req/s | wire B/token | counters "
+                  "B/token | TPOT c1 / c32 | TTFT prefill mix ms | greedy = tp |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+        def f(v, fmt):
+            return format(v, fmt) if v is not None else "-"
+        for name, r in rows.items():
+            if "error" in r:
+                lines.append(f"| {name} | {r.get('smoe')} | failed: {r['error'].splitlines()[0]} |")
+                continue
+            ph = r["phases"]
+            c1, c32, pf = ph.get("decode-c1", {}), ph.get("decode-c32", {}), ph.get("prefill-c8", {})
+            eq = {True: "yes", False: "NO", None: "-"}[r.get("greedy_equal_tp")]
+            lines.append(f"| {name} | {'yes' if r['smoe'] else 'no'} | {f(r['tpot_ms'], '.1f')} | {f(r['ttft_ms'], '.0f')} | "
+                         f"{f(r['p90_itl_ms'], '.1f')} | {f(r['tok_s'], '.1f')} | {f(r['slo_rps'], '.1f')} | "
+                         f"{f(r['wire_bytes_per_token'], ',.0f')} | {f(r['counter_bytes_per_token'], ',.0f')} | "
+                         f"{f(c1.get('tpot_ms'), '.1f')} / {f(c32.get('tpot_ms'), '.1f')} | {f(pf.get('ttft_ms'), '.0f')} "
+                         f"| {eq} |")
+        bound = next((r.get("slo_bound_ms") for r in rows.values() if r.get("slo_bound_ms")), None)
+        if bound:
+            lines.append(f"\nSLO: p90 TBT <= {bound:.0f} ms (the best single-stream p90 TBT x the run's --slo-scale); "
+                         f"ladder {payload['args'].get('rates')} req/s")
+    return "\n".join(lines)
+
+
 def _plot(summary: dict, results: dict, path: str) -> None:
     import matplotlib
 
@@ -932,6 +984,10 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--client"]:
         return client_main(argv[1])
+    if argv[:1] == ["--markdown"]:
+        with open(argv[1]) as f:
+            print(markdown(json.load(f)))
+        return 0
     if argv[:1] == ["--wire-worker"]:
         return _wire_worker(int(argv[1]), argv[2])
     if argv[:1] == ["--probe-sink"]:
