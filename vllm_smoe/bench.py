@@ -427,6 +427,23 @@ def _serve(a) -> int:
     return 0
 
 
+def gloo_collectives(world: int):
+    """(gather, reduce_scatter) over the default process group, shaped as SparseExchange takes
+    them: [n, ...] -> [world * n, ...] and [world * n, ...] -> [n, ...] summed over ranks."""
+    import torch.distributed as dist
+
+    def gather(x):
+        o = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(o, x.contiguous())
+        return o
+
+    def reduce_scatter(x):
+        o = x.new_empty((x.shape[0] // world,) + tuple(x.shape[1:]))
+        dist.reduce_scatter_tensor(o, x.contiguous())
+        return o
+    return gather, reduce_scatter
+
+
 def _comm_worker(rank, world, init, plan, reps, out):
     """One MoE layer's communication on gloo ranks, both as served: vLLM's sequence-parallel EP
     with allgather-reducescatter on contiguous chunks, and smoe's predicted chunks with the sparse
@@ -442,15 +459,7 @@ def _comm_worker(rank, world, init, plan, reps, out):
     H = plan["hidden"]
     g = torch.Generator().manual_seed(0)
 
-    def gather(x):
-        o = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
-        dist.all_gather_into_tensor(o, x.contiguous())
-        return o
-
-    def reduce_scatter(x):
-        o = x.new_empty((x.shape[0] // world,) + tuple(x.shape[1:]))
-        dist.reduce_scatter_tensor(o, x.contiguous())
-        return o
+    gather, reduce_scatter = gloo_collectives(world)
 
     def experts(x, w, ids, owner):
         return x * (w * (owner[ids] == rank)).sum(dim=1, keepdim=True)

@@ -355,15 +355,9 @@ def _wire_worker(rank: int, spec_path: str) -> int:
         vals = [int(open(f"/sys/class/net/{dev}/statistics/{k}").read()) for k in ("tx_bytes", "tx_packets")]
         return {"tx_bytes": vals[0], "tx_packets": vals[1]}
 
-    def gather(x):
-        o = x.new_empty((N * x.shape[0],) + tuple(x.shape[1:]))
-        dist.all_gather_into_tensor(o, x.contiguous())
-        return o
+    from .bench import gloo_collectives
 
-    def reduce_scatter(x):
-        o = x.new_empty((x.shape[0] // N,) + tuple(x.shape[1:]))
-        dist.reduce_scatter_tensor(o, x.contiguous())
-        return o
+    gather, reduce_scatter = gloo_collectives(N)
 
     def all_to_all(o, x, out_splits, in_splits):
         dist.all_to_all_single(o, x, out_splits, in_splits)
