@@ -26,7 +26,9 @@ class SmoeConfig:
     log_interval: seconds between log lines; record_chunk_tokens: tokens per file;
     predictor: speculate's token -> rank predictor (every rank then takes exactly the
     ceil(T / N) rows of vLLM's sequence-parallel chunk: capacity 1.0); all2all: the expert-
-    parallel all2all manager on CPU (``sparse`` = smoe's, ``vllm`` = vLLM's allgather-reducescatter);
+    parallel all2all manager on vLLM's CPU build (``sparse`` = smoe's, the default there; ``vllm``
+    = vLLM's allgather-reducescatter); None = the platform's default. On CUDA the transport is
+    vLLM's ``--all2all-backend`` and ``sparse`` is refused (it would do nothing);
     dp_routing: with DP > 1 and a placement with tables, route each request to the DP engine its
     prompt's tokens score best (:mod:`vllm_smoe.serving.dp_router`); False = vLLM's balancer.
     metrics_dir: where workers publish their counters for ``/metrics`` once per log interval
@@ -45,7 +47,7 @@ class SmoeConfig:
     log_interval: float = 10.0
     record_chunk_tokens: int = 1 << 18
     predictor: str = "tables"
-    all2all: str = "sparse"
+    all2all: str | None = None
     dp_routing: bool = True
     metrics_dir: str | None = None
     drift_threshold: float = 0.8
@@ -91,8 +93,8 @@ class SmoeConfig:
         predictor = d.get("predictor", "tables")
         if predictor not in PREDICTORS:
             raise ValueError(f"{where}: field 'predictor' must be one of {', '.join(PREDICTORS)}, got {predictor!r}")
-        all2all = d.get("all2all", "sparse")
-        if all2all not in ALL2ALL:
+        all2all = d.get("all2all")
+        if all2all is not None and all2all not in ALL2ALL:
             raise ValueError(f"{where}: field 'all2all' must be one of {', '.join(ALL2ALL)}, got {all2all!r}")
         dp_routing = d.get("dp_routing", True)
         if not isinstance(dp_routing, bool):

@@ -229,7 +229,7 @@ class SmoeCpuCommunicator(CpuCommunicator):
                 and self._all_group_ranks_share_shm_group_name()):
             self.dist_module = _CPUSHMDistributed(self)
         cfg = _smoe_settings()
-        if self.use_all2all and cfg is not None and cfg.all2all == "sparse":
+        if self.use_all2all and cfg is not None and cfg.all2all in (None, "sparse"):
             from .sparse_a2a import make_manager
 
             self.all2all_manager = make_manager(self.cpu_group, self)
@@ -318,12 +318,21 @@ def install() -> None:
 
     orig_sp = ParallelConfig.use_sequence_parallel_moe
 
+    from .capability import ORDERED_BACKENDS
+
     def use_sequence_parallel_moe(self) -> bool:
         # smoe's token order needs vLLM's sequence-parallel MoE at DP=1 too (TP>1 + EP); vLLM
-        # turns it on only with DP>1. The flag is set by the plugin from smoe's settings.
-        return orig_sp.fget(self) or bool(
-            getattr(self, "smoe_sequence_parallel", False) and self.enable_expert_parallel
-            and self.tensor_parallel_size > 1)
+        # turns it on only with DP>1. The flag is set by the plugin from smoe's settings. vLLM's
+        # backend whitelist still holds: off the CPU (whose communicator picks its own manager)
+        # only the backends that honour token order, a subset of vLLM's list.
+        if orig_sp.fget(self):
+            return True
+        if not (getattr(self, "smoe_sequence_parallel", False) and self.enable_expert_parallel
+                and self.tensor_parallel_size > 1):
+            return False
+        from vllm.platforms import current_platform  # resolved by now: vLLM built this config for it
+
+        return current_platform.is_cpu() or self.all2all_backend in ORDERED_BACKENDS
 
     ParallelConfig.use_sequence_parallel_moe = property(use_sequence_parallel_moe)
 

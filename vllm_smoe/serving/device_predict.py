@@ -200,3 +200,21 @@ def permutation(token2rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ar = torch.arange(perm.shape[-1], device=perm.device).expand_as(perm)
     inv = torch.empty_like(perm).scatter_(-1, perm, ar)
     return perm, inv
+
+
+def assign_permute(pref: torch.Tensor, conf: torch.Tensor, caps: torch.Tensor, perm: torch.Tensor,
+                   inv: torch.Tensor) -> None:
+    """:func:`assign` then :func:`permutation`, written into ``perm`` / ``inv`` ([L, >= T] int64,
+    first T columns). On CUDA one Triton kernel after one confidence sort
+    (:func:`vllm_smoe.kernels.assign.assign_permute`, tested equal to these ops); elsewhere the
+    torch ops. pref: [L, T, P]; conf: [L, T]; caps: [N]."""
+    from ..kernels import assign as kernel
+
+    T = pref.shape[1]
+    if pref.is_cuda and kernel.triton is not None:
+        order = torch.argsort(-conf, dim=1, stable=True)
+        kernel.assign_permute(pref, order, caps, perm, inv)
+        return
+    p, i = permutation(assign(pref, conf, caps))
+    perm[:, :T].copy_(p)
+    inv[:, :T].copy_(i)

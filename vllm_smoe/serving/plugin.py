@@ -62,8 +62,10 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--smoe-predictor", choices=PREDICTORS, default=None,
                    help="speculate: token -> rank predictor (default tables: the placement's trained tables)")
     g.add_argument("--smoe-all2all", choices=ALL2ALL, default=None,
-                   help="expert-parallel all2all on CPU: smoe's sparse de-duplicated one (default) or vLLM's "
-                        "allgather-reducescatter")
+                   help="expert-parallel all2all on vLLM's CPU build: smoe's sparse de-duplicated one (default "
+                        "there) or vLLM's allgather-reducescatter. On CUDA the transport is vLLM's --all2all-backend "
+                        "(speculate needs one that honours token order, e.g. deepep_low_latency) and 'sparse' is "
+                        "refused")
     g.add_argument("--smoe-dp-routing", choices=["on", "off"], default=None, type=str,
                    help="with --data-parallel-size > 1 and a placement with tables: send each request to the DP "
                         "engine its prompt's tokens score best under the placement (default on), or leave every "
@@ -135,6 +137,7 @@ def _install_hooks() -> None:
         if cfg is not None:
             cfg.check_files()
             self.additional_config = {**self.additional_config, "smoe": cfg.to_dict()}  # normalised paths
+            _check_engine_args(self, cfg)
         vllm_config = orig_engine(self, *args, **kwargs)
         if cfg is not None:  # /metrics: where this server's workers publish, before any engine starts
             from .metrics import register_collector, server_metrics_dir
@@ -179,6 +182,35 @@ def _install_hooks() -> None:
     EngineArgs.from_cli_args = classmethod(from_cli_args)
     EngineArgs.create_load_config = create_load_config
     EngineArgs.create_engine_config = create_engine_config
+
+
+def _check_engine_args(engine_args, cfg) -> None:
+    """What smoe's settings need of vLLM's, before vLLM builds its config: vLLM's routed-experts
+    capture and smoe's recorder / token order both take the router's one capture function; the
+    sparse manager exists only on CPU; speculate over DeepEP high-throughput at DP = 1 serves
+    without CUDA graphs, which vLLM itself decides only for DP > 1 (its kernels cannot be captured)."""
+    from vllm.platforms import current_platform
+
+    from .capability import UNCAPTURABLE_BACKENDS
+
+    if getattr(engine_args, "enable_return_routed_experts", False) and (cfg.record or cfg.mode == "speculate"):
+        raise ValueError("smoe: --enable-return-routed-experts cannot be combined with --smoe-record or mode "
+                         "speculate: both use the router's single capture hook, so one would see nothing; smoe's "
+                         "recording writes the same routing (smoe-trace)")
+    if current_platform.is_cpu():
+        return
+    if cfg.all2all == "sparse":
+        raise ValueError(f"smoe: --smoe-all2all sparse (field 'all2all') runs on vLLM's CPU build only; on "
+                         f"{current_platform.device_type} choose vLLM's --all2all-backend instead")
+    backend = getattr(engine_args, "all2all_backend", None)
+    if cfg.mode == "speculate" and backend in UNCAPTURABLE_BACKENDS and engine_args.data_parallel_size == 1:
+        from vllm.config.compilation import CUDAGraphMode
+
+        cc = engine_args.compilation_config
+        if cc.cudagraph_mode is not None and cc.cudagraph_mode != CUDAGraphMode.NONE:
+            logger.warning("smoe mode speculate: CUDA graphs off: --all2all-backend %s cannot be captured (vLLM "
+                           "turns them off for it with DP > 1 only)", backend)
+        cc.cudagraph_mode = CUDAGraphMode.NONE
 
 
 _recovering: set[str] = set()

@@ -7,7 +7,8 @@
   replayed graph. Under speculate each rank routes only its chunk of the reordered rows: the
   chunks are all-gathered on the TP group and put back in the step's order
   (``TokenOrder.gather_rows``, one [T, K] integer all-gather per MoE layer).
-- After each engine step (``execute_model`` of the model runner, wrapped only when recording)
+- After each engine step (``execute_model`` of either model runner, V1 or V2, through
+  :mod:`.runner_hooks`)
   the step's buffers are copied off the device without waiting for it (pinned memory and an
   event on GPU) and handed to a writer thread through a bounded queue; the step never waits
   for the disk. A full queue drops the step and counts it (logged). Warm-up and profiling
@@ -106,6 +107,9 @@ class Recorder:
                                      "recording": f"{os.uname().nodename}-{os.getpid()}-{time.time_ns()}"})
         self.started = time.strftime("%Y%m%dT%H%M%S")
         self.req_index: dict[str, int] = {}  # vLLM request id -> trace request id, while it runs
+        self.prompt_len: dict[str, int] = {}  # vLLM request id -> prompt tokens, while it runs
+        self.warned_skip = False
+        self.unrecordable = 0  # tokens of steps that could not be recorded (no token ids)
         self.next_req = 0
         self.step = 0
         self.chunk = 0
@@ -209,33 +213,43 @@ class Recorder:
         self.chunk += 1
         return TraceWriter(path, self.meta)
 
-    def after_step(self, runner, scheduler_output) -> None:
-        """On the step's thread: copies off the device, queued for the writer; no waiting."""
+    def after_step(self, runner, scheduler_output, step) -> None:
+        """On the step's thread (:mod:`.runner_hooks`, either model runner): copies off the
+        device, queued for the writer; no waiting. step: the step's :class:`~.runner_hooks.Step`."""
+        for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
+            ids, embeds = getattr(new, "prompt_token_ids", None), getattr(new, "prompt_embeds", None)
+            self.prompt_len[new.req_id] = len(ids) if ids is not None else (0 if embeds is None else len(embeds))
         for r in getattr(scheduler_output, "finished_req_ids", ()) or ():
             self.req_index.pop(r, None)  # ids stay unique: the counter never goes back
+            self.prompt_len.pop(r, None)
         n = int(scheduler_output.total_num_scheduled_tokens)
-        if n == 0 or not self.writes:
+        if n == 0 or not self.writes or step is None:
             return
-        req_ids = list(runner.input_batch.req_ids)
-        counts = np.array([scheduler_output.num_scheduled_tokens.get(r, 0) for r in req_ids], dtype=np.int64)
-        step = self.step
+        req_ids, counts = step.req_ids, step.counts
+        step_id = self.step
         self.step += 1
-        if counts.sum() != n:
-            logger.warning("smoe record: step %d skipped: %d tokens scheduled but %d in the batch", step, n,
-                           counts.sum())
+        if counts.sum() != n or step.input_ids is None:
+            if not self.warned_skip:
+                logger.warning("smoe record: step %d not recorded: %s (warned once)", step_id,
+                               "rows came as embeddings, without token ids" if step.input_ids is None else
+                               f"{n} tokens scheduled but {counts.sum()} in the batch")
+                self.warned_skip = True
+            self.unrecordable += n
             return
         keep = np.array([sampled(r, self.cfg.record_sample) for r in req_ids], dtype=bool)
         self.skipped += int(counts[~keep].sum())
         if keep.any():
             ev = None
-            ids, pos, topk = (_host_copy(t) for t in (runner.input_ids.gpu[:n], runner.positions[:n], self.buf[:n]))
+            ids, pos, topk = (_host_copy(t) for t in (step.input_ids, step.positions, self.buf[:n]))
             if ids.is_pinned():
                 ev = torch.cuda.Event()
                 ev.record()
             req = np.array([self._req_id(r) if k else -1 for r, k in zip(req_ids, keep)], dtype=np.int32)
-            prompt = np.asarray(runner.input_batch.num_prompt_tokens[: len(req_ids)]).copy()
+            # a request never seen as new (started before the recorder): every row taken as decode
+            prompt = np.array([self.prompt_len.get(r, 0) for r in req_ids], dtype=np.int64)
             try:
-                self.queue.put_nowait(("step", ids, pos, topk, ev, req, counts, keep, prompt, step, self.slot2expert))
+                self.queue.put_nowait(("step", ids, pos, topk, ev, req, counts, keep, prompt, step_id,
+                                       self.slot2expert))
             except queue.Full:
                 self.dropped += int(counts[keep].sum())
         now = time.monotonic()
@@ -319,28 +333,21 @@ class Recorder:
                             self.total, self.step, self.cfg.record)
 
 
-def _wrap_runner() -> None:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    if getattr(GPUModelRunner.execute_model, "_smoe_wrapped", False):
-        return
-    orig = GPUModelRunner.execute_model
-
-    def execute_model(self, scheduler_output, *args, **kwargs):
-        out = orig(self, scheduler_output, *args, **kwargs)
-        if _ACTIVE is not None:
-            _ACTIVE.after_step(self, scheduler_output)
-        return out
-
-    execute_model._smoe_wrapped = True
-    GPUModelRunner.execute_model = execute_model
+def _after_step(runner, scheduler_output, step) -> None:
+    if _ACTIVE is not None:
+        _ACTIVE.after_step(runner, scheduler_output, step)
 
 
 def install_recorder(model, vllm_config, cfg: SmoeConfig, plan, order=None) -> Recorder:
     """Hook the routers of ``model`` and the runner's step; called by the smoe loader after the
     token order (``order``, speculate) is in place."""
     global _ACTIVE
-    _wrap_runner()
+    from . import runner_hooks
+
+    runner_hooks.attach(after=_after_step)
+    from vllm.platforms import current_platform
+
+    runner_hooks.check_attached(vllm_config, current_platform.device_type)  # never record nothing silently
     _ACTIVE = Recorder(model, vllm_config, cfg, plan, order)
     logger.info("smoe record: capturing %d MoE layers into %s (%s of requests%s)", _ACTIVE.L, cfg.record,
                 f"{cfg.record_sample:.0%}", "" if cfg.record_max_mb is None else f", at most {cfg.record_max_mb:g} MiB")

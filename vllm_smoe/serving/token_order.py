@@ -42,6 +42,9 @@ from . import device_predict as dp
 logger = logging.getLogger("vllm.smoe")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 _ACTIVE: "TokenOrder | None" = None
+# MoE blocks whose forward reads its input only through sequence_parallel_chunk (vLLM 0.32
+# qwen3_moe.py): the token order gathers just the rank's chunk for them
+CHUNK_ONLY_BLOCKS = ("Qwen3MoeSparseMoeBlock",)
 TABLE_NAMES = ("token2rank", "token_conf", "markov2rank", "markov_conf", "prior2rank")  # + bigrams when built
 
 
@@ -206,13 +209,23 @@ class TokenOrder:
         self.count = cfg.metrics  # off: no device counters, no log line, no drift
         self.judged = cfg.predictor in ("tables", "tables-markov", "router")
         self.drift = Drift(expected if self.judged else None, cfg.drift_threshold)
-        self.rows = 0  # rows of the current step (host int, known to the op from its input shape)
+        self.rows = 0  # rows of the current step, pad rows included (host int, from the op's input shape)
+        # the step's real tokens (the rest of the rows are vLLM's padding), written before each
+        # served step outside the forward (runner_hooks), 0 otherwise: a replayed CUDA graph and
+        # a warm-up run count exactly what they should
+        self.num_real = torch.zeros((), dtype=torch.long, device=device)
+        # the block reads only its chunk of the ordered rows: blocks whose forward was read to
+        # touch nothing else before vLLM's sequence_parallel_chunk (others get every row)
+        self.chunk_only = not self.stack and all(type(b).__name__ in CHUNK_ONLY_BLOCKS for _, b, _ in self.blocks)
         # tables-markov: each layer waits for the previous one's top-1 (one extra all-gather per
         # layer); the others predict every layer at the first MoE layer of the step
         self.markov = cfg.predictor == "tables-markov"
         self.per_layer = self.markov or cfg.predictor == "router"
         self._last_log = time.monotonic()
         model.register_forward_pre_hook(self._step_ids, with_kwargs=True)
+        from . import runner_hooks
+
+        runner_hooks.attach(before=_before_step, after=_after_step)
         for layer, block, router in self.blocks:
             if not self.stack:
                 block.register_forward_pre_hook(self._pre(layer), with_kwargs=True)
@@ -264,15 +277,27 @@ class TokenOrder:
 
     def _step_ids(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
+        positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        if positions is not None and positions.dim() == 2:  # M-RoPE: [3, T], text rows alike
+            positions = positions[0]
         if ids is None:
-            raise ValueError("smoe mode speculate predicts from token ids; this request came as embeddings")
+            # rows given as embeddings (refused at start for predictors that need ids): predict
+            # as token 0, which costs bytes, never correctness
+            if positions is not None:
+                self.ids[: positions.shape[0]].zero_()
+                self.query[: positions.shape[0]].fill_(-1)
+            return
         self.ids[: ids.shape[0]].copy_(ids)
         if self.bigrams:
-            positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
-            if positions is not None and positions.dim() == 2:  # M-RoPE: [3, T], text rows alike
-                positions = positions[0]
             self.query[: ids.shape[0]].copy_(dp.bigram_query(ids, positions, self.tables["token2rank"].shape[1]))
-        self._maybe_log()  # the previous steps' counters, outside smoe's ops
+
+    def before_step(self, scheduler_output) -> None:
+        """Host side, before a served step's forward: its real token count on the device."""
+        self.num_real.fill_(int(scheduler_output.total_num_scheduled_tokens))
+
+    def after_step(self) -> None:
+        self.num_real.fill_(0)  # anything run outside a served step (warm-up, capture) counts nothing
+        self._maybe_log()  # the steps' counters, outside the forward (replayed graphs run no Python)
 
     @staticmethod
     def _pre(layer: int):
@@ -342,15 +367,15 @@ class TokenOrder:
     def _capture(self, layer: int, topk_ids: torch.Tensor) -> None:
         n, K = topk_ids.shape
         self.top1[:n].copy_(topk_ids[:, 0])
-        if not self.count:
+        if not self.count or self.rows == 0:
             return
-        # the chunk's padding rows are not tokens; shapes and Python ints only, no host reads
-        from vllm.forward_context import get_forward_context
-
-        if get_forward_context().attn_metadata is None and not (
-                torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-            return  # a profile or warm-up step: not served, not counted (a CUDA graph keeps counting)
-        real = (torch.arange(n, device=topk_ids.device) + self.rank * n) < self.rows
+        # which rows of the chunk are real tokens: the chunk's own padding (past T) is not, nor
+        # are vLLM's pad rows (step rows at or past num_real) wherever the order put them; on the
+        # device, from static shapes, so a replayed graph counts the step it replays
+        T = self.rows
+        q = torch.arange(n, device=topk_ids.device) + self.rank * n
+        src = self.perm[0 if self.stack else layer].index_select(0, q.clamp(max=T - 1))
+        real = (q < T) & (src < self.num_real)
         local = (self.held[layer][topk_ids.long()] & real[:, None]).sum(dim=1)  # [n]
         tokens = real.sum()
         self.counts[layer] += torch.stack([local.sum(), tokens * K, tokens, (local > 0).sum()])
@@ -404,15 +429,30 @@ class TokenOrder:
         if predict and (self.stack or self.per_layer or layer == 0):
             self.rows = T
             layers = [layer] if self.per_layer or self.stack else list(range(self.perm.shape[0]))
+            rows = slice(layers[0], layers[-1] + 1)
+            caps = dp.chunk_caps(T, self.N, x.device)
             if self.gates:
                 gate, router = self.gates[layer]
                 pref, conf = route_ahead(gate, router, x, self.holds[layer], self.ids[:T])
-                pref, conf = pref[None], conf[None]
+                # every rank must build the same permutation, but the gate's rows are equal
+                # across ranks only if the attention all-reduce is bitwise deterministic (vLLM's
+                # FlashInfer one is not): rank 0's assignment is the step's (4 bytes a token)
+                t2r = agree(dp.assign(pref, conf, caps), self.tp.broadcast)
+                perm, inv = dp.permutation(t2r)
+                self.perm[layer, :T].copy_(perm)
+                self.inv[layer, :T].copy_(inv)
             else:
                 pref, conf = self.preferences(layers, self.ids[:T])
-            perm, inv = dp.permutation(dp.assign(pref, conf, dp.chunk_caps(T, self.N, x.device)))
-            self.perm[layers[0]: layers[-1] + 1, :T].copy_(perm)
-            self.inv[layers[0]: layers[-1] + 1, :T].copy_(inv)
+                dp.assign_permute(pref, conf, caps, self.perm[rows], self.inv[rows])
+        if predict and self.chunk_only:
+            # the block keeps only this rank's chunk (vLLM's sequence_parallel_chunk): gather just
+            # those rows; the others are never read
+            c = -(-T // self.N)
+            start = min(self.rank * c, T)
+            stop = min(start + c, T)
+            out = torch.empty_like(x)
+            out[start:stop] = x.index_select(0, self.perm[layer, start:stop])
+            return out
         return x.index_select(0, self.perm[layer, :T])
 
     def restore(self, y: torch.Tensor, layer: int) -> torch.Tensor:
@@ -483,6 +523,23 @@ def restore_tokens(y: torch.Tensor, layer: int) -> torch.Tensor:
 @restore_tokens.register_fake
 def _(y, layer):
     return torch.empty_like(y)
+
+
+def agree(token2rank: torch.Tensor, broadcast) -> torch.Tensor:
+    """Rank 0's assignment on every rank. token2rank: [T] int64; broadcast: the TP group's
+    ``broadcast(tensor, src)`` (in place). Returns [T] int64."""
+    t = token2rank.to(torch.int32).contiguous()
+    return broadcast(t, 0).long()
+
+
+def _before_step(runner, scheduler_output) -> None:
+    if _ACTIVE is not None:
+        _ACTIVE.before_step(scheduler_output)
+
+
+def _after_step(runner, scheduler_output, step) -> None:
+    if _ACTIVE is not None:
+        _ACTIVE.after_step()
 
 
 def install_token_order(model, vllm_config, cfg, plan) -> TokenOrder:

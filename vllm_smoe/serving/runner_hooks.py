@@ -1,0 +1,155 @@
+"""smoe's per-step hooks on vLLM's model runners, and what a step looks like on each of them.
+
+vLLM 0.32 has two model runners: V1 (``vllm.v1.worker.gpu_model_runner.GPUModelRunner``, what
+the CPU wheel builds: it has no Triton) and Model Runner V2 (``vllm.v1.worker.gpu.model_runner``,
+the default on CUDA; not a V1 subclass). Their CPU runners subclass them. smoe wraps
+``execute_model`` of both base classes once (patch P-runner in the README's list) and runs its
+hooks there, on the host, outside any CUDA graph:
+
+- ``before(runner, scheduler_output)``: a served step is about to run its forward (device-side
+  state for it is written here: a graph replay reads it, a Python hook inside the forward would
+  have been frozen at capture);
+- ``after(runner, scheduler_output, step)``: it ran; ``step`` is a :class:`Step` view of its
+  batch, or None when the runner built none (nothing scheduled, a non-last pipeline rank).
+
+Warm-up, profiling and graph capture never reach the hooks: V1 runs them through
+``_dummy_run`` (not ``execute_model``), V2 passes ``dummy_run=True``, which the wrapper skips.
+
+Upstream: vLLM has no per-step plugin hook on its model runners; this wrapper goes away once one
+exists. Checked at start: both classes must have ``execute_model`` (else smoe refuses).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("vllm.smoe")
+
+V1 = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+V2 = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
+CPU_V1 = "vllm.v1.worker.cpu_model_runner:CPUModelRunner"
+CPU_V2 = "vllm.v1.worker.cpu.model_runner:CPUModelRunner"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One served step's batch, in the order of its rows. req_ids: vLLM's request ids;
+    counts: [R] int64 rows of each request (sum = n); input_ids: [n] int device tensor, None
+    for rows given as embeddings; positions: [n] int64 device tensor."""
+
+    req_ids: list[str]
+    counts: np.ndarray
+    input_ids: torch.Tensor | None
+    positions: torch.Tensor
+
+
+def _load(path: str) -> type:
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def runner_class_for(vllm_config, device_type: str) -> str:
+    """The runner class vLLM's worker builds for this config (``gpu_worker._make_model_runner``,
+    ``cpu_worker``): V2 when ``vllm_config.use_v2_model_runner``."""
+    v2 = bool(vllm_config.use_v2_model_runner)
+    if device_type == "cpu":
+        return CPU_V2 if v2 else CPU_V1
+    return V2 if v2 else V1
+
+
+def attached_to(path: str) -> bool:
+    """Does smoe's wrapper run for ``path``'s ``execute_model`` (its own or inherited)?"""
+    return bool(getattr(_load(path).execute_model, "_smoe_wrapped", False))
+
+
+def step_of(runner, scheduler_output) -> Step | None:
+    """The step just run, from whichever runner ran it."""
+    n = int(scheduler_output.total_num_scheduled_tokens)
+    if n == 0:
+        return None
+    state = getattr(runner, "execute_model_state", None)
+    if hasattr(runner, "input_buffers"):  # Model Runner V2: the batch is per step
+        if state is None:
+            return None  # a non-last pipeline rank
+        batch = state.input_batch
+        req_ids = list(batch.req_ids)
+        counts = np.asarray(batch.num_scheduled_tokens[: len(req_ids)], dtype=np.int64)
+        ids = batch.input_ids
+        return Step(req_ids, counts, None if ids is None else ids[:n], batch.positions[:n])
+    batch = runner.input_batch  # V1: persistent batch, buffers on the runner
+    req_ids = list(batch.req_ids)
+    counts = np.array([scheduler_output.num_scheduled_tokens.get(r, 0) for r in req_ids], dtype=np.int64)
+    # with prompt embeddings allowed, a row's id may not be a token (the row came as a vector)
+    ids = None if getattr(runner, "enable_prompt_embeds", False) else runner.input_ids.gpu[:n]
+    return Step(req_ids, counts, ids, runner.positions[:n])
+
+
+_BEFORE: list[Callable] = []
+_AFTER: list[Callable] = []
+
+
+def _wrap(cls: type) -> None:
+    if getattr(cls.execute_model, "_smoe_wrapped", False):
+        return
+    orig = cls.execute_model
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        if kwargs.get("dummy_run"):
+            return orig(self, scheduler_output, *args, **kwargs)
+        for hook in _BEFORE:
+            hook(self, scheduler_output)
+        out = orig(self, scheduler_output, *args, **kwargs)
+        if _AFTER:
+            step = step_of(self, scheduler_output)
+            for hook in _AFTER:
+                hook(self, scheduler_output, step)
+        return out
+
+    execute_model._smoe_wrapped = True
+    execute_model._smoe_original = orig
+    cls.execute_model = execute_model
+
+
+def attach(before: Callable | None = None, after: Callable | None = None) -> None:
+    """Run ``before``/``after`` around every served step of either runner (idempotent per
+    callable). Raises RuntimeError naming the class when vLLM's runners changed shape."""
+    for path in (V1, V2):
+        try:
+            cls = _load(path)
+        except ImportError as e:  # V2 imports only where its modules do (it needs no GPU to import)
+            logger.debug("smoe: %s not importable (%s); its steps are not hooked", path, e)
+            continue
+        if not callable(getattr(cls, "execute_model", None)):
+            raise RuntimeError(f"smoe: {path} has no execute_model(); this vLLM is not supported (built for 0.32)")
+        _wrap(cls)
+    if before is not None and before not in _BEFORE:
+        _BEFORE.append(before)
+    if after is not None and after not in _AFTER:
+        _AFTER.append(after)
+
+
+def detach(*hooks: Callable) -> None:
+    """Stop calling these hooks (a component that is replaced, tests)."""
+    for hook in hooks:
+        for registry in (_BEFORE, _AFTER):
+            while hook in registry:
+                registry.remove(hook)
+
+
+def check_attached(vllm_config, device_type: str) -> None:
+    """Refuse to serve when the runner vLLM will build is not hooked (never record silently
+    nothing). Raises ValueError naming the class."""
+    path = runner_class_for(vllm_config, device_type)
+    try:
+        ok = attached_to(path)
+    except ImportError as e:
+        raise ValueError(f"smoe: vLLM would build model runner {path}, which does not import here ({e})") from e
+    if not ok:
+        raise ValueError(f"smoe: vLLM would build model runner {path}, whose execute_model smoe could not hook; "
+                         f"recording and speculate's counters need it")
