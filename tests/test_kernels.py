@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("triton")
 
 
-def test_shuffle_kernels_match_torch_references_under_the_interpreter():
+def test_kernels_match_their_twins_under_the_interpreter():
     here = os.path.dirname(__file__)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -21,13 +21,13 @@ def test_shuffle_kernels_match_torch_references_under_the_interpreter():
 
 
 def test_reference_path_without_triton_backend():
-    """On CPU tensors without the interpreter, the wrappers fall back to the torch references."""
+    """On CPU tensors without the interpreter, the wrapper runs its token-by-token twin."""
     import torch
 
-    from vllm_smoe.kernels import shuffle as S
+    from vllm_smoe.kernels import assign as A
 
-    perm, counts = S.send_order(torch.tensor([2, 0, 2, 1]), 3)
-    assert perm.tolist() == [1, 3, 0, 2] and counts.tolist() == [1, 1, 2]
-    y = torch.arange(12.0).reshape(4, 3)
-    out = S.combine_topk(y, torch.tensor([[0, 1], [3, -1]]), torch.tensor([[0.5, 0.5], [2.0, 9.0]]))
-    assert out.tolist() == [[1.5, 2.5, 3.5], [18.0, 20.0, 22.0]]
+    pref = torch.tensor([[[1, 0], [1, 0], [0, -1]]])  # [1, 3, 2]
+    order = torch.tensor([[2, 0, 1]])  # token 2 most confident
+    perm, inv = A.assign_permute(pref, order, torch.tensor([2, 1]))
+    # token 2 -> rank 0, token 0 -> rank 1 (cap 1), token 1 -> rank 0 (its second choice)
+    assert perm.tolist() == [[1, 2, 0]] and inv.tolist() == [[2, 0, 1]]

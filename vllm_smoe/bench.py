@@ -4,7 +4,7 @@
   smoe-bench plugin  -- start-up time and throughput of plain vLLM vs --plugin smoe (place, record)
   smoe-bench serve   -- vllm serve at TP=2: plain vs mode speculate (tok/s, TTFT, TPOT, p90 ITL)
   smoe-bench comm    -- one EP MoE layer on N gloo ranks: baseline EP vs speculative shuffling
-  smoe-bench kernels -- on a CUDA GPU: shuffle kernels vs their torch references, bandwidth vs peak
+  smoe-bench kernels -- on a CUDA GPU: speculate's assignment + permutation kernel vs the torch ops
   smoe-bench place-scale -- smoe-place build/evaluate on a large trace: wall time, peak memory of all its processes
   smoe-bench load    -- speculate under a workload shift: metrics cost, live re-placement from the recording, plot
   smoe-bench cluster -- vLLM nodes in network namespaces over a link at a real cluster's proportions (needs root)
@@ -585,59 +585,61 @@ def _comm(a) -> int:
 
 
 def _kernels(a) -> int:
+    """Speculate's per-step ordering on one GPU: the Triton assignment + permutation kernel
+    (after one confidence sort) against the torch ops it replaces, same inputs, exact equality,
+    eager and as a CUDA-graph replay; times per step (median of --reps graph replays)."""
     import torch
 
-    from .kernels import shuffle as S
+    from .kernels import assign as KA
+    from .serving import device_predict as dp
 
     if not torch.cuda.is_available():
-        raise ValueError("smoe-bench kernels needs a CUDA device (the CPU path is the torch references)")
+        raise ValueError("smoe-bench kernels needs a CUDA device (the CPU path is the torch ops)")
     dev = torch.device("cuda")
-    print(f"device: {torch.cuda.get_device_name(dev)}; peak memory bandwidth assumed {a.peak_gbs:.0f} GB/s")
+    rows = []
+    for T in a.tokens:
+        g = torch.Generator(device=dev).manual_seed(T)
+        L, N = a.layers, a.ranks
+        pref = torch.randint(-1, N, (L, T, 2), device=dev, generator=g)
+        conf = torch.rand((L, T), device=dev, generator=g)
+        caps = dp.chunk_caps(T, N, dev)
+        perm, inv = (torch.empty((L, T), dtype=torch.long, device=dev) for _ in range(2))
+        want = dp.permutation(dp.assign(pref, conf, caps))
+        dp.assign_permute(pref, conf, caps, perm, inv)
+        ok = torch.equal(perm, want[0]) and torch.equal(inv, want[1])
 
-    def timed(fn, reps=20):
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
+        def fused():
+            dp.assign_permute(pref, conf, caps, perm, inv)
+
+        def ops():
+            dp.permutation(dp.assign(pref, conf, caps))
+
+        times = {}
+        for name, fn in (("kernel", fused), ("torch", ops)):
             fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps / 1e3
-
-    T, H, K, E, N = a.tokens, a.hidden, a.top_k, a.experts, a.ranks
-    g = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=g)
-    t2r = torch.randint(0, N, (T,), device=dev, generator=g)
-    topk = torch.stack([torch.randperm(E, device=dev, generator=g)[:K] for _ in range(T)])
-    e2r = torch.randperm(E, device=dev, generator=g) % N
-    y = torch.randn(T * K, H, device=dev, dtype=torch.bfloat16, generator=g)
-    rows = torch.randperm(T * K, device=dev, generator=g).view(T, K)
-    w = torch.rand(T, K, device=dev, dtype=torch.bfloat16, generator=g)
-    perm, counts = S.send_order(t2r, N)
-    checks = {
-        "send_order": (lambda: S.send_order(t2r, N), lambda: S.ref_send_order(t2r, N), T * 4 + T * 8 * 2),
-        "pack_rows": (lambda: S.pack_rows(x, perm), lambda: S.ref_pack_rows(x, perm), 2 * T * H * 2 + T * 8),
-        "combine_topk": (lambda: S.combine_topk(y, rows, w), lambda: S.ref_combine_topk(y, rows, w),
-                         T * K * H * 2 + T * H * 2 + T * K * 10),
-        "remote_ranks": (lambda: S.remote_ranks(topk, e2r, t2r, N), lambda: S.ref_remote_ranks(topk, e2r, t2r, N),
-                         T * K * 8 + T * N),
-    }
-    for name, (fn, ref, nbytes) in checks.items():
-        got, want = fn(), ref()
-        if isinstance(got, tuple):
-            ok = all(torch.equal(u, v) for u, v in zip(got, want))
-        elif got.dtype.is_floating_point:
-            ok = torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)  # bf16 output rounding
-        else:
-            ok = torch.equal(got, want)
-        secs, ref_secs = timed(fn), timed(ref)
-        gbs = nbytes / secs / 1e9
-        print(f"{name:>13}: {'ok' if ok else 'MISMATCH'}  {secs * 1e6:8.1f} us ({gbs:7.1f} GB/s, "
-              f"{100 * gbs / a.peak_gbs:5.1f}% of peak); torch reference {ref_secs * 1e6:8.1f} us")
-        if not ok:
-            return 1
-    return 0
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            samples = []
+            for _ in range(a.reps):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                torch.cuda.synchronize()
+                samples.append(start.elapsed_time(end) * 1e3)
+            times[name] = float(np.median(samples))
+        replay_ok = torch.equal(perm, want[0])
+        rows.append({"layers": L, "ranks": N, "tokens": T, "equal": ok and replay_ok,
+                     "kernel_us": times["kernel"], "torch_us": times["torch"]})
+        print(f"L={L} N={N} T={T:6d}: {'equal' if ok and replay_ok else 'MISMATCH'}; kernel {times['kernel']:8.1f} us, "
+              f"torch ops {times['torch']:8.1f} us per step (graph replay, median of {a.reps}); "
+              f"{times['torch'] / times['kernel']:.2f}x")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(dev), "rows": rows}, f, indent=1)
+    return 0 if all(r["equal"] for r in rows) else 1
 
 
 def _tree_memory(pid: int) -> tuple[int, int]:
@@ -861,13 +863,12 @@ def main(argv=None) -> int:
     c.add_argument("--reps", type=int, default=3)
     c.add_argument("--json", help="write times, bytes and ratios here")
     c.set_defaults(fn=_comm)
-    k = sub.add_parser("kernels", help="CUDA only: shuffle kernels vs torch references, achieved bandwidth")
-    k.add_argument("--tokens", type=int, default=16384)
-    k.add_argument("--hidden", type=int, default=7168)
-    k.add_argument("--top-k", type=int, default=8)
-    k.add_argument("--experts", type=int, default=256)
+    k = sub.add_parser("kernels", help="CUDA only: speculate's assignment + permutation kernel vs the torch ops")
+    k.add_argument("--tokens", type=int, nargs="+", default=[1, 256, 8192])
+    k.add_argument("--layers", type=int, default=48)
     k.add_argument("--ranks", type=int, default=8)
-    k.add_argument("--peak-gbs", type=float, default=4800.0, help="device memory bandwidth (H200: 4800 GB/s)")
+    k.add_argument("--reps", type=int, default=20)
+    k.add_argument("--json", help="write the rows here")
     k.set_defaults(fn=_kernels)
     s = sub.add_parser("place-scale", help="smoe-place build (and evaluate) on large traces: wall time and peak "
                                            "memory summed over its processes")

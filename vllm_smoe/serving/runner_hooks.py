@@ -65,7 +65,7 @@ def runner_class_for(vllm_config, device_type: str) -> str:
 
 def attached_to(path: str) -> bool:
     """Does smoe's wrapper run for ``path``'s ``execute_model`` (its own or inherited)?"""
-    return bool(getattr(_load(path).execute_model, "_smoe_wrapped", False))
+    return bool(getattr(getattr(_load(path), "execute_model", None), "_smoe_wrapped", False))
 
 
 def step_of(runner, scheduler_output) -> Step | None:

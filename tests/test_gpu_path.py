@@ -1,0 +1,247 @@
+"""What smoe does on vLLM's CUDA build, checked on CPU: the per-step hooks attach to whichever
+model runner vLLM's worker would build (V1 or Model Runner V2), speculate is refused on
+transports that ignore token order, every rank builds one permutation even from perturbed rows,
+counters exclude pad rows on the device, and a step without token ids does not crash."""
+
+import os
+import socket
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_smoe.serving import device_predict as dp
+
+vllm = pytest.importorskip("vllm")
+
+from vllm_smoe.serving import runner_hooks as rh  # noqa: E402
+from vllm_smoe.serving.capability import ORDERED_BACKENDS, speculate_transport  # noqa: E402
+
+
+# ---------------------------------------------------------------- runners
+
+def test_hooks_attach_to_the_runner_vllm_builds_for_cuda_and_cpu():
+    rh.attach()
+    for v2 in (False, True):
+        cfg = types.SimpleNamespace(use_v2_model_runner=v2)
+        for device in ("cuda", "cpu"):
+            path = rh.runner_class_for(cfg, device)
+            assert path == {(True, "cuda"): rh.V2, (False, "cuda"): rh.V1, (True, "cpu"): rh.CPU_V2,
+                            (False, "cpu"): rh.CPU_V1}[(v2, device)]
+            assert rh.attached_to(path), path  # CPU runners inherit the wrapped execute_model
+            rh.check_attached(cfg, device)
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1
+
+    assert not issubclass(V2, V1)  # why both are wrapped
+
+
+def test_an_unhooked_runner_is_refused_by_name(monkeypatch):
+    monkeypatch.setattr(rh, "runner_class_for", lambda cfg, device: "collections:OrderedDict")
+    with pytest.raises(ValueError, match="collections:OrderedDict"):
+        rh.check_attached(types.SimpleNamespace(use_v2_model_runner=True), "cuda")
+
+
+class _Runner:
+    def __init__(self):
+        self.calls = []
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False):
+        self.calls.append(("forward", dummy_run))
+        return "out"
+
+
+def test_wrapper_runs_hooks_around_served_steps_only():
+    seen = []
+    before = lambda runner, so: seen.append(("before", so.total_num_scheduled_tokens))  # noqa: E731
+    after = lambda runner, so, step: seen.append(("after", step))  # noqa: E731
+    rh._wrap(_Runner)
+    rh.attach(before=before, after=after)
+    try:
+        r = _Runner()
+        so = types.SimpleNamespace(total_num_scheduled_tokens=0)
+        assert r.execute_model(so, dummy_run=True) == "out"  # V2's warm-up and capture
+        assert seen == []
+        assert r.execute_model(so) == "out"
+        assert seen == [("before", 0), ("after", None)]  # nothing scheduled: no step view
+    finally:
+        rh.detach(before, after)
+
+
+def test_step_view_of_model_runner_v2_and_v1():
+    ids, pos = torch.arange(10, 20), torch.arange(10)
+    batch = types.SimpleNamespace(req_ids=["b", "a"], num_scheduled_tokens=np.array([3, 4, 0]),
+                                  input_ids=ids, positions=pos)
+    v2 = types.SimpleNamespace(input_buffers=object(), execute_model_state=types.SimpleNamespace(input_batch=batch))
+    so = types.SimpleNamespace(total_num_scheduled_tokens=7, num_scheduled_tokens={"a": 4, "b": 3})
+    step = rh.step_of(v2, so)
+    assert step.req_ids == ["b", "a"] and step.counts.tolist() == [3, 4]
+    assert step.input_ids.tolist() == list(range(10, 17)) and step.positions.shape == (7,)
+    assert rh.step_of(types.SimpleNamespace(input_buffers=object(), execute_model_state=None), so) is None
+    v1 = types.SimpleNamespace(input_batch=types.SimpleNamespace(req_ids=["a", "b"]),
+                               input_ids=types.SimpleNamespace(gpu=ids), positions=pos, enable_prompt_embeds=False)
+    step = rh.step_of(v1, so)
+    assert step.counts.tolist() == [4, 3] and step.input_ids.shape == (7,)
+    v1.enable_prompt_embeds = True
+    assert rh.step_of(v1, so).input_ids is None  # rows may be vectors: never recorded as token ids
+
+
+# ---------------------------------------------------------------- transports
+
+@pytest.mark.parametrize("backend,ok", [("allgather_reducescatter", False), ("naive", False), ("passthrough", False),
+                                        ("flashinfer_nvlink_two_sided", False), ("moonep", False)]
+                         + [(b, True) for b in ORDERED_BACKENDS])
+def test_speculate_transport_on_cuda(backend, ok):
+    got, reason = speculate_transport(types.SimpleNamespace(all2all_backend=backend), "cuda", None)
+    assert got == ok
+    if not ok:
+        assert f"--all2all-backend {backend}" in reason and "deepep_low_latency" in reason and "mode place" in reason
+
+
+def test_sparse_is_cpu_only_and_cpu_takes_any_backend():
+    pc = types.SimpleNamespace(all2all_backend="deepep_low_latency")
+    ok, reason = speculate_transport(pc, "cuda", "sparse")
+    assert not ok and "CPU build only" in reason and "field 'all2all'" in reason
+    assert speculate_transport(types.SimpleNamespace(all2all_backend="allgather_reducescatter"), "cpu", None)[0]
+
+
+def _parallel(backend, monkeypatch, cpu):
+    from vllm.config import ParallelConfig
+    from vllm.platforms import current_platform
+
+    from vllm_smoe.serving import cpu_ep
+
+    cpu_ep.install()
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self=None: cpu)
+    pc = ParallelConfig.__new__(ParallelConfig)  # no validation: only the fields the property reads
+    pc.__dict__.update(all2all_backend=backend, enable_expert_parallel=True, tensor_parallel_size=2,
+                       data_parallel_size=1, smoe_sequence_parallel=True)
+    return pc
+
+
+@pytest.mark.parametrize("backend,cpu,on", [("allgather_reducescatter", True, True),
+                                            ("allgather_reducescatter", False, False),
+                                            ("flashinfer_nvlink_two_sided", False, False),
+                                            ("deepep_low_latency", False, True)])
+def test_sequence_parallel_moe_keeps_vllms_whitelist_off_cpu(backend, cpu, on, monkeypatch):
+    assert _parallel(backend, monkeypatch, cpu).use_sequence_parallel_moe is on
+
+
+def test_engine_args_checks(monkeypatch):
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    from vllm_smoe.config import SmoeConfig
+    from vllm_smoe.serving.plugin import _check_engine_args
+
+    spec = SmoeConfig(mode="speculate", placement="/x.yaml")
+    ea = EngineArgs(model="m", enable_return_routed_experts=True)
+    with pytest.raises(ValueError, match="--enable-return-routed-experts"):
+        _check_engine_args(ea, spec)
+    _check_engine_args(ea, SmoeConfig())  # place mode: vLLM's capture stays the user's
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self=None: False)
+    ea = EngineArgs(model="m", all2all_backend="deepep_high_throughput")
+    _check_engine_args(ea, spec)
+    assert ea.compilation_config.cudagraph_mode == CUDAGraphMode.NONE  # vLLM does this only for DP > 1
+    ea = EngineArgs(model="m", all2all_backend="deepep_low_latency")
+    _check_engine_args(ea, spec)
+    assert ea.compilation_config.cudagraph_mode != CUDAGraphMode.NONE  # LL kernels capture
+    with pytest.raises(ValueError, match="--smoe-all2all sparse"):
+        _check_engine_args(ea, SmoeConfig(all2all="sparse"))
+
+
+# ---------------------------------------------------------------- agreement under perturbed rows
+
+WORLD, T, H, E, K, N = 2, 64, 16, 8, 2, 2
+
+
+def _agree_worker(rank, port, results):
+    import torch.distributed as dist
+
+    from vllm_smoe.serving.token_order import agree
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    gate = torch.randn(H, E, generator=g)
+    x = torch.randn(T, H, generator=g)
+    held = (torch.arange(E) % N)[None, :] == torch.arange(N)[:, None]  # [N, E]
+    # what a non-deterministic all-reduce does: rows equal up to the last bits, rank by rank
+    x = x + (rank + 1) * 1e-3 * torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 7))
+    ids = torch.topk(x @ gate, K, dim=1).indices
+    pref, conf = dp.prefer_held(ids, held)
+    t2r = dp.assign(pref, conf, dp.chunk_caps(T, N))
+
+    def broadcast(t, src):
+        dist.broadcast(t, src)
+        return t
+
+    agreed = agree(t2r, broadcast)
+    results[rank] = (t2r.tolist(), dp.permutation(agreed)[0].tolist())
+    dist.destroy_process_group()
+
+
+def test_router_predictor_ranks_build_one_permutation_from_perturbed_rows():
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_agree_worker, args=(port, results), nprocs=WORLD, join=True)
+    (own0, perm0), (own1, perm1) = results[0], results[1]
+    assert own0 != own1  # the perturbation alone makes the ranks disagree (rows computed twice or never)
+    assert perm0 == perm1  # agreed: one permutation
+    assert sorted(perm0) == list(range(T))
+
+
+# ---------------------------------------------------------------- counters and missing ids
+
+def _order(T, N, rank, num_real, perm):
+    from vllm_smoe.serving.token_order import TokenOrder
+
+    o = TokenOrder.__new__(TokenOrder)
+    c = -(-T // N)
+    o.__dict__.update(top1=torch.zeros(c, dtype=torch.long), count=True, rows=T, rank=rank, N=N, stack=False,
+                      perm=perm[None], num_real=torch.tensor(num_real), held=torch.ones((1, E), dtype=torch.bool),
+                      counts=torch.zeros((1, 4), dtype=torch.long))
+    return o, c
+
+
+def test_counters_skip_pad_rows_wherever_the_order_put_them():
+    T, Nr = 7, 2
+    perm = torch.tensor([6, 0, 5, 1, 2, 3, 4])  # rows 5, 6 are vLLM's padding (num_real 5)
+    for rank, want in ((0, 2), (1, 3)):  # rank 0: rows 6, 0, 5, 1 -> 2 real; rank 1: 2, 3, 4 (+ chunk pad)
+        o, c = _order(T, Nr, rank, 5, perm)
+        o._capture(0, torch.zeros((c, K), dtype=torch.long))
+        assert o.counts[0, 2].item() == want, rank
+        assert o.counts[0, 1].item() == want * K
+    o, c = _order(T, Nr, 0, 0, perm)  # outside a served step (warm-up, capture)
+    o._capture(0, torch.zeros((c, K), dtype=torch.long))
+    assert o.counts.sum().item() == 0
+
+
+def test_a_step_without_token_ids_is_ordered_not_refused():
+    from vllm_smoe.serving.token_order import TokenOrder
+
+    o = TokenOrder.__new__(TokenOrder)
+    o.__dict__.update(ids=torch.full((8,), 5), query=torch.zeros(8, dtype=torch.long), bigrams=True)
+    o._step_ids(None, (), {"input_ids": None, "positions": torch.arange(3), "inputs_embeds": torch.zeros(3, 4)})
+    assert o.ids.tolist() == [0, 0, 0, 5, 5, 5, 5, 5] and o.query[:3].tolist() == [-1, -1, -1]
+
+
+def test_speculate_refuses_id_predictors_when_rows_may_be_embeddings():
+    from vllm_smoe.serving.capability import speculate_supported
+
+    hf = types.SimpleNamespace(shared_expert_intermediate_size=0, num_experts=8, vocab_size=100)
+    mc = types.SimpleNamespace(hf_text_config=hf, enable_prompt_embeds=True, is_multimodal_model=False)
+    pc = types.SimpleNamespace(enable_expert_parallel=True, tensor_parallel_size=2, pipeline_parallel_size=1,
+                               data_parallel_size=1, enable_eplb=False, all2all_backend="allgather_reducescatter")
+    placement = types.SimpleNamespace(ep_size=2, vocab_size=None, predictor=object(), path="p.yaml")
+    cfg = types.SimpleNamespace(model_config=mc, parallel_config=pc)
+    ok, reason = speculate_supported(cfg, placement, "tables", device_type="cpu")
+    assert not ok and "--enable-prompt-embeds" in reason and "predictor 'router'" in reason
+    assert speculate_supported(cfg, placement, "router", device_type="cpu") == (True, "")
