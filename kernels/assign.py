@@ -70,7 +70,9 @@ def ref_assign_permute(pref: torch.Tensor, order: torch.Tensor, caps: torch.Tens
 
 if triton is not None:
 
-    @triton.jit
+    # T and the row stride change every step: one compiled variant for all of them (a variant
+    # first met inside a CUDA-graph capture would compile there)
+    @triton.jit(do_not_specialize=["T", "out_stride"])
     def _assign_permute_kernel(pref_ptr, order_ptr, caps_ptr, t2r_ptr, perm_ptr, inv_ptr, T, out_stride,
                                P: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
         layer = tl.program_id(0).to(tl.int64)
@@ -158,7 +160,7 @@ def assign_permute(pref: torch.Tensor, order: torch.Tensor, caps: torch.Tensor, 
         return perm[:, :T], inv[:, :T]
     if T:
         t2r = torch.empty((L, T), dtype=torch.int64, device=pref.device)
-        blk = min(block, triton.next_power_of_2(T))
+        blk = triton.next_power_of_2(block)  # fixed, not from T: one variant serves every step
         _assign_permute_kernel[(L,)](pref.contiguous(), order.contiguous(), caps.to(torch.int64).contiguous(), t2r,
                                      perm, inv, T, perm.stride(0), P=P, N=N, NP=triton.next_power_of_2(N),
                                      BLOCK=blk)

@@ -59,7 +59,7 @@ def test_speculate_serves_its_counters_on_metrics(tmp_path):
                     "--no-enable-prefix-caching", log=tmp_path / "s.log", env=env) as s:
         s.complete(prompts, max_tokens=max_tokens)
         time.sleep(0.5)
-        s.complete([[5]], max_tokens=1)  # one more step past the interval: every rank publishes
+        s.complete([[5]], max_tokens=1)  # one more step past the interval: every rank publishes after it
         time.sleep(0.3)
         with urllib.request.urlopen(f"http://127.0.0.1:{s.port}/metrics", timeout=30) as r:
             text = r.read().decode()
@@ -68,8 +68,9 @@ def test_speculate_serves_its_counters_on_metrics(tmp_path):
         m = re.match(r'^(smoe:[a-z0-9_]+)(\{[^}]*\})? (\S+)$', line)
         if m:
             metric[(m.group(1), m.group(2) or "")] = float(m.group(3))
-    # the extra request's step published the counters of the steps before it
-    served = sum(len(p) + max_tokens - 1 for p in prompts)
+    # counters are published after a step (outside the forward), so the extra request's one step
+    # (one prompt token, no decode) is in them
+    served = sum(len(p) + max_tokens - 1 for p in prompts) + 1
     for layer in range(4):
         rows = sum(v for (n, lab), v in metric.items() if n == "smoe:tokens_total" and f'layer="{layer}"' in lab)
         assert rows == served, (layer, rows, served)

@@ -590,7 +590,6 @@ def _kernels(a) -> int:
     eager and as a CUDA-graph replay; times per step (median of --reps graph replays)."""
     import torch
 
-    from .kernels import assign as KA
     from .serving import device_predict as dp
 
     if not torch.cuda.is_available():

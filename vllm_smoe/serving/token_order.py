@@ -464,6 +464,22 @@ class TokenOrder:
             self.prev_top1[:T].copy_(top1.index_select(0, inv))
         return y.index_select(0, inv)
 
+    def _read_counts(self) -> list | None:
+        """The device counters as lists, once per log interval. On CUDA without waiting for the
+        device: a pinned copy started at one interval is read at the next (so values lag one
+        interval; None until the first copy has landed)."""
+        if self.counts.device.type != "cuda":
+            return self.counts.tolist()
+        pending = getattr(self, "_pending", None)
+        host = torch.empty(self.counts.shape, dtype=self.counts.dtype, pin_memory=True)
+        host.copy_(self.counts, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending = (host, event)
+        if pending is None or not pending[1].query():
+            return None
+        return pending[0].tolist()
+
     def _maybe_log(self) -> None:
         if not self.count:
             return
@@ -473,7 +489,9 @@ class TokenOrder:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return  # reading device counters would break a CUDA graph capture
         self._last_log = now
-        layers = self.counts.tolist()  # once per log interval, not per step
+        layers = self._read_counts()
+        if layers is None:
+            return
         local, acts, tokens = (sum(row[i] for row in layers) for i in range(3))
         if not acts:
             return
