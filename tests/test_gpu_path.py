@@ -58,15 +58,27 @@ def test_wrapper_runs_hooks_around_served_steps_only():
     after = lambda runner, so, step: seen.append(("after", step))  # noqa: E731
     rh._wrap(_Runner)
     rh.attach(before=before, after=after)
+    serving = rh._SERVING[0]
+
+    class _Worker:
+        def compile_or_warm_up_model(self):
+            r.execute_model(so)  # V2's kernel warm-up: made-up requests through execute_model
+            return "times"
+
     try:
         r = _Runner()
         so = types.SimpleNamespace(total_num_scheduled_tokens=0)
-        assert r.execute_model(so, dummy_run=True) == "out"  # V2's warm-up and capture
+        rh._SERVING[0] = False
+        rh._wrap_worker(_Worker)
+        assert _Worker().compile_or_warm_up_model() == "times"
+        assert seen == [] and r.calls == [("forward", False)] and rh.serving()
+        assert r.execute_model(so, dummy_run=True) == "out"  # V2's dummy runs and capture
         assert seen == []
         assert r.execute_model(so) == "out"
         assert seen == [("before", 0), ("after", None)]  # nothing scheduled: no step view
     finally:
         rh.detach(before, after)
+        rh._SERVING[0] = serving
 
 
 def test_step_view_of_model_runner_v2_and_v1():
@@ -245,3 +257,22 @@ def test_speculate_refuses_id_predictors_when_rows_may_be_embeddings():
     ok, reason = speculate_supported(cfg, placement, "tables", device_type="cpu")
     assert not ok and "--enable-prompt-embeds" in reason and "predictor 'router'" in reason
     assert speculate_supported(cfg, placement, "router", device_type="cpu") == (True, "")
+
+
+def test_speculate_refuses_micro_batches_and_monolithic_kernels():
+    from vllm_smoe.serving.capability import monolithic, speculate_supported
+
+    hf = types.SimpleNamespace(shared_expert_intermediate_size=0, num_experts=8, vocab_size=100)
+    mc = types.SimpleNamespace(hf_text_config=hf)
+    pc = types.SimpleNamespace(enable_expert_parallel=True, tensor_parallel_size=2, pipeline_parallel_size=1,
+                               data_parallel_size=1, enable_eplb=False, use_ubatching=True,
+                               all2all_backend="deepep_low_latency")
+    placement = types.SimpleNamespace(ep_size=2, vocab_size=None, predictor=object(), path="p.yaml")
+    ok, reason = speculate_supported(types.SimpleNamespace(model_config=mc, parallel_config=pc), placement, "tables",
+                                     device_type="cuda")
+    assert not ok and "micro-batching" in reason
+    pc.use_ubatching = False
+    assert speculate_supported(types.SimpleNamespace(model_config=mc, parallel_config=pc), placement, "tables",
+                               device_type="cuda") == (True, "")
+    fused = types.SimpleNamespace(quant_method=types.SimpleNamespace(is_monolithic=True))
+    assert monolithic(fused) and not monolithic(types.SimpleNamespace(quant_method=None))

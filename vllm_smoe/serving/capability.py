@@ -65,6 +65,9 @@ def speculate_supported(vllm_config, placement, predictor: str = "tables", all2a
                        f"by the load plan on top of vLLM's linear split; drop the flag")
     if pc.enable_eplb:
         return False, "--enable-eplb moves experts at run time; the placement would no longer hold"
+    if getattr(pc, "use_ubatching", False):
+        return False, ("micro-batching (--enable-dbo / ubatch_size > 1) runs two forwards of a step at once, but "
+                       "the token order keeps one permutation per layer; serve without it")
     ok, reason = speculate_transport(pc, device_type, all2all)
     if not ok:
         return False, reason
@@ -89,6 +92,13 @@ def speculate_supported(vllm_config, placement, predictor: str = "tables", all2a
         return False, (f"{placement.path}: field 'predictor' is empty but predictor 'tables' needs the tables "
                        f"(rebuild with smoe-place build, or set predictor 'router' / 'random' / 'one-rank')")
     return True, ""
+
+
+def monolithic(experts) -> bool:
+    """Does this FusedMoE route inside its fused kernel? Then vLLM's router never runs its
+    capture function, so smoe would see no routing (a recording of zeros, a stale Markov top-1,
+    counters at 0)."""
+    return bool(getattr(getattr(experts, "quant_method", None), "is_monolithic", False))
 
 
 def _check_replicas(placement: str, vllm_config) -> None:

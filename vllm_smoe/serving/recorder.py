@@ -91,6 +91,11 @@ class Recorder:
             m = _LAYER.search("." + name + ".")
             if m is None or int(m.group(1)) not in self.layers:
                 continue
+            from .capability import monolithic
+
+            if monolithic(module):
+                raise ValueError(f"smoe record: {name} uses a monolithic MoE kernel (routing inside the kernel), "
+                                 f"whose router never calls vLLM's capture function: nothing could be recorded")
             prev = getattr(router, "capture_fn", None)  # the token order's, when speculating
             router.set_capture_fn(partial(self._capture, self.layers.index(int(m.group(1))), prev))
             hooked += 1

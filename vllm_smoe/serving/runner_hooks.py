@@ -13,7 +13,10 @@ hooks there, on the host, outside any CUDA graph:
   batch, or None when the runner built none (nothing scheduled, a non-last pipeline rank).
 
 Warm-up, profiling and graph capture never reach the hooks: V1 runs them through
-``_dummy_run`` (not ``execute_model``), V2 passes ``dummy_run=True``, which the wrapper skips.
+``_dummy_run`` (not ``execute_model``), V2 passes ``dummy_run=True``, which the wrapper skips,
+and V2's kernel warm-up, which sends made-up requests through ``execute_model``, runs inside the
+worker's ``compile_or_warm_up_model``: the hooks start only once that has returned (P-worker,
+the same wrapper on vLLM's GPU and CPU workers).
 
 Upstream: vLLM has no per-step plugin hook on its model runners; this wrapper goes away once one
 exists. Checked at start: both classes must have ``execute_model`` (else smoe refuses).
@@ -31,6 +34,7 @@ import torch
 
 logger = logging.getLogger("vllm.smoe")
 
+WORKERS = ("vllm.v1.worker.gpu_worker:Worker", "vllm.v1.worker.cpu_worker:CPUWorker")
 V1 = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 V2 = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
 CPU_V1 = "vllm.v1.worker.cpu_model_runner:CPUModelRunner"
@@ -76,12 +80,14 @@ def step_of(runner, scheduler_output) -> Step | None:
     state = getattr(runner, "execute_model_state", None)
     if hasattr(runner, "input_buffers"):  # Model Runner V2: the batch is per step
         if state is None:
-            return None  # a non-last pipeline rank
+            return None  # no forward ran
         batch = state.input_batch
         req_ids = list(batch.req_ids)
         counts = np.asarray(batch.num_scheduled_tokens[: len(req_ids)], dtype=np.int64)
-        ids = batch.input_ids
-        return Step(req_ids, counts, None if ids is None else ids[:n], batch.positions[:n])
+        # V2 always fills input_ids; with prompt embeddings allowed a row may not be a token
+        embeds = getattr(getattr(runner, "model_config", None), "enable_prompt_embeds", False)
+        ids = None if embeds or batch.input_ids is None else batch.input_ids[:n]
+        return Step(req_ids, counts, ids, batch.positions[:n])
     batch = runner.input_batch  # V1: persistent batch, buffers on the runner
     req_ids = list(batch.req_ids)
     counts = np.array([scheduler_output.num_scheduled_tokens.get(r, 0) for r in req_ids], dtype=np.int64)
@@ -92,6 +98,25 @@ def step_of(runner, scheduler_output) -> Step | None:
 
 _BEFORE: list[Callable] = []
 _AFTER: list[Callable] = []
+_SERVING = [False]  # this process's worker finished compile_or_warm_up_model
+
+
+def serving() -> bool:
+    return _SERVING[0]
+
+
+def _wrap_worker(cls: type) -> None:
+    if getattr(cls.compile_or_warm_up_model, "_smoe_wrapped", False):
+        return
+    orig = cls.compile_or_warm_up_model
+
+    def compile_or_warm_up_model(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        _SERVING[0] = True  # from here on every execute_model is a served step
+        return out
+
+    compile_or_warm_up_model._smoe_wrapped = True
+    cls.compile_or_warm_up_model = compile_or_warm_up_model
 
 
 def _wrap(cls: type) -> None:
@@ -100,7 +125,7 @@ def _wrap(cls: type) -> None:
     orig = cls.execute_model
 
     def execute_model(self, scheduler_output, *args, **kwargs):
-        if kwargs.get("dummy_run"):
+        if kwargs.get("dummy_run") or not _SERVING[0]:
             return orig(self, scheduler_output, *args, **kwargs)
         for hook in _BEFORE:
             hook(self, scheduler_output)
@@ -128,6 +153,16 @@ def attach(before: Callable | None = None, after: Callable | None = None) -> Non
         if not callable(getattr(cls, "execute_model", None)):
             raise RuntimeError(f"smoe: {path} has no execute_model(); this vLLM is not supported (built for 0.32)")
         _wrap(cls)
+    for path in WORKERS:
+        try:
+            cls = _load(path)
+        except ImportError as e:
+            logger.debug("smoe: %s not importable (%s)", path, e)
+            continue
+        if not callable(getattr(cls, "compile_or_warm_up_model", None)):
+            raise RuntimeError(f"smoe: {path} has no compile_or_warm_up_model(); this vLLM is not supported "
+                               f"(built for 0.32)")
+        _wrap_worker(cls)
     if before is not None and before not in _BEFORE:
         _BEFORE.append(before)
     if after is not None and after not in _AFTER:

@@ -154,6 +154,13 @@ class TokenOrder:
         self.blocks = [(layer, block, e.router) for layer, block, e in experts]
         if len(self.blocks) != len(plan.moe_layers):
             raise RuntimeError(f"smoe speculate: found {len(self.blocks)} MoE blocks, expected {len(plan.moe_layers)}")
+        from .capability import monolithic
+
+        for _, block, e in experts:
+            if monolithic(e):
+                raise ValueError(f"smoe mode speculate: {type(block).__name__}'s experts use a monolithic MoE kernel "
+                                 f"(routing inside the kernel), so vLLM's router capture that smoe counts and "
+                                 f"records with never runs; serve with a modular MoE backend or mode place")
         kinds = set()
         for _, block, _ in self.blocks:
             ok, reason, kind = block_supported(block, model)
@@ -175,6 +182,10 @@ class TokenOrder:
             raise ValueError(f"smoe mode speculate: predictor 'router' runs each MoE layer's gate on its input rows, "
                              f"but {type(self.blocks[0][1]).__name__}'s decoder layers keep their rows split between "
                              f"layers, so one order holds for the whole step; use predictor 'tables'")
+        # the TP group's broadcast on the device communicator (pynccl on the current stream on
+        # CUDA, capturable like vLLM's other collectives; torch.distributed's elsewhere)
+        comm = getattr(self.tp, "device_communicator", None)
+        self.broadcast = comm.broadcast if comm is not None and hasattr(comm, "broadcast") else self.tp.broadcast
         self.gates = []  # predictor router: (gate, router) per MoE layer
         if cfg.predictor == "router":
             for _, block, e in experts:
@@ -226,6 +237,9 @@ class TokenOrder:
         from . import runner_hooks
 
         runner_hooks.attach(before=_before_step, after=_after_step)
+        from vllm.platforms import current_platform
+
+        runner_hooks.check_attached(vllm_config, current_platform.device_type)  # else counters would read 0
         for layer, block, router in self.blocks:
             if not self.stack:
                 block.register_forward_pre_hook(self._pre(layer), with_kwargs=True)
@@ -437,7 +451,7 @@ class TokenOrder:
                 # every rank must build the same permutation, but the gate's rows are equal
                 # across ranks only if the attention all-reduce is bitwise deterministic (vLLM's
                 # FlashInfer one is not): rank 0's assignment is the step's (4 bytes a token)
-                t2r = agree(dp.assign(pref, conf, caps), self.tp.broadcast)
+                t2r = agree(dp.assign(pref, conf, caps), self.broadcast)
                 perm, inv = dp.permutation(t2r)
                 self.perm[layer, :T].copy_(perm)
                 self.inv[layer, :T].copy_(inv)
@@ -451,7 +465,7 @@ class TokenOrder:
             start = min(self.rank * c, T)
             stop = min(start + c, T)
             out = torch.empty_like(x)
-            out[start:stop] = x.index_select(0, self.perm[layer, start:stop])
+            torch.index_select(x, 0, self.perm[layer, start:stop], out=out[start:stop])
             return out
         return x.index_select(0, self.perm[layer, :T])
 
