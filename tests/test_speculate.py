@@ -278,3 +278,31 @@ def test_live_swap_under_load_keeps_plain_tokens(plain_tp2, tmp_path, replicas):
     swapped = [i for i, ln in enumerate(log.splitlines()) if "smoe: live placement:" in ln]
     served = [i for i, ln in enumerate(log.splitlines()) if "/v1/completions HTTP/1.1\" 200" in ln]
     assert served[0] < swapped[0] < served[-1] and served[0] < swapped[-1] < served[-1]  # answers on both sides
+
+
+def _vc(tp=2, dp=1, ep=True, nnodes=1, dp_local=None, seqs=256):
+    import types
+
+    pc = types.SimpleNamespace(tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=ep,
+                               nnodes=nnodes, data_parallel_size_local=dp if dp_local is None else dp_local)
+    return types.SimpleNamespace(parallel_config=pc, scheduler_config=types.SimpleNamespace(max_num_seqs=seqs))
+
+
+def test_advice_says_where_a_configuration_cannot_pay():
+    from vllm_smoe.serving.capability import advice
+
+    spec = SmoeConfig(mode="speculate", placement=EP2)
+    (line,) = advice(_vc(), spec, "cpu")
+    assert "at 2 ranks" in line and "--mode dp" in line
+    lines = advice(_vc(tp=4), spec, "cpu")
+    assert len(lines) == 1 and "on one node" in lines[0] and "mode place" in lines[0]
+    assert advice(_vc(tp=4, nnodes=2), spec, "cpu") == []  # across nodes: what speculate is for
+    agrs = advice(_vc(tp=4, nnodes=2), SmoeConfig(mode="speculate", placement=EP2, all2all="vllm"), "cpu")
+    assert len(agrs) == 1 and "allgather-reducescatter" in agrs[0]
+    assert any("--max-num-seqs 2 < 4" in ln for ln in advice(_vc(tp=4, nnodes=2, seqs=2), spec, "cpu"))
+    (place,) = advice(_vc(), SmoeConfig(placement=EP2), "cpu")
+    assert "not what crosses the link" in place
+    assert advice(_vc(tp=1, dp=2, dp_local=1), SmoeConfig(placement=EP2), "cpu") == []  # routed DP + EP pays
+    (off,) = advice(_vc(tp=1, dp=2), SmoeConfig(placement=EP2, dp_routing=False), "cpu")
+    assert "--smoe-dp-routing off" in off
+    assert advice(_vc(), SmoeConfig(), "cpu") == []  # no placement: nothing to judge

@@ -654,7 +654,8 @@ def run_config(net: Net, name: str, cfg: dict, idx: int, work: str, a, phases: l
     text = open(logs[0], errors="replace").read() + open(logs[1], errors="replace").read()
     res["logs"] = logs
     res["smoe_log"] = [ln.split("smoe: ", 1)[1].strip() for ln in text.splitlines()
-                       if re.search(r"smoe: (speculate \(|dp rank \d+ served)", ln)][-2:]
+                       if re.search(r"smoe: (speculate \(|dp rank \d+ served)", ln)][-2:] + sorted(
+        {ln.split("smoe: advice: ", 1)[1].strip() for ln in text.splitlines() if "smoe: advice: " in ln})
     return res
 
 

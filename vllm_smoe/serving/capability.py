@@ -142,3 +142,40 @@ def check_served_placement(path: str, cfg, vllm_config):
                          f"expert-parallel rank on each DP rank (TP = 1), but --tensor-parallel-size is "
                          f"{pc.tensor_parallel_size}")
     return plan
+
+
+def advice(vllm_config, cfg, device_type: str) -> list[str]:
+    """Where the configuration cannot pay, why and what does (measured in BENCHMARKS.md): one
+    line each, logged at start. Configs only; nothing is refused here. cfg: the SmoeConfig."""
+    pc = vllm_config.parallel_config
+    tp, dp = pc.tensor_parallel_size, pc.data_parallel_size
+    local_dp = getattr(pc, "data_parallel_size_local", dp) or dp
+    one_node = getattr(pc, "nnodes", 1) == 1 and local_dp >= dp
+    out = []
+    if cfg.mode == "speculate":
+        if device_type == "cpu" and cfg.all2all == "vllm":
+            out.append("mode speculate over vLLM's allgather-reducescatter (all2all: vllm): every row reaches every "
+                       "rank whatever the order, so the order adds work and saves no bytes; drop all2all: vllm "
+                       "(smoe's sparse exchange) or serve mode place")
+        if tp == 2:
+            out.append("mode speculate at 2 ranks: a sequence-parallel order cannot carry fewer bytes than plain TP's "
+                       "two all-reduces (measured across two emulated nodes: 1.11x plain TP's wire bytes); what pays at "
+                       "this size is attention DP + EP with a DP placement and request routing (smoe-place build "
+                       "--mode dp, --data-parallel-size, 0.52-0.55x vLLM DP+EP's bytes) or mode place")
+        elif one_node:
+            out.append("mode speculate on one node: the exchange runs over shared memory, where each collective is "
+                       "latency bound, so it saves bytes that cost little (measured 1.2-1.4x plain TP per token on "
+                       "the CPU build); it is meant for slow expert-parallel links (across nodes); here mode place "
+                       "serves the same tokens at vLLM's speed")
+        seqs = getattr(vllm_config.scheduler_config, "max_num_seqs", None)
+        if seqs is not None and seqs < tp:
+            out.append(f"--max-num-seqs {seqs} < {tp} ranks: every decode step has fewer tokens than ranks, so the "
+                       f"static order cannot move a decode token")
+    elif cfg.placement is not None and tp > 1 and pc.enable_expert_parallel and dp == 1:
+        out.append("a placement at TP > 1 + EP with DP = 1: vLLM routes every row on every rank and all-reduces the "
+                   "MoE output, so the expert order changes which rank computes, not what crosses the link; "
+                   "locality pays with --data-parallel-size > 1 (request routing) or mode speculate across nodes")
+    elif cfg.placement is not None and dp > 1 and pc.enable_expert_parallel and not cfg.dp_routing:
+        out.append("--smoe-dp-routing off: requests land on DP ranks by vLLM's load balancer, so a DP placement's "
+                   "locality is left to chance (measured with routing: 0.61-0.67 of activations local at DP=2)")
+    return out

@@ -158,6 +158,13 @@ def _install_hooks() -> None:
             # smoe's token order sits around vLLM's sequence-parallel MoE, which vLLM turns on
             # only with DP > 1; the flag carries to every worker inside the parallel config
             vllm_config.parallel_config.smoe_sequence_parallel = True
+        if cfg is not None:
+            from vllm.platforms import current_platform
+
+            from .capability import advice
+
+            for line in advice(vllm_config, cfg, current_platform.device_type):
+                logger.warning("smoe: advice: %s", line)
         if cfg is not None and cfg.placement is not None:
             from .capability import check_served_placement
 

@@ -220,6 +220,7 @@ class TokenOrder:
         self.count = cfg.metrics  # off: no device counters, no log line, no drift
         self.judged = cfg.predictor in ("tables", "tables-markov", "router")
         self.drift = Drift(expected if self.judged else None, cfg.drift_threshold)
+        self.steps = self.small_steps = 0  # served steps; those with fewer tokens than ranks
         self.rows = 0  # rows of the current step, pad rows included (host int, from the op's input shape)
         # the step's real tokens (the rest of the rows are vLLM's padding), written before each
         # served step outside the forward (runner_hooks), 0 otherwise: a replayed CUDA graph and
@@ -307,7 +308,10 @@ class TokenOrder:
 
     def before_step(self, scheduler_output) -> None:
         """Host side, before a served step's forward: its real token count on the device."""
-        self.num_real.fill_(int(scheduler_output.total_num_scheduled_tokens))
+        n = int(scheduler_output.total_num_scheduled_tokens)
+        self.num_real.fill_(n)
+        self.steps += 1
+        self.small_steps += 0 < n < self.N  # every token sits in rank 0's chunk: the order cannot move it
 
     def after_step(self) -> None:
         self.num_real.fill_(0)  # anything run outside a served step (warm-up, capture) counts nothing
@@ -531,6 +535,9 @@ class TokenOrder:
             if c["tokens"]:
                 wire = (f"; sparse all2all: {c['pairs'] / c['tokens']:.3f} remote (token, rank) pairs and "
                         f"{c['bytes'] / c['tokens']:.0f} B per token and MoE layer")
+        if self.small_steps:
+            wire += (f"; {self.small_steps / self.steps:.0%} of {self.steps} steps had fewer tokens than ranks (the "
+                     f"order cannot move them)")
         logger.info("smoe: speculate (predictor %s): rank %d served %.3f of its expert activations locally "
                     "(%d tokens)%s", self.predictor, self.rank, local / acts, tokens // self.inv.shape[0], wire)
 
