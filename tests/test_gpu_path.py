@@ -4,7 +4,6 @@ transports that ignore token order, every rank builds one permutation even from 
 counters exclude pad rows on the device, and a step without token ids does not crash."""
 
 import os
-import socket
 import types
 
 import numpy as np
@@ -196,14 +195,8 @@ def _agree_worker(rank, port, results):
     dist.destroy_process_group()
 
 
-def test_router_predictor_ranks_build_one_permutation_from_perturbed_rows():
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_agree_worker, args=(port, results), nprocs=WORLD, join=True)
+def test_router_predictor_ranks_build_one_permutation_from_perturbed_rows(gloo_spawn):
+    results = gloo_spawn(_agree_worker, WORLD)
     (own0, perm0), (own1, perm1) = results[0], results[1]
     assert own0 != own1  # the perturbation alone makes the ranks disagree (rows computed twice or never)
     assert perm0 == perm1  # agreed: one permutation

@@ -9,13 +9,11 @@ there may read device values on the host. The reference MoE below is test-only m
 """
 
 import os
-import socket
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from vllm_smoe.placement.assign import assign_tokens
 from vllm_smoe.placement.assign import chunk_caps as np_chunk_caps
@@ -134,13 +132,8 @@ def _worker(rank, port, results):
     dist.destroy_process_group()
 
 
-def test_speculate_layer_world4_equals_the_reference():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_worker, args=(port, results), nprocs=WORLD, join=True)
-    assert {r: results[r] for r in range(WORLD)} == {r: [] for r in range(WORLD)}
+def test_speculate_layer_world4_equals_the_reference(gloo_spawn):
+    assert gloo_spawn(_worker, WORLD) == {r: [] for r in range(WORLD)}
 
 
 def test_owner_split_and_destinations():
