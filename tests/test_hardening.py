@@ -3,6 +3,7 @@ the file and the field or flag named, no traceback, and leaves nothing behind.""
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
 
@@ -87,6 +88,33 @@ def test_bad_output_paths_fail_first_and_leave_nothing(tmp_path, cmd, flag, wher
     _expect(r, out, flag)
     assert "placing" not in r.stderr  # refused before the solve
     assert sorted(os.listdir(tmp_path)) == ["dir", "file"] and os.listdir(tmp_path / "dir") == []
+
+
+@pytest.mark.parametrize("cmd", [["vllm_smoe.place_cli", "build", "--trace", TRAIN, "--ep-size", "2", "-o"],
+                                 ["vllm_smoe.testbed.cli", "synth", "--tokens", "64", "-o"]])
+def test_outputs_never_replace_a_fifo_or_device_node(tmp_path, cmd):
+    """Outputs are renamed into place: over a FIFO or device node that would leave a regular
+    file where it was (as root, -o /dev/null would break the host). Refused first, exit 2."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    _expect(_run(*cmd, fifo), fifo, "a FIFO")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and os.listdir(tmp_path) == ["pipe"]
+    r = _run(*cmd, "/dev/null")
+    _expect(r, "/dev/null", "a character device")
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+def test_writers_refuse_special_files_themselves(tmp_path):
+    """The library writers check too (a caller that skipped the CLI's check)."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="a FIFO"):
+        _small_trace(fifo)
+    from vllm_smoe.placement_file import _atomic_write
+
+    with pytest.raises(ValueError, match="a FIFO"):
+        _atomic_write(str(fifo), b"x")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and os.listdir(tmp_path) == ["pipe"]
 
 
 # 5. NaN and empty inputs

@@ -89,11 +89,28 @@ def _probe_dir(directory: str, path: str, flag: str) -> None:
                 pass  # not empty: someone else writes there now
 
 
+def refuse_special(path: str, flag: str) -> None:
+    """smoe writes a file by renaming a finished temporary over it: that would put a regular file
+    where a device node, FIFO or socket was (as root, ``-o /dev/null`` would break the host).
+    Raises ValueError for anything at ``path`` (symlinks followed) but a regular file."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return  # nothing there (the directory checks name what is wrong with the parents)
+    if stat.S_ISDIR(mode):
+        raise ValueError(f"{path}: {flag} names a directory, not a file")
+    if not stat.S_ISREG(mode):
+        kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+                else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+        raise ValueError(f"{path}: {flag} names {kind}; smoe writes regular files only (it would replace it)")
+
+
 def check_output_file(path: str, flag: str) -> None:
     """Before any work: ``path`` can be written as a file (parents created as needed)."""
     path = str(path)
-    if os.path.isdir(path):
-        raise ValueError(f"{path}: {flag} names a directory, not a file")
+    refuse_special(path, flag)
     if os.path.exists(path) and not os.access(path, os.W_OK):
         raise ValueError(f"{path}: {flag}: not writable")
     _probe_dir(os.path.dirname(os.path.abspath(path)), path, flag)

@@ -70,6 +70,9 @@ def model_fingerprint(config: dict) -> str:
 
 
 def _atomic_write(path: str, data: bytes) -> None:
+    from .cli_util import refuse_special
+
+    refuse_special(path, "output")
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:

@@ -373,6 +373,9 @@ def _assemble(path: str, meta: TraceMeta, spill_dir: str, dtypes: Mapping[str, n
               tails: Mapping[str, tuple[int, ...]], num_tokens: int, compresslevel: int = 1) -> None:
     """The ``.npz`` at ``path`` from the first ``num_tokens`` rows of each raw spill file,
     written to a temporary name and renamed (readers never see a half-written trace)."""
+    from .cli_util import refuse_special
+
+    refuse_special(path, "output")  # never a regular file renamed over a device node or FIFO
     tmp = path + ".tmp"
     try:
         with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=compresslevel) as zf:
@@ -417,6 +420,9 @@ class TraceWriter:
         parent = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(parent):
             raise ValueError(f"{self.path}: directory {parent} does not exist")
+        from .cli_util import refuse_special
+
+        refuse_special(self.path, "output")  # before any spill data: it could never be renamed there
         self._dir = tempfile.mkdtemp(prefix=SPILL_PREFIX, dir=parent)
         self._lock = _try_lock(self._dir)  # a fresh directory: always ours
         self._files: dict[str, object] = {}

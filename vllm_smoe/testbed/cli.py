@@ -100,6 +100,10 @@ def _cmd_synth(a) -> int:
     if (a.groups is None) != (a.topk_group is None):
         raise ValueError("--groups and --topk-group go together")
     grouped = dict(groups=a.groups, topk_group=a.topk_group) if a.groups else {}
+    if a.file_tokens is None:
+        from ..cli_util import refuse_special
+
+        refuse_special(a.output, "-o")  # before generating: never a file renamed over a device node
     write_synthetic(a.output, a.shape, a.tokens, seed=a.seed, progress=True, hotness=a.hotness,
                     affinity=a.affinity, domain_skew=a.domain_skew, num_domains=a.domains, file_tokens=a.file_tokens,
                     **grouped)
