@@ -280,6 +280,61 @@ def test_route_endpoint_answers_and_refuses_bad_bodies():
     assert c.post("/smoe/route", json={"prompt_token_ids": ids}).status_code == 404
 
 
+def test_smoe_routes_honour_vllms_api_key_and_size_caps():
+    """With --api-key (or VLLM_API_KEY) smoe's routes answer 401 without it, as /v1 does (vLLM's own
+    check); bodies over the cap are 413 before they are parsed; prompts over the model's length 400."""
+    pytest.importorskip("vllm")
+    import argparse
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from vllm_smoe.serving import endpoints
+
+    app = FastAPI()
+    endpoints.SmoeEndpoints().attach_router(app)
+    app.state.smoe_route = (DP2, 2, None)
+    app.state.smoe_live = {"path": DP2, "swaps": 0, "last": None}
+    app.state.smoe_auth = endpoints._auth(argparse.Namespace(api_key=["SECRET", "OTHER"]))
+    app.state.smoe_max_tokens = 64
+    c = TestClient(app)
+    ids = list(range(100, 140))
+    for method, path, body in (("post", "/smoe/route", {"prompt_token_ids": ids}), ("get", "/smoe/placement", None),
+                               ("post", "/smoe/placement", {"placement": DP2})):
+        kw = {} if body is None else {"json": body}
+        for headers in ({}, {"Authorization": "Bearer WRONG"}, {"Authorization": "Basic SECRET"}):
+            r = getattr(c, method)(path, headers=headers, **kw)
+            assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}, (path, headers)
+    ok = {"Authorization": "Bearer OTHER"}
+    assert c.post("/smoe/route", json={"prompt_token_ids": ids}, headers=ok).status_code == 200
+    assert c.get("/smoe/placement", headers=ok).json()["placement"] == DP2
+    r = c.post("/smoe/route", json={"prompt_token_ids": list(range(65))}, headers=ok)
+    assert r.status_code == 400 and "more than the model's 64" in r.json()["detail"]
+    huge = b'{"prompt_token_ids": [' + b"1, " * 800_000 + b"1]}"
+    assert c.post("/smoe/route", content=huge, headers=ok).status_code == 413
+    deep = b"[" * 100_000 + b"]" * 100_000
+    assert c.post("/smoe/route", content=deep, headers=ok).status_code in (400, 413)
+
+
+
+def test_smoe_routes_take_the_key_from_vllm_api_key_too(monkeypatch):
+    pytest.importorskip("vllm")
+    import argparse
+
+    from starlette.datastructures import Headers
+
+    from vllm_smoe.serving import endpoints
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert endpoints._auth(argparse.Namespace(api_key=None)) is None  # no key: the routes are open, as /v1
+    monkeypatch.setenv("VLLM_API_KEY", "ENVKEY")
+    auth = endpoints._auth(argparse.Namespace(api_key=None))
+    assert auth.verify_token(Headers({"Authorization": "Bearer ENVKEY"}))
+    auth = endpoints._auth(argparse.Namespace(api_key=["CLI"]))  # --api-key wins, as in vLLM
+    assert auth.verify_token(Headers({"Authorization": "Bearer CLI"}))
+    assert not auth.verify_token(Headers({"Authorization": "Bearer ENVKEY"}))
+
+
 def test_sparse_exchange_counts_served_rows_only():
     import torch
 

@@ -15,18 +15,25 @@ as it is (no chat template): send the token ids the server will see for chat req
 then weights, routers and tables swapped between two engine steps; the answer comes when every
 worker is done: ``{"placement", "previous", "moved_slots", "seconds"}``. ``GET /smoe/placement``
 answers the served one. Swaps are taken one at a time; requests keep running.
+
+Every route honours vLLM's ``--api-key`` / ``VLLM_API_KEY`` exactly as ``/v1`` does (vLLM's own
+check, which guards only its prefixes): 401 without the key. Bodies are capped in size, and a
+text prompt is tokenized off the event loop and capped at the model's length.
 """
 
 import asyncio
+import json
 import logging
 import os
 import signal
 import time
 
 from fastapi import APIRouter, HTTPException, Request  # FastAPI resolves the handler's annotations
+from fastapi.responses import JSONResponse
 
 EXTENSION = "vllm_smoe.serving.live.SmoeWorkerExtension"
 PREPARE_S, APPLY_S = 300.0, 1800.0  # collective_rpc timeouts: parsing tables; moving every expert
+MAX_BODY = 1 << 20  # bytes of a request body besides its prompt (a path, a few fields)
 logger = logging.getLogger("vllm.smoe")
 
 
@@ -39,18 +46,25 @@ class SmoeEndpoints:
 
         @router.post("/smoe/route")
         async def route(raw: Request):
+            if (denied := _denied(raw)) is not None:
+                return denied
             state = raw.app.state
             placement, engines, tokenizer = state.smoe_route
             if placement is None:
                 raise HTTPException(status_code=404, detail="this server runs without an smoe placement with "
                                                             "tables (--plugin smoe --smoe-placement P)")
-            body = await _json_object(raw)
+            limit = getattr(state, "smoe_max_tokens", 1 << 20)  # set at start (init_state)
+            # a prompt as ids costs ~12 bytes a token in JSON, as text a few per token
+            body = await _json_object(raw, MAX_BODY + 24 * limit)
             ids, text = body.get("prompt_token_ids"), body.get("prompt")
             if ids is None and isinstance(text, str):
                 if tokenizer is None:
                     raise HTTPException(status_code=400, detail="this server has no tokenizer "
                                                                 "(--skip-tokenizer-init): send 'prompt_token_ids'")
-                ids = tokenizer.encode(text)
+                ids = await asyncio.to_thread(tokenizer.encode, text)  # never on the event loop
+            if isinstance(ids, list) and len(ids) > limit:
+                raise HTTPException(status_code=400, detail=f"the prompt has {len(ids)} tokens, more than the model's "
+                                                            f"{limit} (--max-model-len)")
             if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool)
                                                     and 0 <= i < 2**62 for i in ids):
                 raise HTTPException(status_code=400, detail="give 'prompt' (a string) or 'prompt_token_ids' "
@@ -65,6 +79,8 @@ class SmoeEndpoints:
 
         @router.get("/smoe/placement")
         async def get_placement(raw: Request):
+            if (denied := _denied(raw)) is not None:
+                return denied
             live = raw.app.state.smoe_live
             if live is None or live["path"] is None:
                 raise HTTPException(status_code=404, detail="this server runs without an smoe placement")
@@ -72,11 +88,13 @@ class SmoeEndpoints:
 
         @router.post("/smoe/placement")
         async def post_placement(raw: Request):
+            if (denied := _denied(raw)) is not None:
+                return denied
             live = raw.app.state.smoe_live
             if live is None or live["path"] is None:
                 raise HTTPException(status_code=404, detail="this server runs without an smoe placement "
                                                             "(--plugin smoe --smoe-placement P): nothing to swap")
-            path = (await _json_object(raw)).get("placement")
+            path = (await _json_object(raw, MAX_BODY)).get("placement")
             if not isinstance(path, str) or not path:
                 raise HTTPException(status_code=400, detail="give 'placement': the path of a placement YAML")
             path = os.path.abspath(path)
@@ -119,6 +137,8 @@ class SmoeEndpoints:
         app.include_router(router)
 
     async def init_state(self, engine_client, state, args) -> None:
+        state.smoe_auth = _auth(args)
+        state.smoe_max_tokens = 1 << 20
         if engine_client is None:  # vLLM's render-only server: nothing to score against
             state.smoe_route = (None, None, None)
             state.smoe_live = None
@@ -126,6 +146,7 @@ class SmoeEndpoints:
         from ..config import SmoeConfig
 
         vc = engine_client.vllm_config
+        state.smoe_max_tokens = int(vc.model_config.max_model_len)
         cfg = SmoeConfig.from_additional_config(vc.additional_config)
         state.smoe_live = None if cfg is None else {
             "engine": engine_client, "vllm_config": vc, "cfg": cfg, "path": cfg.placement, "lock": asyncio.Lock(),
@@ -146,12 +167,42 @@ def _stop_server() -> None:
     os.kill(os.getpid(), signal.SIGTERM)  # vLLM's API server shuts its engines down on SIGTERM
 
 
-async def _json_object(raw: Request) -> dict:
-    """The request's JSON body; {} when it is JSON but not an object (each route names what it needs)."""
+def _auth(args):
+    """vLLM's own API-key check for these routes, built from the same settings with the same
+    precedence (--api-key over VLLM_API_KEY), or None when the server has no key."""
+    from vllm import envs
+
+    tokens = [key for key in (getattr(args, "api_key", None) or [envs.VLLM_API_KEY]) if key]
+    if not tokens:
+        return None
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    return AuthenticationMiddleware(None, tokens=tokens)  # only its verify_token is used
+
+
+def _denied(raw: Request) -> JSONResponse | None:
+    """vLLM's 401 for /v1 when the request lacks the server's key, else None."""
+    auth = getattr(raw.app.state, "smoe_auth", None)
+    if auth is not None and not auth.verify_token(raw.headers):
+        return JSONResponse(content={"error": "Unauthorized"}, status_code=401)
+    return None
+
+
+async def _json_object(raw: Request, max_bytes: int) -> dict:
+    """The request's JSON body; {} when it is JSON but not an object (each route names what it
+    needs). Bodies over ``max_bytes`` are refused before they are read whole or parsed."""
+    declared = raw.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise HTTPException(status_code=413, detail=f"body over {max_bytes} bytes")
+    data = bytearray()
+    async for chunk in raw.stream():
+        data += chunk
+        if len(data) > max_bytes:
+            raise HTTPException(status_code=413, detail=f"body over {max_bytes} bytes")
     try:
-        body = await raw.json()
-    except ValueError:
-        raise HTTPException(status_code=400, detail="body must be JSON") from None
+        body = json.loads(data) if len(data) < 65536 else await asyncio.to_thread(json.loads, bytes(data))
+    except (ValueError, RecursionError):
+        raise HTTPException(status_code=400, detail="body must be JSON (not too deeply nested)") from None
     return body if isinstance(body, dict) else {}
 
 
