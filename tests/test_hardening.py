@@ -117,6 +117,78 @@ def test_writers_refuse_special_files_themselves(tmp_path):
     assert stat.S_ISFIFO(os.stat(fifo).st_mode) and os.listdir(tmp_path) == ["pipe"]
 
 
+@pytest.mark.parametrize("text,words", [
+    ("a: &x [1, 2]\nb: *x\n", "aliases (*name) are not accepted"),
+    ("smoe_placement: 1\nmodel: " + "[" * 40 + "]" * 40 + "\n", "nested deeper than 32 levels"),
+    ("smoe_placement: [1, 2\n", "malformed YAML at line"),
+])
+def test_hostile_yaml_is_refused_cheaply_without_echoing_it(tmp_path, text, words):
+    p = tmp_path / "p.yaml"
+    p.write_text(text)
+    r = _run("vllm_smoe.place_cli", "evaluate", "--trace", HELDOUT, "--placement", p)
+    _expect(r, p, words)
+    assert len(r.stderr) < 400  # one line: nothing of the file is quoted back
+
+
+def test_alias_bomb_and_non_regular_inputs_are_refused(tmp_path):
+    """Nine levels of aliases would expand to gigabytes; a FIFO would block; a symlink to
+    /dev/zero would read until memory runs out: each refused at once, naming the file."""
+    from vllm_smoe.bounded import load_yaml
+    from vllm_smoe.placement_file import load_placement
+
+    bomb = tmp_path / "bomb.yaml"
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 10)]
+    bomb.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match="aliases"):
+        load_placement(str(bomb))
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="is a FIFO, not a regular file"):
+        load_placement(str(fifo))
+    zero = tmp_path / "zero.npz"
+    os.symlink("/dev/zero", zero)
+    with pytest.raises(ValueError, match="is a character device"):
+        open_trace(zero)
+    big = tmp_path / "big.yaml"
+    big.write_text("x: 1\n")
+    with pytest.raises(ValueError, match="over the 3 smoe reads"):
+        load_yaml(str(big), "placement file", max_bytes=3)
+
+
+def test_a_trace_header_claiming_more_than_its_data_is_refused_before_allocating(tmp_path):
+    """meta claims a 1 GB string: refused from the zip directory, nothing allocated."""
+    import io
+    import zipfile
+
+    path = _small_trace(tmp_path / "t.npz")
+    forged = tmp_path / "forged.npz"
+    head = io.BytesIO()
+    np.lib.format.write_array_header_2_0(head, {"descr": "<U250000000", "fortran_order": False, "shape": ()})
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(forged, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, head.getvalue() + b"{}" if info.filename == "meta.npy" else src.read(info))
+    with pytest.raises(ValueError, match="field 'meta': its header claims 1000000000 bytes"):
+        open_trace(forged)
+
+
+def test_recovery_takes_only_the_formats_field_names(tmp_path):
+    import json
+
+    from vllm_smoe.trace import SPILL_INDEX, TraceWriter, recover_spill
+
+    w = TraceWriter(tmp_path / "t.npz", TraceMeta(num_experts=8, top_k=2, num_layers=3, vocab_size=100))
+    w.append(token_ids=np.arange(4, dtype=np.int32), request_ids=np.zeros(4, np.int32),
+             positions=np.arange(4, dtype=np.int32), topk_ids=np.zeros((4, 3, 2), np.int16))
+    spill = w._dir
+    index = json.load(open(os.path.join(spill, SPILL_INDEX)))
+    index["fields"]["../../../etc/passwd"] = {"dtype": "|u1", "tail": []}
+    json.dump(index, open(os.path.join(spill, SPILL_INDEX), "w"))
+    w._lock.close()
+    with pytest.raises(ValueError, match="not fields of the trace format"):
+        recover_spill(spill, force=True)
+
+
 # 5. NaN and empty inputs
 @pytest.mark.parametrize("args,words", [
     (["build", "--trace", TRAIN, "--ep-size", "2", "--capacity", "nan"], "argument --capacity"),
@@ -151,8 +223,8 @@ def test_out_of_range_options_name_their_flag(tmp_path, flag, value):
 
 @pytest.mark.parametrize("edit,words", [
     (lambda d: d["layers"][0]["expert_to_rank"].__setitem__(0, 1.0), "must hold integer ranks, got 1.0"),
-    (lambda d: d["layers"][1].__setitem__("replicas", [[0, 1 - d["layers"][1]["expert_to_rank"][0]]] * 2),
-     "twice"),
+    (lambda d: d["layers"][1].__setitem__("replicas", [[0, 1 - d["layers"][1]["expert_to_rank"][0]]
+                                                       for _ in range(2)]), "twice"),  # two lists: no YAML alias
     (lambda d: d["layers"][1].__setitem__("replicas", [[0, d["layers"][1]["expert_to_rank"][0]]]),
      "its own home rank"),
 ])

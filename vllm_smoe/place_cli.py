@@ -572,11 +572,10 @@ def _rel(path: str, yaml_path: str) -> str:
 
 
 def load_train_specs(placement_path: str) -> list[str]:
-    import yaml
+    from .bounded import load_yaml
 
-    with open(placement_path) as f:
-        doc = yaml.safe_load(f)
-    traces = (doc.get("built_from") or {}).get("traces")
+    doc = load_yaml(placement_path, "placement file")
+    traces = (doc.get("built_from") or {}).get("traces") if isinstance(doc, dict) else None
     if not traces:
         raise ValueError(f"{placement_path}: field 'built_from.traces' is empty; pass --train")
     base = os.path.dirname(os.path.abspath(placement_path))

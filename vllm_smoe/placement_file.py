@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .bounded import short
 from .placement.groups import broken_group
 
 SCHEMA_VERSION = 1
@@ -154,7 +155,12 @@ def write_placement(path: str, *, expert2rank: np.ndarray, ep_size: int, nodes: 
     if data is not None:
         _atomic_write(os.path.join(parent, tables_name), data)
     try:
-        _atomic_write(path, yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=120).encode())
+        class NoAliases(yaml.SafeDumper):  # smoe's readers refuse aliases (bounded.load_yaml)
+            def ignore_aliases(self, data):
+                return True
+
+        _atomic_write(path, yaml.dump(doc, Dumper=NoAliases, sort_keys=False, default_flow_style=None,
+                                      width=120).encode())
     except BaseException:
         if data is not None and tables_name != previous:  # no YAML names the new tables: no orphan
             try:
@@ -173,12 +179,11 @@ def write_placement(path: str, *, expert2rank: np.ndarray, ep_size: int, nodes: 
 def _tables_named_by(path: str, stem: str) -> str | None:
     """The tables file an existing YAML at ``path`` names, if it looks like one this module
     wrote for it (``<stem>.*tables.npz`` beside it): the one to remove once replaced."""
-    import yaml
+    from .bounded import load_yaml
 
     try:
-        with open(path) as f:
-            doc = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        doc = load_yaml(path, "existing output")
+    except ValueError:
         return None
     import re
 
@@ -200,30 +205,20 @@ def _tables_named_by(path: str, stem: str) -> str | None:
 def _int(doc: dict, key: str, where: str, minimum: int = 1) -> int:
     v = doc.get(key)
     if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-        raise ValueError(f"{where}: field '{key}' must be an integer >= {minimum}, got {v!r}")
+        raise ValueError(f"{where}: field '{key}' must be an integer >= {minimum}, got {short(v)}")
     return v
 
 
 def load_placement(path: str) -> Placement:
     """Read and validate a placement YAML. Raises ValueError naming the file and the field."""
-    import yaml
+    from .bounded import load_yaml
 
-    if not os.path.isfile(path):
-        raise ValueError(f"{path}: placement file not found")
-    try:
-        with open(path) as f:
-            doc = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        raise ValueError(f"{path}: malformed YAML ({e})") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{path}: not a text (YAML) file") from None
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read ({e.strerror})") from None
+    doc = load_yaml(path, "placement file")
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: top level must be a mapping, got {type(doc).__name__}")
     ver = doc.get("smoe_placement")
     if ver != SCHEMA_VERSION:
-        raise ValueError(f"{path}: field 'smoe_placement' must be {SCHEMA_VERSION} (schema version), got {ver!r}")
+        raise ValueError(f"{path}: field 'smoe_placement' must be {SCHEMA_VERSION} (schema version), got {short(ver)}")
     model = doc.get("model")
     if not isinstance(model, dict):
         raise ValueError(f"{path}: field 'model' must be a mapping with num_layers, num_experts, top_k")
@@ -243,7 +238,7 @@ def load_placement(path: str) -> Placement:
     layers = doc.get("layers")
     if not isinstance(layers, list) or len(layers) != L:
         n = len(layers) if isinstance(layers, list) else layers
-        raise ValueError(f"{path}: field 'layers' must list {L} entries (model.num_layers), got {n!r}")
+        raise ValueError(f"{path}: field 'layers' must list {L} entries (model.num_layers), got {short(n)}")
     e2r = np.empty((L, E), dtype=np.int32)
     reps = []
     for i, entry in enumerate(layers):
@@ -255,7 +250,7 @@ def load_placement(path: str) -> Placement:
             raise ValueError(f"{where} must hold {E} integers (model.num_experts), got {len(row)} entries")
         odd = [x for x in row if not isinstance(x, int) or isinstance(x, bool)]
         if odd:
-            raise ValueError(f"{where} must hold integer ranks, got {odd[0]!r}")
+            raise ValueError(f"{where} must hold integer ranks, got {short(odd[0])}")
         arr = np.asarray(row, dtype=np.int64)
         bad = np.flatnonzero((arr < 0) | (arr >= N))
         if bad.size:
@@ -290,16 +285,16 @@ def load_placement(path: str) -> Placement:
     pred_path = None
     if pred is not None:
         if not isinstance(pred, str):
-            raise ValueError(f"{path}: field 'predictor' must be a file name, got {pred!r}")
+            raise ValueError(f"{path}: field 'predictor' must be a file name, got {short(pred)}")
         pred_path = os.path.join(os.path.dirname(os.path.abspath(path)), pred)
         if not os.path.isfile(pred_path):
             raise ValueError(f"{path}: field 'predictor': tables file {pred_path} not found")
     sha = doc.get("predictor_sha256")
     if sha is not None and (not isinstance(sha, str) or len(sha) != 64):
-        raise ValueError(f"{path}: field 'predictor_sha256' must be a 64-digit hex string, got {sha!r}")
+        raise ValueError(f"{path}: field 'predictor_sha256' must be a 64-digit hex string, got {short(sha)}")
     cap = doc.get("capacity", 1.10)
     if not isinstance(cap, (int, float)) or isinstance(cap, bool) or not 1.0 <= cap < float("inf"):
-        raise ValueError(f"{path}: field 'capacity' must be a finite number >= 1.0, got {cap!r}")
+        raise ValueError(f"{path}: field 'capacity' must be a finite number >= 1.0, got {short(cap)}")
     return Placement(path=path, ep_size=N, nodes=nodes, num_layers=L, num_experts=E, top_k=K,
                      vocab_size=vocab, fingerprint=model.get("fingerprint"), expert2rank=e2r, replicas=replicas,
                      predictor=pred_path, method=str(doc.get("method", "unknown")), capacity=float(cap),
@@ -316,6 +311,12 @@ def load_tables(placement: Placement):
     if placement.predictor is None:
         raise ValueError(f"{placement.path}: field 'predictor' is empty; this placement has no tables")
     path = placement.predictor
+    from .bounded import regular_file
+
+    # what tables of this placement can hold, decompressed: [L, V] rows of a few int and float
+    # columns (V: the model's vocabulary, 2^19 when the YAML does not say) and bigrams per layer
+    bound = placement.num_layers * max(placement.vocab_size or (1 << 19), placement.num_experts) * 256 + (64 << 20)
+    regular_file(path, "tables file", bound)
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -327,6 +328,14 @@ def load_tables(placement: Placement):
     import io
 
     names = ("expert2rank", *PredictorTables.__dataclass_fields__)
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as zf:
+            unpacked = sum(i.file_size for i in zf.infolist())
+    except (zipfile.BadZipFile, OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable tables file ({type(e).__name__}: {e})") from None
+    if unpacked > bound:  # a zip bomb, or tables of a far larger model
+        raise ValueError(f"{path}: tables unpack to {unpacked} bytes, more than a placement of "
+                         f"{placement.num_layers} layers can hold ({bound})")
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             arrays = {k: z[k] for k in names if k in z}

@@ -41,6 +41,8 @@ from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
+from .bounded import regular_file, short
+
 FORMAT_VERSION = 1
 
 # name -> (allowed dtypes, rank). Rank 1 fields are [T]; rank 3 are [T, L, K].
@@ -222,6 +224,7 @@ def _inspect_members(path: str) -> tuple[TraceMeta, dict[str, _Member]]:
         raise ValueError(f"{path}: no such trace file")
     if os.path.isdir(path):
         raise ValueError(f"{path}: is a directory, not a trace file (smoe-place --trace takes directories)")
+    regular_file(path, "trace file")  # a FIFO would block, /dev/zero read until memory runs out
     try:
         zf = zipfile.ZipFile(path)
     except zipfile.BadZipFile:
@@ -239,7 +242,11 @@ def _inspect_members(path: str) -> tuple[TraceMeta, dict[str, _Member]]:
                 try:
                     shape, fortran, dtype = _read_npy_header(fp)
                 except ValueError as e:
-                    raise ValueError(f"{path}: field {name!r}: unreadable .npy header ({e})") from None
+                    raise ValueError(f"{path}: field {short(name)}: unreadable .npy header ({e})") from None
+                claimed = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                if claimed > info.file_size:  # before anything is allocated for it
+                    raise ValueError(f"{path}: field {short(name)}: its header claims {claimed} bytes but the member "
+                                     f"holds {info.file_size}")
                 if name == "meta":
                     if shape != () or dtype.kind != "U":
                         raise ValueError(
@@ -571,6 +578,10 @@ def recover_spill(spill_dir: str, force: bool = False) -> tuple[str | None, int]
         missing = [n for n in REQUIRED_FIELDS if n not in fields]
         if missing:
             raise ValueError(f"{where}: field(s) {missing} missing: unrecoverable")
+        foreign = sorted(n for n in fields if n not in _FIELDS)  # a name is a file in the spill: no paths
+        if foreign:
+            raise ValueError(f"{where}: field(s) {[short(n) for n in foreign[:3]]} are not fields of the trace format "
+                             f"({', '.join(_FIELDS)}): unrecoverable")
         rows = []
         for name, (dtype, tail) in fields.items():
             row_bytes = dtype.itemsize * int(np.prod(tail, dtype=np.int64))
