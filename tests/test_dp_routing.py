@@ -356,6 +356,25 @@ def test_sparse_exchange_counts_served_rows_only():
     assert ex.counters() == c
 
 
+def test_sequence_parallel_chunk_padding_is_not_counted():
+    """One token at TP = 2: rank 1's chunk is a pad row every decode step (was counted)."""
+    import types
+
+    import torch
+
+    from vllm_smoe.serving.sparse_a2a import served_rows
+
+    def fc(T):
+        return types.SimpleNamespace(attn_metadata=object(), is_padding=None,
+                                     dp_metadata=types.SimpleNamespace(num_tokens_across_dp_cpu=torch.tensor([T])))
+
+    assert served_rows(fc(1), 1, True, sp_rank=0) is True
+    assert served_rows(fc(1), 1, True, sp_rank=1).tolist() == [False]
+    assert served_rows(fc(5), 3, True, sp_rank=1).tolist() == [True, True, False]  # rows 3, 4 real, 5 padding
+    assert served_rows(fc(6), 3, True, sp_rank=1) is True
+    assert served_rows(types.SimpleNamespace(attn_metadata=None), 3, True) is False
+
+
 def test_config_and_flag_for_dp_routing():
     import argparse
 

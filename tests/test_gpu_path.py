@@ -212,7 +212,7 @@ def _order(T, N, rank, num_real, perm):
     c = -(-T // N)
     o.__dict__.update(top1=torch.zeros(c, dtype=torch.long), count=True, rows=T, rank=rank, N=N, stack=False,
                       perm=perm[None], num_real=torch.tensor(num_real), held=torch.ones((1, E), dtype=torch.bool),
-                      counts=torch.zeros((1, 4), dtype=torch.long))
+                      counts=torch.zeros((1, 7), dtype=torch.long))
     return o, c
 
 
@@ -224,6 +224,10 @@ def test_counters_skip_pad_rows_wherever_the_order_put_them():
         o._capture(0, torch.zeros((c, K), dtype=torch.long))
         assert o.counts[0, 2].item() == want, rank
         assert o.counts[0, 1].item() == want * K
+        assert o.counts[0, 4:].tolist() == o.counts[0, :3].tolist()  # T >= N: drift judges it
+    o, c = _order(1, Nr, 0, 1, torch.tensor([0]))  # one token, two ranks: counted, not judged
+    o._capture(0, torch.zeros((c, K), dtype=torch.long))
+    assert o.counts[0, 2].item() == 1 and o.counts[0, 4:].tolist() == [0, 0, 0]
     o, c = _order(T, Nr, 0, 0, perm)  # outside a served step (warm-up, capture)
     o._capture(0, torch.zeros((c, K), dtype=torch.long))
     assert o.counts.sum().item() == 0

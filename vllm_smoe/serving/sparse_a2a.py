@@ -29,16 +29,24 @@ import torch
 logger = logging.getLogger("vllm.smoe")
 
 
-def served_rows(forward_context, t: int, is_sequence_parallel: bool) -> torch.Tensor | bool:
+def served_rows(forward_context, t: int, is_sequence_parallel: bool, sp_rank: int = 0,
+                dp_rank: int = 0) -> torch.Tensor | bool:
     """Which of a step's ``t`` MoE rows are served tokens, for the counters: False in vLLM's
     profile and dummy runs (no attention metadata: the idle DP rank's lock-step batches,
-    warm-up), else ``~is_padding`` (vLLM's mask of pad rows) when it covers exactly these rows,
-    else True (every row). No host read: the mask stays on the device."""
+    warm-up), else ``~is_padding`` (vLLM's mask of pad rows) when it covers exactly these rows.
+    Under sequence parallelism the rows are chunk ``sp_rank`` of the step's T rows padded to a
+    multiple of the ranks: rows past T are padding (one token at TP = 2 puts a pad row on rank 1
+    every decode step). Else True (every row). On the CPU path only (T is read on the host)."""
     if forward_context.attn_metadata is None:
         return False
     pad = forward_context.is_padding
     if pad is not None and not is_sequence_parallel and pad.shape[0] == t:
         return ~pad
+    dpm = forward_context.dp_metadata
+    if is_sequence_parallel and dpm is not None:
+        T = int(dpm.num_tokens_across_dp_cpu[dp_rank])
+        if (sp_rank + 1) * t > T:  # this chunk holds padding
+            return torch.arange(t) + sp_rank * t < T
     return True
 
 
@@ -244,6 +252,7 @@ def make_manager(cpu_group, comm):
                 expected = p.metrics.get("lar") if p.method == "dp-coclust" else None
             self.drift = Drift(expected, cfg.drift_threshold if cfg is not None else 0.8)
             self.rank = comm.rank_in_group
+            self.sp_rank = None
             self._last_log = time.monotonic()
 
         def _maybe_log(self):
@@ -285,10 +294,20 @@ def make_manager(cpu_group, comm):
             dpm = fc.dp_metadata  # set with DP or sequence parallelism: ranks' row counts
             rows = max(dpm.get_chunk_sizes_across_dp_rank()) if dpm is not None else None
             out = self.exchange.dispatch(hidden_states, topk_weights, topk_ids, rows,
-                                         served_rows(fc, hidden_states.shape[0], is_sequence_parallel))
+                                         served_rows(fc, hidden_states.shape[0], is_sequence_parallel,
+                                                     self._sp_rank(), max(0, self.dp_rank or 0)))
             if self.log_dp or self.metrics_dir is not None:
                 self._maybe_log()
             return out
+
+        def _sp_rank(self) -> int:
+            """This rank's chunk under sequence parallelism: its tensor-parallel rank (the TP group
+            is built before the EP group, but read at the first step, once)."""
+            if self.sp_rank is None:
+                from vllm.distributed import get_tensor_model_parallel_rank
+
+                self.sp_rank = get_tensor_model_parallel_rank()
+            return self.sp_rank
 
         def combine(self, hidden_states, is_sequence_parallel=False):
             return self.exchange.combine(hidden_states)

@@ -210,8 +210,11 @@ class TokenOrder:
         self.top1 = torch.zeros(c, dtype=torch.long, device=device)
         self.prev_top1 = torch.zeros(T, dtype=torch.long, device=device)
         # per MoE layer, served steps only: local activations, activations, tokens, hits (tokens
-        # with an expert on their rank); read back once per log interval (metrics.ORDER_FIELDS)
-        self.counts = torch.zeros((L, 4), dtype=torch.long, device=device)
+        # with an expert on their rank; metrics.ORDER_FIELDS), then local activations,
+        # activations and tokens of the steps the order can act on (T >= N: what drift judges, as
+        # a step with fewer tokens than ranks keeps them all in rank 0's chunk whatever the
+        # prediction); read back once per log interval
+        self.counts = torch.zeros((L, 7), dtype=torch.long, device=device)
         from .metrics import Drift, metrics_dir
 
         self.metrics_dir = metrics_dir(cfg)
@@ -287,7 +290,7 @@ class TokenOrder:
 
         self.drift = Drift(placement.metrics.get("lar") if self.judged else None, self.drift.threshold)
         rows = self.counts.tolist()  # between steps, once per swap: the new window starts here
-        local, acts, tokens = (sum(row[i] for row in rows) for i in range(3))
+        local, acts, tokens = (sum(row[i] for row in rows) for i in (4, 5, 6))
         self.drift.restart(local, acts, tokens // len(rows))
 
     def _step_ids(self, module, args, kwargs):
@@ -396,7 +399,10 @@ class TokenOrder:
         real = (q < T) & (src < self.num_real)
         local = (self.held[layer][topk_ids.long()] & real[:, None]).sum(dim=1)  # [n]
         tokens = real.sum()
-        self.counts[layer] += torch.stack([local.sum(), tokens * K, tokens, (local > 0).sum()])
+        add = torch.stack([local.sum(), tokens * K, tokens, (local > 0).sum()])
+        # whether the order can act is a shape fact (a CUDA graph's T is fixed): decided in Python
+        judged = add[:3] if T >= self.N else torch.zeros_like(add[:3])
+        self.counts[layer] += torch.cat([add, judged])
 
     def gather_rows(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """Recording: [c, K] router outputs of this rank's chunk -> [T, K] for every row of the
@@ -507,13 +513,15 @@ class TokenOrder:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return  # reading device counters would break a CUDA graph capture
         self._last_log = now
-        layers = self._read_counts()
-        if layers is None:
+        rows = self._read_counts()
+        if rows is None:
             return
+        layers = [row[:4] for row in rows]  # what metrics publish: every served token
         local, acts, tokens = (sum(row[i] for row in layers) for i in range(3))
         if not acts:
             return
-        window = self.drift.update(local, acts, tokens // len(layers))
+        window = self.drift.update(*(sum(row[i] for row in rows) for i in (4, 5)),
+                                   sum(row[6] for row in rows) // len(rows))
         if window is not None and window["drifted"]:
             logger.warning("smoe: drift: rank %d kept %.3f of its last %d tokens' expert activations local, below "
                            "%.2f x the placement's %.3f: the workload may have moved (smoe-place advise)",
