@@ -11,6 +11,11 @@ import os
 from dataclasses import asdict, dataclass
 
 MODES = ("place", "record", "speculate")
+
+
+class SmoeSettingsError(ValueError):
+    """A smoe setting (flag, additional_config field or a file it names) that cannot serve:
+    ``vllm serve`` prints it as one line and exits 2 (:mod:`vllm_smoe.serving.plugin`)."""
 _KEYS = ("mode", "placement", "record", "log_interval", "record_chunk_tokens", "predictor", "all2all", "dp_routing",
          "metrics_dir", "drift_threshold", "record_sample", "record_max_mb", "metrics")
 PREDICTORS = ("tables", "tables-markov", "router", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.serving.token_order)
@@ -73,6 +78,10 @@ class SmoeConfig:
             raise ValueError(f"{where}: unknown field(s) {unknown}; known: {', '.join(_KEYS)}")
         # a record directory always records: with a placement too (routing is mapped back to
         # logical experts), never silently ignored
+        for key in ("placement", "record"):  # before the mode is inferred from them
+            v = d.get(key)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"{where}: field '{key}' must be a path, got {v!r}")
         mode = d.get("mode", "record" if d.get("record") else "place")
         if mode not in MODES:
             raise ValueError(f"{where}: field 'mode' must be one of {', '.join(MODES)}, got {mode!r}")
@@ -151,11 +160,7 @@ class SmoeConfig:
         if self.metrics_dir is not None and not (os.path.isdir(self.metrics_dir)
                                                  and os.access(self.metrics_dir, os.W_OK | os.X_OK)):
             raise ValueError(f"{self.metrics_dir}: field 'metrics_dir' is not a writable directory")
-        if self.record is not None:  # checked, not created: a refused server leaves nothing behind
-            base = self.record
-            while not os.path.exists(base):
-                base = os.path.dirname(base)
-            if not os.path.isdir(base):
-                raise ValueError(f"{self.record}: field 'record': {base} is a file, not a directory")
-            if not os.access(base, os.W_OK | os.X_OK):
-                raise ValueError(f"{self.record}: field 'record': directory {base} is not writable")
+        if self.record is not None:  # tested for real (a file made and removed), nothing left behind
+            from .cli_util import check_output_dir
+
+            check_output_dir(self.record, "field 'record'")

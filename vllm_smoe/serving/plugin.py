@@ -16,8 +16,10 @@ Settings then reach engine core and workers inside ``vllm_config.additional_conf
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import sys
 
 from ..config import ALL2ALL, MODES, PREDICTORS
 
@@ -106,7 +108,12 @@ def _install_hooks() -> None:
 
     def from_cli_args(cls, args):
         engine_args = orig_from(cls, args)
-        flags = _smoe_from_args(args)
+        with _smoe_errors():
+            flags = _smoe_from_args(args)
+            given = (engine_args.additional_config or {}).get("smoe")
+            if given is not None and not isinstance(given, dict):
+                raise ValueError(f"--additional-config: field 'smoe' must be a mapping of smoe's settings, got "
+                                 f"{type(given).__name__}")
         if flags is not None:
             extra = dict(engine_args.additional_config or {})
             merged = dict(extra.get("smoe") or {})
@@ -133,62 +140,101 @@ def _install_hooks() -> None:
     orig_engine = EngineArgs.create_engine_config
 
     def create_engine_config(self, *args, **kwargs):
-        cfg = SmoeConfig.from_additional_config(self.additional_config)
-        if cfg is not None:
-            cfg.check_files()
-            self.additional_config = {**self.additional_config, "smoe": cfg.to_dict()}  # normalised paths
-            _check_engine_args(self, cfg)
+        with _smoe_errors():
+            cfg = SmoeConfig.from_additional_config(self.additional_config)
+            if cfg is not None:
+                cfg.check_files()
+                self.additional_config = {**self.additional_config, "smoe": cfg.to_dict()}  # normalised paths
+                _check_engine_args(self, cfg)
         vllm_config = orig_engine(self, *args, **kwargs)
-        if cfg is not None:  # /metrics: where this server's workers publish, before any engine starts
-            from .metrics import register_collector, server_metrics_dir
+        with _smoe_errors():  # smoe's own checks: one line and exit 2 under vllm serve
+            if cfg is not None:  # /metrics: where this server's workers publish, before any engine starts
+                from .metrics import register_collector, server_metrics_dir
 
-            directory = server_metrics_dir(cfg)
-            if directory is not None:
-                register_collector(directory)
-        if cfg is not None and cfg.placement is not None:
-            pc = vllm_config.parallel_config
-            if not pc.worker_extension_cls:  # live re-placement's calls (POST /smoe/placement)
-                pc.worker_extension_cls = "vllm_smoe.serving.live.SmoeWorkerExtension"
-            elif pc.worker_extension_cls != "vllm_smoe.serving.live.SmoeWorkerExtension":
-                logger.warning("smoe: --worker-extension-cls %s is set, so live re-placement (POST "
-                               "/smoe/placement) is off", pc.worker_extension_cls)
-        if cfg is not None and cfg.record is not None:
-            _recover_at_exit(cfg.record)
-        if cfg is not None and cfg.mode == "speculate":
-            # smoe's token order sits around vLLM's sequence-parallel MoE, which vLLM turns on
-            # only with DP > 1; the flag carries to every worker inside the parallel config
-            vllm_config.parallel_config.smoe_sequence_parallel = True
-        if cfg is not None:
-            from vllm.platforms import current_platform
+                directory = server_metrics_dir(cfg)
+                if directory is not None:
+                    register_collector(directory)
+            if cfg is not None and cfg.placement is not None:
+                pc = vllm_config.parallel_config
+                if not pc.worker_extension_cls:  # live re-placement's calls (POST /smoe/placement)
+                    pc.worker_extension_cls = "vllm_smoe.serving.live.SmoeWorkerExtension"
+                elif pc.worker_extension_cls != "vllm_smoe.serving.live.SmoeWorkerExtension":
+                    logger.warning("smoe: --worker-extension-cls %s is set, so live re-placement (POST "
+                                   "/smoe/placement) is off", pc.worker_extension_cls)
+            if cfg is not None and cfg.record is not None:
+                _recover_at_exit(cfg.record)
+            if cfg is not None and cfg.mode == "speculate":
+                # smoe's token order sits around vLLM's sequence-parallel MoE, which vLLM turns on
+                # only with DP > 1; the flag carries to every worker inside the parallel config
+                vllm_config.parallel_config.smoe_sequence_parallel = True
+            if cfg is not None:
+                from vllm.platforms import current_platform
 
-            from .capability import advice
+                from .capability import advice
 
-            for line in advice(vllm_config, cfg, current_platform.device_type):
-                logger.warning("smoe: advice: %s", line)
-        if cfg is not None and cfg.placement is not None:
-            from .capability import check_served_placement
+                for line in advice(vllm_config, cfg, current_platform.device_type):
+                    logger.warning("smoe: advice: %s", line)
+            if cfg is not None and cfg.placement is not None:
+                from .capability import check_served_placement
 
-            check_served_placement(cfg.placement, cfg, vllm_config)
-            logger.info("smoe: placement %s checked against %s", cfg.placement, vllm_config.model_config.model)
-            pc = vllm_config.parallel_config
-            from ..placement_file import load_placement, load_tables
+                check_served_placement(cfg.placement, cfg, vllm_config)
+                logger.info("smoe: placement %s checked against %s", cfg.placement, vllm_config.model_config.model)
+                pc = vllm_config.parallel_config
+                from ..placement_file import load_placement, load_tables
 
-            placement = load_placement(cfg.placement)
-            if pc.data_parallel_size > 1 and cfg.dp_routing and not pc.enable_expert_parallel:
-                logger.warning("smoe dp routing: off without --enable-expert-parallel (every DP rank holds every "
-                               "expert, so no rank is closer to a request's experts)")
-            elif pc.data_parallel_size > 1 and cfg.dp_routing:
-                if placement.predictor is None:
-                    logger.warning("smoe dp routing: %s has no predictor tables; every request is left to "
-                                   "vLLM's load balancer", cfg.placement)
-                else:
-                    load_tables(placement)  # what the front ends will score with, checked before serving
+                placement = load_placement(cfg.placement)
+                if pc.data_parallel_size > 1 and cfg.dp_routing and not pc.enable_expert_parallel:
+                    logger.warning("smoe dp routing: off without --enable-expert-parallel (every DP rank holds every "
+                                   "expert, so no rank is closer to a request's experts)")
+                elif pc.data_parallel_size > 1 and cfg.dp_routing:
+                    if placement.predictor is None:
+                        logger.warning("smoe dp routing: %s has no predictor tables; every request is left to "
+                                       "vLLM's load balancer", cfg.placement)
+                    else:
+                        load_tables(placement)  # what the front ends will score with, checked before serving
         return vllm_config
 
     EngineArgs.add_cli_args = staticmethod(add_cli_args)
     EngineArgs.from_cli_args = classmethod(from_cli_args)
     EngineArgs.create_load_config = create_load_config
     EngineArgs.create_engine_config = create_engine_config
+
+
+@contextlib.contextmanager
+def _smoe_errors():
+    """A ValueError from smoe's own checks becomes a :class:`SmoeSettingsError` (still a
+    ValueError for ``LLM`` users), which ``vllm serve`` prints as one line, exit code 2."""
+    from ..config import SmoeSettingsError
+
+    try:
+        yield
+    except SmoeSettingsError:
+        raise
+    except ValueError as e:
+        raise SmoeSettingsError(str(e)) from None
+
+
+def _install_cli_exit() -> None:
+    """``vllm serve``: a smoe settings error is one line on stderr and exit code 2, not a
+    traceback (patch P-serve-exit: vLLM's CLI has no hook for a plugin's refusal; remove once
+    it has). Only where the CLI has already imported its serve command (never in workers)."""
+    mod = sys.modules.get("vllm.entrypoints.cli.serve")
+    cls = getattr(mod, "ServeSubcommand", None)
+    if cls is None or getattr(cls.cmd, "_smoe_wrapped", False):
+        return
+    from ..config import SmoeSettingsError
+
+    orig = cls.cmd
+
+    def cmd(args):
+        try:
+            return orig(args)
+        except SmoeSettingsError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    cmd._smoe_wrapped = True
+    cls.cmd = staticmethod(cmd)
 
 
 def _check_engine_args(engine_args, cfg) -> None:
@@ -261,6 +307,7 @@ def register() -> None:
         return
     _done = True
     _install_hooks()
+    _install_cli_exit()
     from .cpu_ep import install
 
     install()
