@@ -220,21 +220,27 @@ def _install_cli_exit() -> None:
     it has). Only where the CLI has already imported its serve command (never in workers)."""
     mod = sys.modules.get("vllm.entrypoints.cli.serve")
     cls = getattr(mod, "ServeSubcommand", None)
-    if cls is None or getattr(cls.cmd, "_smoe_wrapped", False):
+    if cls is None or cls.cmd is _serve_cmd:
         return
+    _serve_cmd._smoe_original = cls.cmd
+    cls.cmd = staticmethod(_serve_cmd)
+
+
+def _serve_cmd(args):
+    """vLLM's ``serve`` command, exiting 2 with one line on a smoe settings error. Module-level:
+    vLLM pickles the parsed arguments, this function among them, for its extra API servers."""
     from ..config import SmoeSettingsError
 
-    orig = cls.cmd
+    orig = getattr(_serve_cmd, "_smoe_original", None)
+    if orig is None:  # a process that unpickled the arguments without wrapping the command
+        from vllm.entrypoints.cli.serve import ServeSubcommand
 
-    def cmd(args):
-        try:
-            return orig(args)
-        except SmoeSettingsError as e:
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
-
-    cmd._smoe_wrapped = True
-    cls.cmd = staticmethod(cmd)
+        orig = ServeSubcommand.cmd
+    try:
+        return orig(args)
+    except SmoeSettingsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _check_engine_args(engine_args, cfg) -> None:
