@@ -1,5 +1,6 @@
 """Readers that trust nothing a file says about itself: every file smoe accepts from a user is a
-regular file under a size cap, and YAML comes without aliases and without deep nesting.
+regular file under a size cap, and YAML comes without deep nesting and without aliases that
+expand past a cap.
 
 Why: a FIFO or a symlink to ``/dev/zero`` would block or read until memory runs out; a 300-byte
 YAML of nested aliases expands to gigabytes (and so would any message that quotes a value);
@@ -14,6 +15,7 @@ import stat
 
 MAX_YAML_BYTES = 16 << 20  # a placement of 256 experts x 61 layers with copies is well under 1 MiB
 MAX_DEPTH = 32  # smoe's own YAML nests 4 deep
+MAX_NODES = 5_000_000  # values once aliases are expanded; a placement of 61 layers x 256 experts has ~50 k
 
 
 def kind_of(mode: int) -> str:
@@ -44,10 +46,47 @@ def short(value, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 5] + " ...)"
 
 
-def load_yaml(path: str, what: str, max_bytes: int = MAX_YAML_BYTES, max_depth: int = MAX_DEPTH):
+def expanded_size(root) -> int:
+    """Nodes of a composed YAML document once every alias is expanded (what a reader that walks
+    it touches), counted over the shared node graph without expanding it. Raises ValueError on
+    a node that contains itself."""
+    import yaml
+
+    size: dict[int, int] = {}
+    stack = [(root, False)]
+    on_path: set[int] = set()
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        if done:
+            on_path.discard(key)
+            kids = _children(node, yaml)
+            size[key] = 1 + sum(size[id(k)] for k in kids)
+            continue
+        if key in size:
+            continue
+        if key in on_path:
+            raise ValueError("a YAML alias refers to a node that contains it")
+        on_path.add(key)
+        stack.append((node, True))
+        stack.extend((k, False) for k in _children(node, yaml) if id(k) not in size)
+    return size[id(root)]
+
+
+def _children(node, yaml) -> list:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [x for pair in node.value for x in pair]
+    return []
+
+
+def load_yaml(path: str, what: str, max_bytes: int = MAX_YAML_BYTES, max_depth: int = MAX_DEPTH,
+              max_nodes: int = MAX_NODES):
     """The document in ``path``, read once from a regular file of at most ``max_bytes``, parsed
-    with YAML's safe loader minus aliases and nesting deeper than ``max_depth``. Raises
-    ValueError naming the file and the line."""
+    with YAML's safe loader, nested at most ``max_depth`` levels and at most ``max_nodes``
+    values once aliases are expanded (aliases are fine; a few hundred bytes of nested aliases
+    that expand to billions of values are not). Raises ValueError naming the file and the line."""
     import yaml
 
     regular_file(path, what, max_bytes)
@@ -68,22 +107,31 @@ def load_yaml(path: str, what: str, max_bytes: int = MAX_YAML_BYTES, max_depth: 
 
         def compose_node(self, parent, index):
             event = self.peek_event()
-            if isinstance(event, yaml.AliasEvent):
-                raise ValueError(f"{path}: {what}: line {event.start_mark.line + 1}: YAML aliases (*name) are not "
-                                 f"accepted")
             self.depth += 1
             try:
-                if self.depth > max_depth:
+                if self.depth > max_depth and not isinstance(event, yaml.AliasEvent):
                     raise ValueError(f"{path}: {what}: line {event.start_mark.line + 1}: nested deeper than "
                                      f"{max_depth} levels")
                 return super().compose_node(parent, index)
             finally:
                 self.depth -= 1
 
+    loader = Loader(text)
     try:
-        return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        try:
+            n = expanded_size(node)
+        except ValueError as e:
+            raise ValueError(f"{path}: {what}: {e}") from None
+        if n > max_nodes:
+            raise ValueError(f"{path}: {what}: its aliases expand to {n} values, over the {max_nodes} smoe reads")
+        return loader.construct_document(node)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or "not valid YAML"
         raise ValueError(f"{path}: {what}: malformed YAML{where} ({problem})") from None
+    finally:
+        loader.dispose()
