@@ -95,6 +95,8 @@ def refuse_special(path: str, flag: str) -> None:
     Raises ValueError for anything at ``path`` (symlinks followed) but a regular file."""
     import stat
 
+    from .bounded import kind_of
+
     try:
         mode = os.stat(path).st_mode
     except (FileNotFoundError, NotADirectoryError):
@@ -102,9 +104,7 @@ def refuse_special(path: str, flag: str) -> None:
     if stat.S_ISDIR(mode):
         raise ValueError(f"{path}: {flag} names a directory, not a file")
     if not stat.S_ISREG(mode):
-        kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
-                else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
-        raise ValueError(f"{path}: {flag} names {kind}; smoe writes regular files only (it would replace it)")
+        raise ValueError(f"{path}: {flag} names {kind_of(mode)}; smoe writes regular files only (it would replace it)")
 
 
 def check_output_file(path: str, flag: str) -> None:

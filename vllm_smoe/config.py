@@ -90,9 +90,6 @@ class SmoeConfig:
                              f"placement as well; drop the mode or set it to 'record'")
         placement = d.get("placement")
         record = d.get("record")
-        for key, v in (("placement", placement), ("record", record)):
-            if v is not None and (not isinstance(v, str) or not v):
-                raise ValueError(f"{where}: field '{key}' must be a path, got {v!r}")
         if mode == "speculate" and placement is None:
             raise ValueError(f"{where}: mode 'speculate' needs field 'placement' (a YAML from smoe-place build)")
         if mode != "speculate":
