@@ -257,3 +257,15 @@ def test_v3_speculate_compiled_gives_plain_compiled_tokens(tmp_path):
     assert "one order per step, predictor tables" in log
     assert spec["tokens"] == plain["tokens"]
     np.testing.assert_allclose(spec["logprobs"], plain["logprobs"], rtol=0, atol=ATOL)
+
+
+def test_mla_models_are_started_with_the_attention_backend_that_takes_fp32():
+    """vLLM 0.32 picks AMX MLA on AMX CPUs and it refuses fp32: every MLA model smoe starts asks
+    for CPU_MLA; other models get no flag."""
+    from vllm_smoe.server_process import attention_args
+    from vllm_smoe.testbed import FIXTURE_MODEL
+
+    for arch in ARCHS:
+        assert attention_args(FIXTURES[arch][0]) == ("--attention-backend", "CPU_MLA")
+    assert attention_args(FIXTURE_MODEL) == ()
+    assert attention_args("/nonexistent") == ()

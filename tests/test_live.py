@@ -3,6 +3,7 @@ fresh load of the new placement would have put there (checked against the checkp
 also where vLLM's CPU build packed the router weight away. The served swap under load, with
 tokens compared to plain vLLM, is in test_speculate.py."""
 
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -119,14 +120,15 @@ def test_placement_endpoint_checks_prepares_then_applies(tmp_path, monkeypatch):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
+    from vllm_smoe.placement_file import read_snapshot
     from vllm_smoe.serving import capability, endpoints
-    from vllm_smoe.serving.live import file_digest
 
     old, new, bad = (tmp_path / n for n in ("old.yaml", "new.yaml", "bad.yaml"))
     for f in (old, new, bad):
-        f.write_text(f"# {f.name}\n")
+        _tiny_placement(f)
 
-    def check(path, cfg, vc):
+    def check(path, cfg, vc, snapshot=None):
+        assert snapshot is not None and snapshot.path == path  # parsed from the bytes read once
         if path.endswith("bad.yaml"):
             raise ValueError(f"{path}: field 'ep_size' = 4 but experts are split over 2 ranks")
 
@@ -140,18 +142,20 @@ def test_placement_endpoint_checks_prepares_then_applies(tmp_path, monkeypatch):
 
         async def collective_rpc(self, method, timeout=None, args=()):
             self.calls.append((method, args))
-            if method == "smoe_prepare_placement":
-                return ["", self.refuse]  # two workers, the second may refuse
+            if method == "smoe_prepare_placement":  # two workers, the second may refuse
+                return [{"reason": "", "bytes": 10**9}, {"reason": self.refuse, "bytes": 0}]
             if method == "smoe_apply_placement":
+                self.deadline = timeout
                 if self.fail:
-                    raise RuntimeError("transfer failed")
+                    raise TimeoutError("RPC call to smoe_apply_placement timed out.")
                 return [{"moved_slots": 7, "seconds": 0.01}, {"moved_slots": 7, "seconds": 0.02}]
             return [None, None]
 
     engine = Engine()
     app = FastAPI()
     endpoints.SmoeEndpoints().attach_router(app)
-    app.state.smoe_live = {"engine": engine, "vllm_config": None, "cfg": None, "path": str(old),
+    cfg = SimpleNamespace(placement_dirs=(str(tmp_path),))
+    app.state.smoe_live = {"engine": engine, "vllm_config": None, "cfg": cfg, "path": str(old),
                            "lock": asyncio.Lock(), "swaps": 0, "last": None, "refused": ""}
     with TestClient(app) as c:  # one event loop for every request, as in a server
         assert c.post("/smoe/placement", content=b"{").status_code == 400
@@ -167,12 +171,96 @@ def test_placement_endpoint_checks_prepares_then_applies(tmp_path, monkeypatch):
         r = c.post("/smoe/placement", json={"placement": str(new)})
         assert r.status_code == 200, r.text
         assert r.json()["previous"] == str(old) and r.json()["moved_slots"] == 7 and r.json()["worker_seconds"] == 0.02
-        digest = file_digest(str(new))
-        assert engine.calls == [("smoe_prepare_placement", (str(new), digest)), ("smoe_apply_placement", (digest,))]
+        snap = read_snapshot(str(new))
+        assert engine.calls == [("smoe_prepare_placement", (str(new), snap.yaml, None, snap.sha256)),
+                                ("smoe_apply_placement", (snap.sha256,))]
+        assert engine.deadline == endpoints.apply_deadline(10**9) < 100  # the slowest rank's bytes, not 30 min
         assert c.get("/smoe/placement").json()["placement"] == str(new) and c.get("/smoe/placement").json()["swaps"] == 1
         engine.fail = True
         r = c.post("/smoe/placement", json={"placement": str(old)})
-        assert r.status_code == 500 and "stops" in r.json()["detail"]
+        assert r.status_code == 500 and "stops" in r.json()["detail"] and "deadline was 80 s" in r.json()["detail"]
         assert c.post("/smoe/placement", json={"placement": str(new)}).status_code == 409
         time.sleep(0.7)  # the stop is scheduled after the answer, on the server's loop
     assert stopped == [1]
+
+
+def _tiny_placement(path, expert2rank=(0, 1, 0, 1), tables: bool = False):
+    from vllm_smoe.placement_file import write_placement
+
+    e2r = np.asarray([expert2rank], dtype=np.int32)
+    V, arrays = 8, None
+    if tables:
+        from vllm_smoe.placement.predict import PredictorTables
+
+        arrays = PredictorTables(
+            token2rank=np.zeros((1, V, 2), np.int16), token_conf=np.ones((1, V), np.float16),
+            markov2rank=np.zeros((1, 4, 2), np.int16), markov_conf=np.ones((1, 4), np.float16),
+            prior2rank=np.zeros((1, 2), np.int16), prior_conf=np.ones((1,), np.float16)).arrays()
+    write_placement(str(path), expert2rank=e2r, ep_size=2, nodes=1, top_k=2, vocab_size=V, method="test",
+                    capacity=1.1, tables=arrays)
+    return path
+
+
+def test_a_swap_reads_its_files_once_and_only_from_allowed_directories(tmp_path):
+    """What the API server read is what every worker parses, whatever the path points at later;
+    files (or tables) outside the allowed directories, also through a symlink, are refused."""
+    from vllm_smoe.placement_file import Snapshot, load_tables, read_snapshot
+
+    served = tmp_path / "served"
+    served.mkdir()
+    a = _tiny_placement(served / "a.yaml", tables=True)
+    link = served / "current.yaml"
+    link.symlink_to(a)
+    snap = read_snapshot(str(link), (str(served),))
+    assert snap.path == str(a) and snap.tables is not None
+    other = _tiny_placement(served / "b.yaml", (1, 0, 1, 0))
+    link.unlink()
+    link.symlink_to(other)  # flipped after the read: the snapshot still holds a
+    assert (snap.placement().expert2rank == [[0, 1, 0, 1]]).all()
+    worker = Snapshot(snap.path, snap.yaml, snap.tables)  # what a worker rebuilds from the bytes
+    assert worker.sha256 == snap.sha256 and (worker.placement().expert2rank == [[0, 1, 0, 1]]).all()
+    assert load_tables(worker.placement(), worker.tables).token2rank.shape == (1, 8, 2)
+    assert Snapshot(snap.path, snap.yaml + b"\n", snap.tables).sha256 != snap.sha256
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    _tiny_placement(outside / "c.yaml")
+    (served / "escape.yaml").symlink_to(outside / "c.yaml")
+    for p in (outside / "c.yaml", served / "escape.yaml"):
+        with pytest.raises(ValueError, match="not inside the directories"):
+            read_snapshot(str(p), (str(served),))
+    text = (served / "a.yaml").read_text()
+    name = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("predictor:"))
+    (outside / name).write_bytes((served / name).read_bytes())
+    (served / "t.yaml").write_text(text.replace(f"predictor: {name}", f"predictor: ../elsewhere/{name}"))
+    with pytest.raises(ValueError, match="field 'predictor': tables file .* not inside"):
+        read_snapshot(str(served / "t.yaml"), (str(served),))
+    assert read_snapshot(str(outside / "c.yaml"), None).path == str(outside / "c.yaml")
+
+
+def test_worker_refuses_bytes_that_differ_from_the_digest(tmp_path, monkeypatch):
+    from vllm_smoe.placement_file import read_snapshot
+    from vllm_smoe.serving import live
+
+    snap = read_snapshot(str(_tiny_placement(tmp_path / "a.yaml")))
+    monkeypatch.setattr(live, "_SERVED", SimpleNamespace(pending={"x": 1}))
+    out = live.SmoeWorkerExtension().smoe_prepare_placement(snap.path, snap.yaml[:-3], None, snap.sha256)
+    assert "arrived altered" in out["reason"] and live._SERVED.pending == {}
+
+
+
+def test_placement_dirs_setting(tmp_path):
+    from vllm_smoe.config import SmoeConfig
+    from vllm_smoe.serving.plugin import _smoe_from_args
+
+    p = str(tmp_path / "p.yaml")
+    assert SmoeConfig.from_dict({"placement": p}).placement_dirs == (os.path.realpath(tmp_path),)
+    given = SmoeConfig.from_dict({"placement": p, "placement_dirs": ["/srv/a", str(tmp_path)]})
+    assert given.placement_dirs == ("/srv/a", os.path.realpath(tmp_path))
+    assert SmoeConfig.from_dict(given.to_dict()) == given
+    for bad, words in [({"placement": p, "placement_dirs": "/srv/a"}, "non-empty list"),
+                       ({"placement": p, "placement_dirs": []}, "non-empty list"),
+                       ({"placement_dirs": ["/srv/a"]}, "field 'placement' is not")]:
+        with pytest.raises(ValueError, match=words):
+            SmoeConfig.from_dict(bad)
+    args = SimpleNamespace(plugin="smoe", smoe_placement=p, smoe_placement_dirs=f"/srv/a{os.pathsep}/srv/b")
+    assert _smoe_from_args(args)["placement_dirs"] == ["/srv/a", "/srv/b"]

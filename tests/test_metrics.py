@@ -127,3 +127,43 @@ def test_server_makes_and_exports_its_directory_once(tmp_path, monkeypatch):
     assert server_metrics_dir(given) == str(tmp_path) == metrics_dir(given)
     off = SmoeConfig.from_dict({"metrics_dir": str(tmp_path), "metrics": False})
     assert server_metrics_dir(off) is None and metrics_dir(off) is None  # nothing published, nothing served
+
+
+
+def test_metrics_reach_vllms_multiprocess_registry(tmp_path, monkeypatch):
+    """Several API servers: vLLM serves /metrics from a multiprocess registry of its own, where
+    the default registry's collector is absent; with smoe's endpoint plugin the route serves
+    smoe's families next to vLLM's multiprocess metrics."""
+    pytest.importorskip("vllm")
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from prometheus_client import CollectorRegistry, Counter, values
+    from vllm.entrypoints.serve.instrumentator.metrics import attach_router
+    from vllm.plugins.endpoint_plugins import interface
+
+    from vllm_smoe.serving.endpoints import SmoeEndpoints
+
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(prom))
+    # a vLLM-side counter in multiprocess mode (prometheus_client picks its value class at import)
+    monkeypatch.setattr(values, "ValueClass", values.MultiProcessValue())
+    Counter("vllm_test_requests", "a vLLM-side counter", registry=CollectorRegistry()).inc(3)
+    smoe_dir = tmp_path / "smoe"
+    smoe_dir.mkdir()
+    publish(str(smoe_dir), "record", 0, {"written": 120, "behind": 0, "failed": 8, "unrecordable": 0})
+    served = {}
+    for name, plugins in [("vllm", []), ("smoe", [SmoeEndpoints()])]:
+        app = FastAPI()
+        attach_router(app)
+        monkeypatch.setattr("vllm.plugins.load_endpoint_plugins", lambda tasks, p=plugins: p)
+        interface.attach_endpoint_plugins(app, ("generate",))
+        for plugin in plugins:  # init_state's part that names the directory
+            plugin.collector.directory = str(smoe_dir)
+        with TestClient(app) as c:
+            served[name] = c.get("/metrics").text
+    assert "smoe:" not in served["vllm"] and "vllm_test_requests_total 3.0" in served["vllm"]
+    assert 'smoe:record_tokens_total{rank="0"} 120.0' in served["smoe"]
+    assert 'smoe:record_lost_tokens_total{rank="0",reason="failed"} 8.0' in served["smoe"]
+    assert "vllm_test_requests_total 3.0" in served["smoe"]

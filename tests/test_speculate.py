@@ -3,6 +3,7 @@ tokens identical to plain vLLM (fp32, 32 held-out prompts), logprobs within fp32
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -236,13 +237,15 @@ def test_live_swap_under_load_keeps_plain_tokens(plain_tp2, tmp_path, replicas):
     meta, tr, _ = read_traces([FIXTURE_TRACES["train"]], fields)
     keep = tr["domain"] == 0
     write_trace(str(tmp_path / "py.npz"), meta, **{k: v[keep] for k, v in tr.items()})
-    first = str(tmp_path / "python.yaml")
+    (tmp_path / "ok").mkdir()
+    first = str(tmp_path / "ok" / "python.yaml")
     assert place(["build", "--trace", str(tmp_path / "py.npz"), "--ep-size", "2", "-o", first]
                  + (["--replicas", str(replicas)] if replicas else [])) == 0
     target, other_slots = (EP2_R4, EP2) if replicas else (EP2, EP2_R4)
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_PLUGINS": "smoe"}  # VLLM_PLUGINS: vLLM's gate for new routes
     with VllmServer(FIXTURE_MODEL, "--tensor-parallel-size", "2", "--enable-expert-parallel", "--plugin", "smoe",
                     "--smoe-mode", "speculate", "--smoe-placement", first, "--smoe-log-interval", "0.5",
+                    "--smoe-placement-dirs", f"{tmp_path / 'ok'}:{os.path.join(REPO, 'configs')}",
                     log=tmp_path / "s.log", env=env) as s:
         assert _swap(s.port, "", "GET") == (200, {"placement": first, "swaps": 0, "last_swap": None})
         with ThreadPoolExecutor(8) as pool:
@@ -260,7 +263,8 @@ def test_live_swap_under_load_keeps_plain_tokens(plain_tp2, tmp_path, replicas):
             waves.append(wave())
             for bad, words in [(os.path.join(REPO, "configs", "tiny-4dom-ep4.yaml"), "field 'ep_size' = 4"),
                                (other_slots, "field 'layers[].replicas'"),
-                               (str(tmp_path / "missing.yaml"), "placement file not found")]:
+                               (str(tmp_path / "ok" / "missing.yaml"), "placement file not found"),
+                               (shutil.copy(target, tmp_path), "not inside the directories")]:
                 status, answer = _swap(s.port, bad)
                 assert status == 400 and words in answer["detail"], answer
             assert _swap(s.port, "", "GET")[1]["placement"] == target

@@ -460,12 +460,12 @@ def configurations(tp_placement: str, dp_placement: str, metrics_dir: str, mla: 
 
 def node_command(model: str, cfg: dict, node: int, api: int, port: int, max_seqs: int,
                  mem_share: float = 0.3) -> list[str]:
-    from .server_process import CPU_ARGS, vllm_executable
+    from .server_process import CPU_ARGS, attention_args, vllm_executable
 
     # KV cache: vLLM's CPU budget is a share of RAM less the weights, and production-width
     # weights take more than the tests' 0.15 leaves
     cmd = [vllm_executable(), "serve", model, *CPU_ARGS, "--max-num-seqs", str(max_seqs),
-           "--gpu-memory-utilization", str(mem_share), *cfg["flags"]]
+           "--gpu-memory-utilization", str(mem_share), *attention_args(model), *cfg["flags"]]
     if cfg["kind"] == "tp":
         cmd += ["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", str(node), "--master-addr", ADDR[0],
                 "--master-port", str(port)]

@@ -81,14 +81,8 @@ def _children(node, yaml) -> list:
     return []
 
 
-def load_yaml(path: str, what: str, max_bytes: int = MAX_YAML_BYTES, max_depth: int = MAX_DEPTH,
-              max_nodes: int = MAX_NODES):
-    """The document in ``path``, read once from a regular file of at most ``max_bytes``, parsed
-    with YAML's safe loader, nested at most ``max_depth`` levels and at most ``max_nodes``
-    values once aliases are expanded (aliases are fine; a few hundred bytes of nested aliases
-    that expand to billions of values are not). Raises ValueError naming the file and the line."""
-    import yaml
-
+def read_bytes(path: str, what: str, max_bytes: int) -> bytes:
+    """The bytes of a regular file of at most ``max_bytes``, read once."""
     regular_file(path, what, max_bytes)
     try:
         with open(path, "rb") as f:
@@ -96,6 +90,22 @@ def load_yaml(path: str, what: str, max_bytes: int = MAX_YAML_BYTES, max_depth: 
     except OSError as e:
         raise ValueError(f"{path}: {what}: cannot read ({e.strerror})") from None
     if len(data) > max_bytes:  # grew since the check
+        raise ValueError(f"{path}: {what} is over the {max_bytes} bytes smoe reads")
+    return data
+
+
+def load_yaml(path: str, what: str, max_bytes: int = MAX_YAML_BYTES, max_depth: int = MAX_DEPTH,
+              max_nodes: int = MAX_NODES, data: bytes | None = None):
+    """The document in ``path``, read once from a regular file of at most ``max_bytes``, parsed
+    with YAML's safe loader, nested at most ``max_depth`` levels and at most ``max_nodes``
+    values once aliases are expanded (aliases are fine; a few hundred bytes of nested aliases
+    that expand to billions of values are not). Raises ValueError naming the file and the line.
+    ``data``: the file's bytes as read before (the file is then not opened; ``path`` names it)."""
+    import yaml
+
+    if data is None:
+        data = read_bytes(path, what, max_bytes)
+    if len(data) > max_bytes:
         raise ValueError(f"{path}: {what} is over the {max_bytes} bytes smoe reads")
     try:
         text = data.decode("utf-8")

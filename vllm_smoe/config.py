@@ -10,13 +10,15 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
+from .bounded import short
+
 MODES = ("place", "record", "speculate")
 
 
 class SmoeSettingsError(ValueError):
     """A smoe setting (flag, additional_config field or a file it names) that cannot serve:
     ``vllm serve`` prints it as one line and exits 2 (:mod:`vllm_smoe.serving.plugin`)."""
-_KEYS = ("mode", "placement", "record", "log_interval", "record_chunk_tokens", "predictor", "all2all", "dp_routing",
+_KEYS = ("mode", "placement", "placement_dirs", "record", "log_interval", "record_chunk_tokens", "predictor", "all2all", "dp_routing",
          "metrics_dir", "drift_threshold", "record_sample", "record_max_mb", "metrics")
 PREDICTORS = ("tables", "tables-markov", "router", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.serving.token_order)
 ALL2ALL = ("sparse", "vllm")  # smoe's sparse de-duplicated manager, or vLLM's own choice
@@ -27,7 +29,9 @@ class SmoeConfig:
     """mode: ``place`` (apply a placement at load, if one is given; with none, smoe only fixes
     vLLM's CPU expert parallelism), ``record`` (write routing traces; a placement may be applied
     too), ``speculate`` (token order by predicted rank around vLLM's sequence-parallel MoE).
-    placement: YAML from ``smoe-place build``; record: directory for trace chunks;
+    placement: YAML from ``smoe-place build``; placement_dirs: directories a live swap
+    (``POST /smoe/placement``) takes files from, resolved (None = the placement's own directory);
+    record: directory for trace chunks;
     log_interval: seconds between log lines; record_chunk_tokens: tokens per file;
     predictor: speculate's token -> rank predictor (every rank then takes exactly the
     ceil(T / N) rows of vLLM's sequence-parallel chunk: capacity 1.0); all2all: the expert-
@@ -48,6 +52,7 @@ class SmoeConfig:
 
     mode: str = "place"
     placement: str | None = None
+    placement_dirs: tuple[str, ...] | None = None
     record: str | None = None
     log_interval: float = 10.0
     record_chunk_tokens: int = 1 << 18
@@ -67,7 +72,10 @@ class SmoeConfig:
     def to_dict(self) -> dict:
         skip = (("predictor",) if self.mode != "speculate" else ()) + (
             ("record_sample",) if self.record is None else ())
-        return {k: v for k, v in asdict(self).items() if v is not None and k not in skip}
+        d = {k: v for k, v in asdict(self).items() if v is not None and k not in skip}
+        if "placement_dirs" in d:  # JSON has lists, not tuples
+            d["placement_dirs"] = list(d["placement_dirs"])
+        return d
 
     @classmethod
     def from_dict(cls, d: object, where: str = "additional_config['smoe']") -> "SmoeConfig":
@@ -96,6 +104,16 @@ class SmoeConfig:
             given = [k for k in ("predictor",) if k in d]
             if given:
                 raise ValueError(f"{where}: field(s) {given} only apply to mode 'speculate', not {mode!r}")
+        dirs = d.get("placement_dirs")
+        if dirs is not None and (not isinstance(dirs, list) or not dirs
+                                 or not all(isinstance(x, str) and x for x in dirs)):
+            raise ValueError(f"{where}: field 'placement_dirs' must be a non-empty list of directories, got "
+                             f"{short(dirs)}")
+        if dirs is not None and placement is None:
+            raise ValueError(f"{where}: field 'placement_dirs' is given but field 'placement' is not (live swaps "
+                             f"replace a served placement)")
+        if placement:
+            dirs = tuple(os.path.realpath(x) for x in (dirs or [os.path.dirname(os.path.abspath(placement))]))
         predictor = d.get("predictor", "tables")
         if predictor not in PREDICTORS:
             raise ValueError(f"{where}: field 'predictor' must be one of {', '.join(PREDICTORS)}, got {predictor!r}")
@@ -133,7 +151,7 @@ class SmoeConfig:
         chunk = d.get("record_chunk_tokens", 1 << 18)
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
             raise ValueError(f"{where}: field 'record_chunk_tokens' must be a positive integer, got {chunk!r}")
-        return cls(mode=mode, placement=os.path.abspath(placement) if placement else None,
+        return cls(mode=mode, placement=os.path.abspath(placement) if placement else None, placement_dirs=dirs,
                    record=os.path.abspath(record) if record else None, log_interval=float(interval),
                    record_chunk_tokens=chunk, predictor=predictor,
                    all2all=all2all, dp_routing=dp_routing,

@@ -155,7 +155,7 @@ def write_placement(path: str, *, expert2rank: np.ndarray, ep_size: int, nodes: 
     if data is not None:
         _atomic_write(os.path.join(parent, tables_name), data)
     try:
-        class NoAliases(yaml.SafeDumper):  # smoe's readers refuse aliases (bounded.load_yaml)
+        class NoAliases(yaml.SafeDumper):  # plain text for other YAML tools and diffs
             def ignore_aliases(self, data):
                 return True
 
@@ -209,11 +209,13 @@ def _int(doc: dict, key: str, where: str, minimum: int = 1) -> int:
     return v
 
 
-def load_placement(path: str) -> Placement:
-    """Read and validate a placement YAML. Raises ValueError naming the file and the field."""
+def load_placement(path: str, data: bytes | None = None) -> Placement:
+    """Read and validate a placement YAML. Raises ValueError naming the file and the field.
+    ``data``: the YAML's bytes as read before (:class:`Snapshot`); the file is then not opened
+    and its tables file not looked for (the snapshot holds its bytes)."""
     from .bounded import load_yaml
 
-    doc = load_yaml(path, "placement file")
+    doc = load_yaml(path, "placement file", data=data)
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: top level must be a mapping, got {type(doc).__name__}")
     ver = doc.get("smoe_placement")
@@ -287,7 +289,7 @@ def load_placement(path: str) -> Placement:
         if not isinstance(pred, str):
             raise ValueError(f"{path}: field 'predictor' must be a file name, got {short(pred)}")
         pred_path = os.path.join(os.path.dirname(os.path.abspath(path)), pred)
-        if not os.path.isfile(pred_path):
+        if data is None and not os.path.isfile(pred_path):
             raise ValueError(f"{path}: field 'predictor': tables file {pred_path} not found")
     sha = doc.get("predictor_sha256")
     if sha is not None and (not isinstance(sha, str) or len(sha) != 64):
@@ -301,8 +303,60 @@ def load_placement(path: str) -> Placement:
                      metrics=doc.get("metrics") or {}, predictor_sha256=sha, groups=groups)
 
 
-def load_tables(placement: Placement):
-    """The predictor tables of a placement (``placement.predict.PredictorTables``)."""
+def _tables_bound(placement: Placement) -> int:
+    """Bytes the tables of this placement can hold, decompressed: [L, V] rows of a few int and
+    float columns (V: the model's vocabulary, 2^19 when the YAML does not say) and bigrams."""
+    return placement.num_layers * max(placement.vocab_size or (1 << 19), placement.num_experts) * 256 + (64 << 20)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A placement as read once: the YAML's bytes and its tables file's (None = it names none).
+    Every process that parses a snapshot parses the same placement, whatever the files on disk
+    do meanwhile (a live swap ships one to every worker)."""
+
+    path: str  # the YAML's resolved path, for messages
+    yaml: bytes
+    tables: bytes | None
+
+    @property
+    def sha256(self) -> str:
+        h = hashlib.sha256(self.yaml)
+        if self.tables is not None:
+            h.update(self.tables)
+        return h.hexdigest()
+
+    def placement(self) -> Placement:
+        return load_placement(self.path, self.yaml)
+
+
+def read_snapshot(path: str, allowed_dirs: tuple[str, ...] | None = None) -> Snapshot:
+    """Resolve ``path`` (symlinks too), refuse it unless it and its tables file lie inside one of
+    ``allowed_dirs`` (None = anywhere), and read both once: a :class:`Snapshot`. ValueError names
+    the file; contents are never echoed."""
+    from .bounded import MAX_YAML_BYTES, read_bytes
+
+    real = os.path.realpath(path)
+
+    def inside(p: str, what: str) -> None:
+        if allowed_dirs is not None and not any(os.path.commonpath([p, d]) == d
+                                                for d in map(os.path.realpath, allowed_dirs)):
+            raise ValueError(f"{path}: {what} {p} is not inside the directories this server takes placements "
+                             f"from ({', '.join(allowed_dirs)}; --smoe-placement-dirs adds others)")
+
+    inside(real, "placement file")
+    data = read_bytes(real, "placement file", MAX_YAML_BYTES)
+    placement = load_placement(real, data)
+    tables = None
+    if placement.predictor is not None:
+        inside(os.path.realpath(placement.predictor), "field 'predictor': tables file")
+        tables = read_bytes(os.path.realpath(placement.predictor), "tables file", _tables_bound(placement))
+    return Snapshot(real, data, tables)
+
+
+def load_tables(placement: Placement, data: bytes | None = None):
+    """The predictor tables of a placement (``placement.predict.PredictorTables``); ``data``: the
+    tables file's bytes as read before (:class:`Snapshot`), else the file is read."""
     from .placement.predict import PredictorTables
 
     import zipfile
@@ -311,17 +365,14 @@ def load_tables(placement: Placement):
     if placement.predictor is None:
         raise ValueError(f"{placement.path}: field 'predictor' is empty; this placement has no tables")
     path = placement.predictor
-    from .bounded import regular_file
+    from .bounded import read_bytes
 
-    # what tables of this placement can hold, decompressed: [L, V] rows of a few int and float
-    # columns (V: the model's vocabulary, 2^19 when the YAML does not say) and bigrams per layer
-    bound = placement.num_layers * max(placement.vocab_size or (1 << 19), placement.num_experts) * 256 + (64 << 20)
-    regular_file(path, "tables file", bound)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read tables ({e.strerror})") from None
+    bound = _tables_bound(placement)
+    if data is None:
+        data = read_bytes(path, "tables file", bound)
+    elif len(data) > bound:
+        raise ValueError(f"{path}: tables file is over the {bound} bytes a placement of {placement.num_layers} "
+                         f"layers can hold")
     if placement.predictor_sha256 is not None and hashlib.sha256(data).hexdigest() != placement.predictor_sha256:
         raise ValueError(f"{path}: these tables are not the ones {placement.path} was built with (field "
                          f"'predictor_sha256' differs: an interrupted or concurrent smoe-place build?); rebuild")

@@ -18,6 +18,20 @@ CPU_ARGS = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "
             "--max-num-seqs", "8", "--seed", "0")
 
 
+def attention_args(model: str) -> tuple[str, ...]:
+    """``--attention-backend CPU_MLA`` for an MLA model (DeepSeek's ``kv_lora_rank``) on vLLM's
+    CPU build: on CPUs with AMX vLLM 0.32 otherwise picks its AMX MLA backend, which refuses fp32
+    weights ("expect weight to be bfloat16"). () for other models, or a model dir without config."""
+    import json
+
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return ()
+    return ("--attention-backend", "CPU_MLA") if isinstance(cfg, dict) and cfg.get("kv_lora_rank") else ()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -39,7 +53,8 @@ class VllmServer:
         self.t0 = time.monotonic()
         self.started_s: float | None = None
         self.proc = subprocess.Popen(
-            [vllm_executable(), "serve", model, "--host", "127.0.0.1", "--port", str(self.port), *base_args, *extra],
+            [vllm_executable(), "serve", model, "--host", "127.0.0.1", "--port", str(self.port), *base_args,
+             *(attention_args(model) if base_args is CPU_ARGS else ()), *extra],
             stdout=open(self.log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, **(env or {})})
 

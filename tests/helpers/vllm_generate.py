@@ -19,6 +19,9 @@ def main() -> None:
     extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else None
     prompts = json.loads(prompts_json)
     kwargs = {"additional_config": extra} if extra else {}
+    with open(os.path.join(model, "config.json")) as f:
+        if json.load(f).get("kv_lora_rank"):  # MLA: vLLM's AMX MLA backend refuses fp32 (server_process)
+            kwargs["attention_backend"] = "CPU_MLA"
     eager = os.environ.get("SMOE_TEST_COMPILED") != "1"
     tp = int(os.environ.get("SMOE_TEST_TP", "1"))
     ep = os.environ.get("SMOE_TEST_EP") == "1"

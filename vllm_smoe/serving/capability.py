@@ -118,24 +118,25 @@ def _check_replicas(placement: str, vllm_config) -> None:
                          f"--data-parallel-size and TP 1, or build without --replicas")
 
 
-def check_served_placement(path: str, cfg, vllm_config):
+def check_served_placement(path: str, cfg, vllm_config, snapshot=None):
     """Everything a server checks of a placement before serving it (at start and before a live
     swap): it fits the model and the parallel layout, its copies can be served, speculate can
     order tokens with it, its tables load. Returns its :class:`~.load_plan.LoadPlan`; raises
-    ValueError naming the file and field."""
+    ValueError naming the file and field. ``snapshot``: the file as read once
+    (:class:`~vllm_smoe.placement_file.Snapshot`; then ``path`` only names it)."""
     from ..placement_file import load_placement, load_tables
     from .load_plan import plan_for
 
-    plan = plan_for(path, vllm_config)
+    placement = snapshot.placement() if snapshot is not None else load_placement(path)
+    plan = plan_for(path, vllm_config, placement)
     if plan.num_redundant:
         _check_replicas(path, vllm_config)
-    placement = load_placement(path)
     if cfg.mode == "speculate":
         ok, reason = speculate_supported(vllm_config, placement, cfg.predictor, cfg.all2all)
         if not ok:
             raise ValueError(f"smoe mode speculate: {reason}")
         if cfg.predictor.startswith("tables"):
-            load_tables(placement)  # everything a worker will index with, before any worker starts
+            load_tables(placement, None if snapshot is None else snapshot.tables)  # all a worker indexes with
     pc = vllm_config.parallel_config
     if placement.method == "dp-coclust" and pc.tensor_parallel_size > 1:
         raise ValueError(f"{path}: field 'method' = dp-coclust: placements from smoe-place build --mode dp put one "

@@ -14,7 +14,10 @@ as it is (no chat template): send the token ids the server will see for chat req
 (:mod:`.live`): checked first (400 with the file and field named, the old placement stays),
 then weights, routers and tables swapped between two engine steps; the answer comes when every
 worker is done: ``{"placement", "previous", "moved_slots", "seconds"}``. ``GET /smoe/placement``
-answers the served one. Swaps are taken one at a time; requests keep running.
+answers the served one. Swaps are taken one at a time; requests keep running. The file is
+resolved and read once, here, and only from the directories the server takes placements from
+(``--smoe-placement-dirs``; default: the served placement's); workers parse those bytes. A move
+that misses its deadline (:func:`apply_deadline`) stops the server instead of hanging it.
 
 Every route honours vLLM's ``--api-key`` / ``VLLM_API_KEY`` exactly as ``/v1`` does (vLLM's own
 check, which guards only its prefixes): 401 without the key. Bodies are capped in size, and a
@@ -32,7 +35,9 @@ from fastapi import APIRouter, HTTPException, Request  # FastAPI resolves the ha
 from fastapi.responses import JSONResponse
 
 EXTENSION = "vllm_smoe.serving.live.SmoeWorkerExtension"
-PREPARE_S, APPLY_S = 300.0, 1800.0  # collective_rpc timeouts: parsing tables; moving every expert
+PREPARE_S = 300.0  # collective_rpc timeout for parsing and checking a placement on every worker
+# the move's deadline: a fixed part plus the rank's changing expert bytes at a slow link's rate
+APPLY_BASE_S, APPLY_BYTES_PER_S = 60.0, 50e6
 MAX_BODY = 1 << 20  # bytes of a request body besides its prompt (a path, a few fields)
 logger = logging.getLogger("vllm.smoe")
 
@@ -43,6 +48,18 @@ class SmoeEndpoints:
 
     def attach_router(self, app) -> None:
         router = APIRouter()
+        from .metrics import SmoeCollector, multiprocess_registry
+
+        self.collector = SmoeCollector(None)  # its directory comes with the settings (init_state)
+        registry = multiprocess_registry(self.collector)
+        if registry is not None:  # several API servers: vLLM's /metrics registry is per process, so
+            # this route replaces vLLM's (endpoint plugins may) with the same registry plus smoe's
+            @router.get("/metrics")
+            async def metrics(raw: Request):
+                from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+                from fastapi.responses import Response
+
+                return Response(await asyncio.to_thread(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
 
         @router.post("/smoe/route")
         async def route(raw: Request):
@@ -98,31 +115,37 @@ class SmoeEndpoints:
             if not isinstance(path, str) or not path:
                 raise HTTPException(status_code=400, detail="give 'placement': the path of a placement YAML")
             path = os.path.abspath(path)
+            from ..placement_file import read_snapshot
             from .capability import check_served_placement
-            from .live import file_digest
 
             async with live["lock"]:  # one swap at a time
                 if live["refused"]:
                     raise HTTPException(status_code=409, detail=live["refused"])
-                try:  # the API server's own check first: a bad file never reaches the engine
-                    await asyncio.to_thread(check_served_placement, path, live["cfg"], live["vllm_config"])
-                    digest = await asyncio.to_thread(file_digest, path)  # what every worker must read too
+                try:  # read once (resolved, inside the allowed directories); the API server's own
+                    # check first: a bad file never reaches the engine
+                    snap = await asyncio.to_thread(read_snapshot, path, live["cfg"].placement_dirs)
+                    await asyncio.to_thread(check_served_placement, snap.path, live["cfg"], live["vllm_config"],
+                                            snap)
                 except ValueError as e:
                     raise HTTPException(status_code=400, detail=str(e)) from None
                 engine = live["engine"]
                 t0 = time.monotonic()
-                # prepare parses the file once per worker and allocates the transfer buffers;
-                # apply then only moves, so whatever can be refused is refused before a byte moves
-                reasons = [r for r in await engine.collective_rpc("smoe_prepare_placement", timeout=PREPARE_S,
-                                                                  args=(path, digest)) if r]
+                # every worker parses these bytes, never the path, and allocates the transfer
+                # buffers; apply then only moves, so whatever can be refused is refused, on every
+                # worker, before a byte moves
+                ready = await engine.collective_rpc("smoe_prepare_placement", timeout=PREPARE_S,
+                                                    args=(snap.path, snap.yaml, snap.tables, snap.sha256))
+                reasons = [r["reason"] for r in ready if r["reason"]]
                 if reasons:  # the ranks that were ready free what they allocated
                     await engine.collective_rpc("smoe_cancel_placement", timeout=PREPARE_S)
                     raise HTTPException(status_code=400, detail=reasons[0])
+                deadline = apply_deadline(max(r["bytes"] for r in ready))
                 try:  # shielded: a client that goes away does not leave the swap half-recorded here
-                    done = await asyncio.shield(engine.collective_rpc("smoe_apply_placement", timeout=APPLY_S,
-                                                                      args=(digest,)))
+                    done = await asyncio.shield(engine.collective_rpc("smoe_apply_placement", timeout=deadline,
+                                                                      args=(snap.sha256,)))
                 except Exception as e:  # noqa: BLE001 - the weights are in an unknown state: stop serving
-                    live["refused"] = (f"a live swap to {path} failed while weights moved ({e}); this server "
+                    live["refused"] = (f"a live swap to {path} failed while weights moved ({type(e).__name__}: "
+                                       f"{e}; its deadline was {deadline:.0f} s); this server "
                                        f"stops rather than answer from a half-moved model")
                     logger.error("smoe: %s", live["refused"])
                     asyncio.get_running_loop().call_later(0.5, _stop_server)  # after the answer is out
@@ -148,6 +171,10 @@ class SmoeEndpoints:
         vc = engine_client.vllm_config
         state.smoe_max_tokens = int(vc.model_config.max_model_len)
         cfg = SmoeConfig.from_additional_config(vc.additional_config)
+        if cfg is not None and hasattr(self, "collector"):
+            from .metrics import metrics_dir
+
+            self.collector.directory = metrics_dir(cfg)  # what this server's workers publish
         state.smoe_live = None if cfg is None else {
             "engine": engine_client, "vllm_config": vc, "cfg": cfg, "path": cfg.placement, "lock": asyncio.Lock(),
             "swaps": 0, "last": None, "refused": _live_refused(vc)}
@@ -161,6 +188,13 @@ class SmoeEndpoints:
             elif not vc.model_config.skip_tokenizer_init:
                 tokenizer = engine_client.renderer.get_tokenizer()
         state.smoe_route = (placement, vc.parallel_config.data_parallel_size, tokenizer)
+
+
+def apply_deadline(moved_bytes: int) -> float:
+    """Seconds a swap's weight move may take before the server gives up and stops (a rank that
+    cannot finish would otherwise hold every other rank in the transfer, behind a healthy
+    /health): generous for a slow link, never the collective timeout's half hour."""
+    return APPLY_BASE_S + moved_bytes / APPLY_BYTES_PER_S
 
 
 def _stop_server() -> None:

@@ -3,11 +3,14 @@
 ``POST /smoe/placement`` (:mod:`.endpoints`) reaches every worker through vLLM's
 ``collective_rpc``, which the engine core runs between two steps, in two calls:
 
-1. ``smoe_prepare_placement(path)``: each worker checks the file as the server checked its first
-   one at start (:func:`.capability.check_served_placement`), and that it fits what was
-   allocated at load (the same physical expert slots; table shapes that captured CUDA graphs
-   read). Nothing changes; any refusal on any worker stops the swap here.
-2. ``smoe_apply_placement(path)``: every worker moves its expert weights to the new slots in
+1. ``smoe_prepare_placement(path, yaml, tables, digest)``: the API server read the placement
+   and its tables file once (:class:`~vllm_smoe.placement_file.Snapshot`) and sends those bytes;
+   each worker parses them (never the path, which may have changed since) and checks them as the
+   server checked its first placement at start (:func:`.capability.check_served_placement`), and
+   that they fit what was allocated at load (the same physical expert slots; table shapes that
+   captured CUDA graphs read). Nothing changes; any refusal on any worker stops the swap here,
+   on every worker, so all ranks move or none does.
+2. ``smoe_apply_placement(digest)``: every worker moves its expert weights to the new slots in
    place (vLLM's EPLB transfer, ``rearrange_expert_weights_inplace``, over the expert-parallel
    group; a local permutation where every rank holds every expert), reorders its routers' rows
    the way the loader does, copies the new logical -> physical routes into the routers' EPLB
@@ -81,17 +84,6 @@ def _ep_split(vllm_config) -> bool:
     return bool(pc.enable_expert_parallel) and pc.tensor_parallel_size * pc.data_parallel_size > 1
 
 
-def file_digest(path: str) -> str:
-    """sha256 of the placement file's bytes: every process swaps to the same file contents."""
-    import hashlib
-
-    try:
-        with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read ({e.strerror})") from None
-
-
 @dataclass
 class Swap:
     """Everything a swap needs, checked and allocated before anything changes."""
@@ -104,17 +96,16 @@ class Swap:
     transfer: tuple | None  # (buffers, communicator, process group) for moves over the EP group
 
 
-def check_swap(served: Served, path: str, digest: str | None = None) -> Swap:
-    """The new placement, parsed once, if it can replace the served one live; ValueError
-    otherwise. ``digest``: the file's sha256 as the API server read it."""
-    from ..placement_file import load_placement, load_tables
+def check_swap(served: Served, snapshot) -> Swap:
+    """The placement in ``snapshot`` (:class:`~vllm_smoe.placement_file.Snapshot`), parsed once,
+    if it can replace the served one live; ValueError otherwise."""
+    from ..placement_file import load_tables
     from .capability import check_served_placement
     from .token_order import find_moe_experts
 
-    if digest is not None and file_digest(path) != digest:
-        raise ValueError(f"{path}: the file changed while it was being swapped in; send the request again")
-    plan = check_served_placement(path, served.cfg, served.vllm_config)
-    placement = load_placement(path)
+    path = snapshot.path
+    plan = check_served_placement(path, served.cfg, served.vllm_config, snapshot)
+    placement = snapshot.placement()
     old = served.plan
     if plan.physical2expert.shape != old.physical2expert.shape:
         raise ValueError(f"{path}: field 'layers[].replicas': needs {plan.physical2expert.shape[1]} physical expert "
@@ -139,7 +130,7 @@ def check_swap(served: Served, path: str, digest: str | None = None) -> Swap:
     order = token_order._ACTIVE
     tables = None
     if order is not None and order.tables is not None:
-        tables = load_tables(placement)
+        tables = load_tables(placement, snapshot.tables)
         from .token_order import TokenOrder
 
         new = TokenOrder._device_tables(tables, "cpu")  # the tensors swap() would copy in
@@ -169,6 +160,17 @@ def check_swap(served: Served, path: str, digest: str | None = None) -> Swap:
         transfer = (buffers, create_eplb_communicator(group, backend, weights, buffers),
                     group.cpu_group if device.type == "cpu" else group.device_group)
     return Swap(path, plan, placement, tables, weights, transfer)
+
+
+def moved_bytes(old, swap: Swap) -> int:
+    """Bytes of this rank's expert weights in the physical slots whose expert changes."""
+    changed = old.physical2expert != swap.plan.physical2expert  # [L, P] over every rank's slots
+    total = 0
+    for layer, ws in enumerate(swap.weights):
+        local = ws[0].shape[0]  # this rank's slots of the layer
+        per_slot = sum(w[0].numel() * w.element_size() for w in ws)
+        total += per_slot * min(local, int(changed[layer].sum()))
+    return total
 
 
 def _move_experts(served: Served, swap: Swap) -> int:
@@ -247,18 +249,26 @@ class SmoeWorkerExtension:
     def smoe_placement(self) -> str | None:
         return None if _SERVED is None else _SERVED.path
 
-    def smoe_prepare_placement(self, path: str, digest: str) -> str:
-        """Check ``path`` (with these contents) on this worker and allocate what the move needs;
-        '' = ready, else the reason (nothing changed)."""
+    def smoe_prepare_placement(self, path: str, yaml: bytes, tables: bytes | None, digest: str) -> dict:
+        """Check the placement read as these bytes on this worker and allocate what the move
+        needs: {"reason": '' = ready, else why (nothing changed), "bytes": expert bytes this rank
+        holds in slots that change (the server's deadline for the move)}."""
+        from ..placement_file import Snapshot
+
         if _SERVED is None:
-            return ("this server loaded no smoe placement (start it with --smoe-placement to swap placements "
-                    "live)")
+            return {"reason": "this server loaded no smoe placement (start it with --smoe-placement to swap "
+                              "placements live)", "bytes": 0}
         _SERVED.pending = {}
+        snapshot = Snapshot(path, yaml, tables)
+        if snapshot.sha256 != digest:  # what was read is not what arrived: never parse half a file
+            return {"reason": f"{path}: the placement arrived altered on this worker; send the request again",
+                    "bytes": 0}
         try:
-            _SERVED.pending = {digest: check_swap(_SERVED, path, digest)}
+            swap = check_swap(_SERVED, snapshot)
         except ValueError as e:
-            return str(e)
-        return ""
+            return {"reason": str(e), "bytes": 0}
+        _SERVED.pending = {digest: swap}
+        return {"reason": "", "bytes": moved_bytes(_SERVED.plan, swap)}
 
     def smoe_cancel_placement(self) -> None:
         if _SERVED is not None:

@@ -80,14 +80,16 @@ def _checkpoint_config(model_dir: str) -> dict | None:
         return json.load(f)
 
 
-def make_load_plan(placement_path: str, hf_config, model_dir: str, ep_ranks: int | None) -> LoadPlan:
+def make_load_plan(placement_path: str, hf_config, model_dir: str, ep_ranks: int | None,
+                   placement: Placement | None = None) -> LoadPlan:
     """Validate ``placement_path`` against the served model and build its slot permutation.
 
     hf_config: the model's transformers config; model_dir: checkpoint directory (for the
     fingerprint); ep_ranks: ranks the experts are split over (None when every rank holds all
-    experts). Raises ValueError naming the file and field on any mismatch.
+    experts); placement: the file as parsed before (else it is read). Raises ValueError naming
+    the file and field on any mismatch.
     """
-    p: Placement = load_placement(placement_path)
+    p: Placement = placement if placement is not None else load_placement(placement_path)
     where = f"{placement_path}"
     layers = moe_layer_indices(hf_config)
     E, K = num_experts(hf_config), top_k(hf_config)
@@ -151,10 +153,10 @@ def _physical_layout(expert2rank: np.ndarray, replicas: np.ndarray, ep_size: int
     return physical2expert, route2physical
 
 
-def plan_for(placement_path: str, vllm_config) -> LoadPlan:
+def plan_for(placement_path: str, vllm_config, placement: Placement | None = None) -> LoadPlan:
     """:func:`make_load_plan` for a vLLM config: experts are split over TP x DP ranks only when
     vLLM's expert parallelism is on."""
     pc = vllm_config.parallel_config
     ep = pc.tensor_parallel_size * pc.data_parallel_size if pc.enable_expert_parallel else None
     mc = vllm_config.model_config
-    return make_load_plan(placement_path, mc.hf_config, mc.model, ep)
+    return make_load_plan(placement_path, mc.hf_config, mc.model, ep, placement)

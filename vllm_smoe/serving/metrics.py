@@ -12,10 +12,12 @@ API server process makes and hands to the engine and worker processes it starts 
 environment (``SMOE_METRICS_DIR``, as vLLM hands over ``PROMETHEUS_MULTIPROC_DIR``): kept out of
 ``additional_config``, whose hash keys vLLM's compile caches.
 
-Sources: ``order`` (speculate's token order: per MoE layer, the rows each rank served) and
-``a2a`` (smoe's sparse all2all: the rows that crossed, whatever orders the tokens). With vLLM's
-multiprocess Prometheus mode (several API servers) the default registry is not the one served,
-so the smoe families are missing there.
+Sources: ``order`` (speculate's token order: per MoE layer, the rows each rank served),
+``a2a`` (smoe's sparse all2all: the rows that crossed, whatever orders the tokens) and
+``record`` (the recorder: tokens written and tokens lost, by reason). With several API servers
+(vLLM's default under DP) vLLM serves ``/metrics`` from a multiprocess registry of its own in
+each API server process, not the default one: :func:`multiprocess_registry` builds a registry
+of the same kind with smoe's collector, which smoe's endpoint plugin serves on ``/metrics``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ ENV = "SMOE_METRICS_DIR"
 # the device counters of each source, in the order the workers keep them
 ORDER_FIELDS = ("local", "activations", "tokens", "hits")  # per MoE layer
 A2A_FIELDS = ("tokens", "pairs", "bytes", "local", "activations")
+RECORD_FIELDS = ("written", "behind", "failed", "unrecordable")  # tokens: written, lost (queue full, disk, no ids)
 
 
 class Drift:
@@ -131,6 +134,8 @@ def _valid(s: object) -> bool:
         return isinstance(layers, list) and bool(layers) and all(_counts(r, len(ORDER_FIELDS)) for r in layers)
     if s.get("source") == "a2a":
         return _counts([s.get(k) for k in A2A_FIELDS], len(A2A_FIELDS))
+    if s.get("source") == "record":
+        return _counts([s.get(k) for k in RECORD_FIELDS], len(RECORD_FIELDS))
     return False
 
 
@@ -195,6 +200,20 @@ def families(snapshots: list[dict]):
         yield ratio
         yield hit
     yield from _drift_families(order or a2a)
+    record = [s for s in snapshots if s.get("source") == "record"]
+    if record:
+        written = CounterMetricFamily("smoe:record_tokens", "served tokens the recorder wrote to trace files",
+                                      labels=["rank"])
+        lost = CounterMetricFamily("smoe:record_lost_tokens", "served tokens the recorder did not write, by reason "
+                                   "(behind: its queue was full; failed: a write failed, e.g. a full disk, and the "
+                                   "step was dropped whole; unrecordable: rows without token ids)",
+                                   labels=["rank", "reason"])
+        for s in record:
+            written.add_metric([str(s["rank"])], s["written"])
+            for k in RECORD_FIELDS[1:]:
+                lost.add_metric([str(s["rank"]), k], s[k])
+        yield written
+        yield lost
     if a2a:
         names = {"tokens": ("smoe:a2a_tokens", "served tokens through the sparse all2all (rows x MoE layers)"),
                  "pairs": ("smoe:a2a_remote_pairs", "(token, remote rank) rows the sparse all2all sent"),
@@ -241,13 +260,14 @@ def _drift_families(snapshots: list[dict]):
 
 
 class SmoeCollector:
-    """A prometheus_client collector over one metrics directory."""
+    """A prometheus_client collector over one metrics directory (None: not known yet)."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str | None):
         self.directory = directory
 
     def collect(self):
-        yield from families(read_snapshots(self.directory))
+        if self.directory is not None:
+            yield from families(read_snapshots(self.directory))
 
     def describe(self):
         return []  # unknown until workers publish: registered without a name check
@@ -264,3 +284,20 @@ def register_collector(directory: str) -> None:
 
     REGISTRY.register(SmoeCollector(directory))
     _registered.add(directory)
+
+
+
+def multiprocess_registry(collector: "SmoeCollector"):
+    """With ``PROMETHEUS_MULTIPROC_DIR`` set (several API servers), vLLM serves ``/metrics`` in
+    each API server process from a registry of its own (``get_prometheus_registry``: a fresh
+    one with prometheus_client's multiprocess collector), which a collector on the default
+    registry never reaches. This returns a registry of that kind with ``collector`` added (the
+    route smoe's endpoint plugin serves in place of vLLM's), or None outside multiprocess mode."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR") is None:
+        return None
+    from prometheus_client import CollectorRegistry, multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    registry.register(collector)
+    return registry

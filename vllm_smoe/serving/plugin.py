@@ -27,6 +27,7 @@ logger = logging.getLogger("vllm.smoe")  # under vLLM's logger: same handlers an
 
 _FLAGS = {  # CLI dest -> key in additional_config["smoe"]
     "smoe_placement": "placement",
+    "smoe_placement_dirs": "placement_dirs",
     "smoe_record": "record",
     "smoe_mode": "mode",
     "smoe_log_interval": "log_interval",
@@ -47,6 +48,9 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--plugin", choices=["smoe"], default=None,
                    help="enable the smoe plugin for this server (its --smoe-* flags need it)")
     g.add_argument("--smoe-placement", default=None, help="placement YAML written by smoe-place build")
+    g.add_argument("--smoe-placement-dirs", default=None,
+                   help=f"directories POST /smoe/placement takes placement files from, '{os.pathsep}'-separated "
+                        f"(default: the served placement's directory)")
     g.add_argument("--smoe-record", default=None, help="directory to write routing traces into")
     g.add_argument("--smoe-record-sample", type=float, default=None,
                    help="with --smoe-record: share of requests recorded, whole requests (default 1.0)")
@@ -79,6 +83,8 @@ def _smoe_from_args(args: argparse.Namespace) -> dict | None:
     for key in ("dp_routing", "metrics"):
         if key in given:
             given[key] = given[key] == "on"
+    if "placement_dirs" in given:
+        given["placement_dirs"] = [d for d in given["placement_dirs"].split(os.pathsep) if d]
     if getattr(args, "plugin", None) != "smoe":
         if given:
             flags = ", ".join("--" + d.replace("_", "-") for d in _FLAGS if getattr(args, d, None) is not None)
