@@ -296,3 +296,87 @@ def test_read_traces_checks_every_value_field_and_keeps_empty_shapes(tmp_path):
     empty = {k: v[:0] for k, v in arrays(10).items()}
     _, arr, _ = read_traces([str(_savez(tmp_path / "e.npz", **empty))])
     assert arr["topk_ids"].shape == (0, 3, 2) and arr["topk_ids"].dtype == np.int16
+
+
+def _failing_writes(monkeypatch, fail_on: set[int]):
+    """trace._write_all that, on the given calls (0-based), writes half the bytes and then fails
+    as a full disk does."""
+    import errno
+
+    from vllm_smoe import trace
+
+    real, calls = trace._write_all, [0]
+
+    def write_all(f, data):
+        k = calls[0]
+        calls[0] += 1
+        if k in fail_on:
+            f.write(data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(f, data)
+
+    monkeypatch.setattr(trace, "_write_all", write_all)
+
+
+def test_a_failed_append_is_dropped_whole_and_writing_resumes(tmp_path, monkeypatch):
+    """A full disk in the middle of a chunk (one field half written): the chunk is dropped from
+    every field, the next chunk lands aligned, and the trace holds exactly the chunks that were
+    written, row for row."""
+    a, b, c = arrays(10, 1), arrays(6, 2), arrays(8, 3)
+    fields = len(a)
+    _failing_writes(monkeypatch, {fields + 2})  # the second chunk's third field
+    w = TraceWriter(tmp_path / "t.npz", META)
+    w.append(**a)
+    with pytest.raises(OSError):
+        w.append(**b)
+    w.append(**c)
+    assert w.num_tokens == 18
+    t = open_trace(w.close())
+    for k in a:
+        np.testing.assert_array_equal(t[k], np.concatenate([a[k], c[k]]), err_msg=k)
+
+
+def test_a_writer_whose_every_append_failed_leaves_no_file(tmp_path, monkeypatch):
+    _failing_writes(monkeypatch, {0})
+    w = TraceWriter(tmp_path / "t.npz", META)
+    with pytest.raises(OSError):
+        w.append(**arrays(4))
+    with pytest.raises(ValueError, match="no tokens"):
+        w.close()
+    assert os.listdir(tmp_path) == []  # no 0-row file, no spill
+
+
+def test_a_short_write_is_finished_or_fails():
+    """A raw write that takes part of the bytes is continued; one that takes none fails."""
+    from vllm_smoe.trace import _write_all
+
+    class Raw:
+        def __init__(self, budget):
+            self.out, self.budget = bytearray(), budget
+
+        def write(self, data):
+            n = min(len(data), 3, self.budget)
+            self.out += data[:n]
+            self.budget -= n
+            return n
+
+    f = Raw(100)
+    _write_all(f, memoryview(b"0123456789"))
+    assert f.out == b"0123456789"
+    with pytest.raises(OSError, match="short write"):
+        _write_all(Raw(4), memoryview(b"0123456789"))
+
+
+def test_directory_readers_skip_a_bad_file_with_a_warning(tmp_path):
+    from vllm_smoe.trace import open_traces
+
+    write_trace(str(tmp_path / "trace-a.npz"), META, **arrays(10))
+    (tmp_path / "trace-b.npz").write_bytes(b"PK\x03\x04 not a zip")
+    with pytest.warns(UserWarning, match="skipped .*trace-b.npz"):
+        _, traces = open_traces([str(tmp_path)])
+    assert [os.path.basename(t.path) for t in traces] == ["trace-a.npz"]
+    with pytest.raises(ValueError, match="trace-b.npz"):
+        open_traces([str(tmp_path / "trace-b.npz")])  # named as such: refused
+    os.remove(tmp_path / "trace-a.npz")
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="no readable trace file"):
+        open_traces([str(tmp_path)])

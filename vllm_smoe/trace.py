@@ -408,6 +408,18 @@ def _assemble(path: str, meta: TraceMeta, spill_dir: str, dtypes: Mapping[str, n
             os.remove(tmp)
 
 
+def _write_all(f, data: memoryview) -> None:
+    """Every byte of ``data`` to the unbuffered file ``f``, or OSError (a raw write may take
+    only part of it when the disk fills; the next one then fails)."""
+    while len(data):
+        n = f.write(data)
+        if not n:
+            import errno
+
+            raise OSError(errno.ENOSPC, "short write")
+        data = data[n:]
+
+
 class TraceWriter:
     """Append-only writer: ``append`` chunks, ``close`` assembles the ``.npz`` atomically.
 
@@ -437,6 +449,7 @@ class TraceWriter:
         self._tail: dict[str, tuple[int, ...]] = {}
         self.num_tokens = 0
         self._closed = False
+        self._broken = False
 
     def _write_index(self) -> None:
         index = {"path": os.path.abspath(self.path), "meta": self.meta.to_json(), "pid": os.getpid(),
@@ -463,35 +476,56 @@ class TraceWriter:
                 f"{self.path}: chunk fields {sorted(arrays)} differ from the first chunk's {sorted(self._files)}"
             )
         n = len(arrays["token_ids"])
-        for name, a in arrays.items():
+        chunk = {}
+        for name, a in arrays.items():  # every field checked before a byte is written
             a = np.asarray(a)
             dtypes, rank = _FIELDS[name]
             if a.dtype not in dtypes:
                 a = a.astype(dtypes[-1] if name != "topk_ids" else self._topk_dtype())
             if a.ndim != rank or a.shape[0] != n:
                 raise ValueError(f"{self.path}: field {name!r} chunk has shape {a.shape}, expected {n} rows, rank {rank}")
+            if name in self._dtypes and (a.dtype != self._dtypes[name] or a.shape[1:] != self._tail[name]):
+                a = a.astype(self._dtypes[name])
+                if a.shape[1:] != self._tail[name]:
+                    raise ValueError(f"{self.path}: field {name!r} row shape changed to {a.shape[1:]}")
+            chunk[name] = np.ascontiguousarray(a)
+        for name, a in chunk.items():
             if name not in self._files:
                 self._files[name] = open(os.path.join(self._dir, name), "wb", buffering=0)
                 self._dtypes[name] = a.dtype
                 self._tail[name] = a.shape[1:]
-            elif a.dtype != self._dtypes[name] or a.shape[1:] != self._tail[name]:
-                a = a.astype(self._dtypes[name])
-                if a.shape[1:] != self._tail[name]:
-                    raise ValueError(f"{self.path}: field {name!r} row shape changed to {a.shape[1:]}")
-            self._files[name].write(np.ascontiguousarray(a).tobytes())
-        if self.num_tokens == 0:
-            self._write_index()
+        ends = {name: f.tell() for name, f in self._files.items()}
+        try:
+            for name, a in chunk.items():
+                _write_all(self._files[name], memoryview(a).cast("B"))
+            if self.num_tokens == 0:
+                self._write_index()
+        except OSError:
+            # the chunk is dropped whole (a full disk, a short write): every field back to where
+            # it ended, so rows stay aligned and a later append (space back) carries on
+            for name, f in self._files.items():
+                try:
+                    f.truncate(ends[name])
+                    f.seek(ends[name])
+                except OSError:
+                    self._broken = True  # cannot undo: close and recovery refuse the misaligned rows
+            raise
         self.num_tokens += n
 
     def _topk_dtype(self) -> np.dtype:
         return np.dtype(np.int16) if self.meta.num_experts <= np.iinfo(np.int16).max else np.dtype(np.int32)
 
     def close(self) -> str:
-        """Assemble ``path`` atomically and return it."""
+        """Assemble ``path`` atomically and return it. A writer that holds no complete row
+        leaves no file (its spill is removed) and raises ValueError."""
         if self._closed:
             return self.path
-        if not self._files:
+        if not self._files or self.num_tokens == 0:
+            self.abort()
             raise ValueError(f"{self.path}: no tokens were appended")
+        if self._broken:
+            self.abort()
+            raise ValueError(f"{self.path}: a failed write could not be undone; its rows are dropped")
         for f in self._files.values():
             f.close()
         self._closed = True
@@ -507,11 +541,21 @@ class TraceWriter:
         return self.path
 
     def abort(self) -> None:
-        for f in self._files.values():
-            f.close()
+        """Close and remove the spill: nothing appended is kept."""
+        self.release()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+    def release(self) -> None:
+        """Close without assembling, keeping the spill for :func:`recover_spill` (the rows
+        appended so far, all complete)."""
+        for f in self._files.values():
+            try:
+                f.close()
+            except OSError:
+                pass
         if self._lock is not None:
             self._lock.close()
+            self._lock = None
         self._closed = True
 
     def __enter__(self) -> "TraceWriter":
@@ -644,9 +688,14 @@ def write_trace(path: str | os.PathLike, meta: TraceMeta, **arrays: np.ndarray) 
 def expand_trace_paths(specs: Sequence[str]) -> list[str]:
     """Files named by ``specs``: files as given, directories -> their ``*.npz`` (sorted),
     anything else as a glob pattern. Raises ValueError when a spec matches nothing."""
+    return [f for f, _ in _expand(specs)]
+
+
+def _expand(specs: Sequence[str]) -> list[tuple[str, bool]]:
+    """(file, found in a directory) for every file ``specs`` name (:func:`expand_trace_paths`)."""
     import glob
 
-    out: list[str] = []
+    out: list[tuple[str, bool]] = []
     for spec in specs:
         if os.path.isdir(spec):
             found = sorted(glob.glob(os.path.join(spec, "*.npz")))
@@ -665,14 +714,27 @@ def expand_trace_paths(specs: Sequence[str]) -> list[str]:
             found = sorted(glob.glob(spec))
         if not found:
             raise ValueError(f"{spec}: no trace files found (a file, a directory of .npz, or a glob)")
-        out.extend(found)
+        out.extend((f, os.path.isdir(spec)) for f in found)
     return out
 
 
 def open_traces(specs: Sequence[str]) -> tuple[TraceMeta, list[Trace]]:
     """Open the traces named by ``specs`` (see :func:`expand_trace_paths`) lazily and check that
-    they agree on num_layers, num_experts, top_k and vocab_size. Returns (meta of the first, traces)."""
-    traces = [open_trace(p) for p in expand_trace_paths(specs)]
+    they agree on num_layers, num_experts, top_k and vocab_size. Returns (meta of the first, traces).
+    A file found in a directory (a recording) that does not open as a trace is skipped with a
+    warning naming it; a file named as such is refused (ValueError)."""
+    import warnings
+
+    traces = []
+    for path, in_dir in _expand(specs):
+        try:
+            traces.append(open_trace(path))
+        except ValueError as e:
+            if not in_dir:
+                raise
+            warnings.warn(f"skipped {path}: {e}", stacklevel=2)
+    if not traces:
+        raise ValueError(f"{', '.join(specs)}: no readable trace file (each was skipped, see the warnings)")
     m0 = traces[0].meta
     for t in traces[1:]:
         for key in ("num_layers", "num_experts", "top_k", "vocab_size"):

@@ -123,6 +123,12 @@ class Recorder:
         self.dropped = 0  # tokens of steps dropped because the writer fell behind
         self.skipped = 0  # tokens of requests left out by sampling
         self.removed = 0  # files removed for the disk budget
+        self.failed = 0  # tokens lost to failed writes (a full disk, a removed directory), whole steps
+        self.failing: str | None = None  # the failure writes currently meet (logged once), None = none
+        self.stopped = False  # recording gave up (a directory it cannot write)
+        from .metrics import metrics_dir
+
+        self.metrics_dir = metrics_dir(cfg) if self.writes else None
         self.queue: queue.Queue = queue.Queue(maxsize=QUEUE_STEPS)
         self.last_log = time.monotonic()
         self.last_step = time.monotonic()
@@ -188,6 +194,9 @@ class Recorder:
         """Under self.lock. A failed close (disk full) must not stop serving: its spill data
         stays for recovery and the next step opens a new file."""
         writer, self.writer = self.writer, None
+        if writer.num_tokens == 0:  # every step it was given failed: nothing to keep, no file
+            writer.abort()
+            return
         try:
             path = writer.close()
         except (OSError, ValueError) as e:
@@ -261,10 +270,26 @@ class Recorder:
         if now - self.last_log >= self.cfg.log_interval:
             extra = [f"{v} {what}" for v, what in ((self.skipped, "tokens not sampled"),
                                                    (self.dropped, "tokens dropped (writer behind)"),
+                                                   (self.failed, "tokens dropped (writes failed)"),
                                                    (self.removed, "files removed for the disk budget")) if v]
             logger.info("smoe record: %d tokens in %d steps written to %s%s", self.total, self.step,
                         self.cfg.record, "".join(", " + e for e in extra))
             self.last_log = now
+            self._publish()
+
+    def _publish(self) -> None:
+        """The recorder's counters for /metrics (host ints; per DP rank, where one rank writes)."""
+        if self.metrics_dir is None:
+            return
+        from .metrics import publish
+
+        try:
+            publish(self.metrics_dir, "record", self.dp_rank, {"written": self.total, "behind": self.dropped,
+                                                                "failed": self.failed,
+                                                                "unrecordable": self.unrecordable})
+        except OSError as e:
+            logger.warning("smoe: record metrics not published any more: %s", e)
+            self.metrics_dir = None
 
     def _req_id(self, request_id: str) -> int:
         i = self.req_index.get(request_id)
@@ -294,16 +319,66 @@ class Recorder:
         rows = np.repeat(keep, counts)
         pos = pos.numpy().astype(np.int32)[rows]
         is_prefill = pos < np.repeat(prompt, counts)[rows]
+        n = int(rows.sum())
         with self.lock:
-            if self.writer is None:
-                self.writer = self._open()
-            self.writer.append(token_ids=ids.numpy().astype(np.int32)[rows], request_ids=np.repeat(req, counts)[rows],
-                               positions=pos, topk_ids=topk.numpy().astype(np.int16 if self.E < 32768 else np.int32)[rows],
-                               step_ids=np.full(int(rows.sum()), step, dtype=np.int32), is_prefill=is_prefill)
-            self.total += int(rows.sum())
+            if self.stopped:
+                self.failed += n
+                return
+            try:
+                if self.writer is None:
+                    if not os.path.isdir(self.cfg.record):  # removed while serving: made again once
+                        os.makedirs(self.cfg.record, exist_ok=True)
+                        logger.warning("smoe record: %s was removed; made it again and recording on", self.cfg.record)
+                    self.writer = self._open()
+                self.writer.append(token_ids=ids.numpy().astype(np.int32)[rows],
+                                   request_ids=np.repeat(req, counts)[rows], positions=pos,
+                                   topk_ids=topk.numpy().astype(np.int16 if self.E < 32768 else np.int32)[rows],
+                                   step_ids=np.full(n, step, dtype=np.int32), is_prefill=is_prefill)
+            except OSError as e:
+                self._write_failed(e, n)
+                return
+            if self.failing:
+                logger.info("smoe record: writing again, to %s; %d tokens were dropped while writes failed",
+                            self.cfg.record, self.failed)
+                self.failing = None
+            self.total += n
             self.last_step = time.monotonic()
             if self.writer.num_tokens >= self.cfg.record_chunk_tokens:
                 self._close_writer()
+
+    def _write_failed(self, e: OSError, n: int) -> None:
+        """Under self.lock: a step's rows could not be written; the step is dropped whole (the
+        writer undid its part, so the file's rows stay aligned) and counted. A full disk is
+        retried with every step (recording resumes when space returns); a directory removed
+        under the writer loses the open file's rows and is made again with the next step;
+        anything else (read-only, no permission, I/O error) stops recording with one error,
+        leaving the open file's rows for ``smoe-trace recover``. One log line per failure kind."""
+        import errno
+
+        self.failed += n
+        kind = os.strerror(e.errno) if e.errno else type(e).__name__
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            if self.failing != kind:
+                logger.error("smoe record: cannot write to %s (%s); dropping whole steps until it can (counted "
+                             "in smoe:record_lost_tokens)", self.cfg.record, kind)
+            self.failing = kind
+            return
+        if self.writer is not None and (e.errno == errno.ENOENT or not os.path.isdir(self.cfg.record)):
+            writer, self.writer = self.writer, None
+            self.failed += writer.num_tokens  # gone with the directory
+            writer.abort()
+            if self.failing != kind:
+                logger.error("smoe record: %s was removed while writing %s; its %d tokens are lost, and the next "
+                             "step makes the directory again", self.cfg.record, writer.path, writer.num_tokens)
+            self.failing = kind
+            return
+        self.stopped = True
+        if self.writer is not None:
+            writer, self.writer = self.writer, None
+            writer.release()
+        logger.error("smoe record: stopped: cannot write to %s (%s); serving goes on without recording (restart "
+                     "to record again; smoe-trace recover %s keeps what was written)", self.cfg.record, kind,
+                     self.cfg.record)
 
     def _rotate(self, path: str) -> None:
         """Writer thread, in step order: close the file written under the old placement; the next
