@@ -103,9 +103,9 @@ def scrape(port: int) -> tuple[float, float, float]:
     return sums["local_expert_activations_total"], sums["expert_activations_total"], min(sums["drift"], 1.0)
 
 
-def post_placement(port: int, path: str) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/smoe/placement", json.dumps({"placement": path}).encode(),
-                                 {"Content-Type": "application/json"}, method="POST")
+def post_placement(server, path: str) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{server.port}/smoe/placement",
+                                 json.dumps({"placement": path}).encode(), server.headers(), method="POST")
     with urllib.request.urlopen(req, timeout=3600) as r:
         return json.load(r)
 
@@ -188,7 +188,8 @@ def run(a) -> int:
     arms = [("off", base + ("--smoe-metrics", "off")), ("on", observed)]
     for rnd in range(a.cost_rounds):
         for name, flags in arms if rnd % 2 == 0 else arms[::-1]:  # alternate which arm runs first
-            with VllmServer(model, *flags, log=os.path.join(work, f"cost-{name}-{rnd}.log"), env=env) as s:
+            with VllmServer(model, *flags, log=os.path.join(work, f"cost-{name}-{rnd}.log"), env=env,
+                            api_key=a.api_key) as s:
                 s.complete(first[:2], max_tokens=4)
                 c = Clients(s, model, a.clients, a.max_tokens, first).start()
                 time.sleep(a.cost_seconds)
@@ -207,7 +208,7 @@ def run(a) -> int:
     # 2. the shift and the live re-placement
     timeline: list[dict] = []
     swap: dict = {}
-    with VllmServer(model, *observed, log=os.path.join(work, "shift.log"), env=env) as s:
+    with VllmServer(model, *observed, log=os.path.join(work, "shift.log"), env=env, api_key=a.api_key) as s:
         s.complete(first[:2], max_tokens=4)
         t0 = time.perf_counter()
         clients = Clients(s, model, a.clients, a.max_tokens, first).start()
@@ -216,6 +217,7 @@ def run(a) -> int:
         shifted = False
         drift_t = None
         before_shift: set[str] = set()
+        false_drift: list[float] = []
         worker: threading.Thread | None = None
 
         def replace(files: list[str]) -> None:  # advise from the recording, then the live swap
@@ -225,7 +227,7 @@ def run(a) -> int:
                 swap["error"] = "smoe-place advise failed"
                 return
             built = time.perf_counter() - tb
-            answer = post_placement(s.port, cand)
+            answer = post_placement(s, cand)
             with clients.lock:  # requests the candidate never saw
                 clients.prompts = then_unseen
             swap.update(t=time.perf_counter() - t0, advise_s=built, answer=answer, advise=json.load(open(js)),
@@ -250,6 +252,8 @@ def run(a) -> int:
                     clients.prompts = then_seen
                 shifted, shift_t = True, now
                 print(f"t={now:6.1f} s  traffic shifts to {names[a.then_domain]}", flush=True)
+            if not shifted and cur[2] >= 1:
+                false_drift.append(now)  # the workload has not changed: a drift here is a false alarm
             if shifted and drift_t is None and cur[2] >= 1:
                 drift_t = now
                 print(f"t={now:6.1f} s  smoe:drift reads 1", flush=True)
@@ -280,10 +284,13 @@ def run(a) -> int:
                         for name, (lo, hi) in phases.items()}
     spanning = [r for r in rows if swap_t is not None and r["start"] < swap_t < r["end"] and r.get("max_gap")]
     result.update(failed=sum(r["error"] is not None for r in rows), requests=len(rows), swap=swap,
+                  api_key=a.api_key is not None, drift_before_shift_t=false_drift,
                   timeline=timeline, shift_t=shift_t, drift_t=drift_t, seconds=end,
                   max_gap_across_swap_s=max((r["max_gap"] for r in spanning), default=None),
                   median_gap_s=float(np.median([r["tpot"] for r in rows if r.get("tpot")])))
-    print(f"{len(rows)} requests, {result['failed']} failed; {a.clients} clients, {end:.0f} s")
+    print(f"{len(rows)} requests, {result['failed']} failed; {a.clients} clients, {end:.0f} s"
+          f"{' behind an API key' if a.api_key else ''}; smoe:drift read 1 before the shift at "
+          f"{len(false_drift)} scrapes")
     for name, p in result["phases"].items():
         ratio = "n/a" if p["local_ratio"] is None else f"{p['local_ratio']:.3f}"
         print(f"{name:>24}: local ratio {ratio}, {p['requests']} requests ({p['failed']} failed), "
@@ -326,6 +333,8 @@ def add_parser(sub) -> None:
     p.add_argument("--sample", type=float, default=0.5, help="record_sample of the observed servers")
     p.add_argument("--record-max-mb", type=float, default=64.0)
     p.add_argument("--chunk-tokens", type=int, default=2048, help="record_chunk_tokens (rotation)")
+    p.add_argument("--api-key", default=None,
+                   help="serve with vLLM's --api-key KEY: clients and the swap send it (smoe's routes need it too)")
     p.add_argument("--work", default=None, help="directory for logs, recordings and placements (default: a temp dir)")
     p.add_argument("--plot", default=None, help="PNG of the local ratio over time")
     p.add_argument("--json", default=None)

@@ -46,8 +46,12 @@ class VllmServer:
     """``with VllmServer(model, *args, log=path) as s: s.complete(...)``; ``started_s`` is the
     time from launch to a healthy server."""
 
-    def __init__(self, model: str, *extra: str, log: str, base_args=CPU_ARGS, env: dict | None = None):
+    def __init__(self, model: str, *extra: str, log: str, base_args=CPU_ARGS, env: dict | None = None,
+                 api_key: str | None = None):
         self.model = model
+        self.api_key = api_key  # passed as --api-key; the client sends it
+        if api_key is not None:
+            extra = (*extra, "--api-key", api_key)
         self.port = free_port()
         self.log = str(log)
         self.t0 = time.monotonic()
@@ -76,7 +80,12 @@ class VllmServer:
     def client(self):
         import openai
 
-        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="smoe")
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=self.api_key or "smoe")
+
+    def headers(self) -> dict:
+        """HTTP headers for smoe's own routes (the API key, when the server has one)."""
+        return {"Content-Type": "application/json",
+                **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
 
     def complete(self, prompts, max_tokens: int = 8) -> list[tuple[str, list[float]]]:
         """Greedy completions with per-token logprobs, one request per prompt (text or token ids)."""

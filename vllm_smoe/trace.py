@@ -450,6 +450,7 @@ class TraceWriter:
         self.num_tokens = 0
         self._closed = False
         self._broken = False
+        self._appends = 0  # successful ones
 
     def _write_index(self) -> None:
         index = {"path": os.path.abspath(self.path), "meta": self.meta.to_json(), "pid": os.getpid(),
@@ -497,7 +498,7 @@ class TraceWriter:
         ends = {name: f.tell() for name, f in self._files.items()}
         try:
             for name, a in chunk.items():
-                _write_all(self._files[name], memoryview(a).cast("B"))
+                _write_all(self._files[name], memoryview(a.reshape(-1).view(np.uint8)))
             if self.num_tokens == 0:
                 self._write_index()
         except OSError:
@@ -511,16 +512,17 @@ class TraceWriter:
                     self._broken = True  # cannot undo: close and recovery refuse the misaligned rows
             raise
         self.num_tokens += n
+        self._appends += 1
 
     def _topk_dtype(self) -> np.dtype:
         return np.dtype(np.int16) if self.meta.num_experts <= np.iinfo(np.int16).max else np.dtype(np.int32)
 
     def close(self) -> str:
-        """Assemble ``path`` atomically and return it. A writer that holds no complete row
-        leaves no file (its spill is removed) and raises ValueError."""
+        """Assemble ``path`` atomically and return it. A writer without one successful
+        ``append`` leaves no file (its spill is removed) and raises ValueError."""
         if self._closed:
             return self.path
-        if not self._files or self.num_tokens == 0:
+        if not self._appends:  # nothing, or only appends that failed: no file at all
             self.abort()
             raise ValueError(f"{self.path}: no tokens were appended")
         if self._broken:
