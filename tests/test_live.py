@@ -40,9 +40,30 @@ class _Experts(torch.nn.Module):
         return [self.w13]
 
 
-class _Packing:  # vLLM's CPU gemm dispatch: packs the weight elsewhere and leaves it empty
+class _Packing:  # vLLM's CPU gemm dispatch: packs the weight into a tensor its GEMM closure holds
     def process_weights_after_loading(self, layer):
-        layer.packed = layer.weight.detach().clone()
+        packed = layer.weight.detach().clone() * 2  # another layout than the rows
+        layer.cpu_linear = lambda x, weight, bias: x @ (packed / 2).t()
+        layer.weight = torch.nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+
+
+_GEMMS: dict[int, torch.Tensor] = {}  # a stand-in for oneDNN's handlers: pointer -> weight
+
+
+class _Handler:  # vLLM's CPUDNNLGEMMHandler: the C++ pointer in a tensor, released on __del__
+    def __init__(self, w):
+        self.k, self.n = w.shape[1], w.shape[0]
+        self.handler_tensor = torch.tensor(id(w), dtype=torch.int64)
+        _GEMMS[id(w)] = w
+
+    def __del__(self):
+        _GEMMS.pop(int(self.handler_tensor.item()), None)
+
+
+class _OneDnn:  # the fp32 path on CPUs without AMX: a oneDNN handler in the closure
+    def process_weights_after_loading(self, layer):
+        handler = _Handler(layer.weight.detach().clone())
+        layer.cpu_linear = lambda x, weight, bias: x @ _GEMMS[int(handler.handler_tensor.item())].t()
         layer.weight = torch.nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
 
 
@@ -59,7 +80,7 @@ def _model(old: LoadPlan, gates: torch.Tensor, experts: torch.Tensor, packed: bo
             mlp.gate.e_score_correction_bias = torch.nn.Parameter(gates[m][old.slot2expert[m], 0].clone())
             mlp.experts = _Experts(experts[m][old.physical2expert[m]])
             if packed:
-                mlp.gate.quant_method = _Packing()
+                mlp.gate.quant_method = _Packing() if packed == "tensor" else _OneDnn()
                 mlp.gate.quant_method.process_weights_after_loading(mlp.gate)
             layer.mlp = mlp
         layers.append(layer)
@@ -69,7 +90,7 @@ def _model(old: LoadPlan, gates: torch.Tensor, experts: torch.Tensor, packed: bo
     return model
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["weights", "packed-gate"])
+@pytest.mark.parametrize("packed", ["", "tensor", "onednn"], ids=["weights", "packed-gate", "onednn-gate"])
 def test_swap_leaves_what_a_fresh_load_would(packed):
     rng = np.random.default_rng(0)
     a = np.stack([rng.permutation(np.repeat(np.arange(N), E // N)) for _ in range(L)])
@@ -83,15 +104,32 @@ def test_swap_leaves_what_a_fresh_load_would(packed):
                                                          data_parallel_size=1))
     served = Served(model, vc, cfg, old, "a.yaml", gate_rows={m: gates[m] for m in range(L)} if packed else None)
     weights = [[model.model.layers[i].mlp.experts.w13] for i in (1, 3)]
+    from vllm_smoe.serving.live import packed_tensor
+
+    held = [packed_tensor(model.model.layers[i].mlp.gate) for i in (1, 3)]  # what a compiled graph reads
+    assert all(t is not None for t in held) == bool(packed)
     moved = _move_experts(served, Swap("b.yaml", new, None, None, weights, None))
     _reorder_routers(served, new)
     assert moved == int((old.physical2expert != new.physical2expert).sum()) > 0
     for m, i in enumerate((1, 3)):
         mlp = model.model.layers[i].mlp
-        gate = mlp.gate.packed if packed else mlp.gate.weight
-        torch.testing.assert_close(gate, gates[m][new.slot2expert[m]], rtol=0, atol=0)
+        if packed:  # refilled in place: what was held before the swap computes with the new rows
+            if packed == "tensor":
+                torch.testing.assert_close(held[m] / 2, gates[m][new.slot2expert[m]], rtol=0, atol=0)
+            else:  # and the old GEMM was released (the fresh handler took its pointer and is gone)
+                torch.testing.assert_close(_GEMMS[int(held[m].handler_tensor.item())], gates[m][new.slot2expert[m]])
+            assert packed_tensor(mlp.gate) is held[m]
+            x = torch.randn(4, H)
+            torch.testing.assert_close(mlp.gate.cpu_linear(x, None, None), x @ gates[m][new.slot2expert[m]].t())
+        else:
+            torch.testing.assert_close(mlp.gate.weight, gates[m][new.slot2expert[m]], rtol=0, atol=0)
         torch.testing.assert_close(mlp.gate.e_score_correction_bias, gates[m][new.slot2expert[m], 0], rtol=0, atol=0)
         torch.testing.assert_close(mlp.experts.w13, experts[m][new.physical2expert[m]], rtol=0, atol=0)
+    if packed == "onednn":
+        import gc
+
+        gc.collect()
+        assert len(_GEMMS) == L  # one live GEMM per router: the replaced ones were released
 
 
 def test_servers_that_cannot_swap_say_why():

@@ -54,15 +54,21 @@ def test_speculate_serves_its_counters_on_metrics(tmp_path):
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     prompts = [[7 + i, 300 + i, 42, 9 + i, 1000 + 3 * i] for i in range(6)]  # distinct: no prefix-cache hits
     max_tokens = 4
+    shm_before = set(os.listdir("/dev/shm"))
     with VllmServer(FIXTURE_MODEL, "--tensor-parallel-size", "2", "--enable-expert-parallel", "--plugin", "smoe",
                     "--smoe-mode", "speculate", "--smoe-placement", placement, "--smoe-log-interval", "0.2",
                     "--no-enable-prefix-caching", log=tmp_path / "s.log", env=env) as s:
+        # smoe's EP group maps its shared memory and removes the names at once (vLLM's own
+        # groups keep theirs in /dev/shm after exit): none is there while it serves, or after
+        ep_shm = [n for n in os.listdir("/dev/shm") if "-ep:" in n and n not in shm_before]
         s.complete(prompts, max_tokens=max_tokens)
         time.sleep(0.5)
         s.complete([[5]], max_tokens=1)  # one more step past the interval: every rank publishes after it
         time.sleep(0.3)
         with urllib.request.urlopen(f"http://127.0.0.1:{s.port}/metrics", timeout=30) as r:
             text = r.read().decode()
+    assert ep_shm == [] and not [n for n in os.listdir("/dev/shm") if "-ep:" in n and n not in shm_before]
+    assert "could not remove the EP group's shared memory" not in open(tmp_path / "s.log").read()
     metric = {}
     for line in text.splitlines():
         m = re.match(r'^(smoe:[a-z0-9_]+)(\{[^}]*\})? (\S+)$', line)

@@ -284,6 +284,39 @@ def test_live_swap_under_load_keeps_plain_tokens(plain_tp2, tmp_path, replicas):
     assert served[0] < swapped[0] < served[-1] and served[0] < swapped[-1] < served[-1]  # answers on both sides
 
 
+@pytest.mark.vllm
+def test_live_swap_in_vllms_default_compiled_mode(tmp_path):
+    """vllm serve compiled (no --enforce-eager), TP=2 + EP: vLLM's CPU build packs each router's
+    weight into a tensor the compiled model holds; a live swap refills it in place, so the
+    server's greedy tokens are the same before, after a swap to another placement, and after
+    the swap back (a stale router would score rows of the old order against moved experts)."""
+    import yaml
+
+    from vllm_smoe.server_process import CPU_ARGS, VllmServer
+
+    doc = yaml.safe_load(open(EP2))
+    for layer in doc["layers"]:
+        layer["expert_to_rank"] = [1 - r for r in layer["expert_to_rank"]]  # every expert to the other rank
+    for key in ("predictor", "predictor_sha256", "metrics"):
+        doc.pop(key, None)
+    other = tmp_path / "swapped.yaml"
+    other.write_text(yaml.safe_dump(doc))
+    prompts = _prompts(8)
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_PLUGINS": "smoe"}
+    compiled = tuple(a for a in CPU_ARGS if a != "--enforce-eager")
+    with VllmServer(FIXTURE_MODEL, "--tensor-parallel-size", "2", "--enable-expert-parallel", "--plugin", "smoe",
+                    "--smoe-placement", EP2, "--smoe-placement-dirs", f"{os.path.dirname(EP2)}:{tmp_path}",
+                    base_args=compiled, log=tmp_path / "s.log", env=env) as s:
+        before = [_served_tokens(s.port, p) for p in prompts]
+        status, done = _swap(s.port, str(other))
+        assert status == 200 and done["moved_slots"] == 128, done
+        after = [_served_tokens(s.port, p) for p in prompts]
+        status, back = _swap(s.port, EP2)
+        assert status == 200 and back["moved_slots"] == 128, back
+        again = [_served_tokens(s.port, p) for p in prompts]
+    assert after == before and again == before
+
+
 def _vc(tp=2, dp=1, ep=True, nnodes=1, dp_local=None, seqs=256):
     import types
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import torch
 from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator, _CPUSHMDistributed
@@ -214,6 +215,21 @@ def _smoe_settings():
     return SmoeConfig.from_additional_config(get_current_vllm_config().additional_config)
 
 
+def _unlink_own_segment(group_name: str, rank: int) -> None:
+    """Remove this rank's shared-memory segment of the EP group from /dev/shm once every rank of
+    the group has mapped it (``_CPUSHMDistributed`` ends in a barrier after all joined): the
+    mappings stay valid until the processes exit, and nothing is left behind, however they
+    exit (vLLM never unlinks its groups' segments: each stopped server leaves them)."""
+    path = os.path.join("/dev/shm", f"{group_name}_{rank}")
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        logger.warning("smoe: could not remove the EP group's shared memory %s (%s): it stays after exit", path,
+                       e.strerror)
+
+
 class SmoeCpuCommunicator(CpuCommunicator):
     """vLLM's CpuCommunicator plus ``all_gatherv`` / ``reduce_scatterv``, shared memory for
     the EP group, and smoe's sparse all2all manager when asked for."""
@@ -228,6 +244,7 @@ class SmoeCpuCommunicator(CpuCommunicator):
                 and not isinstance(self.dist_module, _CPUSHMDistributed)
                 and self._all_group_ranks_share_shm_group_name()):
             self.dist_module = _CPUSHMDistributed(self)
+            _unlink_own_segment(self.dist_module.group_name, self.rank)
         cfg = _smoe_settings()
         if self.use_all2all and cfg is not None and cfg.all2all in (None, "sparse"):
             from .sparse_a2a import make_manager

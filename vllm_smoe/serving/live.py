@@ -119,9 +119,13 @@ def check_swap(served: Served, snapshot) -> Swap:
     cc = served.vllm_config.compilation_config
     compiled = getattr(cc, "mode", None)
     if dropped and compiled is not None and int(compiled) != 0:
-        raise ValueError("smoe live placement: vLLM's CPU build packs router weights into GEMMs that a compiled "
-                         "model keeps; serve with --enforce-eager to swap placements live, or restart with the "
-                         "new placement")
+        layers = {layer: gate for layer, (_, gate) in enumerate(router_rows(served.model, old.moe_layers,
+                                                                            old.slot2expert.shape[1])) if gate}
+        opaque = [layer for layer, gate in layers.items() if packed_tensor(gate) is None]
+        if opaque:
+            raise ValueError(f"smoe live placement: vLLM's CPU build packed the routers of MoE layers {opaque} into "
+                             f"handles a compiled model keeps and smoe cannot refill in place; serve with "
+                             f"--enforce-eager to swap placements live, or restart with the new placement")
     if compiled is not None and int(compiled) != 0 and (cc.inductor_compile_config or {}).get("freezing"):
         raise ValueError("smoe live placement: inductor freezing bakes the weights into the compiled model, so moved "
                          "experts would not be seen; restart with the new placement")
@@ -201,11 +205,53 @@ def _reorder_routers(served: Served, new) -> None:
         idx = old.expert2slot[layer][new.slot2expert[layer]]
         for p in params:
             p.data.copy_(p.data.index_select(0, torch.as_tensor(idx, device=p.device)))
-        if packed is not None:  # vLLM's own packing again, from the checkpoint's rows in the new order
-            rows = served.gate_rows[layer]
-            w = rows.index_select(0, torch.as_tensor(new.slot2expert[layer], device=rows.device))
-            packed.weight = torch.nn.Parameter(w.to(packed.weight.dtype), requires_grad=False)
-            packed.quant_method.process_weights_after_loading(packed)
+        if packed is not None:
+            _repack(packed, served.gate_rows[layer], new.slot2expert[layer])
+
+
+def packed_tensor(gate: torch.nn.Module):
+    """What vLLM's CPU build packed a router's weight into, as its ``cpu_linear`` closure holds
+    it and a compiled model reads it (by reference): the packed weight tensor (sgl kernels) or
+    the oneDNN handler, whose pointer vLLM keeps in a tensor for that reason; None when the
+    closure holds neither (nothing smoe can refill in place)."""
+    fn = getattr(gate, "cpu_linear", None)
+    cells = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ())]
+    tensors = [c for c in cells if isinstance(c, torch.Tensor)]
+    handlers = [c for c in cells if isinstance(getattr(c, "handler_tensor", None), torch.Tensor)]
+    if len(tensors) + len(handlers) != 1:
+        return None
+    return (tensors or handlers)[0]
+
+
+def _refill(old, fresh) -> bool:
+    """Make ``old`` (what the model reads) compute what ``fresh`` computes, in place."""
+    if isinstance(old, torch.Tensor) and isinstance(fresh, torch.Tensor):
+        if fresh.shape != old.shape or fresh.dtype != old.dtype:
+            return False
+        old.copy_(fresh)
+        return True
+    if isinstance(old, torch.Tensor) or isinstance(fresh, torch.Tensor) or (old.k, old.n) != (fresh.k, fresh.n):
+        return False
+    # swap the two handlers' pointers: the model's handler now points at the new GEMM, and the
+    # fresh object, dropped next, releases the old one (each releases what it holds)
+    held = old.handler_tensor.clone()
+    old.handler_tensor.copy_(fresh.handler_tensor)
+    fresh.handler_tensor.copy_(held)
+    return True
+
+
+def _repack(gate: torch.nn.Module, rows: torch.Tensor, slot2expert) -> None:
+    """vLLM's own packing of the checkpoint's router rows in the new order. What the old packing
+    left for the model to read is refilled in place (:func:`_refill`), so a compiled model,
+    which holds it, computes with the new rows; else the layer's packed GEMM is replaced (eager
+    models only: :func:`check_swap` refuses the rest)."""
+    w = rows.index_select(0, torch.as_tensor(slot2expert, device=rows.device))
+    old_fn, old = getattr(gate, "cpu_linear", None), packed_tensor(gate)
+    gate.weight = torch.nn.Parameter(w.to(gate.weight.dtype), requires_grad=False)
+    gate.quant_method.process_weights_after_loading(gate)  # packs it, removes the weight again
+    fresh = packed_tensor(gate)
+    if old is not None and fresh is not None and _refill(old, fresh):
+        gate.cpu_linear = old_fn  # the closure (and the compiled graph) keeps reading ``old``
 
 
 def _set_routes(served: Served, new) -> None:
