@@ -470,7 +470,8 @@ def node_command(model: str, cfg: dict, node: int, api: int, port: int, max_seqs
         cmd += ["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", str(node), "--master-addr", ADDR[0],
                 "--master-port", str(port)]
     else:
-        # one API server: smoe's collector is not on the registry of vLLM's multi-server mode
+        # one API server: with several, smoe's families reach /metrics only through its endpoint plugin
+        # (VLLM_PLUGINS=smoe), which these nodes do not load
         cmd += ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-address", ADDR[0],
                 "--data-parallel-rpc-port", str(port)]
         if node:
