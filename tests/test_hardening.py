@@ -292,3 +292,26 @@ def test_vllm_serve_refuses_smoe_settings_in_one_line_with_exit_2(args, words):
     _expect(r, words)
     assert [ln for ln in r.stderr.splitlines() if ln.startswith("error:")] == \
         [ln for ln in r.stderr.splitlines() if "error:" in ln.lower()]  # one error line, nothing else
+
+
+def test_placement_layers_read_expert2rank_or_expert_to_rank(tmp_path):
+    """The map's code name (expert2rank) and the spelling files were written with both read,
+    to the same placement; one layer giving both is refused, naming the layer."""
+    from vllm_smoe.placement_file import load_placement, load_tables
+
+    doc = yaml.safe_load(open(EP2))
+    shutil.copy(os.path.join(REPO, "configs", doc["predictor"]), tmp_path)
+    for entry in doc["layers"]:
+        entry["expert2rank"] = entry.pop("expert_to_rank")
+    (tmp_path / "new.yaml").write_text(yaml.safe_dump(doc))
+    new, old = load_placement(str(tmp_path / "new.yaml")), load_placement(EP2)
+    np.testing.assert_array_equal(new.expert2rank, old.expert2rank)
+    load_tables(new)  # the tables still belong to it (same expert2rank)
+    doc["layers"][1]["expert_to_rank"] = doc["layers"][1]["expert2rank"]
+    (tmp_path / "both.yaml").write_text(yaml.safe_dump(doc))
+    with pytest.raises(ValueError, match=r"field 'layers\[1\]' gives both"):
+        load_placement(str(tmp_path / "both.yaml"))
+    del doc["layers"][1]["expert_to_rank"], doc["layers"][2]["expert2rank"]
+    (tmp_path / "none.yaml").write_text(yaml.safe_dump(doc))
+    with pytest.raises(ValueError, match=r"field 'layers\[2\].expert2rank' is missing"):
+        load_placement(str(tmp_path / "none.yaml"))

@@ -9,7 +9,7 @@ nodes: 1
 capacity: 1.1
 method: coclust
 layers:                       # one entry per MoE layer, in order
-  - expert_to_rank: [0, 3, 1, ...]     # [E] home rank of each expert
+  - expert_to_rank: [0, 3, 1, ...]     # [E] home rank of each expert (also read as expert2rank)
     replicas: [[7, 2], ...]            # optional extra copies: [expert, rank]
 predictor: placement.1928c4ef4627.tables.npz   # tables, relative to this file, named by content
 predictor_sha256: 1928c4ef4627...      # sha256 of that file: a YAML and tables always belong together
@@ -244,10 +244,16 @@ def load_placement(path: str, data: bytes | None = None) -> Placement:
     e2r = np.empty((L, E), dtype=np.int32)
     reps = []
     for i, entry in enumerate(layers):
-        where = f"{path}: field 'layers[{i}].expert_to_rank'"
-        if not isinstance(entry, dict) or not isinstance(entry.get("expert_to_rank"), list):
-            raise ValueError(f"{where} is missing")
-        row = entry["expert_to_rank"]
+        # the map's name in code and docs is expert2rank; files written so far spell it
+        # expert_to_rank: either is read, one per layer
+        keys = [k for k in ("expert2rank", "expert_to_rank") if isinstance(entry, dict) and k in entry]
+        key = keys[0] if keys else "expert2rank"
+        where = f"{path}: field 'layers[{i}].{key}'"
+        if len(keys) > 1:
+            raise ValueError(f"{path}: field 'layers[{i}]' gives both expert2rank and expert_to_rank; keep one")
+        if not isinstance(entry, dict) or not isinstance(entry.get(key), list):
+            raise ValueError(f"{where} is missing (a list of each expert's home rank)")
+        row = entry[key]
         if len(row) != E:
             raise ValueError(f"{where} must hold {E} integers (model.num_experts), got {len(row)} entries")
         odd = [x for x in row if not isinstance(x, int) or isinstance(x, bool)]
