@@ -111,17 +111,16 @@ def check_swap(served: Served, snapshot) -> Swap:
         raise ValueError(f"{path}: field 'layers[].replicas': needs {plan.physical2expert.shape[1]} physical expert "
                          f"slots per layer, but the server allocated {old.physical2expert.shape[1]} at load; a "
                          f"placement with another number of copies per rank needs a restart")
-    dropped = [layer for layer, (_, gate) in enumerate(router_rows(served.model, old.moe_layers,
-                                                                    old.slot2expert.shape[1])) if gate is not None]
+    packed = {layer: gate for layer, (_, gate) in enumerate(router_rows(served.model, old.moe_layers,
+                                                                        old.slot2expert.shape[1])) if gate is not None}
+    dropped = list(packed)
     if dropped and not (served.gate_rows is not None and all(layer in served.gate_rows for layer in dropped)):
         raise ValueError(f"smoe live placement: the routers of MoE layers {dropped} were packed at load and their "
                          f"rows were not kept; restart with the new placement")
     cc = served.vllm_config.compilation_config
     compiled = getattr(cc, "mode", None)
     if dropped and compiled is not None and int(compiled) != 0:
-        layers = {layer: gate for layer, (_, gate) in enumerate(router_rows(served.model, old.moe_layers,
-                                                                            old.slot2expert.shape[1])) if gate}
-        opaque = [layer for layer, gate in layers.items() if packed_tensor(gate) is None]
+        opaque = [layer for layer, gate in packed.items() if packed_tensor(gate) is None]
         if opaque:
             raise ValueError(f"smoe live placement: vLLM's CPU build packed the routers of MoE layers {opaque} into "
                              f"handles a compiled model keeps and smoe cannot refill in place; serve with "
