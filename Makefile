@@ -33,7 +33,7 @@ test-fast: install
 	$(BIN)/python -m pytest -q -ra -m "not vllm"
 
 demo: install
-	$(BIN)/python -m vllm_smoe.demo
+	$(BIN)/python -m vllm_smoe.tools.demo
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -481,7 +481,7 @@ def fixture_prompts(n: int = NUM_PROMPTS) -> list[list[int]]:
     """n held-out requests of the fixture's trace, one domain after another, 6 + 5 i tokens, with
     distinct first 16 tokens (no prefix-cache hits, so every prompt token is computed)."""
     from vllm_smoe.testbed import FIXTURE_TRACES
-    from vllm_smoe.trace import open_trace
+    from vllm_smoe.formats.trace import open_trace
 
     t = open_trace(FIXTURE_TRACES["heldout"])
     tok, req, dom = t["token_ids"], t["request_ids"], t["domain"]
@@ -531,7 +531,7 @@ class Serving:
                 from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
 
                 out = self.dir / "placement-ep2.yaml"
-                r = subprocess.run([sys.executable, "-m", "vllm_smoe.place_cli", "build", "--trace",
+                r = subprocess.run([sys.executable, "-m", "vllm_smoe.tools.place_cli", "build", "--trace",
                                     FIXTURE_TRACES["train"], "--ep-size", "2", "--model", FIXTURE_MODEL,
                                     "-o", str(out)],
                                    capture_output=True, text=True, timeout=180, cwd=REPO)
@@ -633,7 +633,7 @@ def check_place_vs_plain(srv: Serving, dtype: str) -> dict:
 
 def check_record_vs_routed(srv: Serving) -> dict:
     from vllm_smoe.testbed import FIXTURE_MODEL
-    from vllm_smoe.trace import read_traces, recover_dead_spills
+    from vllm_smoe.formats.trace import read_traces, recover_dead_spills
 
     plain = srv.plain("float32")
     if plain.get("name") != "plain_float32_routed" or not plain.get("routed_shapes"):
@@ -648,7 +648,7 @@ def check_record_vs_routed(srv: Serving) -> dict:
     meta, arr, files = read_traces([str(rec_dir)])
     res["trace_files"], res["trace_tokens"] = len(files), int(arr["token_ids"].size)
     cfg = json.loads((Path(FIXTURE_MODEL) / "config.json").read_text())
-    from vllm_smoe.model_info import moe_layer_indices
+    from vllm_smoe.formats.model_info import moe_layer_indices
 
     moe_layers = moe_layer_indices(cfg)
     prompts, plain_tok, rec_tok = srv.prompts, plain["tokens"], rec["tokens"]

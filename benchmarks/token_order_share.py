@@ -19,9 +19,9 @@ import sys
 import numpy as np
 import torch
 
-from vllm_smoe.placement_file import load_placement, load_tables
+from vllm_smoe.formats.placement_file import load_placement, load_tables
 from vllm_smoe.serving import device_predict as dp
-from vllm_smoe.trace import open_trace
+from vllm_smoe.formats.trace import open_trace
 
 
 def shares(placement_path: str, trace_path: str, step: int) -> dict[str, float]:

@@ -12,7 +12,7 @@ from .assign import assign_tokens
 from .predict import (SOURCES, PredictorTables, bigram_keys, known_preferences, predict_layer, previous_ids,
                       request_prefill_candidates)
 
-# offline twins of the served predictors (vllm_smoe.config.PREDICTORS) that learn from a trace
+# offline twins of the served predictors (vllm_smoe.serving.config.PREDICTORS) that learn from a trace
 PREDICTORS = ("tables-markov", "tables", "router")
 
 

@@ -1,7 +1,7 @@
 """Peer placements users run today: vLLM's static strategies and METIS graph partitioning.
 
 Each returns expert2rank: [E] int32 for one layer with E/N experts per rank.
-(vLLM's EPLB policy needs torch and is called from :mod:`vllm_smoe.peers`.)
+(vLLM's EPLB policy needs torch and is called from :mod:`vllm_smoe.tools.peers`.)
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_smoe.bench_cluster import (HEADER_BYTES, TARGETS, counters_agree, latency_summary, link_settings,
+from vllm_smoe.tools.bench.cluster import (HEADER_BYTES, TARGETS, counters_agree, latency_summary, link_settings,
                                      metric_sum, slo_rate, wire_delta)
 
 HOST = {"gemm_flops": 170e9, "read_bw": 6e9}
@@ -86,14 +86,14 @@ def test_metric_sum_reads_counters_and_labels():
 def test_cli_refuses_unknown_target_before_any_work(tmp_path):
     from vllm_smoe.testbed import FIXTURE_MODEL
 
-    r = subprocess.run([sys.executable, "-m", "vllm_smoe.bench", "cluster", "--model", FIXTURE_MODEL, "--target",
+    r = subprocess.run([sys.executable, "-m", "vllm_smoe.tools.bench", "cluster", "--model", FIXTURE_MODEL, "--target",
                         "tpu", "--work", str(tmp_path / "w")], capture_output=True, text=True)
     assert r.returncode == 2 and "--target tpu" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "w").exists()
 
 
 def test_socket_bytes_by_process():
-    from vllm_smoe.bench_cluster import parse_ss, socket_delta
+    from vllm_smoe.tools.bench.cluster import parse_ss, socket_delta
 
     text = """ESTAB 0      0               10.213.0.1:29708          10.213.0.2:35314 users:(("VLLM::Worker_TP",pid=5563,fd=5))
 \t bbr wscale:10,10 rto:208 mss:1448 bytes_sent:567 bytes_acked:567 bytes_received:142 segs_out:5
@@ -114,7 +114,7 @@ ESTAB 0      0      [::ffff:10.213.0.1]:37425 [::ffff:10.213.0.1]:48608 users:((
 def test_point_to_point_exchange_counters_equal_the_veth(tmp_path):
     """The exchange alone across two namespaces: smoe's counters are what the wire carries for
     its point-to-point transport (within 3% at these small rows: gloo frames each message); the all-gather transport carries more than they say."""
-    from vllm_smoe.bench_cluster import Net, wire_check
+    from vllm_smoe.tools.bench.cluster import Net, wire_check
 
     net = Net()
     try:

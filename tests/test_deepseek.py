@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from vllm_smoe.testbed import FIXTURES
-from vllm_smoe.trace import open_trace, read_traces
+from vllm_smoe.formats.trace import open_trace, read_traces
 
 ARCHS = ("deepseek_v2", "deepseek_v3")
 HELPER = os.path.join(os.path.dirname(__file__), "helpers", "vllm_generate.py")
@@ -53,7 +53,7 @@ def _generate(arch, prompts, extra=None, max_tokens=8, tp=2, ep=False, compiled=
 
 def _build(arch, out, ep_size, *extra):
     model, traces = FIXTURES[arch]
-    r = subprocess.run([sys.executable, "-m", "vllm_smoe.place_cli", "build", "--trace", traces["train"],
+    r = subprocess.run([sys.executable, "-m", "vllm_smoe.tools.place_cli", "build", "--trace", traces["train"],
                         "--ep-size", str(ep_size), "--model", model, "-o", str(out), *extra],
                        capture_output=True, text=True)
     return r
@@ -85,7 +85,7 @@ def test_v3_placement_keeps_routing_groups_whole(tmp_path):
     from transformers import AutoConfig
 
     from vllm_smoe.placement.groups import broken_group
-    from vllm_smoe.placement_file import load_placement
+    from vllm_smoe.formats.placement_file import load_placement
     from vllm_smoe.serving.load_plan import make_load_plan
 
     model = FIXTURES["deepseek_v3"][0]
@@ -101,7 +101,7 @@ def test_v3_placement_keeps_routing_groups_whole(tmp_path):
     assert r.returncode == 2 and "--groups 2" in r.stderr and "n_group" in r.stderr
     # built without the model (no groups): coclust splits groups, and the loader refuses it
     free = tmp_path / "free.yaml"
-    r = subprocess.run([sys.executable, "-m", "vllm_smoe.place_cli", "build", "--trace",
+    r = subprocess.run([sys.executable, "-m", "vllm_smoe.tools.place_cli", "build", "--trace",
                         FIXTURES["deepseek_v3"][1]["train"], "--ep-size", "8", "-o", str(free)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -262,7 +262,7 @@ def test_v3_speculate_compiled_gives_plain_compiled_tokens(tmp_path):
 def test_mla_models_are_started_with_the_attention_backend_that_takes_fp32():
     """vLLM 0.32 picks AMX MLA on AMX CPUs and it refuses fp32: every MLA model smoe starts asks
     for CPU_MLA; other models get no flag."""
-    from vllm_smoe.server_process import attention_args
+    from vllm_smoe.tools.server_process import attention_args
     from vllm_smoe.testbed import FIXTURE_MODEL
 
     for arch in ARCHS:

@@ -378,7 +378,7 @@ def test_sequence_parallel_chunk_padding_is_not_counted():
 def test_config_and_flag_for_dp_routing():
     import argparse
 
-    from vllm_smoe.config import SmoeConfig
+    from vllm_smoe.serving.config import SmoeConfig
 
     assert SmoeConfig.from_dict({}).dp_routing is True
     assert SmoeConfig.from_dict({"dp_routing": False}).dp_routing is False
@@ -396,7 +396,7 @@ def test_config_and_flag_for_dp_routing():
 # ---- vllm serve --data-parallel-size 2: routing changes where requests run, never their tokens ----
 
 def _mixed(n):
-    from vllm_smoe.bench import _mixed_prompts
+    from vllm_smoe.tools.bench.common import mixed_prompts as _mixed_prompts
     from vllm_smoe.testbed import FIXTURE_TRACES
 
     return [p[: 3 + i % 32] for i, p in enumerate(_mixed_prompts(FIXTURE_TRACES["heldout"], n, 64))]
@@ -420,7 +420,7 @@ def test_dp2_serving_with_and_without_smoe_routing_gives_plain_tokens(tmp_path):
     import json
     import urllib.request
 
-    from vllm_smoe.server_process import VllmServer
+    from vllm_smoe.tools.server_process import VllmServer
     from vllm_smoe.testbed import FIXTURE_MODEL
 
     ATOL = 1e-4
@@ -457,7 +457,7 @@ def test_dp2_serving_with_and_without_smoe_routing_gives_plain_tokens(tmp_path):
             assert "replicas: 36 physical expert slots per layer (4 redundant), rank 1 routes to its own copies" in log
         if name in ("routed", "replicas"):
             assert sum(routed) > 0, "no request was routed by the placement"
-            from vllm_smoe.bench import _dp_numbers
+            from vllm_smoe.tools.bench.common import dp_numbers as _dp_numbers
 
             served = _dp_numbers(str(tmp_path / f"{name}.log"))
             assert set(served["tokens_per_rank"]) == {0, 1} and 0 < served["local_share"] <= 1
@@ -548,17 +548,17 @@ def test_deepseek_v3_dp2_with_a_grouped_dp_placement_and_routing_gives_plain_tok
     import sys
 
     from vllm_smoe.placement.groups import broken_group
-    from vllm_smoe.placement_file import load_placement
-    from vllm_smoe.server_process import VllmServer
+    from vllm_smoe.formats.placement_file import load_placement
+    from vllm_smoe.tools.server_process import VllmServer
     from vllm_smoe.testbed import FIXTURES
 
     model, traces = FIXTURES["deepseek_v3"]
     out = tmp_path / "v3-dp2.yaml"
-    subprocess.run([sys.executable, "-m", "vllm_smoe.place_cli", "build", "--trace", traces["train"], "--ep-size", "2",
+    subprocess.run([sys.executable, "-m", "vllm_smoe.tools.place_cli", "build", "--trace", traces["train"], "--ep-size", "2",
                     "--model", model, "--mode", "dp", "-o", str(out)], check=True, capture_output=True, text=True)
     p = load_placement(str(out))
     assert p.groups == 4 and all(broken_group(e2r, 4) == -1 for e2r in p.expert2rank)
-    from vllm_smoe.bench import _mixed_prompts
+    from vllm_smoe.tools.bench.common import mixed_prompts as _mixed_prompts
 
     prompts = [q[: 3 + i % 32] for i, q in enumerate(_mixed_prompts(traces["heldout"], 16, 64))]
     with VllmServer(model, "--plugin", "smoe", log=tmp_path / "plain.log") as s:

@@ -144,7 +144,7 @@ def test_engine_args_checks(monkeypatch):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
-    from vllm_smoe.config import SmoeConfig
+    from vllm_smoe.serving.config import SmoeConfig
     from vllm_smoe.serving.plugin import _check_engine_args
 
     spec = SmoeConfig(mode="speculate", placement="/x.yaml")

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import yaml
 
-from vllm_smoe.config import SmoeConfig
+from vllm_smoe.serving.config import SmoeConfig
 from vllm_smoe.testbed import FIXTURE_TRACES
-from vllm_smoe.trace import TraceMeta, open_trace, write_trace
+from vllm_smoe.formats.trace import TraceMeta, open_trace, write_trace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN, HELDOUT = FIXTURE_TRACES["train"], FIXTURE_TRACES["heldout"]
@@ -60,14 +60,14 @@ def _damage_member_data(path):
 def test_unreadable_inputs_name_their_file(tmp_path):
     bad = _small_trace(tmp_path / "damaged.npz", T=4000)
     _damage_member_data(bad)
-    _expect(_run("vllm_smoe.trace", "validate", bad), bad, "damaged data")
-    _expect(_run("vllm_smoe.trace", "validate", tmp_path), tmp_path, "is a directory")
-    _expect(_run("vllm_smoe.place_cli", "build", "--trace", bad, "--ep-size", "2", "-o", tmp_path / "p.yaml"),
+    _expect(_run("vllm_smoe.tools.trace_cli", "validate", bad), bad, "damaged data")
+    _expect(_run("vllm_smoe.tools.trace_cli", "validate", tmp_path), tmp_path, "is a directory")
+    _expect(_run("vllm_smoe.tools.place_cli", "build", "--trace", bad, "--ep-size", "2", "-o", tmp_path / "p.yaml"),
             bad)
     if os.geteuid() != 0:  # root reads anything
         locked = _small_trace(tmp_path / "locked.npz")
         os.chmod(locked, 0)
-        _expect(_run("vllm_smoe.trace", "info", locked), locked)
+        _expect(_run("vllm_smoe.tools.trace_cli", "info", locked), locked)
 
 
 # 2. output paths are checked before any work and leave no debris
@@ -84,14 +84,14 @@ def test_bad_output_paths_fail_first_and_leave_nothing(tmp_path, cmd, flag, wher
     out = target[where]
     if cmd[0] == "report" and where == "a-directory":
         out = tmp_path / "file"  # report writes a directory: a file is what it cannot use
-    r = _run("vllm_smoe.place_cli", *cmd, out)
+    r = _run("vllm_smoe.tools.place_cli", *cmd, out)
     _expect(r, out, flag)
     assert "placing" not in r.stderr  # refused before the solve
     assert sorted(os.listdir(tmp_path)) == ["dir", "file"] and os.listdir(tmp_path / "dir") == []
 
 
-@pytest.mark.parametrize("cmd", [["vllm_smoe.place_cli", "build", "--trace", TRAIN, "--ep-size", "2", "-o"],
-                                 ["vllm_smoe.testbed.cli", "synth", "--tokens", "64", "-o"]])
+@pytest.mark.parametrize("cmd", [["vllm_smoe.tools.place_cli", "build", "--trace", TRAIN, "--ep-size", "2", "-o"],
+                                 ["vllm_smoe.tools.testbed_cli", "synth", "--tokens", "64", "-o"]])
 def test_outputs_never_replace_a_fifo_or_device_node(tmp_path, cmd):
     """Outputs are renamed into place: over a FIFO or device node that would leave a regular
     file where it was (as root, -o /dev/null would break the host). Refused first, exit 2."""
@@ -110,7 +110,7 @@ def test_writers_refuse_special_files_themselves(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(ValueError, match="a FIFO"):
         _small_trace(fifo)
-    from vllm_smoe.placement_file import _atomic_write
+    from vllm_smoe.formats.placement_file import _atomic_write
 
     with pytest.raises(ValueError, match="a FIFO"):
         _atomic_write(str(fifo), b"x")
@@ -132,7 +132,7 @@ def _alias_bomb(levels: int = 9) -> str:
 def test_hostile_yaml_is_refused_cheaply_without_echoing_it(tmp_path, text, words):
     p = tmp_path / "p.yaml"
     p.write_text(text)
-    r = _run("vllm_smoe.place_cli", "evaluate", "--trace", HELDOUT, "--placement", p)
+    r = _run("vllm_smoe.tools.place_cli", "evaluate", "--trace", HELDOUT, "--placement", p)
     _expect(r, p, words)
     assert len(r.stderr) < 400  # one line: nothing of the file is quoted back
 
@@ -140,8 +140,8 @@ def test_hostile_yaml_is_refused_cheaply_without_echoing_it(tmp_path, text, word
 def test_alias_bomb_and_non_regular_inputs_are_refused(tmp_path):
     """Nine levels of aliases would expand to gigabytes (counted, never expanded); a FIFO would block; a symlink to
     /dev/zero would read until memory runs out: each refused at once, naming the file."""
-    from vllm_smoe.bounded import load_yaml
-    from vllm_smoe.placement_file import load_placement
+    from vllm_smoe.formats.bounded import load_yaml
+    from vllm_smoe.formats.placement_file import load_placement
 
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text(_alias_bomb())
@@ -183,7 +183,7 @@ def test_a_trace_header_claiming_more_than_its_data_is_refused_before_allocating
 def test_recovery_takes_only_the_formats_field_names(tmp_path):
     import json
 
-    from vllm_smoe.trace import SPILL_INDEX, TraceWriter, recover_spill
+    from vllm_smoe.formats.trace import SPILL_INDEX, TraceWriter, recover_spill
 
     w = TraceWriter(tmp_path / "t.npz", TraceMeta(num_experts=8, top_k=2, num_layers=3, vocab_size=100))
     w.append(token_ids=np.arange(4, dtype=np.int32), request_ids=np.zeros(4, np.int32),
@@ -204,20 +204,20 @@ def test_recovery_takes_only_the_formats_field_names(tmp_path):
     (["evaluate", "--trace", HELDOUT, "--placement", EP2, "--capacity", "inf"], "argument --capacity"),
 ])
 def test_non_finite_and_zero_options_are_refused(tmp_path, args, words):
-    _expect(_run("vllm_smoe.place_cli", *args, *(["-o", tmp_path / "p.yaml"] if args[0] == "build" else [])), words)
+    _expect(_run("vllm_smoe.tools.place_cli", *args, *(["-o", tmp_path / "p.yaml"] if args[0] == "build" else [])), words)
     assert not os.listdir(tmp_path)
 
 
 def test_empty_traces_and_nan_capacity_in_a_yaml_are_refused(tmp_path):
     empty = _small_trace(tmp_path / "empty.npz", T=0)
-    _expect(_run("vllm_smoe.place_cli", "build", "--trace", empty, "--ep-size", "2", "-o", tmp_path / "p.yaml"),
+    _expect(_run("vllm_smoe.tools.place_cli", "build", "--trace", empty, "--ep-size", "2", "-o", tmp_path / "p.yaml"),
             empty, "holds no tokens")
     shutil.copy(EP2, tmp_path / "nan.yaml")
     shutil.copy(os.path.join(REPO, "configs", yaml.safe_load(open(EP2))["predictor"]), tmp_path)
     doc = yaml.safe_load(open(tmp_path / "nan.yaml"))
     doc["capacity"] = float("nan")
     (tmp_path / "nan.yaml").write_text(yaml.safe_dump(doc))
-    _expect(_run("vllm_smoe.place_cli", "evaluate", "--trace", HELDOUT, "--placement", tmp_path / "nan.yaml"),
+    _expect(_run("vllm_smoe.tools.place_cli", "evaluate", "--trace", HELDOUT, "--placement", tmp_path / "nan.yaml"),
             tmp_path / "nan.yaml", "field 'capacity'")
 
 
@@ -225,7 +225,7 @@ def test_empty_traces_and_nan_capacity_in_a_yaml_are_refused(tmp_path):
 @pytest.mark.parametrize("flag,value", [("--replicas", "-4"), ("--theta", "5"), ("--max-expert-load", "0.5"),
                                         ("--hidden-size", "0"), ("--ep-size", "0"), ("--nodes", "-1")])
 def test_out_of_range_options_name_their_flag(tmp_path, flag, value):
-    _expect(_run("vllm_smoe.place_cli", "build", "--trace", TRAIN, "--ep-size", "2", flag, value,
+    _expect(_run("vllm_smoe.tools.place_cli", "build", "--trace", TRAIN, "--ep-size", "2", flag, value,
                  "-o", tmp_path / "p.yaml"), f"argument {flag}")
 
 
@@ -242,15 +242,15 @@ def test_placement_yaml_mistakes_name_the_field(tmp_path, edit, words):
     edit(doc)
     p = tmp_path / "p.yaml"
     p.write_text(yaml.safe_dump(doc))
-    _expect(_run("vllm_smoe.place_cli", "evaluate", "--trace", HELDOUT, "--placement", p), p, words)
+    _expect(_run("vllm_smoe.tools.place_cli", "evaluate", "--trace", HELDOUT, "--placement", p), p, words)
 
 
 def test_binary_yaml_and_duplicate_top_k_are_refused(tmp_path):
     p = tmp_path / "p.yaml"
     p.write_bytes(bytes(range(256)) * 4)
-    _expect(_run("vllm_smoe.place_cli", "evaluate", "--trace", HELDOUT, "--placement", p), p)
+    _expect(_run("vllm_smoe.tools.place_cli", "evaluate", "--trace", HELDOUT, "--placement", p), p)
     dup = _small_trace(tmp_path / "dup.npz", dup=True)
-    _expect(_run("vllm_smoe.trace", "validate", dup), dup, "field 'topk_ids' at token 5", "twice")
+    _expect(_run("vllm_smoe.tools.trace_cli", "validate", dup), dup, "field 'topk_ids' at token 5", "twice")
 
 
 def test_the_record_directory_check_creates_nothing(tmp_path):
@@ -263,7 +263,7 @@ def test_the_record_directory_check_creates_nothing(tmp_path):
 
 
 def test_debug_flag_shows_the_traceback(tmp_path):
-    r = _run("vllm_smoe.trace", "--debug", "validate", tmp_path / "missing.npz")
+    r = _run("vllm_smoe.tools.trace_cli", "--debug", "validate", tmp_path / "missing.npz")
     assert r.returncode == 2 and "Traceback" in r.stderr and "no such trace file" in r.stderr
 
 
@@ -297,7 +297,7 @@ def test_vllm_serve_refuses_smoe_settings_in_one_line_with_exit_2(args, words):
 def test_placement_layers_read_expert2rank_or_expert_to_rank(tmp_path):
     """The map's code name (expert2rank) and the spelling files were written with both read,
     to the same placement; one layer giving both is refused, naming the layer."""
-    from vllm_smoe.placement_file import load_placement, load_tables
+    from vllm_smoe.formats.placement_file import load_placement, load_tables
 
     doc = yaml.safe_load(open(EP2))
     shutil.copy(os.path.join(REPO, "configs", doc["predictor"]), tmp_path)

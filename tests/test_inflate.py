@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from vllm_smoe.testbed import FIXTURES
 from vllm_smoe.testbed.inflate import head_positions, inflate_checkpoint, widen_config
-from vllm_smoe.trace import open_trace
+from vllm_smoe.formats.trace import open_trace
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -67,7 +67,7 @@ def test_cli_refusals(tmp_path):
     src = FIXTURES["qwen3_moe"][0]
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "vllm_smoe.testbed.cli", "inflate", src, *args],
+        return subprocess.run([sys.executable, "-m", "vllm_smoe.tools.testbed_cli", "inflate", src, *args],
                               capture_output=True, text=True)
 
     out = str(tmp_path / "w")

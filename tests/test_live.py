@@ -12,7 +12,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm_smoe.serving.live import Served, Swap, _move_experts, _reorder_routers  # noqa: E402
+from vllm_smoe.serving.live import Swap, _move_experts, _reorder_routers  # noqa: E402
+from vllm_smoe.serving.served import ServedPlacement, Worker  # noqa: E402
 from vllm_smoe.serving.load_plan import LoadPlan, _physical_layout  # noqa: E402
 
 L, E, N, H = 2, 8, 2, 3
@@ -102,13 +103,14 @@ def test_swap_leaves_what_a_fresh_load_would(packed):
     cfg = SimpleNamespace(mode="place", placement="a.yaml")
     vc = SimpleNamespace(parallel_config=SimpleNamespace(enable_expert_parallel=False, tensor_parallel_size=1,
                                                          data_parallel_size=1))
-    served = Served(model, vc, cfg, old, "a.yaml", gate_rows={m: gates[m] for m in range(L)} if packed else None)
+    served = Worker(model, vc, cfg, ServedPlacement("a.yaml", None, None, old),
+                    gate_rows={m: gates[m] for m in range(L)} if packed else None)
     weights = [[model.model.layers[i].mlp.experts.w13] for i in (1, 3)]
     from vllm_smoe.serving.live import packed_tensor
 
     held = [packed_tensor(model.model.layers[i].mlp.gate) for i in (1, 3)]  # what a compiled graph reads
     assert all(t is not None for t in held) == bool(packed)
-    moved = _move_experts(served, Swap("b.yaml", new, None, None, weights, None))
+    moved = _move_experts(served, Swap(ServedPlacement("b.yaml", None, None, new), weights, None))
     _reorder_routers(served, new)
     assert moved == int((old.physical2expert != new.physical2expert).sum()) > 0
     for m, i in enumerate((1, 3)):
@@ -158,7 +160,7 @@ def test_placement_endpoint_checks_prepares_then_applies(tmp_path, monkeypatch):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from vllm_smoe.placement_file import read_snapshot
+    from vllm_smoe.formats.placement_file import read_snapshot
     from vllm_smoe.serving import capability, endpoints
 
     old, new, bad = (tmp_path / n for n in ("old.yaml", "new.yaml", "bad.yaml"))
@@ -223,7 +225,7 @@ def test_placement_endpoint_checks_prepares_then_applies(tmp_path, monkeypatch):
 
 
 def _tiny_placement(path, expert2rank=(0, 1, 0, 1), tables: bool = False):
-    from vllm_smoe.placement_file import write_placement
+    from vllm_smoe.formats.placement_file import write_placement
 
     e2r = np.asarray([expert2rank], dtype=np.int32)
     V, arrays = 8, None
@@ -242,7 +244,7 @@ def _tiny_placement(path, expert2rank=(0, 1, 0, 1), tables: bool = False):
 def test_a_swap_reads_its_files_once_and_only_from_allowed_directories(tmp_path):
     """What the API server read is what every worker parses, whatever the path points at later;
     files (or tables) outside the allowed directories, also through a symlink, are refused."""
-    from vllm_smoe.placement_file import Snapshot, load_tables, read_snapshot
+    from vllm_smoe.formats.placement_file import Snapshot, load_tables, read_snapshot
 
     served = tmp_path / "served"
     served.mkdir()
@@ -276,18 +278,21 @@ def test_a_swap_reads_its_files_once_and_only_from_allowed_directories(tmp_path)
 
 
 def test_worker_refuses_bytes_that_differ_from_the_digest(tmp_path, monkeypatch):
-    from vllm_smoe.placement_file import read_snapshot
+    from vllm_smoe.formats.placement_file import read_snapshot
     from vllm_smoe.serving import live
 
     snap = read_snapshot(str(_tiny_placement(tmp_path / "a.yaml")))
-    monkeypatch.setattr(live, "_SERVED", SimpleNamespace(pending={"x": 1}))
+    from vllm_smoe.serving import served
+
+    w = SimpleNamespace(pending={"x": 1}, placement=SimpleNamespace(path="a.yaml"))
+    monkeypatch.setattr(served, "_WORKER", w)
     out = live.SmoeWorkerExtension().smoe_prepare_placement(snap.path, snap.yaml[:-3], None, snap.sha256)
-    assert "arrived altered" in out["reason"] and live._SERVED.pending == {}
+    assert "arrived altered" in out["reason"] and w.pending == {}
 
 
 
 def test_placement_dirs_setting(tmp_path):
-    from vllm_smoe.config import SmoeConfig
+    from vllm_smoe.serving.config import SmoeConfig
     from vllm_smoe.serving.plugin import _smoe_from_args
 
     p = str(tmp_path / "p.yaml")

@@ -46,7 +46,7 @@ def test_speculate_serves_its_counters_on_metrics(tmp_path):
     MoE layer, summed over ranks; no warm-up or profile rows) and agree with the log line read
     from the same snapshot."""
     pytest.importorskip("vllm")
-    from vllm_smoe.server_process import VllmServer
+    from vllm_smoe.tools.server_process import VllmServer
     from vllm_smoe.testbed import FIXTURE_MODEL
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,7 +81,7 @@ def test_speculate_serves_its_counters_on_metrics(tmp_path):
         rows = sum(v for (n, lab), v in metric.items() if n == "smoe:tokens_total" and f'layer="{layer}"' in lab)
         assert rows == served, (layer, rows, served)
     ratio = metric[("smoe:local_activation_ratio", '{layer="all"}')]
-    from vllm_smoe.bench import _SPEC_LINE, _rank_numbers
+    from vllm_smoe.tools.bench.common import SPEC_LINE as _SPEC_LINE, rank_numbers as _rank_numbers
 
     logged = _rank_numbers(open(tmp_path / "s.log").read().splitlines(), _SPEC_LINE)
     assert ratio == pytest.approx(logged["local_share"], abs=2e-3)
@@ -106,7 +106,7 @@ def test_drift_judges_whole_windows_against_the_placement():
 
 
 def test_metric_settings_are_validated(tmp_path):
-    from vllm_smoe.config import SmoeConfig
+    from vllm_smoe.serving.config import SmoeConfig
 
     c = SmoeConfig.from_dict({"metrics_dir": str(tmp_path), "drift_threshold": 0.5})
     assert c.metrics_dir == str(tmp_path) and c.drift_threshold == 0.5
@@ -120,7 +120,7 @@ def test_metric_settings_are_validated(tmp_path):
 
 
 def test_server_makes_and_exports_its_directory_once(tmp_path, monkeypatch):
-    from vllm_smoe.config import SmoeConfig
+    from vllm_smoe.serving.config import SmoeConfig
     from vllm_smoe.serving.metrics import ENV, metrics_dir, server_metrics_dir
 
     monkeypatch.delenv(ENV, raising=False)

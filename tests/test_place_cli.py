@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import yaml
 
-from vllm_smoe.place_cli import main
-from vllm_smoe.placement_file import load_placement, load_tables, write_placement
-from vllm_smoe.synthetic import write_synthetic
+from vllm_smoe.tools.place_cli import main
+from vllm_smoe.formats.placement_file import load_placement, load_tables, write_placement
+from vllm_smoe.testbed.synthetic import write_synthetic
 from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
 
 TRAIN, HELDOUT = FIXTURE_TRACES["train"], FIXTURE_TRACES["heldout"]
@@ -75,7 +75,7 @@ def test_report_draws_pngs_and_html(built, tmp_path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "vllm_smoe.place_cli", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "vllm_smoe.tools.place_cli", *args], capture_output=True, text=True)
 
 
 @pytest.mark.parametrize("args, words", [
@@ -163,7 +163,7 @@ def test_build_reads_embeddings_of_sharded_half_precision_checkpoints(tmp_path, 
     torch = pytest.importorskip("torch")
     from safetensors.torch import load_file, save_file
 
-    from vllm_smoe.place_cli import _embeddings
+    from vllm_smoe.formats.checkpoint import read_embeddings as _embeddings
 
     model = tmp_path / "model"
     model.mkdir()
@@ -196,7 +196,7 @@ def _pair(tmp_path, name, ep):
 def test_an_interrupted_build_leaves_the_old_pair_and_a_mixed_pair_is_refused(tmp_path, monkeypatch):
     import shutil
 
-    import vllm_smoe.placement_file as pf
+    import vllm_smoe.formats.placement_file as pf
 
     p2 = _pair(tmp_path, "a", 2)
     old_tables = load_placement(str(p2)).predictor
@@ -278,7 +278,7 @@ def test_embeddings_of_fp8_checkpoints_are_dequantised(tmp_path, fmt, scale):
     torch = pytest.importorskip("torch")
     from safetensors.torch import save_file
 
-    from vllm_smoe.place_cli import _embeddings
+    from vllm_smoe.formats.checkpoint import read_embeddings as _embeddings
 
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(300, 200, generator=gen) * 3).to(getattr(torch, fmt))
@@ -297,7 +297,7 @@ def test_embeddings_of_fp8_checkpoints_are_dequantised(tmp_path, fmt, scale):
 
 def test_two_concurrent_builds_of_one_output_leave_a_consistent_pair(tmp_path):
     out = tmp_path / "p.yaml"
-    procs = [subprocess.Popen([sys.executable, "-m", "vllm_smoe.place_cli", "build", "--trace", TRAIN, "--ep-size",
+    procs = [subprocess.Popen([sys.executable, "-m", "vllm_smoe.tools.place_cli", "build", "--trace", TRAIN, "--ep-size",
                                str(ep), "-o", str(out), "--metrics-tokens", "2048"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for ep in (2, 4)]
     assert [p.wait(300) for p in procs] == [0, 0]
@@ -313,7 +313,7 @@ def test_fp8_embeddings_without_a_scale_are_refused(tmp_path):
 
     save_file({"model.embed_tokens.weight": torch.zeros(10, 8).to(torch.float8_e4m3fn)},
               str(tmp_path / "model.safetensors"))
-    from vllm_smoe.place_cli import _embeddings
+    from vllm_smoe.formats.checkpoint import read_embeddings as _embeddings
 
     with pytest.raises(ValueError, match="without model.embed_tokens.weight_scale_inv"):
         _embeddings(str(tmp_path), 10)
@@ -334,7 +334,7 @@ def test_a_rebuild_keeps_tables_other_yamls_name(tmp_path):
 
 
 def test_evaluate_bounds_its_sample(built, tmp_path, capsys):
-    from vllm_smoe.place_cli import _windows
+    from vllm_smoe.tools.place_cli import _windows
 
     assert _windows(100, 0) == [(0, 100)] and _windows(100, 100) == [(0, 100)]
     assert _windows(160, 32) == [(10 * i, 10 * i + 2) for i in range(16)]  # 16 evenly spaced windows
@@ -380,7 +380,7 @@ def test_simulate_router_golden():
 
 
 def test_bench_predictors_leaves_each_domain_out(tmp_path):
-    from vllm_smoe.bench import main as bench_main
+    from vllm_smoe.tools.bench import main as bench_main
 
     js = tmp_path / "pred.json"
     assert bench_main(["predictors", "--ep-size", "2", "--json", str(js)]) == 0
@@ -399,7 +399,7 @@ def test_eplb_peer_with_replicas_keeps_vllms_slots():
     """vLLM's EPLB with copies: every expert somewhere, each rank P / N physical slots, the hottest
     expert copied; converted to home + (expert, rank) copies without repeats."""
     pytest.importorskip("vllm")
-    from vllm_smoe.peers import place_eplb
+    from vllm_smoe.tools.peers import place_eplb
 
     load = np.ones((2, 8))
     load[:, 3] = 50.0  # one hot expert per layer
@@ -433,7 +433,7 @@ def test_advise_finds_the_gain_of_a_placement_built_from_live_traffic(tmp_path):
     """Served placement trained on one workload, live traffic from another: the candidate built
     from the recording's first half keeps clearly more activations local on its second half, and
     the written candidate loads; against a recording of its own workload it gains little."""
-    from vllm_smoe.trace import read_traces, write_trace
+    from vllm_smoe.formats.trace import read_traces, write_trace
 
     fields = ("token_ids", "request_ids", "positions", "topk_ids", "step_ids", "is_prefill", "domain")
     meta, tr, _ = read_traces([TRAIN], fields)

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
-from vllm_smoe.trace import open_trace, read_traces
+from vllm_smoe.formats.trace import open_trace, read_traces
 
 pytestmark = pytest.mark.vllm
 torch = pytest.importorskip("torch")
@@ -89,7 +89,7 @@ def test_recorded_routing_equals_transformers_router(recorded):
 
 
 def test_smoe_place_builds_from_the_record_directory(recorded, tmp_path):
-    from vllm_smoe.place_cli import main
+    from vllm_smoe.tools.place_cli import main
 
     _, _, rec_dir = recorded
     assert main(["build", "--trace", rec_dir, "--ep-size", "4", "-o", str(tmp_path / "p.yaml")]) == 0

@@ -11,11 +11,11 @@ import time
 import numpy as np
 import pytest
 
-from vllm_smoe.config import SmoeConfig
-from vllm_smoe.server_process import VllmServer
+from vllm_smoe.serving.config import SmoeConfig
+from vllm_smoe.tools.server_process import VllmServer
 from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
-from vllm_smoe.trace import main as trace_main
-from vllm_smoe.trace import open_trace, read_traces
+from vllm_smoe.tools.trace_cli import main as trace_main
+from vllm_smoe.formats.trace import open_trace, read_traces
 
 
 def test_a_record_directory_always_records_or_is_refused(tmp_path):

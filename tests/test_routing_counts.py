@@ -9,16 +9,16 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_smoe.parallel import fork_map
-from vllm_smoe.place_cli import main
+from vllm_smoe.tools.parallel import fork_map
+from vllm_smoe.tools.place_cli import main
 from vllm_smoe.placement.counts import count_matrix, layer_counts
 from vllm_smoe.placement.layout import place_model
 from vllm_smoe.placement.predict import build_predictor
 from vllm_smoe.placement.metrics import holds_from_expert2rank
 from vllm_smoe.placement.routing_counts import RoutingCounts
-from vllm_smoe.synthetic import MoEShape, generate
+from vllm_smoe.testbed.synthetic import MoEShape, generate
 from vllm_smoe.testbed import FIXTURE_TRACES
-from vllm_smoe.trace import read_traces
+from vllm_smoe.formats.trace import read_traces
 
 
 def _random_trace(seed, T, L, E, K, V):
@@ -193,7 +193,7 @@ def test_jobs_and_rotated_files_give_the_same_placement(tmp_path):
 
 
 def test_synth_rotated_files_read_as_one_recording(tmp_path):
-    from vllm_smoe.synthetic import write_synthetic
+    from vllm_smoe.testbed.synthetic import write_synthetic
 
     one = write_synthetic(str(tmp_path / "one.npz"), "mixtral-8x7b", 5000, seed=3)
     many = write_synthetic(str(tmp_path / "many"), "mixtral-8x7b", 5000, seed=3, file_tokens=1300)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import yaml
 
-from vllm_smoe.server_process import CPU_ARGS, VllmServer, free_port, vllm_executable
+from vllm_smoe.tools.server_process import CPU_ARGS, VllmServer, free_port, vllm_executable
 from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
-from vllm_smoe.trace import open_trace, read_traces
+from vllm_smoe.formats.trace import open_trace, read_traces
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
@@ -123,7 +123,7 @@ def test_speculate_with_a_mixed_placement_pair_never_starts_an_engine(tmp_path):
     before any engine or worker starts (no weights loaded, nothing to leak)."""
     import shutil
 
-    from vllm_smoe.placement_file import load_placement
+    from vllm_smoe.formats.placement_file import load_placement
 
     ep2 = os.path.join(REPO, "configs", "tiny-4dom-ep2.yaml")
     ep4 = os.path.join(REPO, "configs", "tiny-4dom-ep4.yaml")

@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from vllm_smoe.config import SmoeConfig
+from vllm_smoe.serving.config import SmoeConfig
 from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
-from vllm_smoe.trace import open_trace
+from vllm_smoe.formats.trace import open_trace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EP2 = os.path.join(REPO, "configs", "tiny-4dom-ep2.yaml")
@@ -95,7 +95,7 @@ def test_tp2_ep_gives_plain_tp2_tokens(plain_tp2, smoe, compiled, says):
     if smoe.get("placement") == EP2_R4:
         assert "replicas: 36 physical expert slots per layer (4 redundant), rank 1 routes to its own copies" in log
     if says and not compiled and smoe.get("all2all", "sparse") == "sparse":
-        from vllm_smoe.bench import _SPEC_LINE, _rank_numbers
+        from vllm_smoe.tools.bench.common import SPEC_LINE as _SPEC_LINE, rank_numbers as _rank_numbers
 
         served = _rank_numbers(log.splitlines(), _SPEC_LINE)
         assert set(served["tokens_per_rank"]) == {0, 1}  # every rank reports its own counters
@@ -146,7 +146,7 @@ def test_speculate_refuses_before_serving(smoe, ep, words):
 
 
 def test_bench_serve_combines_every_ranks_speculate_line():
-    from vllm_smoe.bench import _SPEC_LINE, _rank_numbers
+    from vllm_smoe.tools.bench.common import SPEC_LINE as _SPEC_LINE, rank_numbers as _rank_numbers
 
     def line(rank, share, tokens, pairs, nbytes):
         return (f"(Worker_TP{rank} pid=1) INFO smoe: speculate (predictor tables-markov): rank {rank} served {share} "
@@ -228,9 +228,9 @@ def test_live_swap_under_load_keeps_plain_tokens(plain_tp2, tmp_path, replicas):
     rank's copies change), and a placement with another slot count is refused."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
-    from vllm_smoe.place_cli import main as place
-    from vllm_smoe.server_process import VllmServer
-    from vllm_smoe.trace import read_traces, write_trace
+    from vllm_smoe.tools.place_cli import main as place
+    from vllm_smoe.tools.server_process import VllmServer
+    from vllm_smoe.formats.trace import read_traces, write_trace
 
     prompts, plain = plain_tp2
     fields = ("token_ids", "request_ids", "positions", "topk_ids", "step_ids", "is_prefill", "domain")
@@ -292,7 +292,7 @@ def test_live_swap_in_vllms_default_compiled_mode(tmp_path):
     the swap back (a stale router would score rows of the old order against moved experts)."""
     import yaml
 
-    from vllm_smoe.server_process import CPU_ARGS, VllmServer
+    from vllm_smoe.tools.server_process import CPU_ARGS, VllmServer
 
     doc = yaml.safe_load(open(EP2))
     for layer in doc["layers"]:

@@ -164,7 +164,7 @@ def test_device_assignment_and_prediction_equal_numpy(seed):
 
 def test_device_tables_prediction_equals_predict_layer():
     from vllm_smoe.placement.predict import predict_layer
-    from vllm_smoe.placement_file import load_placement, load_tables
+    from vllm_smoe.formats.placement_file import load_placement, load_tables
 
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     t = load_tables(load_placement(os.path.join(here, "configs", "tiny-4dom-ep2.yaml")))
@@ -191,7 +191,7 @@ def test_device_bigram_prediction_equals_predict_layer():
     """The fixture's tables hold a bigram table: rows continuing a pair in it take its ranks, on
     the device as in numpy, with the previous id taken from the step's positions alike."""
     from vllm_smoe.placement.predict import bigram_keys, predict_layer, previous_ids
-    from vllm_smoe.placement_file import load_placement, load_tables
+    from vllm_smoe.formats.placement_file import load_placement, load_tables
 
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     t = load_tables(load_placement(os.path.join(here, "configs", "tiny-4dom-ep4.yaml")))

@@ -4,8 +4,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_smoe.placement.stats import interlayer_precision, token_hotness
-from vllm_smoe.synthetic import SHAPES, MoEShape, _limit_groups, generate, write_synthetic
-from vllm_smoe.trace import open_trace
+from vllm_smoe.testbed.synthetic import SHAPES, MoEShape, _limit_groups, generate, write_synthetic
+from vllm_smoe.formats.trace import open_trace
 
 
 def _collect(shape, n, **kw):

@@ -8,7 +8,7 @@ import pytest
 
 from vllm_smoe.placement.stats import expert_usage, token_hotness
 from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
-from vllm_smoe.trace import open_trace
+from vllm_smoe.formats.trace import open_trace
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -60,7 +60,7 @@ def test_build_random_checkpoint(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / arch
-    r = subprocess.run([sys.executable, "-m", "vllm_smoe.testbed.cli", "build", "--arch", arch, "-o", str(out),
+    r = subprocess.run([sys.executable, "-m", "vllm_smoe.tools.testbed_cli", "build", "--arch", arch, "-o", str(out),
                         "--layers", "2", "--experts", "8", "--top-k", "2"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     m = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)

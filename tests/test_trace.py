@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_smoe.trace import TraceMeta, TraceWriter, main, open_trace, write_trace
+from vllm_smoe.formats.trace import TraceMeta, TraceWriter, open_trace, write_trace
+from vllm_smoe.tools.trace_cli import main
 
 META = TraceMeta(num_experts=8, top_k=2, num_layers=3, vocab_size=100, domains=("a", "b"))
 
@@ -147,7 +148,7 @@ def test_missing_meta(tmp_path):
 
 def test_lazy_open_reads_no_rows(tmp_path, monkeypatch):
     """open_trace reads headers only; row data is touched only by load/iter_chunks/validate."""
-    from vllm_smoe import trace as trace_mod
+    from vllm_smoe.formats import trace as trace_mod
 
     p = write_trace(tmp_path / "t.npz", META, **arrays(2000))
 
@@ -172,9 +173,9 @@ def test_lazy_open_reads_no_rows(tmp_path, monkeypatch):
 def test_cli_exit_codes(tmp_path):
     good = write_trace(tmp_path / "g.npz", META, **arrays(5))
     bad = _savez(tmp_path / "b.npz", token_ids=np.full(10, 1000, np.int32))
-    r = subprocess.run([sys.executable, "-m", "vllm_smoe.trace", "validate", str(good)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "vllm_smoe.tools.trace_cli", "validate", str(good)], capture_output=True, text=True)
     assert r.returncode == 0 and "ok" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "vllm_smoe.trace", "validate", str(bad)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "vllm_smoe.tools.trace_cli", "validate", str(bad)], capture_output=True, text=True)
     assert r.returncode == 2 and "'token_ids'" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -183,7 +184,7 @@ import os, signal, sys
 import numpy as np
 sys.path.insert(0, {tests!r})
 from test_trace import META, arrays
-from vllm_smoe.trace import TraceWriter
+from vllm_smoe.formats.trace import TraceWriter
 w = TraceWriter({path!r}, META)
 a = arrays(30)
 for s in range(0, 30, 10):  # three steps, then a crash before close
@@ -208,7 +209,7 @@ def test_a_killed_writer_is_recovered_whole(tmp_path, capsys):
     the spill directory into the trace the writer would have closed."""
     path, spill = _killed_writer(tmp_path)
     with pytest.raises(ValueError, match="smoe-trace recover"):  # readers say what to do, no crash
-        from vllm_smoe.trace import read_traces
+        from vllm_smoe.formats.trace import read_traces
 
         read_traces([str(path.parent)])
     assert main(["recover", str(path.parent)]) == 0
@@ -251,7 +252,7 @@ def test_a_held_spill_is_never_taken_and_a_closing_writer_is_not_waited_for(tmp_
     import threading
     import time
 
-    from vllm_smoe.trace import recover_dead_spills, recover_spill
+    from vllm_smoe.formats.trace import recover_dead_spills, recover_spill
 
     rec = tmp_path / "rec"
     rec.mkdir()
@@ -267,7 +268,7 @@ def test_a_held_spill_is_never_taken_and_a_closing_writer_is_not_waited_for(tmp_
 
 
 def test_a_failed_close_keeps_the_spill_for_recovery(tmp_path, monkeypatch):
-    import vllm_smoe.trace as tr
+    import vllm_smoe.formats.trace as tr
 
     rec = tmp_path / "rec"
     rec.mkdir()
@@ -287,7 +288,7 @@ def test_a_failed_close_keeps_the_spill_for_recovery(tmp_path, monkeypatch):
 
 
 def test_read_traces_checks_every_value_field_and_keeps_empty_shapes(tmp_path):
-    from vllm_smoe.trace import read_traces
+    from vllm_smoe.formats.trace import read_traces
 
     with pytest.raises(ValueError, match="'domain'.*out of range"):
         read_traces([str(_savez(tmp_path / "d.npz", domain=np.full(10, 2, np.int8)))])
@@ -303,7 +304,7 @@ def _failing_writes(monkeypatch, fail_on: set[int]):
     as a full disk does."""
     import errno
 
-    from vllm_smoe import trace
+    from vllm_smoe.formats import trace
 
     real, calls = trace._write_all, [0]
 
@@ -348,7 +349,7 @@ def test_a_writer_whose_every_append_failed_leaves_no_file(tmp_path, monkeypatch
 
 def test_a_short_write_is_finished_or_fails():
     """A raw write that takes part of the bytes is continued; one that takes none fails."""
-    from vllm_smoe.trace import _write_all
+    from vllm_smoe.formats.trace import _write_all
 
     class Raw:
         def __init__(self, budget):
@@ -368,7 +369,7 @@ def test_a_short_write_is_finished_or_fails():
 
 
 def test_directory_readers_skip_a_bad_file_with_a_warning(tmp_path):
-    from vllm_smoe.trace import open_traces
+    from vllm_smoe.formats.trace import open_traces
 
     write_trace(str(tmp_path / "trace-a.npz"), META, **arrays(10))
     (tmp_path / "trace-b.npz").write_bytes(b"PK\x03\x04 not a zip")

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
-from vllm_smoe.trace import open_trace
+from vllm_smoe.formats.trace import open_trace
 
 pytestmark = pytest.mark.vllm
 torch = pytest.importorskip("torch")
@@ -65,7 +65,7 @@ def test_trained_fixture_generates_like_transformers():
 @pytest.mark.parametrize("arch", ["mixtral"])
 def test_random_checkpoints_generate_in_vllm(tmp_path, arch):
     out = tmp_path / arch
-    r = subprocess.run([sys.executable, "-m", "vllm_smoe.testbed.cli", "build", "--arch", arch, "-o", str(out),
+    r = subprocess.run([sys.executable, "-m", "vllm_smoe.tools.testbed_cli", "build", "--arch", arch, "-o", str(out),
                         "--layers", "2", "--experts", "8", "--top-k", "2"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     prompts = _prompts()[:2]

@@ -1,14 +1,19 @@
 """The vLLM side of smoe: everything that runs inside vLLM's processes.
 
 - ``plugin``: the ``vllm.general_plugins`` entry point (flags, settings, checks before serving);
+- ``config``: smoe's one frozen settings object, read from ``additional_config``;
+- ``patches``: every replacement of a vLLM symbol, in one list, applied and checked at start;
 - ``loader``, ``load_plan``: the placement applied at load (expert weights renamed to slots);
-- ``recorder``: record mode (routing captured into buffers, written as traces);
+- ``recorder``: routing captured into buffers and written as traces, in any mode;
+- ``runner_hooks``: smoe's per-step hooks on vLLM's model runners;
 - ``cpu_ep``: vLLM's expert parallelism on its CPU build (experts honour ``expert_map``; the
-  communicator with ``all_gatherv`` / ``reduce_scatterv``);
+  communicator with ``all_gatherv`` / ``reduce_scatterv``; rotary embedding for MLA);
 - ``sparse_a2a``: smoe's sparse de-duplicated all2all manager;
 - ``device_predict``, ``token_order``: speculate's token order around vLLM's MoE;
+- ``dp_router``: whole requests to the data-parallel rank their experts live on;
+- ``live``, ``endpoints``: live re-placement and smoe's HTTP routes; ``metrics``: ``/metrics``;
 - ``capability``: what speculate can serve, as ``(ok, reason)``.
 
-The shared formats (``vllm_smoe.trace``, ``vllm_smoe.placement_file``) and the offline tools
-(``vllm_smoe.placement``, ``smoe-place``, ``smoe-bench``, ``smoe-testbed``) need no vLLM.
+The shared formats (:mod:`vllm_smoe.formats`) and the offline tools (:mod:`vllm_smoe.placement`,
+:mod:`vllm_smoe.tools`: ``smoe-place``, ``smoe-bench``, ``smoe-testbed``) need no vLLM.
 """

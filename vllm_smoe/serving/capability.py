@@ -5,7 +5,7 @@ the built model (the MoE block chunks and all-gathers its own rows) is checked a
 
 from __future__ import annotations
 
-from ..model_info import num_experts
+from ..formats.model_info import num_experts
 
 # vLLM's all2all backends that send each row only to the ranks holding its experts, so the token
 # order saves bytes on them; all are in vLLM's own whitelist for sequence-parallel MoE
@@ -42,7 +42,7 @@ def speculate_transport(parallel_config, device_type: str, all2all: str | None) 
 
 def speculate_supported(vllm_config, placement, predictor: str = "tables", all2all: str | None = None,
                         device_type: str | None = None) -> tuple[bool, str]:
-    """placement: the parsed :class:`~vllm_smoe.placement_file.Placement`; predictor, all2all: the
+    """placement: the parsed :class:`~vllm_smoe.formats.placement_file.Placement`; predictor, all2all: the
     configured ones; device_type: vLLM's platform (None = the current one). Speculate orders tokens
     over the tensor-parallel ranks around vLLM's expert-parallel, sequence-parallel MoE, so EP must
     be on, ep_size must equal the TP size and the transport must honour the order."""
@@ -121,28 +121,29 @@ def _check_replicas(placement: str, vllm_config) -> None:
 def check_served_placement(path: str, cfg, vllm_config, snapshot=None):
     """Everything a server checks of a placement before serving it (at start and before a live
     swap): it fits the model and the parallel layout, its copies can be served, speculate can
-    order tokens with it, its tables load. Returns its :class:`~.load_plan.LoadPlan`; raises
-    ValueError naming the file and field. ``snapshot``: the file as read once
-    (:class:`~vllm_smoe.placement_file.Snapshot`; then ``path`` only names it)."""
-    from ..placement_file import load_placement, load_tables
-    from .load_plan import plan_for
+    order tokens with it, its tables load. Returns it as a :class:`~.served.ServedPlacement`
+    (with its load plan); raises ValueError naming the file and field. ``snapshot``: the file as
+    read once (:class:`~vllm_smoe.formats.placement_file.Snapshot`; then ``path`` only names
+    it); None: the placement this process serves (``path`` is ``cfg.placement``)."""
+    from .served import ServedPlacement, placement_for
 
-    placement = snapshot.placement() if snapshot is not None else load_placement(path)
-    plan = plan_for(path, vllm_config, placement)
+    served = (ServedPlacement.from_snapshot(snapshot, vllm_config) if snapshot is not None
+              else placement_for(cfg, vllm_config))
+    placement, plan = served.placement, served.plan
     if plan.num_redundant:
         _check_replicas(path, vllm_config)
     if cfg.mode == "speculate":
         ok, reason = speculate_supported(vllm_config, placement, cfg.predictor, cfg.all2all)
         if not ok:
             raise ValueError(f"smoe mode speculate: {reason}")
-        if cfg.predictor.startswith("tables"):
-            load_tables(placement, None if snapshot is None else snapshot.tables)  # all a worker indexes with
+        if cfg.predictor.startswith("tables") and served.tables is None:
+            raise ValueError(f"{placement.path}: field 'predictor' is empty; this placement has no tables")
     pc = vllm_config.parallel_config
     if placement.method == "dp-coclust" and pc.tensor_parallel_size > 1:
         raise ValueError(f"{path}: field 'method' = dp-coclust: placements from smoe-place build --mode dp put one "
                          f"expert-parallel rank on each DP rank (TP = 1), but --tensor-parallel-size is "
                          f"{pc.tensor_parallel_size}")
-    return plan
+    return served
 
 
 def advice(vllm_config, cfg, device_type: str) -> list[str]:

@@ -1,7 +1,7 @@
 """vLLM's own expert parallelism on its CPU build, the communicator smoe puts under it, and
 the rotary embedding MLA needs there.
 
-Three gaps in vLLM 0.32's CPU build, all small (the README describes them for upstream):
+Four gaps in vLLM 0.32's CPU build, all small (the README describes them for upstream):
 
 1. ``CPUUnquantizedExperts.apply`` hands the *global* ``topk_ids`` to ``cpu_fused_moe`` together
    with only this rank's expert weights: it ignores ``expert_map``, reads past the weights and
@@ -210,7 +210,7 @@ def _smoe_settings():
     """smoe's settings of the vLLM config being built, or None when smoe was not asked for."""
     from vllm.config import get_current_vllm_config
 
-    from ..config import SmoeConfig
+    from .config import SmoeConfig
 
     return SmoeConfig.from_additional_config(get_current_vllm_config().additional_config)
 

@@ -128,18 +128,18 @@ def router_for(vllm_config, engine_ranks) -> RequestRouter | None:
     """The router a front-end client should use, or None (smoe not asked, routing off, no
     expert parallelism, no tables). A placement or tables file that no longer reads (changed
     since the server was checked at start) is logged as an error and routing stays vLLM's."""
-    from ..config import SmoeConfig
-    from ..placement_file import load_placement, load_tables
+    from .config import SmoeConfig
+    from .served import placement_for
 
     cfg = SmoeConfig.from_additional_config(vllm_config.additional_config)
     pc = vllm_config.parallel_config
     if cfg is None or not cfg.dp_routing or cfg.placement is None or not pc.enable_expert_parallel:
         return None
     try:
-        placement = load_placement(cfg.placement)
-        if placement.predictor is None:
+        served = placement_for(cfg)  # parsed once in this process (the plugin's checks read it first)
+        placement, tables = served.placement, served.tables
+        if tables is None:
             return None
-        tables = load_tables(placement)
         router = RequestRouter(tables.token2rank, tables.token_conf, placement.ep_size, pc.data_parallel_size,
                                engine_ranks, capacity=placement.capacity, log_interval=cfg.log_interval)
     except ValueError as e:
@@ -226,7 +226,7 @@ def preferred_rank(placement_path: str, prompt_token_ids, num_engines: int | Non
     key = (placement_path, num_engines or 0)
     scorer = _SCORERS.get(key)
     if scorer is None:
-        from ..placement_file import load_placement, load_tables
+        from ..formats.placement_file import load_placement, load_tables
 
         placement = load_placement(placement_path)
         tables = load_tables(placement)

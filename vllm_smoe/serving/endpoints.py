@@ -115,7 +115,7 @@ class SmoeEndpoints:
             if not isinstance(path, str) or not path:
                 raise HTTPException(status_code=400, detail="give 'placement': the path of a placement YAML")
             path = os.path.abspath(path)
-            from ..placement_file import read_snapshot
+            from ..formats.placement_file import read_snapshot
             from .capability import check_served_placement
 
             async with live["lock"]:  # one swap at a time
@@ -166,7 +166,7 @@ class SmoeEndpoints:
             state.smoe_route = (None, None, None)
             state.smoe_live = None
             return
-        from ..config import SmoeConfig
+        from .config import SmoeConfig
 
         vc = engine_client.vllm_config
         state.smoe_max_tokens = int(vc.model_config.max_model_len)
@@ -181,9 +181,9 @@ class SmoeEndpoints:
         placement = cfg.placement if cfg is not None else None
         tokenizer = None
         if placement is not None:
-            from ..placement_file import load_placement
+            from .served import placement_for
 
-            if load_placement(placement).predictor is None:
+            if placement_for(cfg).tables is None:
                 placement = None  # nothing to score with: the route answers 404
             elif not vc.model_config.skip_tokenizer_init:
                 tokenizer = engine_client.renderer.get_tokenizer()

@@ -4,7 +4,7 @@
 ``collective_rpc``, which the engine core runs between two steps, in two calls:
 
 1. ``smoe_prepare_placement(path, yaml, tables, digest)``: the API server read the placement
-   and its tables file once (:class:`~vllm_smoe.placement_file.Snapshot`) and sends those bytes;
+   and its tables file once (:class:`~vllm_smoe.formats.placement_file.Snapshot`) and sends those bytes;
    each worker parses them (never the path, which may have changed since) and checks them as the
    server checked its first placement at start (:func:`.capability.check_served_placement`), and
    that they fit what was allocated at load (the same physical expert slots; table shapes that
@@ -26,34 +26,15 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from .load_plan import ROUTER_PARAM
+from .served import ServedPlacement, Worker, worker
+
 logger = logging.getLogger("vllm.smoe")
-
-
-@dataclass
-class Served:
-    """What a worker serves: set by smoe's loader once the weights are in place."""
-
-    model: torch.nn.Module
-    vllm_config: object
-    cfg: object  # SmoeConfig
-    plan: object  # LoadPlan
-    path: str
-    gate_rows: dict | None = None  # MoE ordinal -> router weight in checkpoint order (CPU build)
-    pending: dict = field(default_factory=dict)  # path -> checked LoadPlan, between prepare and apply
-
-
-_SERVED: Served | None = None
-
-
-def remember(model, vllm_config, cfg, plan, gate_rows: dict | None = None) -> None:
-    """Called by the loader: the placement this worker serves (None plan = none, nothing to swap)."""
-    global _SERVED
-    _SERVED = None if plan is None else Served(model, vllm_config, cfg, plan, cfg.placement, gate_rows)
 
 
 def router_rows(model: torch.nn.Module, moe_layers: tuple[int, ...], num_experts: int
@@ -61,12 +42,10 @@ def router_rows(model: torch.nn.Module, moe_layers: tuple[int, ...], num_experts
     """Per MoE layer: the parameters the loader put in router order that still hold their E rows
     (the gate's weight, a per-expert score bias), and the gate module when vLLM dropped its loaded
     weight (its CPU build packs router GEMMs: ``weight`` is left empty), else None."""
-    from .loader import _ROUTER
-
     out: list[tuple[list[torch.nn.Parameter], torch.nn.Module | None]] = [([], None) for _ in moe_layers]
     modules = dict(model.named_modules())
     for name, p in model.named_parameters():
-        m = _ROUTER.match(name)
+        m = ROUTER_PARAM.match(name)
         if m is None or int(m["layer"]) not in moe_layers:
             continue
         layer = moe_layers.index(int(m["layer"]))
@@ -88,25 +67,21 @@ def _ep_split(vllm_config) -> bool:
 class Swap:
     """Everything a swap needs, checked and allocated before anything changes."""
 
-    path: str
-    plan: object  # LoadPlan
-    placement: object  # Placement
-    tables: object | None  # PredictorTables, for the token order
+    served: ServedPlacement  # the new placement, parsed once, with its load plan
     weights: list  # [L] lists of this rank's per-expert tensors
     transfer: tuple | None  # (buffers, communicator, process group) for moves over the EP group
 
 
-def check_swap(served: Served, snapshot) -> Swap:
-    """The placement in ``snapshot`` (:class:`~vllm_smoe.placement_file.Snapshot`), parsed once,
+def check_swap(served: Worker, snapshot) -> Swap:
+    """The placement in ``snapshot`` (:class:`~vllm_smoe.formats.placement_file.Snapshot`), parsed once,
     if it can replace the served one live; ValueError otherwise."""
-    from ..placement_file import load_tables
     from .capability import check_served_placement
-    from .token_order import find_moe_experts
+    from .token_order import device_tables, find_moe_experts
 
     path = snapshot.path
-    plan = check_served_placement(path, served.cfg, served.vllm_config, snapshot)
-    placement = snapshot.placement()
-    old = served.plan
+    fresh = check_served_placement(path, served.cfg, served.vllm_config, snapshot)
+    plan = fresh.plan
+    old = served.placement.plan
     if plan.physical2expert.shape != old.physical2expert.shape:
         raise ValueError(f"{path}: field 'layers[].replicas': needs {plan.physical2expert.shape[1]} physical expert "
                          f"slots per layer, but the server allocated {old.physical2expert.shape[1]} at load; a "
@@ -128,15 +103,11 @@ def check_swap(served: Served, snapshot) -> Swap:
     if compiled is not None and int(compiled) != 0 and (cc.inductor_compile_config or {}).get("freezing"):
         raise ValueError("smoe live placement: inductor freezing bakes the weights into the compiled model, so moved "
                          "experts would not be seen; restart with the new placement")
-    from . import token_order
-
-    order = token_order._ACTIVE
-    tables = None
+    order = served.order
     if order is not None and order.tables is not None:
-        tables = load_tables(placement, snapshot.tables)
-        from .token_order import TokenOrder
-
-        new = TokenOrder._device_tables(tables, "cpu")  # the tensors swap() would copy in
+        if fresh.tables is None:
+            raise ValueError(f"{path}: field 'predictor' is empty; the served token order predicts with tables")
+        new = device_tables(fresh.tables, "cpu")  # the tensors swap() would copy in
         graphs = cc.cudagraph_mode is not None and cc.cudagraph_mode.name != "NONE"  # piecewise ones capture them too
         differ = sorted(k for k in set(new) | set(order.tables)
                         if k not in new or k not in order.tables or tuple(new[k].shape) != tuple(order.tables[k].shape))
@@ -162,12 +133,12 @@ def check_swap(served: Served, snapshot) -> Swap:
         buffers = [torch.empty_like(w) for w in weights[0]]  # one layer's worth, allocated before anything moves
         transfer = (buffers, create_eplb_communicator(group, backend, weights, buffers),
                     group.cpu_group if device.type == "cpu" else group.device_group)
-    return Swap(path, plan, placement, tables, weights, transfer)
+    return Swap(fresh, weights, transfer)
 
 
 def moved_bytes(old, swap: Swap) -> int:
     """Bytes of this rank's expert weights in the physical slots whose expert changes."""
-    changed = old.physical2expert != swap.plan.physical2expert  # [L, P] over every rank's slots
+    changed = old.physical2expert != swap.served.plan.physical2expert  # [L, P] over every rank's slots
     total = 0
     for layer, ws in enumerate(swap.weights):
         local = ws[0].shape[0]  # this rank's slots of the layer
@@ -176,9 +147,9 @@ def moved_bytes(old, swap: Swap) -> int:
     return total
 
 
-def _move_experts(served: Served, swap: Swap) -> int:
+def _move_experts(served: Worker, swap: Swap) -> int:
     """Expert weights to the new physical slots, in place; returns the slots whose expert changed."""
-    old, new = served.plan, swap.plan
+    old, new = served.placement.plan, swap.served.plan
     moved = int(np.count_nonzero(old.physical2expert != new.physical2expert))
     if not moved:
         return 0
@@ -197,8 +168,8 @@ def _move_experts(served: Served, swap: Swap) -> int:
     return moved
 
 
-def _reorder_routers(served: Served, new) -> None:
-    old = served.plan
+def _reorder_routers(served: Worker, new) -> None:
+    old = served.placement.plan
     for layer, (params, packed) in enumerate(router_rows(served.model, old.moe_layers, old.slot2expert.shape[1])):
         # new row i scores expert new.slot2expert[i], which the old order put at old.expert2slot[.]
         idx = old.expert2slot[layer][new.slot2expert[layer]]
@@ -253,7 +224,7 @@ def _repack(gate: torch.nn.Module, rows: torch.Tensor, slot2expert) -> None:
         gate.cpu_linear = old_fn  # the closure (and the compiled graph) keeps reading ``old``
 
 
-def _set_routes(served: Served, new) -> None:
+def _set_routes(served: Worker, new) -> None:
     if not new.num_redundant:
         return
     from vllm.distributed import get_ep_group
@@ -266,21 +237,19 @@ def _set_routes(served: Served, new) -> None:
         state.logical_to_physical_map.copy_(torch.as_tensor(new.route2physical[layer, rank])[:, None])
 
 
-def apply_swap(served: Served, swap: Swap) -> dict:
-    """Move weights, routers, routes, tables; ``served`` then names the new placement."""
-    from . import recorder, token_order
-
+def apply_swap(served: Worker, swap: Swap) -> dict:
+    """Move weights, routers, routes, tables; ``served`` then serves the new placement."""
     t0 = time.monotonic()
-    path, new = swap.path, swap.plan
+    path, new = swap.served.path, swap.served.plan
     moved = _move_experts(served, swap)
     _reorder_routers(served, new)
     _set_routes(served, new)
-    if token_order._ACTIVE is not None:
-        token_order._ACTIVE.swap(new, swap.placement, swap.tables)
-    if recorder._ACTIVE is not None:
-        recorder._ACTIVE.swap(new, path)
-    old = served.path
-    served.plan, served.path = new, path
+    if served.order is not None:
+        served.order.swap(new, swap.served.placement, swap.served.tables)
+    if served.recorder is not None:
+        served.recorder.swap(new, path)
+    old = served.placement.path
+    served.serve(swap.served)
     seconds = time.monotonic() - t0
     logger.info("smoe: live placement: %s -> %s: %d of %d expert slots moved in %.3f s", old, path, moved,
                 new.physical2expert.size, seconds)
@@ -292,33 +261,37 @@ class SmoeWorkerExtension:
     plugin): the methods ``collective_rpc`` calls by name."""
 
     def smoe_placement(self) -> str | None:
-        return None if _SERVED is None else _SERVED.path
+        w = worker()
+        return None if w is None or w.placement is None else w.placement.path
 
     def smoe_prepare_placement(self, path: str, yaml: bytes, tables: bytes | None, digest: str) -> dict:
         """Check the placement read as these bytes on this worker and allocate what the move
         needs: {"reason": '' = ready, else why (nothing changed), "bytes": expert bytes this rank
         holds in slots that change (the server's deadline for the move)}."""
-        from ..placement_file import Snapshot
+        from ..formats.placement_file import Snapshot
 
-        if _SERVED is None:
+        w = worker()
+        if w is None or w.placement is None:
             return {"reason": "this server loaded no smoe placement (start it with --smoe-placement to swap "
                               "placements live)", "bytes": 0}
-        _SERVED.pending = {}
+        w.pending = {}
         snapshot = Snapshot(path, yaml, tables)
         if snapshot.sha256 != digest:  # what was read is not what arrived: never parse half a file
             return {"reason": f"{path}: the placement arrived altered on this worker; send the request again",
                     "bytes": 0}
         try:
-            swap = check_swap(_SERVED, snapshot)
+            swap = check_swap(w, snapshot)
         except ValueError as e:
             return {"reason": str(e), "bytes": 0}
-        _SERVED.pending = {digest: swap}
-        return {"reason": "", "bytes": moved_bytes(_SERVED.plan, swap)}
+        w.pending = {digest: swap}
+        return {"reason": "", "bytes": moved_bytes(w.placement.plan, swap)}
 
     def smoe_cancel_placement(self) -> None:
-        if _SERVED is not None:
-            _SERVED.pending = {}
+        w = worker()
+        if w is not None:
+            w.pending = {}
 
     def smoe_apply_placement(self, digest: str) -> dict:
-        assert _SERVED is not None and digest in _SERVED.pending, "apply without a successful prepare"
-        return apply_swap(_SERVED, _SERVED.pending.pop(digest))
+        w = worker()
+        assert w is not None and digest in w.pending, "apply without a successful prepare"
+        return apply_swap(w, w.pending.pop(digest))

@@ -17,13 +17,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..model_info import expert_groups, moe_layer_indices, num_experts, top_k
+from ..formats.model_info import expert_groups, moe_layer_indices, num_experts, top_k
+from ..formats.placement_file import Placement, load_placement, model_fingerprint
 from ..placement.groups import broken_group
-from ..placement_file import Placement, load_placement, model_fingerprint
+
+# a router parameter of MoE layer ``layer`` as checkpoints and vLLM's models name it: the rows the
+# loader permutes into router order and a live swap permutes again
+ROUTER_PARAM = re.compile(r"^.*\.layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.gate\."
+                          r"(?:weight|e_score_correction_bias)$")
 
 
 def initial_physical_names(num_experts: int, num_physical: int) -> np.ndarray:

@@ -28,14 +28,14 @@ import torch
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from ..config import SmoeConfig
-from .load_plan import LoadPlan, initial_physical_names, plan_for
+from .config import SmoeConfig
+from .load_plan import ROUTER_PARAM, LoadPlan, initial_physical_names
+from .served import Worker, placement_for, start_worker
 
 logger = logging.getLogger("vllm.smoe")  # under vLLM's logger: same handlers and level
 
 _EXPERT = re.compile(r"^(?P<pre>.*\.layers\.(?P<layer>\d+)\.(?:[^.]+\.)*?)experts\.(?P<e>\d+)\.(?P<rest>.+)$")
 _FUSED = re.compile(r"^.*\.layers\.(?P<layer>\d+)\..*\.experts\.(?:gate_up_proj|down_proj)(?:\.weight)?$")
-_ROUTER = re.compile(r"^.*\.layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.gate\.(?:weight|e_score_correction_bias)$")
 
 
 def _slot_names(plan: LoadPlan, slots: range | None) -> list[list[list[int]]]:
@@ -75,7 +75,7 @@ def permute_weights(weights: Iterable[tuple[str, torch.Tensor]], plan: LoadPlan,
                 counts["renamed"] = counts.get("renamed", 0) + 1
                 yield f"{m['pre']}experts.{slot}.{m['rest']}", tensor
             continue
-        m = _ROUTER.match(name) or _FUSED.match(name)
+        m = ROUTER_PARAM.match(name) or _FUSED.match(name)
         if m is not None:
             layer = plan.layer_of(int(m["layer"]))
             if layer is not None and plan.num_redundant and _FUSED.match(name):
@@ -106,27 +106,27 @@ class SmoeModelLoader(DefaultModelLoader):
 
     def load_model(self, vllm_config, model_config, prefix: str = ""):
         cfg = SmoeConfig.from_additional_config(vllm_config.additional_config)
-        if cfg is not None and cfg.placement is not None:
-            self.plan = plan_for(cfg.placement, vllm_config)
+        served = placement_for(cfg, vllm_config)  # the one parse of this process (the exchange's too)
+        if served is not None:
+            self.plan = served.plan
         if self.plan is not None and self.plan.num_redundant:
             with _redundant_slots(vllm_config.parallel_config, self.plan.num_redundant):
                 model = super().load_model(vllm_config, model_config, prefix)
             install_routes(model, self.plan, self._ep_rank())
         else:
             model = super().load_model(vllm_config, model_config, prefix)
-        order = None
-        if cfg is not None and cfg.mode == "speculate":
+        if cfg is None:
+            return model
+        worker = Worker(model, vllm_config, cfg, served, self.gate_rows)  # what POST /smoe/placement swaps
+        if cfg.mode == "speculate":
             from .token_order import install_token_order
 
-            order = install_token_order(model, vllm_config, cfg, self.plan)
-        if cfg is not None and cfg.record is not None:  # after the token order: its rows are split
+            worker.order = install_token_order(model, vllm_config, cfg, served)
+        if cfg.record is not None:  # after the token order: its rows are split
             from .recorder import install_recorder
 
-            install_recorder(model, vllm_config, cfg, self.plan, order)
-        if cfg is not None:
-            from .live import remember
-
-            remember(model, vllm_config, cfg, self.plan, self.gate_rows)  # what POST /smoe/placement swaps
+            worker.recorder = install_recorder(model, vllm_config, cfg, self.plan, worker.order)
+        start_worker(worker)
         return model
 
     def _init_ep_weight_filter(self, model_config) -> None:

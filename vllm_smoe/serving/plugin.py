@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 
-from ..config import ALL2ALL, MODES, PREDICTORS
+from .config import ALL2ALL, MODES, PREDICTORS
 
 logger = logging.getLogger("vllm.smoe")  # under vLLM's logger: same handlers and level
 
@@ -96,7 +96,7 @@ def _smoe_from_args(args: argparse.Namespace) -> dict | None:
 def _install_hooks() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
-    from ..config import SmoeConfig
+    from .config import SmoeConfig
 
     for attr in ("add_cli_args", "from_cli_args", "create_load_config", "create_engine_config"):
         if not hasattr(EngineArgs, attr):
@@ -183,21 +183,16 @@ def _install_hooks() -> None:
             if cfg is not None and cfg.placement is not None:
                 from .capability import check_served_placement
 
-                check_served_placement(cfg.placement, cfg, vllm_config)
+                served = check_served_placement(cfg.placement, cfg, vllm_config)  # its tables parsed too
                 logger.info("smoe: placement %s checked against %s", cfg.placement, vllm_config.model_config.model)
                 pc = vllm_config.parallel_config
-                from ..placement_file import load_placement, load_tables
-
-                placement = load_placement(cfg.placement)
+                placement = served.placement
                 if pc.data_parallel_size > 1 and cfg.dp_routing and not pc.enable_expert_parallel:
                     logger.warning("smoe dp routing: off without --enable-expert-parallel (every DP rank holds every "
                                    "expert, so no rank is closer to a request's experts)")
-                elif pc.data_parallel_size > 1 and cfg.dp_routing:
-                    if placement.predictor is None:
-                        logger.warning("smoe dp routing: %s has no predictor tables; every request is left to "
-                                       "vLLM's load balancer", cfg.placement)
-                    else:
-                        load_tables(placement)  # what the front ends will score with, checked before serving
+                elif pc.data_parallel_size > 1 and cfg.dp_routing and placement.predictor is None:
+                    logger.warning("smoe dp routing: %s has no predictor tables; every request is left to "
+                                   "vLLM's load balancer", cfg.placement)
         return vllm_config
 
     EngineArgs.add_cli_args = staticmethod(add_cli_args)
@@ -210,7 +205,7 @@ def _install_hooks() -> None:
 def _smoe_errors():
     """A ValueError from smoe's own checks becomes a :class:`SmoeSettingsError` (still a
     ValueError for ``LLM`` users), which ``vllm serve`` prints as one line, exit code 2."""
-    from ..config import SmoeSettingsError
+    from .config import SmoeSettingsError
 
     try:
         yield
@@ -235,7 +230,7 @@ def _install_cli_exit() -> None:
 def _serve_cmd(args):
     """vLLM's ``serve`` command, exiting 2 with one line on a smoe settings error. Module-level:
     vLLM pickles the parsed arguments, this function among them, for its extra API servers."""
-    from ..config import SmoeSettingsError
+    from .config import SmoeSettingsError
 
     orig = getattr(_serve_cmd, "_smoe_original", None)
     if orig is None:  # a process that unpickled the arguments without wrapping the command
@@ -295,7 +290,7 @@ def _recover_at_exit(record_dir: str) -> None:
 
 
 def _recover_spills(record_dir: str, wait_s: float = 10.0) -> None:
-    from ..trace import recover_dead_spills
+    from ..formats.trace import recover_dead_spills
 
     if not os.path.isdir(record_dir):
         return  # nothing was recorded

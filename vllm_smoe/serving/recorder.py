@@ -47,12 +47,11 @@ from functools import partial
 import numpy as np
 import torch
 
-from ..config import SmoeConfig
-from ..model_info import moe_layer_indices, num_experts, top_k
-from ..trace import TraceMeta, TraceWriter, recover_dead_spills
+from .config import SmoeConfig
+from ..formats.model_info import moe_layer_indices, num_experts, top_k
+from ..formats.trace import TraceMeta, TraceWriter, recover_dead_spills
 
 logger = logging.getLogger("vllm.smoe")
-_ACTIVE: "Recorder | None" = None
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 IDLE_CLOSE_S = 2.0
 QUEUE_STEPS = 64  # steps waiting for the writer thread before new ones are dropped
@@ -413,23 +412,17 @@ class Recorder:
                             self.total, self.step, self.cfg.record)
 
 
-def _after_step(runner, scheduler_output, step) -> None:
-    if _ACTIVE is not None:
-        _ACTIVE.after_step(runner, scheduler_output, step)
-
-
 def install_recorder(model, vllm_config, cfg: SmoeConfig, plan, order=None) -> Recorder:
     """Hook the routers of ``model`` and the runner's step; called by the smoe loader after the
     token order (``order``, speculate) is in place."""
-    global _ACTIVE
-    from . import runner_hooks
-
-    runner_hooks.attach(after=_after_step)
     from vllm.platforms import current_platform
 
+    from . import runner_hooks
+
+    rec = Recorder(model, vllm_config, cfg, plan, order)
+    runner_hooks.attach(after=rec.after_step)
     runner_hooks.check_attached(vllm_config, current_platform.device_type)  # never record nothing silently
-    _ACTIVE = Recorder(model, vllm_config, cfg, plan, order)
-    logger.info("smoe record: capturing %d MoE layers into %s (%s of requests%s)", _ACTIVE.L, cfg.record,
+    logger.info("smoe record: capturing %d MoE layers into %s (%s of requests%s)", rec.L, cfg.record,
                 f"{cfg.record_sample:.0%}", "" if cfg.record_max_mb is None else f", at most {cfg.record_max_mb:g} MiB")
-    return _ACTIVE
+    return rec
 

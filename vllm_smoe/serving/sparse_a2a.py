@@ -205,8 +205,8 @@ def make_manager(cpu_group, comm):
     from vllm.config import get_current_vllm_config
     from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase
 
-    from ..config import SmoeConfig
-    from ..model_info import moe_layer_indices, num_experts
+    from .config import SmoeConfig
+    from ..formats.model_info import moe_layer_indices, num_experts
 
     class SparseAll2AllManager(All2AllManagerBase):
         def __init__(self):
@@ -220,10 +220,11 @@ def make_manager(cpu_group, comm):
             vc = get_current_vllm_config()
             cfg = SmoeConfig.from_additional_config(vc.additional_config)
             slots = num_experts(hf)  # physical expert slots: the placement's replicas add some
-            if cfg is not None and cfg.placement is not None:
-                from .load_plan import plan_for
+            from .served import placement_for
 
-                slots = plan_for(cfg.placement, vc).physical2expert.shape[1]
+            served = placement_for(cfg, vc)  # parsed here, before the model; the loader reads the same
+            if served is not None:
+                slots = served.plan.physical2expert.shape[1]
             # over a network each (token, rank) pair travels to that rank alone (all_to_all_single
             # on the group's gloo); over shared memory the static-size gather costs less
             group = comm.device_group
@@ -245,10 +246,8 @@ def make_manager(cpu_group, comm):
             # judged only where the placement's own ratio is what serving aims at: a DP placement
             # with smoe's request routing (speculate judges its own order)
             expected = None
-            if cfg is not None and cfg.placement is not None and self.log_dp and cfg.dp_routing:
-                from ..placement_file import load_placement
-
-                p = load_placement(cfg.placement)
+            if served is not None and self.log_dp and cfg.dp_routing:
+                p = served.placement
                 expected = p.metrics.get("lar") if p.method == "dp-coclust" else None
             self.drift = Drift(expected, cfg.drift_threshold if cfg is not None else 0.8)
             self.rank = comm.rank_in_group

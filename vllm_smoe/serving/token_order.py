@@ -38,10 +38,10 @@ import numpy as np
 import torch
 
 from . import device_predict as dp
+from .served import worker
 
 logger = logging.getLogger("vllm.smoe")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
-_ACTIVE: "TokenOrder | None" = None
 # MoE blocks whose forward reads its input only through sequence_parallel_chunk (vLLM 0.32
 # qwen3_moe.py): the token order gathers just the rank's chunk for them
 CHUNK_ONLY_BLOCKS = ("Qwen3MoeSparseMoeBlock",)
@@ -194,7 +194,7 @@ class TokenOrder:
                     raise ValueError(f"smoe mode speculate: predictor 'router': {reason}")
                 self.gates.append((gate, e.router))
         L, E = plan.slot2expert.shape
-        self.tables = None if tables is None else self._device_tables(tables, device)
+        self.tables = None if tables is None else device_tables(tables, device)
         self.bigrams = self.tables is not None and "bigram_keys" in self.tables
         self.slot2expert = torch.as_tensor(plan.slot2expert, device=device)
         # [L, N, E]: rank r holds a copy (home or replica) of router output e
@@ -240,7 +240,7 @@ class TokenOrder:
         model.register_forward_pre_hook(self._step_ids, with_kwargs=True)
         from . import runner_hooks
 
-        runner_hooks.attach(before=_before_step, after=_after_step)
+        runner_hooks.attach(before=self._before_step, after=self._after_step)
         from vllm.platforms import current_platform
 
         runner_hooks.check_attached(vllm_config, current_platform.device_type)  # else counters would read 0
@@ -261,11 +261,11 @@ class TokenOrder:
                     decoder_layer.register_forward_pre_hook(self._one_row_layer, with_kwargs=True)
             stack.norm.register_forward_pre_hook(self._one_row_final if split[-1] else self._final)
 
-    @staticmethod
-    def _device_tables(tables, device) -> dict[str, torch.Tensor]:
-        names = TABLE_NAMES + (("bigram_keys", "bigram2rank", "bigram_conf") if tables.has_bigrams else ())
-        out = {k: torch.as_tensor(getattr(tables, k)).to(device) for k in names}
-        return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
+    def _before_step(self, runner, scheduler_output) -> None:
+        self.before_step(scheduler_output)
+
+    def _after_step(self, runner, scheduler_output, step) -> None:
+        self.after_step()
 
     def swap(self, plan, placement, tables=None) -> None:
         """A live re-placement (:mod:`.live`), between two steps: the new placement's tables,
@@ -274,7 +274,7 @@ class TokenOrder:
         which :func:`.live.check_swap` refuses under CUDA graphs. Drift restarts its window
         against the new placement's own ratio."""
         if self.tables is not None:
-            new = self._device_tables(tables, self.slot2expert.device)
+            new = device_tables(tables, self.slot2expert.device)
             for k, v in new.items():
                 old = self.tables.get(k)
                 if old is not None and old.shape == v.shape:
@@ -554,7 +554,7 @@ class TokenOrder:
 # signatures; their order is fixed by data: restore_tokens consumes what order_tokens fed the block.
 @torch.library.custom_op("smoe::order_tokens", mutates_args=())
 def order_tokens(x: torch.Tensor, layer: int, predict: bool) -> torch.Tensor:
-    return _ACTIVE.order(x, layer, predict)
+    return worker().order.order(x, layer, predict)
 
 
 @order_tokens.register_fake
@@ -564,7 +564,7 @@ def _(x, layer, predict):
 
 @torch.library.custom_op("smoe::restore_tokens", mutates_args=())
 def restore_tokens(y: torch.Tensor, layer: int) -> torch.Tensor:
-    return _ACTIVE.restore(y, layer)
+    return worker().order.restore(y, layer)
 
 
 @restore_tokens.register_fake
@@ -579,25 +579,20 @@ def agree(token2rank: torch.Tensor, broadcast) -> torch.Tensor:
     return broadcast(t, 0).long()
 
 
-def _before_step(runner, scheduler_output) -> None:
-    if _ACTIVE is not None:
-        _ACTIVE.before_step(scheduler_output)
+def device_tables(tables, device) -> dict[str, torch.Tensor]:
+    """The predictor tables (``placement.predict.PredictorTables``) as the ops read them: name ->
+    tensor on ``device``, floats as float32."""
+    names = TABLE_NAMES + (("bigram_keys", "bigram2rank", "bigram_conf") if tables.has_bigrams else ())
+    out = {k: torch.as_tensor(getattr(tables, k)).to(device) for k in names}
+    return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
 
 
-def _after_step(runner, scheduler_output, step) -> None:
-    if _ACTIVE is not None:
-        _ACTIVE.after_step()
-
-
-def install_token_order(model, vllm_config, cfg, plan) -> TokenOrder:
-    """Called by smoe's model loader once the weights are in place."""
-    global _ACTIVE
-    from ..placement_file import load_placement, load_tables
-
-    placement = load_placement(cfg.placement)
-    tables = load_tables(placement) if cfg.predictor.startswith("tables") else None
-    _ACTIVE = TokenOrder(model, vllm_config, cfg, tables, plan, expected=placement.metrics.get("lar"))
+def install_token_order(model, vllm_config, cfg, served) -> TokenOrder:
+    """Called by smoe's model loader once the weights are in place; ``served``: the process's
+    :class:`~.served.ServedPlacement` (its tables and load plan)."""
+    tables = served.tables if cfg.predictor.startswith("tables") else None
+    order = TokenOrder(model, vllm_config, cfg, tables, served.plan, expected=served.placement.metrics.get("lar"))
     logger.info("smoe: mode speculate: token order over %d ranks around %d MoE blocks (%s), %s, predictor %s",
-                _ACTIVE.N, len(_ACTIVE.blocks), type(_ACTIVE.blocks[0][1]).__name__,
-                "one order per step" if _ACTIVE.stack else "one order per layer", cfg.predictor)
-    return _ACTIVE
+                order.N, len(order.blocks), type(order.blocks[0][1]).__name__,
+                "one order per step" if order.stack else "one order per layer", cfg.predictor)
+    return order

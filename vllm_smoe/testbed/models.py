@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from ..model_info import moe_layer_indices, num_experts, top_k
+from ..formats.model_info import moe_layer_indices, num_experts, top_k
 
 ARCHS = ("qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
 TRAINABLE = ("qwen3_moe", "deepseek_v2", "deepseek_v3")

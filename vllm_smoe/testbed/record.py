@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..trace import TraceMeta, TraceWriter
+from ..formats.trace import TraceMeta, TraceWriter
 from .corpus import DOMAINS
 
 

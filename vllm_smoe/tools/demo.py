@@ -25,8 +25,8 @@ def _workload(per_domain: int = 8, prompt_tokens: int = 96) -> list[list[int]]:
     """Token-id prompts cut from the held-out text of every domain."""
     import numpy as np
 
-    from .testbed import FIXTURE_TRACES
-    from .trace import open_trace
+    from ..testbed import FIXTURE_TRACES
+    from ..formats.trace import open_trace
 
     t = open_trace(FIXTURE_TRACES["heldout"])
     tok, req, dom = t["token_ids"], t["request_ids"], t["domain"]
@@ -52,9 +52,9 @@ def _serve(model: str, prompts, log: str, *flags: str, max_tokens: int = 16, env
 
 def main() -> int:
     from .place_cli import main as place_main
-    from .testbed import FIXTURE_MODEL, FIXTURE_TRACES
-    from .testbed.cli import main as testbed_main
-    from .trace import read_traces
+    from ..testbed import FIXTURE_MODEL, FIXTURE_TRACES
+    from .testbed_cli import main as testbed_main
+    from ..formats.trace import read_traces
 
     _step(1, "testbed: trained 4-domain Qwen3-MoE (4 MoE layers, 32 experts, top-4) and its routing")
     print(f"    model: {FIXTURE_MODEL}")

@@ -27,12 +27,10 @@ a half-written file).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 import zipfile
 import zlib
@@ -380,7 +378,7 @@ def _assemble(path: str, meta: TraceMeta, spill_dir: str, dtypes: Mapping[str, n
               tails: Mapping[str, tuple[int, ...]], num_tokens: int, compresslevel: int = 1) -> None:
     """The ``.npz`` at ``path`` from the first ``num_tokens`` rows of each raw spill file,
     written to a temporary name and renamed (readers never see a half-written trace)."""
-    from .cli_util import refuse_special
+    from .bounded import refuse_special
 
     refuse_special(path, "output")  # never a regular file renamed over a device node or FIFO
     tmp = path + ".tmp"
@@ -439,7 +437,7 @@ class TraceWriter:
         parent = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(parent):
             raise ValueError(f"{self.path}: directory {parent} does not exist")
-        from .cli_util import refuse_special
+        from .bounded import refuse_special
 
         refuse_special(self.path, "output")  # before any spill data: it could never be renamed there
         self._dir = tempfile.mkdtemp(prefix=SPILL_PREFIX, dir=parent)
@@ -817,70 +815,3 @@ def summary(trace: Trace) -> dict[str, object]:
         "domains": list(m.domains),
         "model": m.model,
     }
-
-
-def _recover_main(dirs: Sequence[str], force: bool) -> int:
-    status = 0
-    for d in dirs:
-        if not os.path.isdir(d):
-            print(f"error: {d}: not a directory", file=sys.stderr)
-            return 2
-        try:
-            spills = find_spills(d)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        if not spills:
-            print(f"{d}: nothing to recover")
-        for sd in spills:
-            if not force and spill_owner_alive(sd):
-                print(f"skipped {sd}: its writer is still running (it holds the spill's lock) or it has no "
-                      f"lock file (--force to recover anyway)")
-                continue
-            try:
-                out, n = recover_spill(sd, force=force)
-            except ValueError as e:
-                print(f"error: {e}", file=sys.stderr)
-                status = 2
-                continue
-            print(f"recovered {out}: {n} tokens" if out else f"removed {sd}: no complete row")
-    return status
-
-
-def _files_main(args) -> int:
-    for f in args.files:
-        t = open_trace(f, validate=args.cmd == "validate")
-        if args.cmd == "validate":
-            print(f"ok: {f}: {t.num_tokens} tokens, {t.meta.num_layers} layers, "
-                  f"{t.meta.num_experts} experts, top-{t.meta.top_k}")
-        else:
-            print(json.dumps(summary(t), indent=2))
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from .cli_util import run_cli
-
-    p = argparse.ArgumentParser(
-        prog="smoe-trace",
-        description="Validate, inspect and recover smoe routing traces (.npz). Also: python -m vllm_smoe.trace",
-    )
-    sub = p.add_subparsers(dest="cmd", required=True)
-    v = sub.add_parser("validate", help="check every field and every row; exit 2 on the first problem")
-    v.add_argument("files", nargs="+", help="trace .npz files")
-    v.set_defaults(fn=_files_main)
-    i = sub.add_parser("info", help="print meta, fields and token count (reads no rows)")
-    i.add_argument("files", nargs="+")
-    i.set_defaults(fn=_files_main)
-    r = sub.add_parser("recover", help="turn the spill data a recorder left behind (killed before it closed "
-                                       "its file) into traces")
-    r.add_argument("dirs", nargs="+", help="record directories (their .trace-* spill directories are read)")
-    r.add_argument("--force", action="store_true",
-                   help="also spill directories still locked (a writer on another machine of a shared file "
-                        "system, where locks may not be seen): only when no writer can be running")
-    r.set_defaults(fn=lambda a: _recover_main(a.dirs, a.force))
-    return run_cli(p, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

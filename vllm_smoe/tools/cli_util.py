@@ -12,6 +12,8 @@ import os
 import sys
 import traceback
 
+from ..formats.bounded import refuse_special
+
 
 def run_cli(parser: argparse.ArgumentParser, argv=None) -> int:
     """Parse ``argv`` and call the chosen subcommand's ``fn(args)``. Bad input (a ValueError,
@@ -87,24 +89,6 @@ def _probe_dir(directory: str, path: str, flag: str) -> None:
                 os.rmdir(m)
             except OSError:
                 pass  # not empty: someone else writes there now
-
-
-def refuse_special(path: str, flag: str) -> None:
-    """smoe writes a file by renaming a finished temporary over it: that would put a regular file
-    where a device node, FIFO or socket was (as root, ``-o /dev/null`` would break the host).
-    Raises ValueError for anything at ``path`` (symlinks followed) but a regular file."""
-    import stat
-
-    from .bounded import kind_of
-
-    try:
-        mode = os.stat(path).st_mode
-    except (FileNotFoundError, NotADirectoryError):
-        return  # nothing there (the directory checks name what is wrong with the parents)
-    if stat.S_ISDIR(mode):
-        raise ValueError(f"{path}: {flag} names a directory, not a file")
-    if not stat.S_ISREG(mode):
-        raise ValueError(f"{path}: {flag} names {kind_of(mode)}; smoe writes regular files only (it would replace it)")
 
 
 def check_output_file(path: str, flag: str) -> None:

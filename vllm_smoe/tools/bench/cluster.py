@@ -296,7 +296,7 @@ def _probe_sink(port: int) -> int:
 
 def measure_link(net: Net, port: int = 29500, nbytes: int = 4 << 20) -> dict:
     """Round-trip time of 64-byte messages and the rate of a bulk TCP transfer, 0 -> 1."""
-    sink = subprocess.Popen(["ip", "netns", "exec", net.ns[1], sys.executable, "-m", "vllm_smoe.bench_cluster",
+    sink = subprocess.Popen(["ip", "netns", "exec", net.ns[1], sys.executable, "-m", "vllm_smoe.tools.bench.cluster",
                              "--probe-sink", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     code = f"""
 import socket, time, json
@@ -343,7 +343,7 @@ def _wire_worker(rank: int, spec_path: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from .serving.sparse_a2a import SparseExchange
+    from ...serving.sparse_a2a import SparseExchange
 
     with open(spec_path) as f:
         spec = json.load(f)
@@ -355,7 +355,7 @@ def _wire_worker(rank: int, spec_path: str) -> int:
         vals = [int(open(f"/sys/class/net/{dev}/statistics/{k}").read()) for k in ("tx_bytes", "tx_packets")]
         return {"tx_bytes": vals[0], "tx_packets": vals[1]}
 
-    from .bench import gloo_collectives
+    from .comm import gloo_collectives
 
     gather, reduce_scatter = gloo_collectives(N)
 
@@ -402,16 +402,16 @@ def wire_check(net: Net, hidden: int, work: str, tokens: int = 64, steps: int = 
     predictor (as ``smoe-bench comm``), ``steps`` steps of ``tokens`` tokens at ``hidden``."""
     import argparse
 
-    from .bench import _comm_plan
+    from .comm import comm_plan
 
-    plan = _comm_plan(argparse.Namespace(routing="testbed", layer=1, tokens=tokens, steps=steps, ranks=2,
+    plan = comm_plan(argparse.Namespace(routing="testbed", layer=1, tokens=tokens, steps=steps, ranks=2,
                                          hidden=hidden))
     plan = json.loads(json.dumps(plan, default=lambda o: o.tolist()))
     spec = {"plan": plan, "dev": net.dev, "port": port, "out": os.path.join(work, "wire-{rank}.json")}
     path = os.path.join(work, "wire-spec.json")
     with open(path, "w") as f:
         json.dump(spec, f)
-    procs = [subprocess.Popen(["ip", "netns", "exec", net.ns[r], sys.executable, "-m", "vllm_smoe.bench_cluster",
+    procs = [subprocess.Popen(["ip", "netns", "exec", net.ns[r], sys.executable, "-m", "vllm_smoe.tools.bench.cluster",
                                "--wire-worker", str(r), path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, env={**os.environ, "GLOO_SOCKET_IFNAME": net.dev[r]}) for r in (0, 1)]
     logs = [p.communicate(timeout=600)[0] for p in procs]
@@ -460,7 +460,7 @@ def configurations(tp_placement: str, dp_placement: str, metrics_dir: str, mla: 
 
 def node_command(model: str, cfg: dict, node: int, api: int, port: int, max_seqs: int,
                  mem_share: float = 0.3) -> list[str]:
-    from .server_process import CPU_ARGS, attention_args, vllm_executable
+    from ..server_process import CPU_ARGS, attention_args, vllm_executable
 
     # KV cache: vLLM's CPU budget is a share of RAM less the weights, and production-width
     # weights take more than the tests' 0.15 leaves
@@ -484,12 +484,12 @@ def node_command(model: str, cfg: dict, node: int, api: int, port: int, max_seqs
 # ----- the client, inside namespace 0 ---------------------------------------------------------
 
 def _one(client, model, prompt, max_tokens, start_at=None):
-    from .bench import _stream
+    from .common import stream
 
     if start_at is not None:
         time.sleep(max(0.0, start_at - time.perf_counter()))
     try:
-        st, ts, n = _stream(client, model, prompt, max_tokens)
+        st, ts, n = stream(client, model, prompt, max_tokens)
         return st, ts, n, None
     except Exception as e:  # a failed request counts as failed, the run goes on
         return time.perf_counter(), [], 0, repr(e)
@@ -633,7 +633,7 @@ def run_config(net: Net, name: str, cfg: dict, idx: int, work: str, a, phases: l
         with open(spec["out"] + ".spec", "w") as f:
             json.dump(spec, f)
         logs.append(spec["out"].replace(".json", ".log"))
-        client = subprocess.Popen(["ip", "netns", "exec", net.ns[0], sys.executable, "-m", "vllm_smoe.bench_cluster",
+        client = subprocess.Popen(["ip", "netns", "exec", net.ns[0], sys.executable, "-m", "vllm_smoe.tools.bench.cluster",
                                    "--client", spec["out"] + ".spec"], stdout=open(logs[2], "w"),
                                   stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(client)
@@ -718,8 +718,8 @@ def summarise(results: dict, slo_scale: float) -> dict:
 
 
 def run(a) -> int:
-    from .cli_util import check_output_file
-    from .bench import _mixed_prompts
+    from ..cli_util import check_output_file
+    from .common import mixed_prompts
 
     if a.json:
         check_output_file(a.json, "--json")
@@ -734,13 +734,13 @@ def run(a) -> int:
         print(f"smoe-bench cluster: needs root (namespaces, veth, tc) and iproute2's ip and tc; uid "
               f"{os.geteuid()}, not found: {', '.join(missing) or 'none'}", file=sys.stderr)
         return 2
-    from .testbed import FIXTURE_MODEL, FIXTURE_TRACES
+    from ...testbed import FIXTURE_MODEL, FIXTURE_TRACES
 
     work = a.work or tempfile.mkdtemp(prefix="smoe-cluster-")
     os.makedirs(work, exist_ok=True)
     print(f"logs in {work}", flush=True)
     if a.model is None:  # the trained fixture at production row sizes, its routing unchanged
-        from .testbed.inflate import inflate_checkpoint
+        from ...testbed.inflate import inflate_checkpoint
 
         a.model = os.path.join(work, "fixture-wide")
         if not os.path.isfile(os.path.join(a.model, "model.safetensors")):
@@ -754,14 +754,14 @@ def run(a) -> int:
         if not a.trace:
             raise ValueError(f"--trace is needed to build the {mode} placement (or give --{mode}-placement)")
         out = os.path.join(work, f"placement-{mode}.yaml")
-        sh(sys.executable, "-m", "vllm_smoe.place_cli", "build", "--trace", *a.trace, "--ep-size", "2", "--model",
+        sh(sys.executable, "-m", "vllm_smoe.tools.place_cli", "build", "--trace", *a.trace, "--ep-size", "2", "--model",
            a.model, *flags, "-o", out)
         tp_pl, dp_pl = (out, dp_pl) if mode == "tp" else (tp_pl, out)
     metrics_dir = os.path.join(work, "metrics")
     os.makedirs(metrics_dir, exist_ok=True)
-    from .bench import _is_mla
+    from .common import is_mla
 
-    all_cfgs = configurations(tp_pl, dp_pl, metrics_dir, mla=_is_mla(a.model))
+    all_cfgs = configurations(tp_pl, dp_pl, metrics_dir, mla=is_mla(a.model))
     names = [c for c in a.configs.split(",") if c]
     if bad := [c for c in names if c not in all_cfgs]:
         raise ValueError(f"--configs: unknown {bad}; choose from {', '.join(all_cfgs)}")
@@ -770,7 +770,7 @@ def run(a) -> int:
           f"weight reads", flush=True)
     need = len(a.concurrency) * a.requests_per_level + max(a.concurrency) + a.prefill_requests \
         + a.poisson_requests * len(a.rates) + 8
-    prompts = _mixed_prompts(a.prompts_trace or FIXTURE_TRACES["heldout"], need,
+    prompts = mixed_prompts(a.prompts_trace or FIXTURE_TRACES["heldout"], need,
                              max(a.decode_prompt, a.prefill_prompt), a.seed)
     if len(prompts) < need:
         prompts = (prompts * (need // max(1, len(prompts)) + 1))[:need]
@@ -833,9 +833,9 @@ def run(a) -> int:
                "configs": {n: {k: list(v) if k == "flags" else v for k, v in all_cfgs[n].items()} for n in names},
                "summary": summary, "results": results}
     if a.json:
-        from .bench import _write_json
+        from .common import write_json
 
-        _write_json(a.json, payload)
+        write_json(a.json, payload)
     if a.plot:
         _plot(summary, results, a.plot)
     return rc or int(any("error" in r for res in results.values() for r in res.values()))
@@ -932,7 +932,7 @@ def _plot(summary: dict, results: dict, path: str) -> None:
 def add_parser(sub) -> None:
     import argparse
 
-    from .cli_util import number
+    from ..cli_util import number
 
     p = sub.add_parser("cluster", help="vLLM nodes in network namespaces over a link shaped to a real cluster's "
                                        "proportions: every configuration end to end (needs root; JSON, plot)")

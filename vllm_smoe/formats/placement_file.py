@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .bounded import short
-from .placement.groups import broken_group
+from ..placement.groups import broken_group
 
 SCHEMA_VERSION = 1
 
@@ -55,7 +55,7 @@ class Placement:
 
     def holds(self) -> np.ndarray:
         """[L, N, E] bool: rank holds a copy of expert."""
-        from .placement.metrics import holds_from_expert2rank
+        from ..placement.metrics import holds_from_expert2rank
 
         return holds_from_expert2rank(self.expert2rank, self.ep_size, self.replicas)
 
@@ -71,7 +71,7 @@ def model_fingerprint(config: dict) -> str:
 
 
 def _atomic_write(path: str, data: bytes) -> None:
-    from .cli_util import refuse_special
+    from .bounded import refuse_special
 
     refuse_special(path, "output")
     tmp = f"{path}.tmp{os.getpid()}"
@@ -336,13 +336,14 @@ class Snapshot:
         return load_placement(self.path, self.yaml)
 
 
-def read_snapshot(path: str, allowed_dirs: tuple[str, ...] | None = None) -> Snapshot:
-    """Resolve ``path`` (symlinks too), refuse it unless it and its tables file lie inside one of
+def read_snapshot(path: str, allowed_dirs: tuple[str, ...] | None = None, resolve: bool = True) -> Snapshot:
+    """Resolve ``path`` (symlinks too; ``resolve=False`` keeps it as given, as a server does with
+    the placement it starts with), refuse it unless it and its tables file lie inside one of
     ``allowed_dirs`` (None = anywhere), and read both once: a :class:`Snapshot`. ValueError names
     the file; contents are never echoed."""
     from .bounded import MAX_YAML_BYTES, read_bytes
 
-    real = os.path.realpath(path)
+    real = os.path.realpath(path) if resolve else path
 
     def inside(p: str, what: str) -> None:
         if allowed_dirs is not None and not any(os.path.commonpath([p, d]) == d
@@ -355,15 +356,16 @@ def read_snapshot(path: str, allowed_dirs: tuple[str, ...] | None = None) -> Sna
     placement = load_placement(real, data)
     tables = None
     if placement.predictor is not None:
-        inside(os.path.realpath(placement.predictor), "field 'predictor': tables file")
-        tables = read_bytes(os.path.realpath(placement.predictor), "tables file", _tables_bound(placement))
+        predictor = os.path.realpath(placement.predictor)
+        inside(predictor, "field 'predictor': tables file")
+        tables = read_bytes(predictor if resolve else placement.predictor, "tables file", _tables_bound(placement))
     return Snapshot(real, data, tables)
 
 
 def load_tables(placement: Placement, data: bytes | None = None):
     """The predictor tables of a placement (``placement.predict.PredictorTables``); ``data``: the
     tables file's bytes as read before (:class:`Snapshot`), else the file is read."""
-    from .placement.predict import PredictorTables
+    from ..placement.predict import PredictorTables
 
     import zipfile
     import zlib

@@ -145,3 +145,17 @@ def load_yaml(path: str, what: str, max_bytes: int = MAX_YAML_BYTES, max_depth: 
         raise ValueError(f"{path}: {what}: malformed YAML{where} ({problem})") from None
     finally:
         loader.dispose()
+
+
+def refuse_special(path: str, flag: str) -> None:
+    """smoe writes a file by renaming a finished temporary over it: that would put a regular file
+    where a device node, FIFO or socket was (as root, ``-o /dev/null`` would break the host).
+    Raises ValueError for anything at ``path`` (symlinks followed) but a regular file."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return  # nothing there (the directory checks name what is wrong with the parents)
+    if stat.S_ISDIR(mode):
+        raise ValueError(f"{path}: {flag} names a directory, not a file")
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{path}: {flag} names {kind_of(mode)}; smoe writes regular files only (it would replace it)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from .bounded import short
+from ..formats.bounded import short
 
 MODES = ("place", "record", "speculate")
 
@@ -169,13 +169,13 @@ class SmoeConfig:
     def check_files(self) -> None:
         """Fail before serving: the placement parses, the record directory is writable."""
         if self.placement is not None:
-            from .placement_file import load_placement
+            from .served import placement_for
 
-            load_placement(self.placement)
+            placement_for(self)  # parsed once: what every later check in this process reads
         if self.metrics_dir is not None and not (os.path.isdir(self.metrics_dir)
                                                  and os.access(self.metrics_dir, os.W_OK | os.X_OK)):
             raise ValueError(f"{self.metrics_dir}: field 'metrics_dir' is not a writable directory")
         if self.record is not None:  # tested for real (a file made and removed), nothing left behind
-            from .cli_util import check_output_dir
+            from ..tools.cli_util import check_output_dir
 
             check_output_dir(self.record, "field 'record'")

@@ -11,12 +11,12 @@ import time
 
 import numpy as np
 
-from ..cli_util import number, run_cli
-from . import FIXTURE_MODEL, FIXTURE_TRACES, FIXTURES
+from .cli_util import number, run_cli
+from ..testbed import FIXTURE_MODEL, FIXTURE_TRACES, FIXTURES
 
 
 def _cmd_build(a) -> int:
-    from .models import build_random
+    from ..testbed.models import build_random
 
     build_random(a.arch, a.output, a.tokenizer, seed=a.seed, num_layers=a.layers, num_experts=a.experts,
                  top_k=a.top_k)
@@ -25,8 +25,8 @@ def _cmd_build(a) -> int:
 
 
 def _cmd_train(a) -> int:
-    from .corpus import load_corpus
-    from .train import train_model, train_tokenizer
+    from ..testbed.corpus import load_corpus
+    from ..testbed.train import train_model, train_tokenizer
 
     split = load_corpus()
     with tempfile.TemporaryDirectory() as tok_dir:
@@ -41,9 +41,9 @@ def _cmd_train(a) -> int:
 
 
 def _cmd_record(a) -> int:
-    from .corpus import load_corpus
-    from .record import record_domains
-    from .train import encode_domains
+    from ..testbed.corpus import load_corpus
+    from ..testbed.record import record_domains
+    from ..testbed.train import encode_domains
 
     split = load_corpus()
     texts = split.heldout if a.split == "heldout" else split.train
@@ -55,7 +55,7 @@ def _cmd_record(a) -> int:
 
 def _cmd_stats(a) -> int:
     from ..placement.stats import domain_specificity, expert_usage, interlayer_precision, token_hotness
-    from ..trace import open_trace
+    from ..formats.trace import open_trace
 
     t = open_trace(a.trace, validate=True)
     tok, topk = t["token_ids"], t["topk_ids"]
@@ -94,14 +94,14 @@ def _cmd_stats(a) -> int:
 
 
 def _cmd_synth(a) -> int:
-    from ..synthetic import write_synthetic
+    from ..testbed.synthetic import write_synthetic
 
     t0 = time.time()
     if (a.groups is None) != (a.topk_group is None):
         raise ValueError("--groups and --topk-group go together")
     grouped = dict(groups=a.groups, topk_group=a.topk_group) if a.groups else {}
     if a.file_tokens is None:
-        from ..cli_util import refuse_special
+        from ..formats.bounded import refuse_special
 
         refuse_special(a.output, "-o")  # before generating: never a file renamed over a device node
     write_synthetic(a.output, a.shape, a.tokens, seed=a.seed, progress=True, hotness=a.hotness,
@@ -112,8 +112,8 @@ def _cmd_synth(a) -> int:
 
 
 def _cmd_inflate(a) -> int:
-    from ..cli_util import check_output_dir
-    from .inflate import inflate_checkpoint
+    from .cli_util import check_output_dir
+    from ..testbed.inflate import inflate_checkpoint
 
     if os.path.abspath(a.output) == os.path.abspath(a.source):
         raise ValueError(f"{a.output}: -o must differ from the source checkpoint")
@@ -137,8 +137,8 @@ def _cmd_path(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..synthetic import SHAPES
-    from .models import ARCHS, TRAINABLE
+    from ..testbed.synthetic import SHAPES
+    from ..testbed.models import ARCHS, TRAINABLE
 
     p = argparse.ArgumentParser(prog="smoe-testbed", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)

@@ -14,7 +14,7 @@ Optionally group-limited, as DeepSeek-V3 routes (``groups`` = its ``n_group``, `
 each token's experts at a layer then lie in at most ``topk_group`` of the ``groups`` contiguous
 blocks of expert ids.
 
-Pure numpy, streamed in chunks; output is the routing-trace format (:mod:`vllm_smoe.trace`).
+Pure numpy, streamed in chunks; output is the routing-trace format (:mod:`vllm_smoe.formats.trace`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .trace import TraceMeta, TraceWriter
+from ..formats.trace import TraceMeta, TraceWriter
 
 
 @dataclass(frozen=True)

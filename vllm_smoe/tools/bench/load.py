@@ -30,7 +30,7 @@ import numpy as np
 
 def domain_prompts(trace_path: str, domain: int, prompt_tokens: int) -> list[list[int]]:
     """The first ``prompt_tokens`` ids of every request of one domain of a trace."""
-    from .trace import read_traces
+    from ...formats.trace import read_traces
 
     _, arr, _ = read_traces([trace_path], ("token_ids", "request_ids", "domain"))
     keep = arr["domain"] == domain
@@ -63,14 +63,14 @@ class Clients:
         return p
 
     def _loop(self) -> None:
-        from .bench import _stream
+        from .common import stream
 
         client = self.server.client()
         while not self.stop.is_set():
             prompt = self._prompt()
             t0 = time.perf_counter()
             try:
-                start, times, n = _stream(client, self.model, prompt, self.max_tokens)
+                start, times, n = stream(client, self.model, prompt, self.max_tokens)
                 row = {"start": start, "end": time.perf_counter(), "ttft": times[0] - start if times else None,
                        "tpot": (times[-1] - times[0]) / (n - 1) if len(times) > 1 and n > 1 else None,
                        "max_gap": float(np.max(np.diff(times))) if len(times) > 1 else None,
@@ -147,11 +147,11 @@ def _plot(path: str, timeline: list[dict], shift_t: float, drift_t: float | None
 def run(a) -> int:
     import tempfile
 
-    from .cli_util import check_output_file
-    from .place_cli import main as place
-    from .server_process import VllmServer
-    from .testbed import FIXTURE_MODEL, FIXTURE_TRACES
-    from .trace import read_traces, write_trace
+    from ..cli_util import check_output_file
+    from ..place_cli import main as place
+    from ..server_process import VllmServer
+    from ...testbed import FIXTURE_MODEL, FIXTURE_TRACES
+    from ...formats.trace import read_traces, write_trace
 
     for path, flag in ((a.json, "--json"), (a.plot, "--plot")):
         if path:
@@ -305,9 +305,9 @@ def run(a) -> int:
               f"TP={a.tp} speculate, {a.clients} clients: {names[a.first_domain]} -> {names[a.then_domain]} "
               f"traffic, live re-placement from the recording")
         print(f"plot: {a.plot}")
-    from .bench import _write_json
+    from .common import write_json
 
-    _write_json(a.json, result)
+    write_json(a.json, result)
     return 0
 
 
