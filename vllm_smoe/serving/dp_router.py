@@ -37,7 +37,6 @@ from ..placement.dp import CAPACITY, WINDOW, balance_mask, pick_rank, request_af
 
 logger = logging.getLogger("vllm.smoe")
 
-_INSTALLED = False
 
 
 class RequestRouter:
@@ -150,67 +149,56 @@ def router_for(vllm_config, engine_ranks) -> RequestRouter | None:
     return router
 
 
+def _attach(client):
+    ranks = getattr(client, "engine_ranks_managed", None) or range(len(client.core_engines))
+    client._smoe_router = router_for(client.vllm_config, ranks)
+    return client._smoe_router
+
+
+def _choose(orig, client, request):
+    """vLLM's ``get_core_engine_for_request`` (``orig``) with smoe's choice of the engine."""
+    router = client.__dict__.get("_smoe_router", False)
+    if router is False:  # a client built before the wrapper was installed
+        router = _attach(client)
+    if router is not None and (len(client.core_engines) != router.num_engines
+                               or len(client.lb_engines) != router.num_engines):
+        logger.warning("smoe dp routing is off: the DP engines changed (%d, routed for %d; elastic "
+                       "scaling); the placement no longer matches them", len(client.core_engines),
+                       router.num_engines)
+        router = client._smoe_router = None
+    if router is None or request.request_id in client.reqs_in_flight or request.prompt_token_ids is None:
+        return orig(client, request)
+    sp = request.sampling_params
+    weight = len(request.prompt_token_ids) + ((sp.max_tokens or 0) if sp is not None else 0)
+    if request.data_parallel_rank is not None or request.pooling_params is not None:
+        # a named rank is the client's; pooling requests keep vLLM's own rules
+        engine = orig(client, request)
+        router.routed(client.core_engines.index(engine), weight,
+                      "explicit" if request.data_parallel_rank is not None else "vllm")
+        return engine
+    choice = router.choose(request.prompt_token_ids, weight, [c[0] for c in client.lb_engines],
+                           client.client_count)
+    if choice < 0:
+        engine = orig(client, request)
+        router.routed(client.core_engines.index(engine), weight, "vllm")
+        return engine
+    # vLLM's explicit-rank path does its own bookkeeping (in-flight request, abort routing);
+    # the waiting count its balancer adds between coordinator snapshots is added here
+    request.data_parallel_rank = choice
+    try:
+        engine = orig(client, request)
+    finally:
+        request.data_parallel_rank = None
+    client.lb_engines[choice][0] += client.client_count
+    router.routed(choice, weight, "placement")
+    return engine
+
+
 def install() -> None:
     """Wrap vLLM's DP load balancer (idempotent; a no-op for clients whose config does not ask)."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
-    from vllm.v1.engine.core_client import DPLBAsyncMPClient
+    from .patches import dp_client
 
-    orig = DPLBAsyncMPClient.get_core_engine_for_request
-    orig_init = DPLBAsyncMPClient.__init__
-
-    def _attach(self):
-        ranks = getattr(self, "engine_ranks_managed", None) or range(len(self.core_engines))
-        self._smoe_router = router_for(self.vllm_config, ranks)
-        return self._smoe_router
-
-    def __init__(self, *args, **kwargs):
-        orig_init(self, *args, **kwargs)
-        _attach(self)  # tables read while the server starts, not on its first request
-
-    def get_core_engine_for_request(self, request):
-        router = self.__dict__.get("_smoe_router", False)
-        if router is False:  # a client built before the wrapper was installed
-            router = _attach(self)
-        if router is not None and (len(self.core_engines) != router.num_engines
-                                   or len(self.lb_engines) != router.num_engines):
-            logger.warning("smoe dp routing is off: the DP engines changed (%d, routed for %d; elastic "
-                           "scaling); the placement no longer matches them", len(self.core_engines),
-                           router.num_engines)
-            router = self._smoe_router = None
-        if router is None or request.request_id in self.reqs_in_flight or request.prompt_token_ids is None:
-            return orig(self, request)
-        sp = request.sampling_params
-        weight = len(request.prompt_token_ids) + ((sp.max_tokens or 0) if sp is not None else 0)
-        if request.data_parallel_rank is not None or request.pooling_params is not None:
-            # a named rank is the client's; pooling requests keep vLLM's own rules
-            engine = orig(self, request)
-            router.routed(self.core_engines.index(engine), weight,
-                          "explicit" if request.data_parallel_rank is not None else "vllm")
-            return engine
-        choice = router.choose(request.prompt_token_ids, weight, [c[0] for c in self.lb_engines],
-                               self.client_count)
-        if choice < 0:
-            engine = orig(self, request)
-            router.routed(self.core_engines.index(engine), weight, "vllm")
-            return engine
-        # vLLM's explicit-rank path does its own bookkeeping (in-flight request, abort routing);
-        # the waiting count its balancer adds between coordinator snapshots is added here
-        request.data_parallel_rank = choice
-        try:
-            engine = orig(self, request)
-        finally:
-            request.data_parallel_rank = None
-        self.lb_engines[choice][0] += self.client_count
-        router.routed(choice, weight, "placement")
-        return engine
-
-    get_core_engine_for_request._smoe_original = orig
-    __init__._smoe_original = orig_init
-    DPLBAsyncMPClient.get_core_engine_for_request = get_core_engine_for_request
-    DPLBAsyncMPClient.__init__ = __init__
-    _INSTALLED = True
+    dp_client.install(_attach, _choose)
 
 
 _SCORERS: dict[tuple[str, int], RequestRouter] = {}

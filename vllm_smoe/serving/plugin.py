@@ -1,14 +1,16 @@
 """vLLM general plugin ``smoe`` (entry point ``vllm.general_plugins``).
 
-vLLM calls :func:`register` in every process, before ``vllm serve`` builds its parser. It
-hooks four of ``EngineArgs``' own steps, each a no-op unless smoe is asked for (and installs the
-CPU fixes, the loader and the DP request router, each inert unless a config asks):
+vLLM calls :func:`register` in every process, before ``vllm serve`` builds its parser. Through
+:mod:`.patches` it hooks four of ``EngineArgs``' own steps, each a no-op unless smoe is asked
+for (and installs the CPU fixes, the loader and the DP request router, each inert unless a
+config asks); this module holds what those steps do:
 
 - ``add_cli_args``: adds ``--plugin smoe`` and the ``--smoe-*`` flags (argument group "smoe");
 - ``from_cli_args``: folds those flags into ``additional_config["smoe"]``;
 - ``create_load_config``: selects the ``smoe`` model loader when a placement or recording is set;
-- ``create_engine_config``: validates the settings and the placement against the model, so a
-  bad file stops the process before anything is served.
+- ``create_engine_config``: checks that this vLLM is the one smoe's patches were written for,
+  validates the settings and the placement against the model, so a bad file stops the process
+  before anything is served.
 
 Settings then reach engine core and workers inside ``vllm_config.additional_config``.
 """
@@ -19,7 +21,6 @@ import argparse
 import contextlib
 import logging
 import os
-import sys
 
 from .config import ALL2ALL, MODES, PREDICTORS
 
@@ -94,111 +95,108 @@ def _smoe_from_args(args: argparse.Namespace) -> dict | None:
 
 
 def _install_hooks() -> None:
-    from vllm.engine.arg_utils import EngineArgs
+    from .patches import engine_args
 
+    engine_args.install(_add_flags, _fold_flags, _load_config, _before_engine_config, _after_engine_config)
+
+
+def _fold_flags(engine_args, args):
+    """``EngineArgs.from_cli_args``: the ``--smoe-*`` flags folded into ``additional_config``."""
+    with _smoe_errors():
+        flags = _smoe_from_args(args)
+        given = (engine_args.additional_config or {}).get("smoe")
+        if given is not None and not isinstance(given, dict):
+            raise ValueError(f"--additional-config: field 'smoe' must be a mapping of smoe's settings, got "
+                             f"{type(given).__name__}")
+    if flags is not None:
+        extra = dict(engine_args.additional_config or {})
+        merged = dict(extra.get("smoe") or {})
+        merged.update(flags)  # flags win over --additional-config
+        extra["smoe"] = merged
+        engine_args.additional_config = extra
+        # vLLM's extra API servers (DP) rebuild their engine args from this namespace, maybe
+        # before smoe's hooks are in place there: hand them the folded config too
+        args.additional_config = extra
+    return engine_args
+
+
+def _load_config(engine_args, load_config):
+    """``EngineArgs.create_load_config``: smoe's loader when a placement or recording is set."""
     from .config import SmoeConfig
 
-    for attr in ("add_cli_args", "from_cli_args", "create_load_config", "create_engine_config"):
-        if not hasattr(EngineArgs, attr):
-            raise RuntimeError(f"smoe: vLLM's EngineArgs has no {attr}(); this vLLM version is not supported "
-                               f"by vllm-smoe (built for vLLM 0.32)")
+    cfg = SmoeConfig.from_additional_config(engine_args.additional_config)
+    if cfg is not None and cfg.needs_loader:
+        if load_config.load_format not in ("auto", "safetensors", "smoe"):
+            raise ValueError(f"smoe needs the default safetensors loader, got --load-format "
+                             f"{load_config.load_format!r}")
+        load_config.load_format = "smoe"
+    return load_config
 
-    orig_add = EngineArgs.add_cli_args
 
-    def add_cli_args(parser):
-        parser = orig_add(parser)
-        _add_flags(parser)
-        return parser
+def _before_engine_config(engine_args):
+    """``EngineArgs.create_engine_config``, before vLLM builds its config: smoe's settings (None =
+    not asked for), checked."""
+    from .config import SmoeConfig
 
-    orig_from = EngineArgs.from_cli_args.__func__
+    with _smoe_errors():
+        cfg = SmoeConfig.from_additional_config(engine_args.additional_config)
+        if cfg is not None:
+            from . import patches
 
-    def from_cli_args(cls, args):
-        engine_args = orig_from(cls, args)
-        with _smoe_errors():
-            flags = _smoe_from_args(args)
-            given = (engine_args.additional_config or {}).get("smoe")
-            if given is not None and not isinstance(given, dict):
-                raise ValueError(f"--additional-config: field 'smoe' must be a mapping of smoe's settings, got "
-                                 f"{type(given).__name__}")
-        if flags is not None:
-            extra = dict(engine_args.additional_config or {})
-            merged = dict(extra.get("smoe") or {})
-            merged.update(flags)  # flags win over --additional-config
-            extra["smoe"] = merged
-            engine_args.additional_config = extra
-            # vLLM's extra API servers (DP) rebuild their engine args from this namespace, maybe
-            # before smoe's hooks are in place there: hand them the folded config too
-            args.additional_config = extra
-        return engine_args
+            bad = patches.mismatches(check_all=True)  # every patched symbol, lazily patched ones too
+            if bad:
+                raise ValueError("smoe was written for another vLLM; these symbols it patches or reads "
+                                 "differ here: " + "; ".join(bad))
+            cfg.check_files()
+            # normalised paths
+            engine_args.additional_config = {**engine_args.additional_config, "smoe": cfg.to_dict()}
+            _check_engine_args(engine_args, cfg)
+    return cfg
 
-    orig_load = EngineArgs.create_load_config
 
-    def create_load_config(self):
-        load_config = orig_load(self)
-        cfg = SmoeConfig.from_additional_config(self.additional_config)
-        if cfg is not None and cfg.needs_loader:
-            if load_config.load_format not in ("auto", "safetensors", "smoe"):
-                raise ValueError(f"smoe needs the default safetensors loader, got --load-format "
-                                 f"{load_config.load_format!r}")
-            load_config.load_format = "smoe"
-        return load_config
+def _after_engine_config(engine_args, cfg, vllm_config) -> None:
+    """``EngineArgs.create_engine_config``, on the config vLLM built: the placement checked against
+    the model, so a bad file stops the process before anything is served."""
+    with _smoe_errors():  # smoe's own checks: one line and exit 2 under vllm serve
+        if cfg is not None:  # /metrics: where this server's workers publish, before any engine starts
+            from .metrics import register_collector, server_metrics_dir
 
-    orig_engine = EngineArgs.create_engine_config
+            directory = server_metrics_dir(cfg)
+            if directory is not None:
+                register_collector(directory)
+        if cfg is not None and cfg.placement is not None:
+            pc = vllm_config.parallel_config
+            if not pc.worker_extension_cls:  # live re-placement's calls (POST /smoe/placement)
+                pc.worker_extension_cls = "vllm_smoe.serving.live.SmoeWorkerExtension"
+            elif pc.worker_extension_cls != "vllm_smoe.serving.live.SmoeWorkerExtension":
+                logger.warning("smoe: --worker-extension-cls %s is set, so live re-placement (POST "
+                               "/smoe/placement) is off", pc.worker_extension_cls)
+        if cfg is not None and cfg.record is not None:
+            _recover_at_exit(cfg.record)
+        if cfg is not None and cfg.mode == "speculate":
+            # smoe's token order sits around vLLM's sequence-parallel MoE, which vLLM turns on
+            # only with DP > 1; the flag carries to every worker inside the parallel config
+            vllm_config.parallel_config.smoe_sequence_parallel = True
+        if cfg is not None:
+            from vllm.platforms import current_platform
 
-    def create_engine_config(self, *args, **kwargs):
-        with _smoe_errors():
-            cfg = SmoeConfig.from_additional_config(self.additional_config)
-            if cfg is not None:
-                cfg.check_files()
-                self.additional_config = {**self.additional_config, "smoe": cfg.to_dict()}  # normalised paths
-                _check_engine_args(self, cfg)
-        vllm_config = orig_engine(self, *args, **kwargs)
-        with _smoe_errors():  # smoe's own checks: one line and exit 2 under vllm serve
-            if cfg is not None:  # /metrics: where this server's workers publish, before any engine starts
-                from .metrics import register_collector, server_metrics_dir
+            from .capability import advice
 
-                directory = server_metrics_dir(cfg)
-                if directory is not None:
-                    register_collector(directory)
-            if cfg is not None and cfg.placement is not None:
-                pc = vllm_config.parallel_config
-                if not pc.worker_extension_cls:  # live re-placement's calls (POST /smoe/placement)
-                    pc.worker_extension_cls = "vllm_smoe.serving.live.SmoeWorkerExtension"
-                elif pc.worker_extension_cls != "vllm_smoe.serving.live.SmoeWorkerExtension":
-                    logger.warning("smoe: --worker-extension-cls %s is set, so live re-placement (POST "
-                                   "/smoe/placement) is off", pc.worker_extension_cls)
-            if cfg is not None and cfg.record is not None:
-                _recover_at_exit(cfg.record)
-            if cfg is not None and cfg.mode == "speculate":
-                # smoe's token order sits around vLLM's sequence-parallel MoE, which vLLM turns on
-                # only with DP > 1; the flag carries to every worker inside the parallel config
-                vllm_config.parallel_config.smoe_sequence_parallel = True
-            if cfg is not None:
-                from vllm.platforms import current_platform
+            for line in advice(vllm_config, cfg, current_platform.device_type):
+                logger.warning("smoe: advice: %s", line)
+        if cfg is not None and cfg.placement is not None:
+            from .capability import check_served_placement
 
-                from .capability import advice
-
-                for line in advice(vllm_config, cfg, current_platform.device_type):
-                    logger.warning("smoe: advice: %s", line)
-            if cfg is not None and cfg.placement is not None:
-                from .capability import check_served_placement
-
-                served = check_served_placement(cfg.placement, cfg, vllm_config)  # its tables parsed too
-                logger.info("smoe: placement %s checked against %s", cfg.placement, vllm_config.model_config.model)
-                pc = vllm_config.parallel_config
-                placement = served.placement
-                if pc.data_parallel_size > 1 and cfg.dp_routing and not pc.enable_expert_parallel:
-                    logger.warning("smoe dp routing: off without --enable-expert-parallel (every DP rank holds every "
-                                   "expert, so no rank is closer to a request's experts)")
-                elif pc.data_parallel_size > 1 and cfg.dp_routing and placement.predictor is None:
-                    logger.warning("smoe dp routing: %s has no predictor tables; every request is left to "
-                                   "vLLM's load balancer", cfg.placement)
-        return vllm_config
-
-    EngineArgs.add_cli_args = staticmethod(add_cli_args)
-    EngineArgs.from_cli_args = classmethod(from_cli_args)
-    EngineArgs.create_load_config = create_load_config
-    EngineArgs.create_engine_config = create_engine_config
+            served = check_served_placement(cfg.placement, cfg, vllm_config)  # its tables parsed too
+            logger.info("smoe: placement %s checked against %s", cfg.placement, vllm_config.model_config.model)
+            pc = vllm_config.parallel_config
+            placement = served.placement
+            if pc.data_parallel_size > 1 and cfg.dp_routing and not pc.enable_expert_parallel:
+                logger.warning("smoe dp routing: off without --enable-expert-parallel (every DP rank holds every "
+                               "expert, so no rank is closer to a request's experts)")
+            elif pc.data_parallel_size > 1 and cfg.dp_routing and placement.predictor is None:
+                logger.warning("smoe dp routing: %s has no predictor tables; every request is left to "
+                               "vLLM's load balancer", cfg.placement)
 
 
 @contextlib.contextmanager
@@ -213,35 +211,6 @@ def _smoe_errors():
         raise
     except ValueError as e:
         raise SmoeSettingsError(str(e)) from None
-
-
-def _install_cli_exit() -> None:
-    """``vllm serve``: a smoe settings error is one line on stderr and exit code 2, not a
-    traceback (patch P-serve-exit: vLLM's CLI has no hook for a plugin's refusal; remove once
-    it has). Only where the CLI has already imported its serve command (never in workers)."""
-    mod = sys.modules.get("vllm.entrypoints.cli.serve")
-    cls = getattr(mod, "ServeSubcommand", None)
-    if cls is None or cls.cmd is _serve_cmd:
-        return
-    _serve_cmd._smoe_original = cls.cmd
-    cls.cmd = staticmethod(_serve_cmd)
-
-
-def _serve_cmd(args):
-    """vLLM's ``serve`` command, exiting 2 with one line on a smoe settings error. Module-level:
-    vLLM pickles the parsed arguments, this function among them, for its extra API servers."""
-    from .config import SmoeSettingsError
-
-    orig = getattr(_serve_cmd, "_smoe_original", None)
-    if orig is None:  # a process that unpickled the arguments without wrapping the command
-        from vllm.entrypoints.cli.serve import ServeSubcommand
-
-        orig = ServeSubcommand.cmd
-    try:
-        return orig(args)
-    except SmoeSettingsError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 def _check_engine_args(engine_args, cfg) -> None:
@@ -314,10 +283,12 @@ def register() -> None:
         return
     _done = True
     _install_hooks()
-    _install_cli_exit()
-    from .cpu_ep import install
+    from .patches import cli
 
-    install()
+    cli.install()
+    from .patches import cpu
+
+    cpu.at_start()
     from .loader import register_loader
 
     register_loader()

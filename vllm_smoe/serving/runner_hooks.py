@@ -3,8 +3,8 @@
 vLLM 0.32 has two model runners: V1 (``vllm.v1.worker.gpu_model_runner.GPUModelRunner``, what
 the CPU wheel builds: it has no Triton) and Model Runner V2 (``vllm.v1.worker.gpu.model_runner``,
 the default on CUDA; not a V1 subclass). Their CPU runners subclass them. smoe wraps
-``execute_model`` of both base classes once (patch P-runner in the README's list) and runs its
-hooks there, on the host, outside any CUDA graph:
+``execute_model`` of both base classes once (:mod:`.patches.runners`, listed in
+:data:`.patches.PATCHES`) and runs its hooks there, on the host, outside any CUDA graph:
 
 - ``before(runner, scheduler_output)``: a served step is about to run its forward (device-side
   state for it is written here: a graph replay reads it, a Python hook inside the forward would
@@ -15,8 +15,8 @@ hooks there, on the host, outside any CUDA graph:
 Warm-up, profiling and graph capture never reach the hooks: V1 runs them through
 ``_dummy_run`` (not ``execute_model``), V2 passes ``dummy_run=True``, which the wrapper skips,
 and V2's kernel warm-up, which sends made-up requests through ``execute_model``, runs inside the
-worker's ``compile_or_warm_up_model``: the hooks start only once that has returned (P-worker,
-the same wrapper on vLLM's GPU and CPU workers).
+worker's ``compile_or_warm_up_model``: the hooks start only once that has returned (the same
+wrapper on vLLM's GPU and CPU workers).
 
 Upstream: vLLM has no per-step plugin hook on its model runners; this wrapper goes away once one
 exists. Checked at start: both classes must have ``execute_model`` (else smoe refuses).
@@ -32,12 +32,16 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .patches import runners
+
 logger = logging.getLogger("vllm.smoe")
 
 WORKERS = ("vllm.v1.worker.gpu_worker:Worker", "vllm.v1.worker.cpu_worker:CPUWorker")
 V1 = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 V2 = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
 CPU_V1 = "vllm.v1.worker.cpu_model_runner:CPUModelRunner"
+_PATCH_IDS = {V1: "runner_v1_execute_model", V2: "runner_v2_execute_model", WORKERS[0]: "gpu_worker_warm_up",
+              WORKERS[1]: "cpu_worker_warm_up"}
 CPU_V2 = "vllm.v1.worker.cpu.model_runner:CPUModelRunner"
 
 
@@ -105,40 +109,26 @@ def serving() -> bool:
     return _SERVING[0]
 
 
-def _wrap_worker(cls: type) -> None:
-    if getattr(cls.compile_or_warm_up_model, "_smoe_wrapped", False):
-        return
-    orig = cls.compile_or_warm_up_model
+def _served(orig, runner, scheduler_output, *args, **kwargs):
+    """One ``execute_model`` of a runner: smoe's hooks around it when it is a served step."""
+    if kwargs.get("dummy_run") or not _SERVING[0]:
+        return orig(runner, scheduler_output, *args, **kwargs)
+    for hook in _BEFORE:
+        hook(runner, scheduler_output)
+    out = orig(runner, scheduler_output, *args, **kwargs)
+    if _AFTER:
+        step = step_of(runner, scheduler_output)
+        for hook in _AFTER:
+            hook(runner, scheduler_output, step)
+    return out
 
-    def compile_or_warm_up_model(self, *args, **kwargs):
-        out = orig(self, *args, **kwargs)
-        _SERVING[0] = True  # from here on every execute_model is a served step
-        return out
 
-    compile_or_warm_up_model._smoe_wrapped = True
-    cls.compile_or_warm_up_model = compile_or_warm_up_model
+def _warmed_up() -> None:
+    _SERVING[0] = True  # from here on every execute_model is a served step
 
 
-def _wrap(cls: type) -> None:
-    if getattr(cls.execute_model, "_smoe_wrapped", False):
-        return
-    orig = cls.execute_model
-
-    def execute_model(self, scheduler_output, *args, **kwargs):
-        if kwargs.get("dummy_run") or not _SERVING[0]:
-            return orig(self, scheduler_output, *args, **kwargs)
-        for hook in _BEFORE:
-            hook(self, scheduler_output)
-        out = orig(self, scheduler_output, *args, **kwargs)
-        if _AFTER:
-            step = step_of(self, scheduler_output)
-            for hook in _AFTER:
-                hook(self, scheduler_output, step)
-        return out
-
-    execute_model._smoe_wrapped = True
-    execute_model._smoe_original = orig
-    cls.execute_model = execute_model
+def _path(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
 
 
 def attach(before: Callable | None = None, after: Callable | None = None) -> None:
@@ -152,7 +142,7 @@ def attach(before: Callable | None = None, after: Callable | None = None) -> Non
             continue
         if not callable(getattr(cls, "execute_model", None)):
             raise RuntimeError(f"smoe: {path} has no execute_model(); this vLLM is not supported (built for 0.32)")
-        _wrap(cls)
+        runners.wrap_runner(cls, _PATCH_IDS[_path(cls)], _served)
     for path in WORKERS:
         try:
             cls = _load(path)
@@ -162,7 +152,7 @@ def attach(before: Callable | None = None, after: Callable | None = None) -> Non
         if not callable(getattr(cls, "compile_or_warm_up_model", None)):
             raise RuntimeError(f"smoe: {path} has no compile_or_warm_up_model(); this vLLM is not supported "
                                f"(built for 0.32)")
-        _wrap_worker(cls)
+        runners.wrap_worker(cls, _PATCH_IDS[_path(cls)], _warmed_up)
     if before is not None and before not in _BEFORE:
         _BEFORE.append(before)
     if after is not None and after not in _AFTER:

@@ -290,7 +290,6 @@ def test_worker_refuses_bytes_that_differ_from_the_digest(tmp_path, monkeypatch)
     assert "arrived altered" in out["reason"] and w.pending == {}
 
 
-
 def test_placement_dirs_setting(tmp_path):
     from vllm_smoe.serving.config import SmoeConfig
     from vllm_smoe.serving.plugin import _smoe_from_args

@@ -12,43 +12,16 @@ import sys
 
 import numpy as np
 import pytest
-import yaml
 
 from vllm_smoe.testbed import FIXTURES
-from vllm_smoe.formats.trace import open_trace, read_traces
+from vllm_smoe.formats.trace import open_trace
 
 ARCHS = ("deepseek_v2", "deepseek_v3")
-HELPER = os.path.join(os.path.dirname(__file__), "helpers", "vllm_generate.py")
-ATOL = 1e-4  # fp32 summation order: experts whole on one rank vs split over TP ranks
 
 
 def _config(arch):
     with open(os.path.join(FIXTURES[arch][0], "config.json")) as f:
         return json.load(f)
-
-
-def _prompts(arch, n):
-    """n held-out requests of the fixture's trace, prompt lengths 3..34 tokens."""
-    t = open_trace(FIXTURES[arch][1]["heldout"])
-    tok, req = t["token_ids"], t["request_ids"]
-    reqs = np.unique(req)
-    return [tok[req == r][: 3 + i].tolist() for i, r in enumerate(reqs[:: max(1, len(reqs) // n)][:n])]
-
-
-def _generate(arch, prompts, extra=None, max_tokens=8, tp=2, ep=False, compiled=False):
-    env = {**os.environ, "SMOE_TEST_TP": str(tp), "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "0",
-           "SMOE_TEST_EP": "1" if ep else "0", "SMOE_TEST_COMPILED": "1" if compiled else "0"}
-    args = [sys.executable, HELPER, FIXTURES[arch][0], json.dumps(prompts), str(max_tokens)]
-    r = subprocess.run(args + ([json.dumps(extra)] if extra else []), capture_output=True, text=True, timeout=900,
-                       env=env)
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("SMOE_RESULT ")]
-    if r.returncode or not line:  # the root cause sits above the engine's last words
-        log = (r.stdout + r.stderr).splitlines()
-        first = next((i for i, ln in enumerate(log) if "Traceback" in ln and "Tokenizer" not in "".join(log[i:i + 12])),
-                     max(0, len(log) - 40))
-        pytest.fail(f"vLLM exited with {r.returncode}:\n" + "\n".join(log[first: first + 60]) + "\n...\n"
-                    + "\n".join(log[-20:]))
-    return json.loads(line[0][len("SMOE_RESULT "):]), r.stdout + r.stderr
 
 
 def _build(arch, out, ep_size, *extra):
@@ -119,7 +92,7 @@ def test_cpu_rope_fix_rotates_mla_queries_and_keys(smoe_asked):
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
-    from vllm_smoe.serving.cpu_ep import fix_cpu_rope
+    from vllm_smoe.serving.patches.cpu import fix_cpu_rope
 
     fix_cpu_rope()
     cfg = VllmConfig(additional_config={"smoe": {}} if smoe_asked else {})
@@ -161,102 +134,6 @@ def test_cpu_rope_fix_rotates_mla_queries_and_keys(smoe_asked):
     cq, ck = rope.forward_cpu(pos, flat_q, flat_k)
     torch.testing.assert_close(cq, nq, rtol=0, atol=1e-5)
     torch.testing.assert_close(ck, nk, rtol=0, atol=1e-5)
-
-
-def _group_derangement(cfg, path):
-    """A placement at ep_size = E (one expert per rank) that moves every expert and, with
-    grouped routing, keeps each group whole: groups trade places, experts rotate inside."""
-    E, L = cfg["n_routed_experts"], cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
-    G = cfg.get("n_group") or 1
-    S = E // G
-    rows = [[((e // S + 1 + i) % G) * S + (e % S + 3) % S if G > 1 else (e + 3 + i) % E for e in range(E)]
-            for i in range(L)]
-    path.write_text(yaml.safe_dump({"smoe_placement": 1, "model": {"num_layers": L, "num_experts": E, "top_k": 4},
-                                    "ep_size": E, "layers": [{"expert_to_rank": r} for r in rows]}))
-    return path
-
-
-@pytest.mark.vllm
-@pytest.mark.parametrize("arch", ARCHS)
-def test_vllm_serves_and_records_what_transformers_computes(arch, tmp_path):
-    """One rank, record mode with every expert moved: vLLM's greedy tokens equal transformers'
-    greedy generation, and the recorded top-k sets equal transformers' router on every token
-    and MoE layer vLLM ran (V3: grouped top-k with the correction bias, in both)."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("vllm")
-    from transformers import AutoModelForCausalLM
-
-    from vllm_smoe.testbed.record import router_topk
-
-    cfg = _config(arch)
-    prompts = _prompts(arch, 6)
-    placement = _group_derangement(cfg, tmp_path / "moved.yaml")
-    out, _ = _generate(arch, prompts, {"smoe": {"mode": "record", "record": str(tmp_path / "rec"),
-                                                "placement": str(placement)}}, max_tokens=6, tp=1)
-    model = AutoModelForCausalLM.from_pretrained(FIXTURES[arch][0], dtype=torch.float32).eval()
-    for p, got in zip(prompts, out["tokens"]):
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            for _ in range(6):
-                ids = torch.cat([ids, model(ids).logits[0, -1].argmax().view(1, 1)], dim=1)
-        assert got == ids[0, len(p):].tolist()
-    _, arr, _ = read_traces([str(tmp_path / "rec")])
-    checked = mismatched = 0
-    for r in np.unique(arr["request_ids"]):
-        rows = np.flatnonzero(arr["request_ids"] == r)
-        rows = rows[np.argsort(arr["positions"][rows])]
-        seq = arr["token_ids"][rows]
-        i = next(k for k, p in enumerate(prompts) if seq[: len(p)].tolist() == p)
-        np.testing.assert_array_equal(seq, prompts[i] + out["tokens"][i][:-1])
-        ids, _ = router_topk(model, torch.from_numpy(seq.astype(np.int64))[None], 4)
-        got = np.sort(arr["topk_ids"][rows].astype(np.int32), -1)
-        checked += got.shape[0] * got.shape[1]
-        mismatched += int((got != np.sort(ids, -1)).any(-1).sum())
-    assert checked > 0 and mismatched == 0, f"{mismatched} of {checked} (token, layer) top-k sets differ"
-
-
-@pytest.mark.vllm
-@pytest.mark.parametrize("arch", ARCHS)
-def test_tp2_placement_and_speculate_give_plain_tp2_tokens(arch, tmp_path):
-    """TP=2 + EP with smoe's placement (built from the fixture's training routing, groups kept)
-    applied at load, and speculate (one token order per step) with the trained tables, a random
-    and an all-to-rank-0 predictor: plain TP=2's greedy tokens on 32 held-out prompts."""
-    pytest.importorskip("vllm")
-    placement = tmp_path / "ep2.yaml"
-    r = _build(arch, placement, 2)
-    assert r.returncode == 0, r.stderr
-    prompts = _prompts(arch, 32)
-    plain, _ = _generate(arch, prompts, {"smoe": {}})  # the CPU fixes alone (MLA's rope), no placement
-    runs = {"placed": {"placement": str(placement)}}
-    for predictor in ("tables", "random", "one-rank"):
-        runs[predictor] = {"mode": "speculate", "placement": str(placement), "predictor": predictor,
-                           "log_interval": 0.2}
-    layers = _config(arch)["num_hidden_layers"] - 1
-    for name, smoe in runs.items():
-        out, log = _generate(arch, prompts, {"smoe": smoe}, ep=True)
-        if name != "placed":
-            assert (f"token order over 2 ranks around {layers} MoE blocks (DeepseekV2MoE), one order per step, "
-                    f"predictor {name}") in log
-            assert "of its expert activations locally" in log
-        assert out["tokens"] == plain["tokens"], name
-        np.testing.assert_allclose(out["logprobs"], plain["logprobs"], rtol=0, atol=ATOL, err_msg=name)
-
-
-@pytest.mark.vllm
-def test_v3_speculate_compiled_gives_plain_compiled_tokens(tmp_path):
-    """The stack order's hooks under vLLM's default compilation (smoe's ops stay opaque): the
-    same tokens as plain TP=2 compiled (compiled and eager differ in fp32 rounding, so each is
-    compared with its own kind)."""
-    pytest.importorskip("vllm")
-    placement = tmp_path / "ep2.yaml"
-    assert _build("deepseek_v3", placement, 2).returncode == 0
-    prompts = _prompts("deepseek_v3", 8)
-    plain, _ = _generate("deepseek_v3", prompts, {"smoe": {}}, max_tokens=6, compiled=True)
-    spec, log = _generate("deepseek_v3", prompts, {"smoe": {"mode": "speculate", "placement": str(placement)}},
-                          max_tokens=6, compiled=True, ep=True)
-    assert "one order per step, predictor tables" in log
-    assert spec["tokens"] == plain["tokens"]
-    np.testing.assert_allclose(spec["logprobs"], plain["logprobs"], rtol=0, atol=ATOL)
 
 
 def test_mla_models_are_started_with_the_attention_backend_that_takes_fp32():

@@ -11,71 +11,15 @@ import time
 import numpy as np
 import pytest
 
-from vllm_smoe.serving.config import SmoeConfig
 from vllm_smoe.tools.server_process import VllmServer
-from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
+from vllm_smoe.testbed import FIXTURE_MODEL
 from vllm_smoe.tools.trace_cli import main as trace_main
-from vllm_smoe.formats.trace import open_trace, read_traces
-
-
-def test_a_record_directory_always_records_or_is_refused(tmp_path):
-    rec, placement = str(tmp_path / "rec"), str(tmp_path / "p.yaml")
-    assert SmoeConfig.from_dict({"record": rec, "placement": placement}).mode == "record"
-    assert SmoeConfig.from_dict({"record": rec}).mode == "record"
-    with pytest.raises(ValueError, match="mode 'record' applies a placement as well"):
-        SmoeConfig.from_dict({"record": rec, "placement": placement, "mode": "place"})
-    spec = SmoeConfig.from_dict({"record": rec, "placement": placement, "mode": "speculate", "record_sample": 0.25,
-                                 "record_max_mb": 512})
-    assert (spec.mode, spec.record_sample, spec.record_max_mb) == ("speculate", 0.25, 512.0)  # records too
-    assert SmoeConfig.from_dict(spec.to_dict()) == spec
-    assert SmoeConfig.from_dict(SmoeConfig().to_dict()) == SmoeConfig()
-    for bad in [{"log_interval": True}, {"log_interval": float("nan")}, {"record_chunk_tokens": True},
-                {"record": rec, "record_sample": 0}, {"record": rec, "record_sample": 1.5},
-                {"record": rec, "record_sample": True}, {"record": rec, "record_max_mb": -1},
-                {"record": rec, "record_max_mb": float("inf")}, {"record_sample": 0.5}]:
-        key = next(k for k in bad if k != "record")
-        with pytest.raises(ValueError, match=f"field '{key}'"):
-            SmoeConfig.from_dict(bad)
-
-
-def test_sampling_keeps_whole_requests_by_a_stable_share():
-    from vllm_smoe.serving.recorder import sampled
-
-    ids = [f"cmpl-{i:x}-0" for i in range(20000)]
-    for share in (0.1, 0.5):
-        kept = [sampled(r, share) for r in ids]
-        assert abs(sum(kept) / len(ids) - share) < 0.02
-        assert kept == [sampled(r, share) for r in ids]  # the same request, the same answer
-    assert all(sampled(r, 1.0) for r in ids[:100])
-    assert all(sampled(r, 0.5) for r in ids if sampled(r, 0.1))  # a smaller share keeps a subset
-
-
-def test_disk_budget_removes_the_oldest_files_first(tmp_path):
-    from types import SimpleNamespace
-
-    from vllm_smoe.serving.recorder import Recorder
-
-    for i in range(5):
-        f = tmp_path / f"trace-dp0-x-{i:05d}.npz"
-        f.write_bytes(b"0" * 300_000)
-        os.utime(f, (1000 + i, 1000 + i))
-    (tmp_path / "notes.npz").write_bytes(b"0" * 900_000)  # not a trace: never counted or removed
-    rec = SimpleNamespace(cfg=SimpleNamespace(record=str(tmp_path), record_max_mb=1.0), removed=0)
-    Recorder._enforce_budget(rec)
-    assert sorted(os.listdir(tmp_path)) == ["notes.npz", "trace-dp0-x-00002.npz", "trace-dp0-x-00003.npz",
-                                            "trace-dp0-x-00004.npz"]
-    assert rec.removed == 2
-    big = tmp_path / "trace-dp0-x-00005.npz"
-    big.write_bytes(b"0" * 2_000_000)  # alone over the budget: the file just closed stays, the rest go
-    Recorder._enforce_budget(rec, str(big))
-    assert sorted(os.listdir(tmp_path)) == ["notes.npz", big.name] and rec.removed == 5
+from vllm_smoe.formats.trace import read_traces
+from tests.support import heldout_prompts
 
 
 def _prompts(n=4, skip=0):
-    t = open_trace(FIXTURE_TRACES["heldout"])
-    tok, req = t["token_ids"], t["request_ids"]
-    reqs = np.unique(req)[skip: skip + n]
-    return [tok[req == r][: 5 + 3 * i].tolist() for i, r in enumerate(reqs)]
+    return heldout_prompts(n, lambda i, r: 5 + 3 * i, skip=skip)
 
 
 def _served_tokens(prompts, out):
@@ -107,7 +51,6 @@ def _descendants(pid):
     return psutil.Process(pid).children(recursive=True)
 
 
-@pytest.mark.vllm
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
 def test_a_clean_stop_right_after_the_last_answer_loses_nothing(tmp_path, how):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) and SIGTERM to the
@@ -125,7 +68,6 @@ def test_a_clean_stop_right_after_the_last_answer_loses_nothing(tmp_path, how):
     assert "smoe record: wrote" in log and "tokens" in log
 
 
-@pytest.mark.vllm
 @pytest.mark.parametrize("killed", ["workers", "everything"])
 def test_killed_processes_lose_no_finished_step(tmp_path, killed):
     """SIGKILL of the engine and its workers right after the last answer: the server process
@@ -166,7 +108,6 @@ def _sequences(files):
     return sorted(out)
 
 
-@pytest.mark.vllm
 def test_recording_survives_a_full_disk_a_removed_directory_and_a_read_only_disk(tmp_path):
     """A served recording on a 512 KiB tmpfs: while the disk is full every step is dropped whole
     (one error line, counted on /metrics), recording resumes when space returns, a removed
@@ -242,4 +183,3 @@ def test_recording_survives_a_full_disk_a_removed_directory_and_a_read_only_disk
               (("full", full), ("back", back), ("again", again), ("read-only", ro))}
     assert written == tokens["back"] + tokens["again"]
     assert lost >= tokens["full"] + tokens["read-only"]
-

@@ -19,6 +19,7 @@ from vllm_smoe.placement.routing_counts import RoutingCounts
 from vllm_smoe.testbed.synthetic import MoEShape, generate
 from vllm_smoe.testbed import FIXTURE_TRACES
 from vllm_smoe.formats.trace import read_traces
+from tests.support import CONFIGS
 
 
 def _random_trace(seed, T, L, E, K, V):
@@ -217,8 +218,7 @@ def test_rebuild_reproduces_the_committed_placements(tmp_path, ep):
     the algorithm changes on purpose, rebuild the configs with it)."""
     from vllm_smoe.testbed import FIXTURE_MODEL
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ref = os.path.join(repo, "configs", f"tiny-4dom-ep{ep}.yaml")
+    ref = os.path.join(CONFIGS, f"tiny-4dom-ep{ep}.yaml")
     out = tmp_path / "p.yaml"
     assert main(["build", "--trace", FIXTURE_TRACES["train"], "--ep-size", str(ep), "--model", FIXTURE_MODEL,
                  "--jobs", "2", "-o", str(out)]) == 0

@@ -10,12 +10,11 @@ import pytest
 
 from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
 from vllm_smoe.formats.trace import open_trace
+from tests.support import HELPER
 
-pytestmark = pytest.mark.vllm
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-HELPER = os.path.join(os.path.dirname(__file__), "helpers", "vllm_generate.py")
 NEW_TOKENS = 8
 
 

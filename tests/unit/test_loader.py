@@ -9,17 +9,10 @@ import yaml
 
 from vllm_smoe.serving.load_plan import make_load_plan
 from vllm_smoe.testbed import FIXTURE_MODEL
+from tests.support import CONFIGS, derangement_yaml
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
-
-
-def _derangement_yaml(path, shift=1, ep=32, layers=4, experts=32, **model):
-    doc = {"smoe_placement": 1, "model": {"num_layers": layers, "num_experts": experts, "top_k": 4, **model},
-           "ep_size": ep, "layers": [{"expert_to_rank": [((e + shift + i) % experts) * ep // experts
-                                                         for e in range(experts)]} for i in range(layers)]}
-    path.write_text(yaml.safe_dump(doc))
-    return str(path)
 
 
 def test_permuted_checkpoint_is_the_same_function(tmp_path):
@@ -32,7 +25,7 @@ def test_permuted_checkpoint_is_the_same_function(tmp_path):
     from vllm_smoe.serving.loader import permute_weights
 
     cfg = AutoConfig.from_pretrained(FIXTURE_MODEL)
-    plan = make_load_plan(_derangement_yaml(tmp_path / "p.yaml"), cfg, FIXTURE_MODEL, None)
+    plan = make_load_plan(derangement_yaml(tmp_path / "p.yaml"), cfg, FIXTURE_MODEL, None)
     assert (plan.slot2expert != np.arange(32)).all()  # every expert moved
     with safe_open(os.path.join(FIXTURE_MODEL, "model.safetensors"), "pt") as f:
         weights = [(k, f.get_tensor(k)) for k in f.keys()]
@@ -65,7 +58,7 @@ def test_plan_rejects_placements_for_another_model(tmp_path, edit, words):
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(FIXTURE_MODEL)
-    path = _derangement_yaml(tmp_path / "p.yaml", **edit)
+    path = derangement_yaml(tmp_path / "p.yaml", **edit)
     with pytest.raises(ValueError) as e:
         make_load_plan(path, cfg, FIXTURE_MODEL, None)
     assert path in str(e.value) and words in str(e.value)
@@ -75,7 +68,7 @@ def test_plan_checks_ep_size_when_experts_are_split(tmp_path):
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(FIXTURE_MODEL)
-    path = _derangement_yaml(tmp_path / "p.yaml", ep=4)
+    path = derangement_yaml(tmp_path / "p.yaml", ep=4)
     make_load_plan(path, cfg, FIXTURE_MODEL, None)  # experts not split: any ep_size
     make_load_plan(path, cfg, FIXTURE_MODEL, 4)
     with pytest.raises(ValueError, match="'ep_size' = 4 but experts are split over 2 ranks"):
@@ -85,7 +78,7 @@ def test_plan_checks_ep_size_when_experts_are_split(tmp_path):
 def test_grouped_routing_refuses_cross_group_moves(tmp_path):
     cfg = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 0, "n_routed_experts": 32,
            "num_experts_per_tok": 4, "n_group": 4}
-    path = _derangement_yaml(tmp_path / "p.yaml")
+    path = derangement_yaml(tmp_path / "p.yaml")
     with pytest.raises(ValueError, match="routing group"):
         make_load_plan(path, cfg, str(tmp_path), None)
     # each group of 8 whole on its own rank is fine
@@ -145,8 +138,7 @@ def test_replica_layout_routes_every_rank_to_the_same_experts():
     slot2expert[i]; the rank's own copies are used; every rank holds P / N slots."""
     from transformers import AutoConfig
 
-    plan = make_load_plan(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs",
-                                       "tiny-4dom-ep2-r4.yaml"), AutoConfig.from_pretrained(FIXTURE_MODEL),
+    plan = make_load_plan(os.path.join(CONFIGS, "tiny-4dom-ep2-r4.yaml"), AutoConfig.from_pretrained(FIXTURE_MODEL),
                           FIXTURE_MODEL, 2)
     L, P = plan.physical2expert.shape
     assert P == 36 and plan.route2physical.shape == (L, 2, 32)
@@ -210,7 +202,7 @@ def test_router_takes_the_routes_through_vllms_eplb_seam():
     from vllm.distributed.eplb.eplb_state import EplbLayerState
     from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
 
-    from vllm_smoe.serving.cpu_ep import fix_cpu_eplb_map
+    from vllm_smoe.serving.patches.cpu import fix_cpu_eplb_map
     from vllm_smoe.serving.loader import set_route
 
     fix_cpu_eplb_map()

@@ -10,37 +10,16 @@ import sys
 import numpy as np
 import pytest
 
-from vllm_smoe.serving.config import SmoeConfig
 from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
-from vllm_smoe.formats.trace import open_trace
+from tests.support import HELPER, REPO, heldout_prompts
+from tests.unit.test_speculate import EP2
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EP2 = os.path.join(REPO, "configs", "tiny-4dom-ep2.yaml")
 EP2_R4 = os.path.join(REPO, "configs", "tiny-4dom-ep2-r4.yaml")  # the same build with 4 copies per layer
-HELPER = os.path.join(os.path.dirname(__file__), "helpers", "vllm_generate.py")
-
-
-def test_speculate_settings_are_validated():
-    ok = SmoeConfig.from_dict({"mode": "speculate", "placement": EP2, "predictor": "random", "all2all": "vllm"})
-    assert ok.predictor == "random" and ok.all2all == "vllm"
-    assert SmoeConfig.from_dict(ok.to_dict()) == ok
-    assert "predictor" not in SmoeConfig.from_dict({"placement": EP2}).to_dict()
-    assert SmoeConfig.from_dict({}) == SmoeConfig()  # --plugin smoe alone: vLLM's EP fixed on CPU, no placement
-    for bad, words in [({"mode": "speculate"}, "needs field 'placement'"),
-                       ({"mode": "speculate", "placement": EP2, "predictor": "oracle"}, "field 'predictor'"),
-                       ({"mode": "speculate", "placement": EP2, "capacity": 1.1}, "unknown field"),
-                       ({"all2all": "deepep"}, "field 'all2all'"),
-                       ({"placement": EP2, "predictor": "random"}, "only apply to mode 'speculate'")]:
-        with pytest.raises(ValueError, match=words):
-            SmoeConfig.from_dict(bad)
 
 
 def _prompts(n):
     """n held-out requests, prompt lengths 3..34 tokens."""
-    t = open_trace(FIXTURE_TRACES["heldout"])
-    tok, req = t["token_ids"], t["request_ids"]
-    reqs = np.unique(req)
-    return [tok[req == r][: 3 + i].tolist() for i, r in enumerate(reqs[:: max(1, len(reqs) // n)][:n])]
+    return heldout_prompts(n)
 
 
 def _generate(prompts, extra, max_tokens=8, compiled=False, model=FIXTURE_MODEL, ep=False):
@@ -67,7 +46,6 @@ ATOL = 1e-4
 SPEC = {"mode": "speculate", "placement": EP2, "log_interval": 0.2}
 
 
-@pytest.mark.vllm
 @pytest.mark.parametrize("smoe,compiled,says", [
     ({"all2all": "vllm"}, False, None),  # vLLM's own EP, experts fixed by the plugin (no SP at DP=1)
     ({**SPEC, "predictor": "tables"}, False, "predictor tables"),
@@ -107,7 +85,6 @@ _LOCAL: dict[str, float] = {}  # served local share of each predictor above, bot
 _PAIRS: dict[str, float] = {}  # remote (token, rank) pairs per token and MoE layer, from the sparse all2all
 
 
-@pytest.mark.vllm
 def test_replicas_keep_more_rows_home():
     """Copies used where the token sits: more activations local and fewer rows on the wire than
     the same build without copies. The pairs are counted on the physical ids vLLM's router
@@ -120,7 +97,6 @@ def test_replicas_keep_more_rows_home():
     assert _LOCAL["router-replicas"] > _LOCAL["tables-replicas"], _LOCAL
 
 
-@pytest.mark.vllm
 def test_router_order_is_more_local_than_every_prediction():
     """The router predictor knows each token's experts, so its order keeps more activations local
     than the trained tables, and a random order keeps the fewest."""
@@ -129,7 +105,6 @@ def test_router_order_is_more_local_than_every_prediction():
     assert _LOCAL["router"] > max(_LOCAL["tables"], _LOCAL["tables-markov"]) > _LOCAL["random"], _LOCAL
 
 
-@pytest.mark.vllm
 @pytest.mark.parametrize("smoe,ep,words", [
     ({**SPEC, "placement": os.path.join(REPO, "configs", "tiny-4dom-ep4.yaml")}, True,
      "field 'ep_size' = 4 but experts are split over 2 ranks"),
@@ -143,53 +118,6 @@ def test_speculate_refuses_before_serving(smoe, ep, words):
                        capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode != 0
     assert words in r.stderr
-
-
-def test_bench_serve_combines_every_ranks_speculate_line():
-    from vllm_smoe.tools.bench.common import SPEC_LINE as _SPEC_LINE, rank_numbers as _rank_numbers
-
-    def line(rank, share, tokens, pairs, nbytes):
-        return (f"(Worker_TP{rank} pid=1) INFO smoe: speculate (predictor tables-markov): rank {rank} served {share} "
-                f"of its expert activations locally ({tokens} tokens); sparse all2all: {pairs} remote (token, rank) "
-                f"pairs and {nbytes} B per token and MoE layer\n")
-
-    lines = [line(0, 0.1, 10, 9.0, 900), line(0, 0.6, 100, 0.8, 800), line(1, 0.9, 300, 0.4, 400)]
-    got = _rank_numbers(lines, _SPEC_LINE)  # each rank's last line, weighted by its tokens
-    assert got["tokens_per_rank"] == {0: 100, 1: 300}
-    np.testing.assert_allclose([got["local_share"], got["remote_pairs_per_token"], got["bytes_per_token_layer"]],
-                               [0.825, 0.5, 500.0])
-    plain = _rank_numbers(["speculate (predictor random): rank 1 served 0.5 of its expert activations locally "
-                           "(3 tokens)"], _SPEC_LINE)  # vLLM's all2all: no byte counters
-    assert plain == {"local_share": 0.5, "tokens_per_rank": {1: 3}}
-    assert _rank_numbers([], _SPEC_LINE) == {}
-
-
-@pytest.mark.parametrize("grouped", [False, True])
-def test_router_predictor_uses_vllms_own_routing(grouped):
-    """Predictor router: vLLM's gate and routing step on every row give the ranks of exactly the
-    experts vLLM's router picks for them (softmax top-k, and grouped top-k with a correction bias)."""
-    pytest.importorskip("vllm")
-    import torch
-
-    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
-    from vllm_smoe.placement.predict import prefer_ranks
-    from vllm_smoe.serving.token_order import route_ahead
-
-    torch.manual_seed(0)
-    E, K, H, T, N = 16, 4, 24, 37, 4
-    gate = torch.nn.Linear(H, E, bias=False)
-    kw = dict(use_grouped_topk=True, num_expert_group=4, topk_group=2, scoring_func="sigmoid",
-              e_score_correction_bias=torch.randn(E)) if grouped else {}
-    router = CPURouter(top_k=K, global_num_experts=E, **kw)
-    x = torch.randn(T, H)
-    owner = torch.randperm(E) % N
-    held = torch.zeros((N, E), dtype=torch.bool)
-    held[owner, torch.arange(E)] = True
-    pref, conf = route_ahead(gate, router, x, held)
-    _, ids = router.select_experts(x, gate(x))
-    want_pref, want_conf = prefer_ranks(owner[ids.long()].numpy(), N)
-    np.testing.assert_array_equal(pref.numpy(), want_pref)
-    np.testing.assert_allclose(conf.numpy(), want_conf)
 
 
 def _served_tokens(port: int, prompt: list[int], max_tokens: int = 8) -> list[int]:
@@ -218,7 +146,6 @@ def _swap(port: int, path: str, method: str = "POST") -> tuple[int, dict]:
         return e.code, {"detail": body.get("detail") or body["error"]["message"]}
 
 
-@pytest.mark.vllm
 @pytest.mark.parametrize("replicas", [0, 4], ids=["homes", "replicas"])
 def test_live_swap_under_load_keeps_plain_tokens(plain_tp2, tmp_path, replicas):
     """vllm serve TP=2 + EP, speculate with tables: placements swapped live (python-only ->
@@ -284,7 +211,6 @@ def test_live_swap_under_load_keeps_plain_tokens(plain_tp2, tmp_path, replicas):
     assert served[0] < swapped[0] < served[-1] and served[0] < swapped[-1] < served[-1]  # answers on both sides
 
 
-@pytest.mark.vllm
 def test_live_swap_in_vllms_default_compiled_mode(tmp_path):
     """vllm serve compiled (no --enforce-eager), TP=2 + EP: vLLM's CPU build packs each router's
     weight into a tensor the compiled model holds; a live swap refills it in place, so the
@@ -315,31 +241,3 @@ def test_live_swap_in_vllms_default_compiled_mode(tmp_path):
         assert status == 200 and back["moved_slots"] == 128, back
         again = [_served_tokens(s.port, p) for p in prompts]
     assert after == before and again == before
-
-
-def _vc(tp=2, dp=1, ep=True, nnodes=1, dp_local=None, seqs=256):
-    import types
-
-    pc = types.SimpleNamespace(tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=ep,
-                               nnodes=nnodes, data_parallel_size_local=dp if dp_local is None else dp_local)
-    return types.SimpleNamespace(parallel_config=pc, scheduler_config=types.SimpleNamespace(max_num_seqs=seqs))
-
-
-def test_advice_says_where_a_configuration_cannot_pay():
-    from vllm_smoe.serving.capability import advice
-
-    spec = SmoeConfig(mode="speculate", placement=EP2)
-    (line,) = advice(_vc(), spec, "cpu")
-    assert "at 2 ranks" in line and "--mode dp" in line
-    lines = advice(_vc(tp=4), spec, "cpu")
-    assert len(lines) == 1 and "on one node" in lines[0] and "mode place" in lines[0]
-    assert advice(_vc(tp=4, nnodes=2), spec, "cpu") == []  # across nodes: what speculate is for
-    agrs = advice(_vc(tp=4, nnodes=2), SmoeConfig(mode="speculate", placement=EP2, all2all="vllm"), "cpu")
-    assert len(agrs) == 1 and "allgather-reducescatter" in agrs[0]
-    assert any("--max-num-seqs 2 < 4" in ln for ln in advice(_vc(tp=4, nnodes=2, seqs=2), spec, "cpu"))
-    (place,) = advice(_vc(), SmoeConfig(placement=EP2), "cpu")
-    assert "not what crosses the link" in place
-    assert advice(_vc(tp=1, dp=2, dp_local=1), SmoeConfig(placement=EP2), "cpu") == []  # routed DP + EP pays
-    (off,) = advice(_vc(tp=1, dp=2), SmoeConfig(placement=EP2, dp_routing=False), "cpu")
-    assert "--smoe-dp-routing off" in off
-    assert advice(_vc(), SmoeConfig(), "cpu") == []  # no placement: nothing to judge

@@ -51,11 +51,26 @@ class _Runner:
         return "out"
 
 
-def test_wrapper_runs_hooks_around_served_steps_only():
+def _listed(monkeypatch, patch_id, cls, attr):
+    """A stand-in class's method as a listed patch target (``patches.replace`` takes only those)."""
+    import inspect
+
+    from vllm_smoe.serving import patches
+
+    target = f"{cls.__module__}:{cls.__qualname__}.{attr}"
+    params = tuple(inspect.signature(getattr(cls, attr)).parameters)
+    monkeypatch.setitem(patches._BY_ID, patch_id, patches.Patch(patch_id, target, "method", params, "tests", "-",
+                                                                "-", "-"))
+
+
+def test_wrapper_runs_hooks_around_served_steps_only(monkeypatch):
+    from vllm_smoe.serving.patches import runners
+
     seen = []
     before = lambda runner, so: seen.append(("before", so.total_num_scheduled_tokens))  # noqa: E731
     after = lambda runner, so, step: seen.append(("after", step))  # noqa: E731
-    rh._wrap(_Runner)
+    _listed(monkeypatch, "test_runner", _Runner, "execute_model")
+    runners.wrap_runner(_Runner, "test_runner", rh._served)
     rh.attach(before=before, after=after)
     serving = rh._SERVING[0]
 
@@ -68,7 +83,8 @@ def test_wrapper_runs_hooks_around_served_steps_only():
         r = _Runner()
         so = types.SimpleNamespace(total_num_scheduled_tokens=0)
         rh._SERVING[0] = False
-        rh._wrap_worker(_Worker)
+        _listed(monkeypatch, "test_worker", _Worker, "compile_or_warm_up_model")
+        runners.wrap_worker(_Worker, "test_worker", rh._warmed_up)
         assert _Worker().compile_or_warm_up_model() == "times"
         assert seen == [] and r.calls == [("forward", False)] and rh.serving()
         assert r.execute_model(so, dummy_run=True) == "out"  # V2's dummy runs and capture
@@ -121,9 +137,9 @@ def _parallel(backend, monkeypatch, cpu):
     from vllm.config import ParallelConfig
     from vllm.platforms import current_platform
 
-    from vllm_smoe.serving import cpu_ep
+    from vllm_smoe.serving.patches import cpu as cpu_patches
 
-    cpu_ep.install()
+    cpu_patches.at_start()
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self=None: cpu)
     pc = ParallelConfig.__new__(ParallelConfig)  # no validation: only the fields the property reads
     pc.__dict__.update(all2all_backend=backend, enable_expert_parallel=True, tensor_parallel_size=2,

@@ -19,6 +19,7 @@ from vllm_smoe.placement.assign import assign_tokens
 from vllm_smoe.placement.assign import chunk_caps as np_chunk_caps
 from vllm_smoe.serving import device_predict as dp
 from vllm_smoe.serving.sparse_a2a import SparseExchange, owner_of
+from tests.support import CONFIGS
 
 H, I, E, K, V = 32, 16, 16, 3, 500
 WORLD = 4
@@ -166,8 +167,7 @@ def test_device_tables_prediction_equals_predict_layer():
     from vllm_smoe.placement.predict import predict_layer
     from vllm_smoe.formats.placement_file import load_placement, load_tables
 
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    t = load_tables(load_placement(os.path.join(here, "configs", "tiny-4dom-ep2.yaml")))
+    t = load_tables(load_placement(os.path.join(CONFIGS, "tiny-4dom-ep2.yaml")))
     rng = np.random.default_rng(0)
     ids, prev = rng.integers(0, t.token2rank.shape[1], 700), rng.integers(0, t.markov2rank.shape[1], 700)
     for layer in range(t.token2rank.shape[0]):
@@ -193,8 +193,7 @@ def test_device_bigram_prediction_equals_predict_layer():
     from vllm_smoe.placement.predict import bigram_keys, predict_layer, previous_ids
     from vllm_smoe.formats.placement_file import load_placement, load_tables
 
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    t = load_tables(load_placement(os.path.join(here, "configs", "tiny-4dom-ep4.yaml")))
+    t = load_tables(load_placement(os.path.join(CONFIGS, "tiny-4dom-ep4.yaml")))
     assert t.has_bigrams
     V, L = t.token2rank.shape[1], t.token2rank.shape[0]
     rng = np.random.default_rng(1)

@@ -8,14 +8,15 @@ import sys
 
 import pytest
 
+from tests.support import TESTS
+
 pytest.importorskip("triton")
 
 
 def test_kernels_match_their_twins_under_the_interpreter():
-    here = os.path.dirname(__file__)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        os.path.join(here, "interp")], capture_output=True, text=True, env=env, timeout=900)
+                        os.path.join(TESTS, "interp")], capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
 

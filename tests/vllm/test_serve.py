@@ -9,29 +9,23 @@ import pytest
 import yaml
 
 from vllm_smoe.tools.server_process import CPU_ARGS, VllmServer, free_port, vllm_executable
-from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
-from vllm_smoe.formats.trace import open_trace, read_traces
+from vllm_smoe.testbed import FIXTURE_MODEL
+from vllm_smoe.formats.trace import read_traces
+from tests.support import REPO, derangement_yaml, heldout_prompts
 
-pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 pytest.importorskip("openai")
 
 VLLM = vllm_executable()
 BASE = list(CPU_ARGS)
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _prompts(n=6):
-    t = open_trace(FIXTURE_TRACES["heldout"])
-    tok, req = t["token_ids"], t["request_ids"]
-    return [tok[req == r][: 7 + 3 * (r % 5)].tolist() for r in np.unique(req)[:: max(1, len(np.unique(req)) // n)][:n]]
+    return heldout_prompts(n, lambda i, r: 7 + 3 * (r % 5))
 
 
 def _derangement(path):
-    doc = {"smoe_placement": 1, "model": {"num_layers": 4, "num_experts": 32, "top_k": 4}, "ep_size": 32,
-           "layers": [{"expert_to_rank": [(e + 1 + i) % 32 for e in range(32)]} for i in range(4)]}
-    path.write_text(yaml.safe_dump(doc))
-    return str(path)
+    return derangement_yaml(path, shift=1)
 
 
 def test_serve_with_placement_matches_plain_vllm(tmp_path):

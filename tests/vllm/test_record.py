@@ -7,23 +7,17 @@ import sys
 
 import numpy as np
 import pytest
-import yaml
 
-from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
-from vllm_smoe.formats.trace import open_trace, read_traces
+from vllm_smoe.testbed import FIXTURE_MODEL
+from vllm_smoe.formats.trace import read_traces
+from tests.support import CONFIGS, HELPER, derangement_yaml, heldout_prompts
 
-pytestmark = pytest.mark.vllm
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-HELPER = os.path.join(os.path.dirname(__file__), "helpers", "vllm_generate.py")
-
 
 def _prompts(n=5):
-    t = open_trace(FIXTURE_TRACES["heldout"])
-    tok, req = t["token_ids"], t["request_ids"]
-    reqs = np.unique(req)[:: len(np.unique(req)) // n][:n]
-    return [tok[req == r][: 6 + 5 * i].tolist() for i, r in enumerate(reqs)]
+    return heldout_prompts(n, lambda i, r: 6 + 5 * i)
 
 
 @pytest.fixture(scope="module", params=["eager", "compiled", "speculate"])
@@ -32,17 +26,13 @@ def recorded(tmp_path_factory, request):
     + EP under vLLM's default compilation (each rank routes its chunk of reordered rows; the
     recorder gathers them back)."""
     d = tmp_path_factory.mktemp("rec")
-    placement = d / "p.yaml"  # every expert moved: recording must still report logical ids
-    placement.write_text(yaml.safe_dump({
-        "smoe_placement": 1, "model": {"num_layers": 4, "num_experts": 32, "top_k": 4}, "ep_size": 32,
-        "layers": [{"expert_to_rank": [(e + 3 + i) % 32 for e in range(32)]} for i in range(4)]}))
+    placement = derangement_yaml(d / "p.yaml", shift=3)  # every expert moved: recording must still report logical ids
     extra = {"smoe": {"mode": "record", "record": str(d / "traces"), "placement": str(placement),
                       "record_chunk_tokens": 40}}
     prompts = _prompts()
     env = {**os.environ, "SMOE_TEST_COMPILED": "0" if request.param == "eager" else "1"}
     if request.param == "speculate":
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        extra = {"smoe": {"mode": "speculate", "placement": os.path.join(repo, "configs", "tiny-4dom-ep2.yaml"),
+        extra = {"smoe": {"mode": "speculate", "placement": os.path.join(CONFIGS, "tiny-4dom-ep2.yaml"),
                           "record": str(d / "traces"), "record_chunk_tokens": 40, "record_max_mb": 64}}
         env.update({"SMOE_TEST_TP": "2", "SMOE_TEST_EP": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     r = subprocess.run([sys.executable, HELPER, FIXTURE_MODEL, json.dumps(prompts), "6", json.dumps(extra)],
@@ -98,10 +88,7 @@ def test_smoe_place_builds_from_the_record_directory(recorded, tmp_path):
 def test_tensor_parallel_2_placement_is_lossless_and_recorded_once(tmp_path):
     """TP=2 on the CPU build: every expert moved gives the plain TP=2 tokens; only TP rank 0 writes."""
     prompts = _prompts(4)
-    placement = tmp_path / "p.yaml"
-    placement.write_text(yaml.safe_dump({
-        "smoe_placement": 1, "model": {"num_layers": 4, "num_experts": 32, "top_k": 4}, "ep_size": 32,
-        "layers": [{"expert_to_rank": [(e + 5) % 32 for e in range(32)]} for _ in range(4)]}))
+    placement = derangement_yaml(tmp_path / "p.yaml", shift=5, step=0)
     env = {**os.environ, "SMOE_TEST_TP": "2", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
     def run(extra):

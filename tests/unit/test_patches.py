@@ -1,0 +1,132 @@
+"""The one list of vLLM patches (``vllm_smoe.serving.patches``) is complete and true: every
+symbol smoe replaces is listed, each listed original has the parameters the patch was written
+for, and a symbol that differs is refused, named, before anything is served."""
+
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+from vllm_smoe.serving import patches
+
+# Applies every patch smoe can make (start-time and lazy ones), then looks for smoe's code on
+# vLLM's modules and classes: what is there but not listed is an unlisted patch.
+_SCAN = textwrap.dedent('''
+    import inspect, json, sys
+    from vllm_smoe.serving import patches, plugin, runner_hooks
+    from vllm_smoe.serving.patches import cli, cpu
+    import vllm.entrypoints.cli.serve  # noqa: F401 (the serve command is patched only where imported)
+
+    plugin.register()
+    cli.install()
+    cpu.in_worker()
+    runner_hooks.attach()
+
+    def scan():
+        found = {}
+        for name, mod in list(sys.modules.items()):
+            if not name.startswith("vllm.") or mod is None:
+                continue
+            owners = [(f"{name}:", vars(mod))]
+            owners += [(f"{name}:{c.__qualname__}.", vars(c)) for c in list(vars(mod).values())
+                       if inspect.isclass(c) and c.__module__ == name]
+            for prefix, attrs in owners:
+                for attr, obj in list(attrs.items()):
+                    if isinstance(obj, (staticmethod, classmethod)):
+                        fn = obj.__func__
+                    elif isinstance(obj, property):
+                        fn = obj.fget
+                    elif inspect.isfunction(obj) or inspect.isclass(obj):
+                        fn = obj
+                    else:
+                        continue
+                    if str(getattr(fn, "__module__", "")).startswith("vllm_smoe"):
+                        found[prefix + attr] = getattr(fn, "_smoe_patch", None)
+        return found
+
+    listed = {p.id: p.target for p in patches.PATCHES}
+    found = scan()
+    unlisted = sorted(t for t, pid in found.items() if pid is None or listed.get(pid) != t)
+    from vllm.config import ParallelConfig
+    from vllm_smoe.serving import served
+    ParallelConfig._smoe_probe = served.worker  # an unlisted patch: the scan must see it
+    caught = sorted(t for t, pid in scan().items() if pid is None)
+    print(json.dumps({"found": found, "unlisted": unlisted, "applied": sorted(patches.applied()),
+                      "caught": caught, "mismatches": patches.mismatches(check_all=True)}))
+''')
+
+
+@pytest.fixture(scope="module")
+def scan():
+    import json
+
+    r = subprocess.run([sys.executable, "-c", _SCAN], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_every_replacement_of_a_vllm_symbol_is_listed(scan):
+    assert scan["unlisted"] == []
+    assert scan["caught"] == ["vllm.config.parallel:ParallelConfig._smoe_probe"]  # the scan sees one
+    # every listed patch that applies on this build was applied, and found where it is listed
+    optional = {p.id for p in patches.PATCHES if p.optional}
+    assert set(scan["applied"]) | optional >= {p.id for p in patches.PATCHES}
+    assert sorted(scan["found"].values()) == sorted(scan["applied"])
+
+
+def test_listed_originals_are_what_the_patches_were_written_for(scan):
+    assert scan["mismatches"] == []
+
+
+def test_a_changed_symbol_is_refused_and_named(monkeypatch):
+    mod = types.ModuleType("fakevllm")
+
+    class C:
+        def f(self, x, y):
+            return x + y
+
+    C.__module__, C.__qualname__ = "fakevllm", "C"
+    mod.C = C
+    p = patches.Patch("fake_f", "fakevllm:C.f", "method", ("self", "x"), "tests", "why", "none", "never")
+    monkeypatch.setitem(patches._BY_ID, "fake_f", p)
+    monkeypatch.setattr(patches, "_MISMATCHES", {})
+    monkeypatch.setattr(patches, "_ORIGINALS", {})
+
+    def new(self, x):
+        return x
+
+    assert patches.replace("fake_f", C, "f", new) is False
+    assert C.__dict__["f"] is not new  # vLLM's own stays
+    (line,) = patches.mismatches()
+    assert "fakevllm:C.f" in line and "('self', 'x', 'y')" in line
+    with pytest.raises(ValueError, match="fakevllm:C.f"):
+        patches.require("fake_f", C, "f", new)
+
+
+def test_a_listed_symbol_is_replaced_once_and_its_original_kept(monkeypatch):
+    class C:
+        def f(self, x):
+            return x
+
+    C.__module__, C.__qualname__ = "fakevllm", "C"
+    orig = C.__dict__["f"]
+    p = patches.Patch("fake_g", "fakevllm:C.f", "method", ("self", "x"), "tests", "why", "none", "never")
+    monkeypatch.setitem(patches._BY_ID, "fake_g", p)
+    monkeypatch.setattr(patches, "_ORIGINALS", {})
+
+    def new(self, x):
+        return orig(self, x) + 1
+
+    assert patches.replace("fake_g", C, "f", new) and patches.replace("fake_g", C, "f", new)
+    assert C().f(1) == 2 and patches.original("fake_g") is orig  # once: not wrapped twice
+    with pytest.raises(AssertionError, match="not in serving/patches"):
+        patches.replace("nobody_listed_this", C, "f", new)
+
+
+def test_every_entry_says_why_and_how_it_goes():
+    ids = [p.id for p in patches.PATCHES]
+    assert len(ids) == len(set(ids))
+    for p in patches.PATCHES:
+        assert ":" in p.target and p.why and p.remove and p.upstream and p.checked_on, p.id

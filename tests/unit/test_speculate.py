@@ -1,0 +1,102 @@
+"""vLLM's expert parallelism through the plugin and mode speculate on vLLM's CPU build: greedy
+tokens identical to plain vLLM (fp32, 32 held-out prompts), logprobs within fp32 summation noise."""
+
+import os
+
+import numpy as np
+import pytest
+
+from vllm_smoe.serving.config import SmoeConfig
+from tests.support import REPO
+
+EP2 = os.path.join(REPO, "configs", "tiny-4dom-ep2.yaml")
+
+
+def test_speculate_settings_are_validated():
+    ok = SmoeConfig.from_dict({"mode": "speculate", "placement": EP2, "predictor": "random", "all2all": "vllm"})
+    assert ok.predictor == "random" and ok.all2all == "vllm"
+    assert SmoeConfig.from_dict(ok.to_dict()) == ok
+    assert "predictor" not in SmoeConfig.from_dict({"placement": EP2}).to_dict()
+    assert SmoeConfig.from_dict({}) == SmoeConfig()  # --plugin smoe alone: vLLM's EP fixed on CPU, no placement
+    for bad, words in [({"mode": "speculate"}, "needs field 'placement'"),
+                       ({"mode": "speculate", "placement": EP2, "predictor": "oracle"}, "field 'predictor'"),
+                       ({"mode": "speculate", "placement": EP2, "capacity": 1.1}, "unknown field"),
+                       ({"all2all": "deepep"}, "field 'all2all'"),
+                       ({"placement": EP2, "predictor": "random"}, "only apply to mode 'speculate'")]:
+        with pytest.raises(ValueError, match=words):
+            SmoeConfig.from_dict(bad)
+
+
+def test_bench_serve_combines_every_ranks_speculate_line():
+    from vllm_smoe.tools.bench.common import SPEC_LINE as _SPEC_LINE, rank_numbers as _rank_numbers
+
+    def line(rank, share, tokens, pairs, nbytes):
+        return (f"(Worker_TP{rank} pid=1) INFO smoe: speculate (predictor tables-markov): rank {rank} served {share} "
+                f"of its expert activations locally ({tokens} tokens); sparse all2all: {pairs} remote (token, rank) "
+                f"pairs and {nbytes} B per token and MoE layer\n")
+
+    lines = [line(0, 0.1, 10, 9.0, 900), line(0, 0.6, 100, 0.8, 800), line(1, 0.9, 300, 0.4, 400)]
+    got = _rank_numbers(lines, _SPEC_LINE)  # each rank's last line, weighted by its tokens
+    assert got["tokens_per_rank"] == {0: 100, 1: 300}
+    np.testing.assert_allclose([got["local_share"], got["remote_pairs_per_token"], got["bytes_per_token_layer"]],
+                               [0.825, 0.5, 500.0])
+    plain = _rank_numbers(["speculate (predictor random): rank 1 served 0.5 of its expert activations locally "
+                           "(3 tokens)"], _SPEC_LINE)  # vLLM's all2all: no byte counters
+    assert plain == {"local_share": 0.5, "tokens_per_rank": {1: 3}}
+    assert _rank_numbers([], _SPEC_LINE) == {}
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_router_predictor_uses_vllms_own_routing(grouped):
+    """Predictor router: vLLM's gate and routing step on every row give the ranks of exactly the
+    experts vLLM's router picks for them (softmax top-k, and grouped top-k with a correction bias)."""
+    pytest.importorskip("vllm")
+    import torch
+
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+    from vllm_smoe.placement.predict import prefer_ranks
+    from vllm_smoe.serving.token_order import route_ahead
+
+    torch.manual_seed(0)
+    E, K, H, T, N = 16, 4, 24, 37, 4
+    gate = torch.nn.Linear(H, E, bias=False)
+    kw = dict(use_grouped_topk=True, num_expert_group=4, topk_group=2, scoring_func="sigmoid",
+              e_score_correction_bias=torch.randn(E)) if grouped else {}
+    router = CPURouter(top_k=K, global_num_experts=E, **kw)
+    x = torch.randn(T, H)
+    owner = torch.randperm(E) % N
+    held = torch.zeros((N, E), dtype=torch.bool)
+    held[owner, torch.arange(E)] = True
+    pref, conf = route_ahead(gate, router, x, held)
+    _, ids = router.select_experts(x, gate(x))
+    want_pref, want_conf = prefer_ranks(owner[ids.long()].numpy(), N)
+    np.testing.assert_array_equal(pref.numpy(), want_pref)
+    np.testing.assert_allclose(conf.numpy(), want_conf)
+
+
+def _vc(tp=2, dp=1, ep=True, nnodes=1, dp_local=None, seqs=256):
+    import types
+
+    pc = types.SimpleNamespace(tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=ep,
+                               nnodes=nnodes, data_parallel_size_local=dp if dp_local is None else dp_local)
+    return types.SimpleNamespace(parallel_config=pc, scheduler_config=types.SimpleNamespace(max_num_seqs=seqs))
+
+
+def test_advice_says_where_a_configuration_cannot_pay():
+    from vllm_smoe.serving.capability import advice
+
+    spec = SmoeConfig(mode="speculate", placement=EP2)
+    (line,) = advice(_vc(), spec, "cpu")
+    assert "at 2 ranks" in line and "--mode dp" in line
+    lines = advice(_vc(tp=4), spec, "cpu")
+    assert len(lines) == 1 and "on one node" in lines[0] and "mode place" in lines[0]
+    assert advice(_vc(tp=4, nnodes=2), spec, "cpu") == []  # across nodes: what speculate is for
+    agrs = advice(_vc(tp=4, nnodes=2), SmoeConfig(mode="speculate", placement=EP2, all2all="vllm"), "cpu")
+    assert len(agrs) == 1 and "allgather-reducescatter" in agrs[0]
+    assert any("--max-num-seqs 2 < 4" in ln for ln in advice(_vc(tp=4, nnodes=2, seqs=2), spec, "cpu"))
+    (place,) = advice(_vc(), SmoeConfig(placement=EP2), "cpu")
+    assert "not what crosses the link" in place
+    assert advice(_vc(tp=1, dp=2, dp_local=1), SmoeConfig(placement=EP2), "cpu") == []  # routed DP + EP pays
+    (off,) = advice(_vc(tp=1, dp=2), SmoeConfig(placement=EP2, dp_routing=False), "cpu")
+    assert "--smoe-dp-routing off" in off
+    assert advice(_vc(), SmoeConfig(), "cpu") == []  # no placement: nothing to judge
