@@ -130,3 +130,17 @@ def test_every_entry_says_why_and_how_it_goes():
     assert len(ids) == len(set(ids))
     for p in patches.PATCHES:
         assert ":" in p.target and p.why and p.remove and p.upstream and p.checked_on, p.id
+
+
+def test_a_server_refuses_to_start_naming_each_changed_symbol(monkeypatch):
+    from vllm_smoe.serving import plugin
+    from vllm_smoe.serving.config import SmoeSettingsError
+
+    said = ["vllm.a:B.c: vLLM's has parameters ('self',), smoe's patch was written for ('self', 'x')",
+            "vllm.d:e: not in this vLLM (AttributeError: e)"]
+    monkeypatch.setattr(patches, "mismatches", lambda check_all=False: said if check_all else [])
+    with pytest.raises(SmoeSettingsError) as e:
+        plugin._before_engine_config(types.SimpleNamespace(additional_config={"smoe": {}}))
+    assert all(s in str(e.value) for s in said)
+    # a server that does not ask for smoe is left alone
+    assert plugin._before_engine_config(types.SimpleNamespace(additional_config={})) is None
