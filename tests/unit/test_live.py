@@ -211,6 +211,7 @@ def test_placement_endpoint_checks_prepares_then_applies(tmp_path, monkeypatch):
         r = c.post("/smoe/placement", json={"placement": str(new)})
         assert r.status_code == 200, r.text
         assert r.json()["previous"] == str(old) and r.json()["moved_slots"] == 7 and r.json()["worker_seconds"] == 0.02
+        assert r.json()["moved_bytes"] == 10**9  # both ranks' changing expert bytes
         snap = read_snapshot(str(new))
         assert engine.calls == [("smoe_prepare_placement", (str(new), snap.yaml, None, snap.sha256)),
                                 ("smoe_apply_placement", (snap.sha256,))]

@@ -455,3 +455,19 @@ def test_advise_finds_the_gain_of_a_placement_built_from_live_traffic(tmp_path):
     same = json.load(open(js))
     assert abs(same["candidate (coclust)"]["lar"] - same["served (coclust)"]["lar"]) < new["lar"] - cur["lar"]
     assert main(["advise", "--trace", str(tmp_path / "live.npz"), "--placement", str(tmp_path / "nope.yaml")]) == 2
+    # at most a quarter of the slots moved: the written candidate moves no more, stays balanced, and
+    # keeps more activations local than the served placement
+    lim_yaml = tmp_path / "lim.yaml"
+    assert main(["advise", "--trace", str(tmp_path / "live.npz"), "--placement", str(served), "--max-moves", "0.25",
+                 "-o", str(lim_yaml), "--json", str(js)]) == 0
+    res = json.load(open(js))
+    (lim_key,) = [k for k in res if k.startswith("limited")]
+    lim, old_p, new_p = res[lim_key], load_placement(str(served)), load_placement(str(lim_yaml))
+    moved = int((old_p.expert2rank != new_p.expert2rank).sum())
+    assert moved == lim["moved_slots"] <= 0.25 * old_p.expert2rank.size
+    assert res["candidate (coclust)"]["moved_slots"] > moved
+    assert (np.bincount(new_p.expert2rank.reshape(-1), minlength=4) == new_p.expert2rank.size // 4).all()
+    assert lim["lar"] > res["served (coclust)"]["lar"]
+    with pytest.raises(SystemExit) as e:  # argparse names the flag
+        main(["advise", "--trace", str(tmp_path / "live.npz"), "--placement", str(served), "--max-moves", "1.5"])
+    assert e.value.code == 2

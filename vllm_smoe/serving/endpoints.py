@@ -152,6 +152,8 @@ class SmoeEndpoints:
                     raise HTTPException(status_code=500, detail=live["refused"]) from None
                 answer = {"placement": path, "previous": live["path"],
                           "moved_slots": done[0]["moved_slots"],
+                          # expert weight bytes written into changed slots, all ranks together
+                          "moved_bytes": sum(r["bytes"] for r in ready),
                           "seconds": time.monotonic() - t0, "worker_seconds": max(d["seconds"] for d in done)}
                 live["path"], live["last"] = path, answer
                 live["swaps"] += 1

@@ -23,6 +23,7 @@ from ..placement.dp import (assign_requests, place_requests, request_affinity, r
 from ..placement.groups import check_groups
 from ..placement.layout import NEEDS_INSTANCES, PREDICTED, SOLVERS, place_model
 from ..placement.metrics import evaluate, holds_from_expert2rank, local_share
+from ..placement.migrate import limit_moves, rename_ranks
 from ..placement.online import PREDICTORS as SIM_PREDICTORS
 from ..placement.online import simulate
 from ..placement.predict import bigram_keys, bigram_table, previous_ids, tables_for_placement
@@ -483,6 +484,9 @@ def cmd_advise(a) -> int:
     if p.method == "dp-coclust":
         raise ValueError(f"{a.placement}: field 'method' = dp-coclust: advise judges tensor-parallel placements only "
                          f"so far")
+    if a.max_moves is not None and p.replicas.size and (p.replicas[..., 0] >= 0).any():
+        raise ValueError(f"{a.placement}: field 'layers[].replicas': --max-moves limits the moves of placements "
+                         f"without copies only, so far")
     meta, _, arr, files, total = _stream(a.trace, lambda T: _windows(T, a.max_tokens), counts=False, desc="reading")
     for key, want in (("num_layers", p.num_layers), ("num_experts", p.num_experts), ("top_k", p.top_k)):
         if getattr(meta, key) != want:
@@ -520,6 +524,31 @@ def cmd_advise(a) -> int:
     print(f"{'':26}{'served':>12}{'candidate':>12}{'change':>10}")
     for k in ADVISE_KEYS:
         print(f"{k:26}{cur[k]:12.4g}{new[k]:12.4g}{(new[k] / cur[k] - 1) * 100 if cur[k] else 0.0:+9.1f}%")
+    cur["moved_slots"] = 0
+    new["moved_slots"] = int((rename_ranks(p.expert2rank, e2r, p.ep_size) != p.expert2rank).sum())
+    if a.max_moves is not None:
+        budget = int(a.max_moves * p.expert2rank.size)
+        e2r, info = limit_moves(p.expert2rank, e2r, [counts.layer_matrix(layer) for layer in range(meta.num_layers)],
+                                counts.seen()[1], budget, p.ep_size, capacity=p.capacity, groups=p.groups)
+        holds = holds_from_expert2rank(e2r, p.ep_size)
+        tables = _with_bigrams(tables_for_placement(counts, holds, meta.vocab_size), train, holds, meta.vocab_size,
+                               a.bigram_pairs, a.batch_tokens)
+        reps = np.zeros((meta.num_layers, 0, 2), dtype=np.int32)
+        lim = results[f"limited (at most {a.max_moves:g} of slots moved)"] = _measure(
+            test, test_batch, meta, e2r, reps, tables, p.ep_size, p.capacity, True, hidden, a.dtype_bytes,
+            nodes=p.nodes, predictor=a.predictor)
+        lim["moved_slots"] = info["moved"]
+        gain = new["lar"] - cur["lar"]
+        print(f"{'lar, moves limited':26}{cur['lar']:12.4g}{lim['lar']:12.4g}"
+              f"{(lim['lar'] / cur['lar'] - 1) * 100 if cur['lar'] else 0.0:+9.1f}%")
+        kept = f"; it keeps {(lim['lar'] - cur['lar']) / gain:.0%} of the candidate's LAR gain" if gain > 0 else ""
+        print(f"moves: the candidate changes {new['moved_slots']} of {p.expert2rank.size} expert slots (its ranks "
+              f"renamed to agree with the served ones), the limited one {info['moved']} ({info['cycles']} exchange "
+              f"cycles){kept}")
+        new, method = lim, f"{method}+moves"
+    else:
+        print(f"moves: the candidate changes {new['moved_slots']} of {p.expert2rank.size} expert slots (its ranks "
+              f"renamed to agree with the served ones; --max-moves F limits them)")
     verdict = ("the candidate keeps more activations local" if new["lar"] > cur["lar"]
                else "the served placement still does as well")
     print(f"{verdict}: LAR {cur['lar']:.3f} -> {new['lar']:.3f}, rows per token "
@@ -659,7 +688,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-tokens", type=number(int, 0), default=1 << 20,
                    help=f"use at most this many recorded tokens, in {EVAL_WINDOWS} evenly spaced windows "
                         "(default 1048576; 0 = all, held in memory)")
-    v.add_argument("-o", "--output", help="also write the candidate placement here (serve it after a restart)")
+    v.add_argument("--max-moves", type=number(float, 0.0, 1.0), default=None, metavar="F",
+                   help="also a candidate that moves at most this share of the served expert slots (a live swap "
+                        "moves what changes): the fresh candidate's exchange cycles that pay most per moved slot, "
+                        "its ranks renamed to agree with the served ones; -o then writes this one")
+    v.add_argument("-o", "--output", help="also write the candidate placement here (POST /smoe/placement swaps it "
+                                          "in live)")
     v.add_argument("--json", help="write {placement: {metric: value}} here")
     common(v)
     # serving's default predictor; capacity and copies come from the served placement

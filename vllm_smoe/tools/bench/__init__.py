@@ -6,13 +6,14 @@
   smoe-bench comm    -- one EP MoE layer on N gloo ranks: baseline EP vs speculative shuffling
   smoe-bench kernels -- on a CUDA GPU: speculate's assignment + permutation kernel vs the torch ops
   smoe-bench place-scale -- smoe-place build/evaluate on a large trace: wall time, peak memory of all its processes
+  smoe-bench migrate -- smoe-place advise --max-moves after a workload shift: LAR kept per share of slots moved
   smoe-bench load    -- speculate under a workload shift: metrics cost, live re-placement from the recording, plot
   smoe-bench cluster -- vLLM nodes in network namespaces over a link at a real cluster's proportions (needs root)
 """
 
 from __future__ import annotations
 
-# One module per family of subcommands: offline (ilp, place-scale, predictors), serve (plugin,
+# One module per family of subcommands: offline (ilp, place-scale, predictors, migrate), serve (plugin,
 # serve, dp), comm, kernels, load, cluster; common holds what they share.
 
 import argparse
@@ -121,6 +122,14 @@ def main(argv=None) -> int:
     r.add_argument("--ep-size", type=number(int, 1), nargs="+", default=[2, 4, 8])
     r.add_argument("--json", help="write every row here")
     r.set_defaults(fn=offline.run_predictors)
+    m = sub.add_parser("migrate", help="smoe-place advise --max-moves after a workload shift: LAR kept per share of "
+                                       "expert slots moved (traces with a 'domain' field)")
+    m.add_argument("--train", help="training trace (default: the fixture's)")
+    m.add_argument("--heldout", help="held-out trace (default: the fixture's)")
+    m.add_argument("--ep-size", type=number(int, 1), nargs="+", default=[2, 4, 8])
+    m.add_argument("--max-moves", type=number(float, 0.0, 1.0), nargs="+", default=[0.0, 0.1, 0.25, 0.5])
+    m.add_argument("--json", help="write every row here")
+    m.set_defaults(fn=offline.run_migrate)
     from .load import add_parser as add_load
 
     add_load(sub)

@@ -236,3 +236,71 @@ def run_predictors(a) -> int:
     if a.json:
         write_json(a.json, {"train": train, "heldout": held, "model": model, "rows": rows})
     return 0
+
+
+def run_migrate(a) -> int:
+    """``smoe-place advise --max-moves F`` after a workload shift: the served placement built on
+    some workloads of the training trace, the recording those it never saw (their training rows,
+    then their held-out rows, so advise trains on the first and judges on the second); per EP
+    size and share F, LAR and rows per token of the served placement (its old tables), the fresh
+    candidate and the limited ones, the slots each moves and the share of the gain kept."""
+    import tempfile
+
+    from .. import place_cli
+    from ..cli_util import check_output_file
+    from ...formats.trace import read_traces, write_trace
+    from ...testbed import FIXTURE_TRACES
+
+    if a.json:
+        check_output_file(a.json, "--json")
+    fields = ("token_ids", "request_ids", "positions", "topk_ids", "is_prefill", "domain")
+    meta, tr, _ = read_traces([a.train or FIXTURE_TRACES["train"]], fields)
+    _, he, _ = read_traces([a.heldout or FIXTURE_TRACES["heldout"]], fields)
+    if "domain" not in tr or not meta.domains:
+        raise ValueError("smoe-bench migrate: the traces need the 'domain' field and meta.domains")
+    D = len(meta.domains)
+    shifts = [(tuple(range(D // 2)), tuple(range(D // 2, D))), (tuple(range(D // 2, D)), tuple(range(D // 2)))]
+
+    def place(*args):
+        if place_cli.main([str(x) for x in args]) != 0:
+            raise ValueError(f"smoe-bench migrate: smoe-place {' '.join(map(str, args))} failed (its error above)")
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        for ep in a.ep_size:
+            for old, new in shifts:
+                name = f"{'+'.join(meta.domains[d] for d in old)} -> {'+'.join(meta.domains[d] for d in new)}"
+                served = os.path.join(work, "served.yaml")
+                path = os.path.join(work, "old.npz")
+                keep = np.isin(tr["domain"], old)
+                write_trace(path, meta, **{k: v[keep] for k, v in tr.items()})
+                place("build", "--trace", path, "--ep-size", ep, "-o", served)
+                recording = []
+                for i, arr in enumerate((tr, he)):  # no step ids: advise's halves are these two files
+                    keep = np.isin(arr["domain"], new)
+                    recording.append(os.path.join(work, f"rec{i}.npz"))
+                    write_trace(recording[-1], meta, **{k: v[keep] for k, v in arr.items()})
+                row = {"ep_size": ep, "shift": name, "limited": {}}
+                for share in a.max_moves:
+                    out = os.path.join(work, "advise.json")
+                    place("advise", "--trace", *recording, "--placement", served, "--max-moves", share,
+                          "--max-tokens", 0, "--json", out)
+                    res = json.load(open(out))
+                    cur, fresh, lim = (res[k] for k in res)
+                    row["served"], row["fresh"] = _migrate_row(cur), _migrate_row(fresh)
+                    gain = fresh["lar"] - cur["lar"]
+                    row["limited"][f"{share:g}"] = {**_migrate_row(lim),
+                                                    "gain_kept": (lim["lar"] - cur["lar"]) / gain if gain > 0 else None}
+                rows.append(row)
+                print(f"EP {ep} {name}: LAR served {row['served']['lar']:.3f}, fresh {row['fresh']['lar']:.3f} "
+                      f"({row['fresh']['moved_slots']} slots); " + ", ".join(
+                          f"F={f} {r['lar']:.3f} ({r['moved_slots']} slots, kept "
+                          f"{'-' if r['gain_kept'] is None else format(r['gain_kept'], '.0%')})"
+                          for f, r in row["limited"].items()), flush=True)
+    if a.json:
+        write_json(a.json, {"train": a.train or FIXTURE_TRACES["train"], "heldout": a.heldout or
+                            FIXTURE_TRACES["heldout"], "max_moves": a.max_moves, "rows": rows})
+    return 0
+
+
+def _migrate_row(m: dict) -> dict:
+    return {k: m[k] for k in ("lar", "remote_unique_per_token", "expert_load", "moved_slots")}
