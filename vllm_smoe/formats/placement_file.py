@@ -336,14 +336,13 @@ class Snapshot:
         return load_placement(self.path, self.yaml)
 
 
-def read_snapshot(path: str, allowed_dirs: tuple[str, ...] | None = None, resolve: bool = True) -> Snapshot:
-    """Resolve ``path`` (symlinks too; ``resolve=False`` keeps it as given, as a server does with
-    the placement it starts with), refuse it unless it and its tables file lie inside one of
+def read_snapshot(path: str, allowed_dirs: tuple[str, ...] | None = None) -> Snapshot:
+    """Resolve ``path`` (symlinks too), refuse it unless it and its tables file lie inside one of
     ``allowed_dirs`` (None = anywhere), and read both once: a :class:`Snapshot`. ValueError names
     the file; contents are never echoed."""
     from .bounded import MAX_YAML_BYTES, read_bytes
 
-    real = os.path.realpath(path) if resolve else path
+    real = os.path.realpath(path)
 
     def inside(p: str, what: str) -> None:
         if allowed_dirs is not None and not any(os.path.commonpath([p, d]) == d
@@ -356,9 +355,8 @@ def read_snapshot(path: str, allowed_dirs: tuple[str, ...] | None = None, resolv
     placement = load_placement(real, data)
     tables = None
     if placement.predictor is not None:
-        predictor = os.path.realpath(placement.predictor)
-        inside(predictor, "field 'predictor': tables file")
-        tables = read_bytes(predictor if resolve else placement.predictor, "tables file", _tables_bound(placement))
+        inside(os.path.realpath(placement.predictor), "field 'predictor': tables file")
+        tables = read_bytes(os.path.realpath(placement.predictor), "tables file", _tables_bound(placement))
     return Snapshot(real, data, tables)
 
 

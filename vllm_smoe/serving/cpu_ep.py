@@ -92,11 +92,13 @@ def map_to_physical(topk_ids: torch.Tensor, expert_load_view: torch.Tensor, logi
 
 def smoe_settings():
     """smoe's settings of the vLLM config being built, or None when smoe was not asked for."""
-    from vllm.config import get_current_vllm_config
+    from vllm import config as vllm_config
 
     from .config import SmoeConfig
 
-    return SmoeConfig.from_additional_config(get_current_vllm_config().additional_config)
+    current = getattr(vllm_config, "get_current_vllm_config_or_none", None)
+    vc = current() if current is not None else vllm_config.get_current_vllm_config()
+    return None if vc is None else SmoeConfig.from_additional_config(vc.additional_config)
 
 
 def _unlink_own_segment(group_name: str, rank: int) -> None:

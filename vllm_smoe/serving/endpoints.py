@@ -185,7 +185,7 @@ class SmoeEndpoints:
         if placement is not None:
             from .served import placement_for
 
-            if placement_for(cfg).tables is None:
+            if placement_for(cfg).placement.predictor is None:
                 placement = None  # nothing to score with: the route answers 404
             elif not vc.model_config.skip_tokenizer_init:
                 tokenizer = engine_client.renderer.get_tokenizer()

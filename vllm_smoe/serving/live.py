@@ -72,27 +72,27 @@ class Swap:
     transfer: tuple | None  # (buffers, communicator, process group) for moves over the EP group
 
 
-def check_swap(served: Worker, snapshot) -> Swap:
+def check_swap(state: Worker, snapshot) -> Swap:
     """The placement in ``snapshot`` (:class:`~vllm_smoe.formats.placement_file.Snapshot`), parsed once,
-    if it can replace the served one live; ValueError otherwise."""
+    if it can replace the state one live; ValueError otherwise."""
     from .capability import check_served_placement
     from .token_order import device_tables, find_moe_experts
 
     path = snapshot.path
-    fresh = check_served_placement(path, served.cfg, served.vllm_config, snapshot)
+    fresh = check_served_placement(path, state.cfg, state.vllm_config, snapshot)
     plan = fresh.plan
-    old = served.placement.plan
+    old = state.placement.plan
     if plan.physical2expert.shape != old.physical2expert.shape:
         raise ValueError(f"{path}: field 'layers[].replicas': needs {plan.physical2expert.shape[1]} physical expert "
                          f"slots per layer, but the server allocated {old.physical2expert.shape[1]} at load; a "
                          f"placement with another number of copies per rank needs a restart")
-    packed = {layer: gate for layer, (_, gate) in enumerate(router_rows(served.model, old.moe_layers,
+    packed = {layer: gate for layer, (_, gate) in enumerate(router_rows(state.model, old.moe_layers,
                                                                         old.slot2expert.shape[1])) if gate is not None}
     dropped = list(packed)
-    if dropped and not (served.gate_rows is not None and all(layer in served.gate_rows for layer in dropped)):
+    if dropped and not (state.gate_rows is not None and all(layer in state.gate_rows for layer in dropped)):
         raise ValueError(f"smoe live placement: the routers of MoE layers {dropped} were packed at load and their "
                          f"rows were not kept; restart with the new placement")
-    cc = served.vllm_config.compilation_config
+    cc = state.vllm_config.compilation_config
     compiled = getattr(cc, "mode", None)
     if dropped and compiled is not None and int(compiled) != 0:
         opaque = [layer for layer, gate in packed.items() if packed_tensor(gate) is None]
@@ -103,24 +103,24 @@ def check_swap(served: Worker, snapshot) -> Swap:
     if compiled is not None and int(compiled) != 0 and (cc.inductor_compile_config or {}).get("freezing"):
         raise ValueError("smoe live placement: inductor freezing bakes the weights into the compiled model, so moved "
                          "experts would not be seen; restart with the new placement")
-    order = served.order
+    order = state.order
     if order is not None and order.tables is not None:
         if fresh.tables is None:
-            raise ValueError(f"{path}: field 'predictor' is empty; the served token order predicts with tables")
+            raise ValueError(f"{path}: field 'predictor' is empty; the state token order predicts with tables")
         new = device_tables(fresh.tables, "cpu")  # the tensors swap() would copy in
         graphs = cc.cudagraph_mode is not None and cc.cudagraph_mode.name != "NONE"  # piecewise ones capture them too
         differ = sorted(k for k in set(new) | set(order.tables)
                         if k not in new or k not in order.tables or tuple(new[k].shape) != tuple(order.tables[k].shape))
-        if differ and graphs and next(served.model.parameters()).is_cuda:
-            raise ValueError(f"{path}: field 'predictor': tables {differ} differ in shape from the served ones, which "
+        if differ and graphs and next(state.model.parameters()).is_cuda:
+            raise ValueError(f"{path}: field 'predictor': tables {differ} differ in shape from the state ones, which "
                              f"captured CUDA graphs read; build with the same options or restart")
-    found = find_moe_experts(served.model, old.moe_layers)
+    found = find_moe_experts(state.model, old.moe_layers)
     if len(found) != len(old.moe_layers):
         raise ValueError(f"smoe live placement: found {len(found)} MoE layers, expected {len(old.moe_layers)} (pipeline "
                          f"parallel?)")
     weights = [list(experts.get_expert_weights()) for _, _, experts in found]
     transfer = None
-    if _ep_split(served.vllm_config) and (old.physical2expert != plan.physical2expert).any():
+    if _ep_split(state.vllm_config) and (old.physical2expert != plan.physical2expert).any():
         from vllm.distributed import get_ep_group
         from vllm.distributed.eplb.eplb_communicator import create_eplb_communicator
 
@@ -129,7 +129,7 @@ def check_swap(served: Worker, snapshot) -> Swap:
         # CPU tensors: plain P2P on the group's gloo side ("torch_nccl" takes the CPU group for
         # them; vLLM's "torch_gloo" stages through an accelerator stream a CPU build lacks)
         backend = "torch_nccl" if device.type == "cpu" else (
-            served.vllm_config.parallel_config.eplb_config.communicator or "torch_nccl")
+            state.vllm_config.parallel_config.eplb_config.communicator or "torch_nccl")
         buffers = [torch.empty_like(w) for w in weights[0]]  # one layer's worth, allocated before anything moves
         transfer = (buffers, create_eplb_communicator(group, backend, weights, buffers),
                     group.cpu_group if device.type == "cpu" else group.device_group)
@@ -147,9 +147,9 @@ def moved_bytes(old, swap: Swap) -> int:
     return total
 
 
-def _move_experts(served: Worker, swap: Swap) -> int:
+def _move_experts(state: Worker, swap: Swap) -> int:
     """Expert weights to the new physical slots, in place; returns the slots whose expert changed."""
-    old, new = served.placement.plan, swap.served.plan
+    old, new = state.placement.plan, swap.served.plan
     moved = int(np.count_nonzero(old.physical2expert != new.physical2expert))
     if not moved:
         return 0
@@ -168,15 +168,15 @@ def _move_experts(served: Worker, swap: Swap) -> int:
     return moved
 
 
-def _reorder_routers(served: Worker, new) -> None:
-    old = served.placement.plan
-    for layer, (params, packed) in enumerate(router_rows(served.model, old.moe_layers, old.slot2expert.shape[1])):
+def _reorder_routers(state: Worker, new) -> None:
+    old = state.placement.plan
+    for layer, (params, packed) in enumerate(router_rows(state.model, old.moe_layers, old.slot2expert.shape[1])):
         # new row i scores expert new.slot2expert[i], which the old order put at old.expert2slot[.]
         idx = old.expert2slot[layer][new.slot2expert[layer]]
         for p in params:
             p.data.copy_(p.data.index_select(0, torch.as_tensor(idx, device=p.device)))
         if packed is not None:
-            _repack(packed, served.gate_rows[layer], new.slot2expert[layer])
+            _repack(packed, state.gate_rows[layer], new.slot2expert[layer])
 
 
 def packed_tensor(gate: torch.nn.Module):
@@ -224,7 +224,7 @@ def _repack(gate: torch.nn.Module, rows: torch.Tensor, slot2expert) -> None:
         gate.cpu_linear = old_fn  # the closure (and the compiled graph) keeps reading ``old``
 
 
-def _set_routes(served: Worker, new) -> None:
+def _set_routes(state: Worker, new) -> None:
     if not new.num_redundant:
         return
     from vllm.distributed import get_ep_group
@@ -232,24 +232,24 @@ def _set_routes(served: Worker, new) -> None:
     from .token_order import find_moe_experts
 
     rank = get_ep_group().rank_in_group
-    for layer, _, experts in find_moe_experts(served.model, new.moe_layers):
+    for layer, _, experts in find_moe_experts(state.model, new.moe_layers):
         state = experts.router.eplb_state
         state.logical_to_physical_map.copy_(torch.as_tensor(new.route2physical[layer, rank])[:, None])
 
 
-def apply_swap(served: Worker, swap: Swap) -> dict:
-    """Move weights, routers, routes, tables; ``served`` then serves the new placement."""
+def apply_swap(state: Worker, swap: Swap) -> dict:
+    """Move weights, routers, routes, tables; ``state`` then serves the new placement."""
     t0 = time.monotonic()
     path, new = swap.served.path, swap.served.plan
-    moved = _move_experts(served, swap)
-    _reorder_routers(served, new)
-    _set_routes(served, new)
-    if served.order is not None:
-        served.order.swap(new, swap.served.placement, swap.served.tables)
-    if served.recorder is not None:
-        served.recorder.swap(new, path)
-    old = served.placement.path
-    served.serve(swap.served)
+    moved = _move_experts(state, swap)
+    _reorder_routers(state, new)
+    _set_routes(state, new)
+    if state.order is not None:
+        state.order.swap(new, swap.served.placement, swap.served.tables)
+    if state.recorder is not None:
+        state.recorder.swap(new, path)
+    old = state.placement.path
+    state.serve(swap.served)
     seconds = time.monotonic() - t0
     logger.info("smoe: live placement: %s -> %s: %d of %d expert slots moved in %.3f s", old, path, moved,
                 new.physical2expert.size, seconds)

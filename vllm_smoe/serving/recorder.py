@@ -403,6 +403,10 @@ class Recorder:
         if self.writes:
             self.queue.put(("swap", path))  # waits only if 64 steps are queued
 
+    def step_hooks(self) -> tuple:
+        """The runner hooks this recorder attached (:func:`.runner_hooks.attach`)."""
+        return (self.after_step,)
+
     def close(self) -> None:
         self.drain()
         with self.lock:

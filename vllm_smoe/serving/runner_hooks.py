@@ -143,7 +143,11 @@ def attach(before: Callable | None = None, after: Callable | None = None) -> Non
         if not callable(getattr(cls, "execute_model", None)):
             raise RuntimeError(f"smoe: {path} has no execute_model(); this vLLM is not supported (built for 0.32)")
         runners.wrap_runner(cls, _PATCH_IDS[_path(cls)], _served)
-    for path in WORKERS:
+    from vllm.platforms import current_platform
+
+    # only this platform's worker: importing vLLM's CPU worker replaces parts of torch (its
+    # events, pinned memory, streams) for the whole process
+    for path in WORKERS[1:] if current_platform.is_cpu() else WORKERS[:1]:
         try:
             cls = _load(path)
         except ImportError as e:

@@ -10,69 +10,77 @@ Two objects, one per process each:
 - :class:`Worker` (worker processes): what the loader built around the model: the token order,
   the recorder, the checkpoint-order router rows a live swap repacks, the swap under way.
 
-A live swap replaces the placement whole (:meth:`Worker.serve`): nothing keeps a stale copy.
+A live swap replaces a worker's placement whole (:meth:`Worker.serve`); the API server keeps the
+one it started with (its DP router and ``/smoe/route`` score with those tables until a restart).
 Access goes through :func:`placement_for` and :func:`worker`, never a module's globals.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
-from ..formats.placement_file import Placement, Snapshot, load_tables, read_snapshot
+from ..formats.placement_file import Placement, Snapshot, load_placement, load_tables
 
 
-@dataclass(frozen=True)
 class ServedPlacement:
-    """One placement as served. ``tables`` is None when the YAML names no predictor file;
-    ``plan`` (:class:`~.load_plan.LoadPlan`) is None outside workers (no model config needed)."""
+    """One placement as served: the parsed YAML, its predictor tables (parsed on first use, None
+    when the YAML names no file: a server that never predicts never reads them, as before) and
+    ``plan`` (:class:`~.load_plan.LoadPlan`; None outside workers, no model config needed)."""
 
-    path: str  # as the user gave it (start) or as resolved (a live swap's file)
-    placement: Placement
-    tables: object | None  # PredictorTables
-    plan: object | None = None  # LoadPlan
-    sha256: str = ""  # of the bytes parsed
+    def __init__(self, path: str, placement: Placement | None, tables_bytes: bytes | None = None, plan=None,
+                 sha256: str = "", tables=None):
+        self.path = path  # as the user gave it (start) or as resolved (a live swap's file)
+        self.placement = placement
+        self.plan = plan
+        self.sha256 = sha256  # of the bytes parsed (live swaps), "" when read from the path
+        self._tables_bytes = tables_bytes  # as read with the YAML (live swaps), else the file is read
+        self._tables = tables
+
+    @property
+    def tables(self):
+        """PredictorTables, parsed once (ValueError naming the file, as ``load_tables``)."""
+        if self._tables is None and self.placement is not None and self.placement.predictor is not None:
+            self._tables = load_tables(self.placement, self._tables_bytes)
+            self._tables_bytes = None
+        return self._tables
+
+    def with_plan(self, vllm_config) -> "ServedPlacement":
+        """The same placement with the load plan for ``vllm_config`` (the YAML is not parsed again)."""
+        from .load_plan import plan_for
+
+        return ServedPlacement(self.path, self.placement, self._tables_bytes,
+                               plan_for(self.path, vllm_config, self.placement), self.sha256, self._tables)
 
     @classmethod
     def from_snapshot(cls, snapshot: Snapshot, vllm_config=None) -> "ServedPlacement":
-        """Parse ``snapshot`` (the bytes read once); with ``vllm_config``, also the load plan."""
-        placement = snapshot.placement()
-        tables = None if placement.predictor is None else load_tables(placement, snapshot.tables)
-        plan = None
-        if vllm_config is not None:
-            from .load_plan import plan_for
-
-            plan = plan_for(snapshot.path, vllm_config, placement)
-        return cls(snapshot.path, placement, tables, plan, snapshot.sha256)
-
-    @classmethod
-    def read(cls, path: str, vllm_config=None) -> "ServedPlacement":
-        return cls.from_snapshot(read_snapshot(path, resolve=False), vllm_config)
+        """Parse ``snapshot`` (the bytes read once: a live swap); with ``vllm_config``, also the
+        load plan."""
+        served = cls(snapshot.path, snapshot.placement(), snapshot.tables, sha256=snapshot.sha256)
+        return served if vllm_config is None else served.with_plan(vllm_config)
 
 
-# path -> what this process parsed of it (with the plan when a worker asked)
-_PARSED: dict[str, ServedPlacement] = {}
+# (path, mtime, size) -> what this process parsed of it; a file rebuilt in place is read anew
+_PARSED: dict[tuple, ServedPlacement] = {}
 _WORKER: "Worker | None" = None
 
 
 def placement_for(cfg, vllm_config=None) -> ServedPlacement | None:
     """The placement this process serves under ``cfg`` (a SmoeConfig; None = no placement),
-    parsed on the first call and shared by every later one. ``vllm_config``: a worker's, when
-    the load plan is needed (parsed once too). ValueError names the file and field."""
+    parsed on the first call and shared by every later one for the same file. ``vllm_config``:
+    with the load plan for it (computed from the parsed placement, never the file). ValueError
+    names the file and field."""
     if cfg is None or cfg.placement is None:
         return None
-    if _WORKER is not None and _WORKER.placement is not None:
-        return _WORKER.placement  # after a live swap, the swapped-in one
-    have = _PARSED.get(cfg.placement)
-    if have is None or (vllm_config is not None and have.plan is None):
-        if have is not None:  # the YAML parsed once; only the plan is new
-            from .load_plan import plan_for
-
-            have = ServedPlacement(have.path, have.placement, have.tables,
-                                   plan_for(have.path, vllm_config, have.placement), have.sha256)
-        else:
-            have = ServedPlacement.read(cfg.placement, vllm_config)
-        _PARSED[cfg.placement] = have
-    return have
+    try:
+        st = os.stat(cfg.placement)
+        key = (cfg.placement, st.st_mtime_ns, st.st_size)
+    except OSError:
+        key = (cfg.placement, None, None)  # load_placement names what is wrong with it
+    have = _PARSED.get(key)
+    if have is None:
+        have = _PARSED[key] = ServedPlacement(cfg.placement, load_placement(cfg.placement))
+    return have if vllm_config is None else have.with_plan(vllm_config)
 
 
 @dataclass
@@ -94,8 +102,17 @@ class Worker:
 
 
 def start_worker(w: Worker) -> Worker:
-    """Called once by the loader: the worker state of this process."""
+    """Called by the loader once a model is in place: the worker state of this process. A model
+    loaded after it (a second engine in the process) takes over, and the one before stops
+    hooking the runner's steps."""
     global _WORKER
+    old = _WORKER
+    if old is not None and old is not w:
+        from . import runner_hooks
+
+        for component in (old.order, old.recorder):
+            if component is not None:
+                runner_hooks.detach(*component.step_hooks())
     _WORKER = w
     return w
 

@@ -261,6 +261,10 @@ class TokenOrder:
                     decoder_layer.register_forward_pre_hook(self._one_row_layer, with_kwargs=True)
             stack.norm.register_forward_pre_hook(self._one_row_final if split[-1] else self._final)
 
+    def step_hooks(self) -> tuple:
+        """The runner hooks this order attached (:func:`.runner_hooks.attach`)."""
+        return self._before_step, self._after_step
+
     def _before_step(self, runner, scheduler_output) -> None:
         self.before_step(scheduler_output)
 

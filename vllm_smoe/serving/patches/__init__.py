@@ -9,7 +9,8 @@ module per part of vLLM (``engine_args``, ``cli``, ``cpu``, ``runners``, ``dp_cl
 they run is smoe's, in the feature modules (``where``). Each lands only through :func:`replace`,
 which refuses a symbol not in the list, one whose target moved, and one whose original's
 parameters differ from what the patch was written for (recorded in :func:`mismatches`: with smoe
-asked for, the plugin checks every listed symbol at start and refuses, naming each that differs). ``tests/unit/test_patches.py`` fails when code patches a
+asked for, the plugin checks every listed symbol imported by then and refuses, naming each that
+differs; the worker-side ones are checked as they are applied, while the model loads). ``tests/unit/test_patches.py`` fails when code patches a
 vLLM symbol that is not here.
 
 Private vLLM names smoe reads without replacing them are in :data:`PRIVATE_READS`, checked the
@@ -40,6 +41,7 @@ class Patch:
     remove: str  # what vLLM would need to offer for the patch to go
     checked_on: tuple[str, ...] = ("0.32.0",)
     optional: bool = False  # the target may not import on every build (then it is not applied)
+    platform: str = ""  # "cpu" / "cuda": applied only there (else wherever smoe runs)
 
 
 PATCHES: tuple[Patch, ...] = (
@@ -116,6 +118,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         id='gpu_worker_warm_up',
+        platform='cuda',
         target='vllm.v1.worker.gpu_worker:Worker.compile_or_warm_up_model',
         kind='method',
         params=('self',),
@@ -126,6 +129,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         id='cpu_worker_warm_up',
+        platform='cpu',
         target='vllm.v1.worker.cpu_worker:CPUWorker.compile_or_warm_up_model',
         kind='method',
         params=('self',),
@@ -150,12 +154,13 @@ PATCHES: tuple[Patch, ...] = (
         kind='classmethod',
         params=('cls',),
         where='patches/cpu.py (at_start); returns cpu_ep.SmoeCpuCommunicator',
-        why="With smoe asked for, returns 'vllm_smoe.serving.cpu_ep.SmoeCpuCommunicator': vLLM's CpuCommunicator has no all_gatherv/reduce_scatterv (which allgather_reducescatter calls under DP/SP) and uses shared memory only for tp/pp groups; smoe's subclass adds both ops, SHM for the EP group, bit-exact integer all-gather, the sparse all2all manager, and installs cpu_experts_apply, eplb_map_cpu and moe_runner_select_forward. Caveat: it calls get_current_vllm_config(), which raises AssertionError outside a config context (vLLM's original never raises).",
+        why="With smoe asked for, returns 'vllm_smoe.serving.cpu_ep.SmoeCpuCommunicator': vLLM's CpuCommunicator has no all_gatherv/reduce_scatterv (which allgather_reducescatter calls under DP/SP) and uses shared memory only for tp/pp groups; smoe's subclass adds both ops, SHM for the EP group, bit-exact integer all-gather and the sparse all2all manager; the worker that asks for it also gets cpu_experts_apply, eplb_map_cpu and moe_runner_select_forward. Outside a config context it is vLLM's own.",
         upstream="vllm-project/vllm#57837 '[WideEP][CPU]: Add a CPU-only Wide Expert Parallelism well-lit path' (open; the same all_gatherv/reduce_scatterv gap) https://github.com/vllm-project/vllm/issues/57837",
         remove='CpuCommunicator implements all_gatherv/reduce_scatterv and SHM for any same-node group, and vLLM lets a plugin pick the communicator / all2all manager',
     ),
     Patch(
         id='cpu_experts_apply',
+        platform='cpu',
         target='vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.apply',
         kind='method',
         params=('self', 'output', 'hidden_states', 'w1', 'w2', 'topk_weights', 'topk_ids', 'activation', 'global_num_experts', 'expert_map', 'a1q_scale', 'a2_scale', 'workspace13', 'workspace2', 'expert_tokens_meta', 'apply_router_weight_on_input'),
@@ -166,6 +171,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         id='eplb_map_cpu',
+        platform='cpu',
         target='vllm.model_executor.layers.fused_moe.router.base_router:eplb_map_to_physical_and_record',
         kind='function',
         params=('topk_ids', 'expert_load_view', 'logical_to_physical_map', 'logical_replica_count', 'record_enabled', 'num_unpadded_tokens'),
@@ -196,6 +202,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         id='moe_runner_select_forward',
+        platform='cpu',
         target='vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._select_forward',
         kind='method',
         params=('self',),
@@ -320,25 +327,42 @@ def applied() -> dict[str, object]:
     return dict(_ORIGINALS)
 
 
-def mismatches(check_all: bool = False) -> list[str]:
+def check(patch_id: str, owner, attr: str) -> str:
+    """'' when ``owner.attr`` is what patch ``patch_id`` was written for, else the line naming it."""
+    p = _BY_ID[patch_id]
+    current = inspect.getattr_static(owner, attr, None)
+    if current is None:
+        return f"{p.target}: not in this vLLM"
+    if getattr(_function(current), "_smoe_patch", None) == patch_id or _params(current) == p.params:
+        return ""
+    return _differs(p, current)
+
+
+def mismatches(check_all: bool = False, import_all: bool = False) -> list[str]:
     """One line per patched vLLM symbol (and private name read) that is not what smoe was
     written for: those :func:`replace` refused so far, plus, with ``check_all``, every listed
-    target checked now (imports vLLM's modules: tests and start-up checks, not the hot path)."""
+    target whose module this process has imported (nothing is imported: on CUDA some of vLLM's
+    CPU modules replace parts of torch when imported; the rest are checked when applied, by
+    :func:`require`, before serving), or with ``import_all`` every listed target (tests)."""
+    import sys
+
     out = dict(_MISMATCHES)
-    if check_all:
+    if check_all or import_all:
         for p in PATCHES:
-            if p.id in out:
+            if p.id in out or (not import_all and p.target.split(":")[0] not in sys.modules):
                 continue
             try:
                 owner, attr = _resolve(p.target)
+                obj = _ORIGINALS.get(p.id, inspect.getattr_static(owner, attr))
             except (ImportError, AttributeError) as e:
                 if not p.optional:
                     out[p.id] = f"{p.target}: not in this vLLM ({type(e).__name__}: {e})"
                 continue
-            obj = _ORIGINALS.get(p.id, inspect.getattr_static(owner, attr))
             if _params(obj) != p.params:
                 out[p.id] = _differs(p, obj)
         for target, where, _ in PRIVATE_READS:
+            if not import_all and target.split(":")[0] not in sys.modules:
+                continue
             try:
                 _resolve(target)
             except (ImportError, AttributeError) as e:

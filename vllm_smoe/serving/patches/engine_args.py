@@ -4,9 +4,12 @@ arguments or for finishing an engine config (see :data:`..PATCHES`)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
-from . import require
+from . import check, replace
+
+logger = logging.getLogger("vllm.smoe")
 
 
 def install(add_flags: Callable, fold: Callable, load_config: Callable, before: Callable, after: Callable) -> None:
@@ -14,13 +17,17 @@ def install(add_flags: Callable, fold: Callable, load_config: Callable, before: 
     ``from_cli_args`` does; ``load_config(engine_args, load_config)`` the load config;
     ``before(engine_args)`` returns smoe's settings before ``create_engine_config`` and
     ``after(engine_args, cfg, vllm_config)`` checks what it built. Without these smoe has no
-    flags and no checks, so each is required: a vLLM whose steps differ is named, not served."""
+    flags and no checks: a vLLM whose steps differ gets none of them, and one error line naming
+    each (vLLM itself keeps working)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    for attr in ("add_cli_args", "from_cli_args", "create_load_config", "create_engine_config"):
-        if not hasattr(EngineArgs, attr):
-            raise RuntimeError(f"smoe: vLLM's EngineArgs has no {attr}(); this vLLM version is not supported "
-                               f"by vllm-smoe (built for vLLM 0.32)")
+    attrs = ("add_cli_args", "from_cli_args", "create_load_config", "create_engine_config")
+    # all four or none, and never a failure: this runs in every vLLM process, smoe asked for or not
+    bad = [line for attr in attrs if (line := check(f"engine_args_{attr}", EngineArgs, attr))]
+    if bad:
+        logger.error("smoe is off: this vLLM is not the one smoe was written for (%s); vllm serve does not "
+                     "take --plugin smoe here", "; ".join(bad))
+        return
     orig_add = EngineArgs.add_cli_args
     orig_from = EngineArgs.from_cli_args.__func__
     orig_load = EngineArgs.create_load_config
@@ -43,7 +50,7 @@ def install(add_flags: Callable, fold: Callable, load_config: Callable, before: 
         after(self, cfg, vllm_config)
         return vllm_config
 
-    require("engine_args_add_cli_args", EngineArgs, "add_cli_args", staticmethod(add_cli_args))
-    require("engine_args_from_cli_args", EngineArgs, "from_cli_args", classmethod(from_cli_args))
-    require("engine_args_create_load_config", EngineArgs, "create_load_config", create_load_config)
-    require("engine_args_create_engine_config", EngineArgs, "create_engine_config", create_engine_config)
+    new = {"add_cli_args": staticmethod(add_cli_args), "from_cli_args": classmethod(from_cli_args),
+           "create_load_config": create_load_config, "create_engine_config": create_engine_config}
+    for attr, fn in new.items():
+        replace(f"engine_args_{attr}", EngineArgs, attr, fn)
