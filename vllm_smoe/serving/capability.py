@@ -125,6 +125,7 @@ def check_served_placement(path: str, cfg, vllm_config, snapshot=None):
     (with its load plan); raises ValueError naming the file and field. ``snapshot``: the file as
     read once (:class:`~vllm_smoe.formats.placement_file.Snapshot`; then ``path`` only names
     it); None: the placement this process serves (``path`` is ``cfg.placement``)."""
+    from ..formats.placement_file import load_tables
     from .served import ServedPlacement, placement_for
 
     served = (ServedPlacement.from_snapshot(snapshot, vllm_config) if snapshot is not None
@@ -137,7 +138,7 @@ def check_served_placement(path: str, cfg, vllm_config, snapshot=None):
         if not ok:
             raise ValueError(f"smoe mode speculate: {reason}")
         if cfg.predictor.startswith("tables") and served.tables is None:
-            raise ValueError(f"{placement.path}: field 'predictor' is empty; this placement has no tables")
+            load_tables(placement)  # no tables file: its own error, naming the field
     pc = vllm_config.parallel_config
     if placement.method == "dp-coclust" and pc.tensor_parallel_size > 1:
         raise ValueError(f"{path}: field 'method' = dp-coclust: placements from smoe-place build --mode dp put one "
