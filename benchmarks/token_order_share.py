@@ -7,7 +7,9 @@ Cuts the trace into steps of ``--step`` tokens and runs the served device code
 (``vllm_smoe.serving.device_predict``: token tables, capped assignment at exactly vLLM's chunk
 sizes) for three orders: one per MoE layer (Qwen3-MoE-style blocks), one per step voted over all
 layers (the DeepSeek family, whose decoder layers keep rows split between layers), and the random
-predictor. Prints the share of expert activations whose expert lives on the token's rank.
+predictor; when the tables carry a learned predictor (``smoe-place build --learned``), its order
+per layer and per step (expected local activations summed over layers) too. Prints the share of
+expert activations whose expert lives on the token's rank.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 
 from vllm_smoe.formats.placement_file import load_placement, load_tables
+from vllm_smoe.placement.learned import LEARNED_FIELDS
 from vllm_smoe.serving import device_predict as dp
 from vllm_smoe.formats.trace import open_trace
 
@@ -32,7 +35,12 @@ def shares(placement_path: str, trace_path: str, step: int) -> dict[str, float]:
     N = placement.ep_size
     e2r = torch.from_numpy(placement.expert2rank.astype(np.int64))  # [L, E]
     arrays = [torch.from_numpy(getattr(tables, k)) for k in ("token2rank", "token_conf", "prior2rank")]
-    local = {"per_layer": 0, "per_step": 0, "random": 0}
+    learned = None
+    if tables.learned is not None:
+        learned = [torch.from_numpy(getattr(tables.learned, k)) for k in LEARNED_FIELDS]
+        positions = torch.from_numpy(trace["positions"].astype(np.int64))
+    local = {"per_layer": 0, "per_step": 0, "random": 0, **({"learned_per_layer": 0, "learned_per_step": 0}
+                                                             if learned else {})}
     acts = 0
     for s in range(0, len(ids) - step + 1, step):
         i = torch.from_numpy(ids[s: s + step].astype(np.int64))
@@ -43,6 +51,10 @@ def shares(placement_path: str, trace_path: str, step: int) -> dict[str, float]:
         orders = {"per_layer": dp.assign(pref, conf, caps)[..., None],
                   "per_step": dp.assign(*dp.vote(pref, conf, N), caps)[None, :, None],
                   "random": dp.assign(*dp.predict_random(i, 0, N), caps)[None, :, None]}
+        if learned:  # the step's previous ids as serving takes them from its positions
+            z = dp.learned_logits(*learned, i, dp.previous_ids(i, positions[s: s + step]))
+            orders["learned_per_layer"] = dp.assign(*dp.learned_layers(z, N), caps)[..., None]
+            orders["learned_per_step"] = dp.assign(*dp.learned_step(z, N), caps)[None, :, None]
         for name, t2r in orders.items():
             local[name] += int((owner == t2r).sum())
         acts += owner.numel()
@@ -66,7 +78,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for name, v in out.items():
-        print(f"{name:10s} {v:.3f}")
+        print(f"{name:18s} {v:.3f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"placement": a.placement, "trace": a.trace, "step": a.step, **out}, f, indent=1)

@@ -9,11 +9,12 @@ from __future__ import annotations
 import numpy as np
 
 from .assign import assign_tokens
+from .learned import forward, preferences
 from .predict import (SOURCES, PredictorTables, bigram_keys, known_preferences, predict_layer, previous_ids,
                       request_prefill_candidates)
 
 # offline twins of the served predictors (vllm_smoe.serving.config.PREDICTORS) that learn from a trace
-PREDICTORS = ("tables-markov", "tables", "router")
+PREDICTORS = ("tables-markov", "tables", "learned", "router")
 
 
 def simulate(tables: PredictorTables | None, holds: np.ndarray, token_ids: np.ndarray, topk_ids: np.ndarray,
@@ -27,8 +28,9 @@ def simulate(tables: PredictorTables | None, holds: np.ndarray, token_ids: np.nd
     layer l is reached) and, for decode tokens when request_ids and is_prefill are given, the
     request's prefill prediction; ``tables`` uses the token table alone (the served default);
     ``router`` knows each token's routing (the served predictor that runs vLLM's gate ahead, and
-    the capped oracle of a placement: tables may be None). With ``positions`` ([T] int) and a
-    bigram table, the table predictors look up each row's (previous id, id) pair first, the
+    the capped oracle of a placement: tables may be None); ``learned`` runs the tables' learned
+    predictor (:mod:`.learned`) on each row's id and previous id. With ``positions`` ([T] int) and
+    a bigram table, the table predictors look up each row's (previous id, id) pair first, the
     previous id taken as serving takes it (:func:`~.predict.previous_ids`).
     """
     if predictor not in PREDICTORS:
@@ -42,8 +44,18 @@ def simulate(tables: PredictorTables | None, holds: np.ndarray, token_ids: np.nd
     if predictor != "router" and positions is not None and tables.has_bigrams:
         keys = bigram_keys(previous_ids(tok, positions, batch_ids), tok, tables.token2rank.shape[1])
     has_decode = markov and is_prefill is not None and request_ids is not None and not is_prefill.all()
+    learned_pref = None
+    if predictor == "learned":
+        model = tables.learned if tables is not None else None
+        if model is None:
+            raise ValueError("predictor 'learned': these tables hold no learned predictor (smoe-place build --learned)")
+        prev = previous_ids(tok, positions, batch_ids) if positions is not None else np.full(T, -1, np.int64)
+        learned_pref = preferences(forward(model, tok, prev), ep_size)
     for layer in range(L):
-        if predictor == "router":
+        if learned_pref is not None:
+            pref, conf = learned_pref[0][layer], learned_pref[1][layer]
+            src = np.full(T, SOURCES.index("learned"), dtype=np.int8)
+        elif predictor == "router":
             pref, conf = known_preferences(topk_ids[:, layer].astype(np.int64), holds[layer])
             src = np.full(T, SOURCES.index("router"), dtype=np.int8)
         else:

@@ -23,7 +23,7 @@ import scipy.sparse as sp
 
 from .counts import count_matrix, rank_scores, top_ranks
 
-SOURCES = ("token", "markov", "request", "prior", "router")
+SOURCES = ("token", "markov", "request", "prior", "router", "learned")
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,10 @@ class PredictorTables:
     prior2rank: [L, 2] int16 and prior_conf: [L] float16, for tokens nothing else covers.
     Optional (None = none), the bigram table: bigram_keys [M] int64, strictly increasing,
     previous token id * V + token id; bigram2rank [L, M, 2] int16 and bigram_conf [L, M] float16,
-    the pairs whose routing the token table alone predicts worst (:func:`bigram_table`)."""
+    the pairs whose routing the token table alone predicts worst (:func:`bigram_table`).
+    Optional (None = none), the learned predictor's arrays, all five or none:
+    learned_token_proj [V, D] and learned_prev_proj [V + 1, D] float16, learned_hidden_bias [D],
+    learned_out_weight [D, L * N] and learned_out_bias [L * N] float32 (:mod:`.learned`)."""
 
     token2rank: np.ndarray
     token_conf: np.ndarray
@@ -46,6 +49,11 @@ class PredictorTables:
     bigram_keys: np.ndarray | None = None
     bigram2rank: np.ndarray | None = None
     bigram_conf: np.ndarray | None = None
+    learned_token_proj: np.ndarray | None = None
+    learned_prev_proj: np.ndarray | None = None
+    learned_hidden_bias: np.ndarray | None = None
+    learned_out_weight: np.ndarray | None = None
+    learned_out_bias: np.ndarray | None = None
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__ if getattr(self, k) is not None}
@@ -53,6 +61,15 @@ class PredictorTables:
     @property
     def has_bigrams(self) -> bool:
         return self.bigram_keys is not None and self.bigram_keys.size > 0
+
+    @property
+    def learned(self):
+        """The :class:`~.learned.LearnedPredictor` these tables carry, or None."""
+        from .learned import LEARNED_FIELDS, LearnedPredictor
+
+        if self.learned_token_proj is None:
+            return None
+        return LearnedPredictor(**{k: getattr(self, "learned_" + k) for k in LEARNED_FIELDS})
 
     @property
     def nbytes(self) -> int:

@@ -253,9 +253,11 @@ def test_a_step_without_token_ids_is_ordered_not_refused():
     from vllm_smoe.serving.token_order import TokenOrder
 
     o = TokenOrder.__new__(TokenOrder)
-    o.__dict__.update(ids=torch.full((8,), 5), query=torch.zeros(8, dtype=torch.long), bigrams=True)
+    o.__dict__.update(ids=torch.full((8,), 5), query=torch.zeros(8, dtype=torch.long),
+                      prev=torch.zeros(8, dtype=torch.long), bigrams=True, learned=True)
     o._step_ids(None, (), {"input_ids": None, "positions": torch.arange(3), "inputs_embeds": torch.zeros(3, 4)})
     assert o.ids.tolist() == [0, 0, 0, 5, 5, 5, 5, 5] and o.query[:3].tolist() == [-1, -1, -1]
+    assert o.prev[:3].tolist() == [-1, -1, -1]  # learned: no previous ids either
 
 
 def test_speculate_refuses_id_predictors_when_rows_may_be_embeddings():

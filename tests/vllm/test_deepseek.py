@@ -97,16 +97,18 @@ def test_vllm_serves_and_records_what_transformers_computes(arch, tmp_path):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tp2_placement_and_speculate_give_plain_tp2_tokens(arch, tmp_path):
     """TP=2 + EP with smoe's placement (built from the fixture's training routing, groups kept)
-    applied at load, and speculate (one token order per step) with the trained tables, a random
-    and an all-to-rank-0 predictor: plain TP=2's greedy tokens on 32 held-out prompts."""
+    applied at load, and speculate (one token order per step) with the trained tables, the
+    learned predictor, and a random (V2) or an all-to-rank-0 (V3) predictor: plain TP=2's greedy
+    tokens on 32 held-out prompts. (The order's code does not depend on the family member: each
+    bad predictor runs once.)"""
     pytest.importorskip("vllm")
     placement = tmp_path / "ep2.yaml"
-    r = _build(arch, placement, 2)
+    r = _build(arch, placement, 2, "--learned")
     assert r.returncode == 0, r.stderr
     prompts = _prompts(arch, 32)
     plain, _ = _generate(arch, prompts, {"smoe": {}})  # the CPU fixes alone (MLA's rope), no placement
     runs = {"placed": {"placement": str(placement)}}
-    for predictor in ("tables", "random", "one-rank"):
+    for predictor in ("tables", "learned", "random" if arch == "deepseek_v2" else "one-rank"):
         runs[predictor] = {"mode": "speculate", "placement": str(placement), "predictor": predictor,
                            "log_interval": 0.2}
     layers = _config(arch)["num_hidden_layers"] - 1

@@ -40,6 +40,17 @@ def plain_tp2():
     return prompts, _generate(prompts, None)[0]
 
 
+@pytest.fixture(scope="module")
+def learned_ep2(tmp_path_factory):
+    from vllm_smoe.testbed import FIXTURE_MODEL as model
+    from vllm_smoe.tools.place_cli import main as place
+
+    out = str(tmp_path_factory.mktemp("learned") / "ep2.yaml")
+    assert place(["build", "--trace", FIXTURE_TRACES["train"], "--ep-size", "2", "--model", model, "--learned",
+                  "-o", out]) == 0
+    return out
+
+
 # Logprob tolerance: with expert parallelism each expert runs whole on one rank, plain TP=2 splits
 # its intermediate dimension over two ranks and all-reduces, so fp32 sums differ in order (~1e-6).
 ATOL = 1e-4
@@ -52,16 +63,18 @@ SPEC = {"mode": "speculate", "placement": EP2, "log_interval": 0.2}
     ({**SPEC, "predictor": "tables-markov"}, False, "predictor tables-markov"),
     ({**SPEC, "predictor": "router"}, False, "predictor router"),  # vLLM's gate run ahead: exact ranks
     ({**SPEC, "predictor": "random"}, False, "predictor random"),
-    ({**SPEC, "predictor": "one-rank"}, False, "predictor one-rank"),  # rank 0 full, the rest anywhere
+    ({**SPEC, "placement": "learned", "predictor": "learned"}, False, "predictor learned"),  # build --learned
     ({**SPEC, "predictor": "tables", "all2all": "vllm"}, False, "predictor tables"),  # vLLM's allgather-RS
     ({**SPEC, "predictor": "tables"}, True, "predictor tables"),  # torch.compile keeps smoe's ops opaque
     ({**SPEC, "placement": EP2_R4, "predictor": "tables"}, False, "predictor tables"),  # each rank its own copies
     ({**SPEC, "placement": EP2_R4, "predictor": "tables", "all2all": "vllm"}, False, "predictor tables"),
     ({**SPEC, "placement": EP2_R4, "predictor": "router"}, False, "predictor router"),  # counts the copies
-], ids=["vllm-ep", "tables", "tables-markov", "router", "random", "one-rank", "tables-agrs", "tables-compiled",
+], ids=["vllm-ep", "tables", "tables-markov", "router", "random", "learned", "tables-agrs", "tables-compiled",
         "replicas", "replicas-agrs", "replicas-router"])
-def test_tp2_ep_gives_plain_tp2_tokens(plain_tp2, smoe, compiled, says):
+def test_tp2_ep_gives_plain_tp2_tokens(plain_tp2, smoe, compiled, says, request):
     prompts, plain = plain_tp2
+    if smoe.get("placement") == "learned":  # an EP 2 placement whose tables carry the learned predictor
+        smoe = {**smoe, "placement": request.getfixturevalue("learned_ep2")}
     out, log = _generate(prompts, {"smoe": smoe}, compiled=compiled, ep=True)
     if says:  # the token order really ran, around vLLM's own MoE blocks, and tokens moved
         assert f"token order over 2 ranks around 4 MoE blocks (Qwen3MoeSparseMoeBlock), one order per layer, {says}" in log
@@ -99,10 +112,13 @@ def test_replicas_keep_more_rows_home():
 
 def test_router_order_is_more_local_than_every_prediction():
     """The router predictor knows each token's experts, so its order keeps more activations local
-    than the trained tables, and a random order keeps the fewest."""
+    than the trained tables, and a random order keeps the fewest (the learned predictor too keeps
+    far more than a random order)."""
     if not {"router", "tables", "tables-markov", "random"} <= set(_LOCAL):
         pytest.skip("needs the served runs of test_tp2_ep_gives_plain_tp2_tokens")
     assert _LOCAL["router"] > max(_LOCAL["tables"], _LOCAL["tables-markov"]) > _LOCAL["random"], _LOCAL
+    if "learned" in _LOCAL:  # its own placement (built the same way): far above a random order
+        assert _LOCAL["learned"] > _LOCAL["random"] + 0.05, _LOCAL
 
 
 @pytest.mark.parametrize("smoe,ep,words", [

@@ -311,8 +311,13 @@ def load_placement(path: str, data: bytes | None = None) -> Placement:
 
 def _tables_bound(placement: Placement) -> int:
     """Bytes the tables of this placement can hold, decompressed: [L, V] rows of a few int and
-    float columns (V: the model's vocabulary, 2^19 when the YAML does not say) and bigrams."""
-    return placement.num_layers * max(placement.vocab_size or (1 << 19), placement.num_experts) * 256 + (64 << 20)
+    float columns (V: the model's vocabulary, 2^19 when the YAML does not say), bigrams, and a
+    learned predictor of width <= LEARNED_MAX_WIDTH ([2V + 1, D] rows and [D, L * N] weights)."""
+    from ..placement.learned import MAX_WIDTH
+
+    V = max(placement.vocab_size or (1 << 19), placement.num_experts)
+    learned = (2 * V + 2 + placement.num_layers * placement.ep_size) * MAX_WIDTH * 4
+    return placement.num_layers * V * 256 + learned + (64 << 20)
 
 
 @dataclass(frozen=True)
@@ -398,8 +403,10 @@ def load_tables(placement: Placement, data: bytes | None = None):
             arrays = {k: z[k] for k in names if k in z}
     except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError) as e:
         raise ValueError(f"{path}: not a readable tables file ({type(e).__name__}: {e})") from None
-    optional = ("bigram_keys", "bigram2rank", "bigram_conf")  # all three or none
-    missing = [k for k in names if k not in arrays and (k not in optional or any(o in arrays for o in optional))]
+    groups = (("bigram_keys", "bigram2rank", "bigram_conf"),  # each group: all or none
+              tuple(k for k in names if k.startswith("learned_")))
+    optional = {k: g for g in groups for k in g}
+    missing = [k for k in names if k not in arrays and (k not in optional or any(o in arrays for o in optional[k]))]
     if missing:
         raise ValueError(f"{path}: tables lack {missing}")
     e2r = arrays.pop("expert2rank")
@@ -430,6 +437,8 @@ def _check_tables(path: str, t, placement: Placement) -> None:
     if placement.vocab_size is not None and V < placement.vocab_size:
         raise ValueError(f"{path}: table 'token2rank' covers {V} token ids but field 'model.vocab_size' is "
                          f"{placement.vocab_size}")
+    if t.learned_token_proj is not None:
+        _check_learned(path, t, V, L, N)
     if t.bigram_keys is not None:
         k = t.bigram_keys
         if k.ndim != 1 or k.dtype != np.int64 or k.size and (k[0] < 0 or k[-1] >= V * V or (np.diff(k) <= 0).any()):
@@ -446,3 +455,19 @@ def _check_tables(path: str, t, placement: Placement) -> None:
             raise ValueError(f"{path}: table 'bigram2rank' holds ranks outside -1..{N - 1} (ep_size {N})")
         if not np.isfinite(t.bigram_conf.astype(np.float32)).all():
             raise ValueError(f"{path}: table 'bigram_conf' holds non-finite confidences")
+
+
+def _check_learned(path: str, t, V: int, L: int, N: int) -> None:
+    """The learned predictor's shapes (one width D throughout) and finite float weights."""
+    from ..placement.learned import MAX_WIDTH
+
+    D = t.learned_token_proj.shape[1] if t.learned_token_proj.ndim == 2 else -1
+    want = {"learned_token_proj": (V, D), "learned_prev_proj": (V + 1, D), "learned_hidden_bias": (D,),
+            "learned_out_weight": (D, L * N), "learned_out_bias": (L * N,)}
+    for name, shape in want.items():
+        a = getattr(t, name)
+        if a.shape != shape or not 1 <= D <= MAX_WIDTH:
+            raise ValueError(f"{path}: table '{name}' has shape {a.shape}, expected {shape} for {L} layers, {N} "
+                             f"ranks, {V} token ids and a width of 1..{MAX_WIDTH}")
+        if a.dtype.kind != "f" or not np.isfinite(a).all():
+            raise ValueError(f"{path}: table '{name}' must hold finite floats")

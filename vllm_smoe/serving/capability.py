@@ -6,6 +6,7 @@ the built model (the MoE block chunks and all-gathers its own rows) is checked a
 from __future__ import annotations
 
 from ..formats.model_info import num_experts
+from .config import TABLE_PREDICTORS
 
 # vLLM's all2all backends that send each row only to the ranks holding its experts, so the token
 # order saves bytes on them; all are in vLLM's own whitelist for sequence-parallel MoE
@@ -88,8 +89,8 @@ def speculate_supported(vllm_config, placement, predictor: str = "tables", all2a
         what = "--enable-prompt-embeds" if getattr(mc, "enable_prompt_embeds", False) else "a multimodal model"
         return False, (f"predictor {predictor!r} predicts from token ids, but with {what} a step's rows may come "
                        f"as embeddings; use predictor 'router' (vLLM's gate on the rows) or mode place")
-    if predictor.startswith("tables") and placement.predictor is None:
-        return False, (f"{placement.path}: field 'predictor' is empty but predictor 'tables' needs the tables "
+    if predictor in TABLE_PREDICTORS and placement.predictor is None:
+        return False, (f"{placement.path}: field 'predictor' is empty but predictor {predictor!r} needs the tables "
                        f"(rebuild with smoe-place build, or set predictor 'router' / 'random' / 'one-rank')")
     return True, ""
 
@@ -137,8 +138,11 @@ def check_served_placement(path: str, cfg, vllm_config, snapshot=None):
         ok, reason = speculate_supported(vllm_config, placement, cfg.predictor, cfg.all2all)
         if not ok:
             raise ValueError(f"smoe mode speculate: {reason}")
-        if cfg.predictor.startswith("tables") and served.tables is None:
+        if cfg.predictor in TABLE_PREDICTORS and served.tables is None:
             load_tables(placement)  # no tables file: its own error, naming the field
+        if cfg.predictor == "learned" and served.tables.learned is None:
+            raise ValueError(f"{placement.predictor}: these tables hold no learned predictor, which predictor "
+                             f"'learned' needs (rebuild {path} with smoe-place build --learned)")
     pc = vllm_config.parallel_config
     if placement.method == "dp-coclust" and pc.tensor_parallel_size > 1:
         raise ValueError(f"{path}: field 'method' = dp-coclust: placements from smoe-place build --mode dp put one "

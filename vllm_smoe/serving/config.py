@@ -20,7 +20,8 @@ class SmoeSettingsError(ValueError):
     ``vllm serve`` prints it as one line and exits 2 (:mod:`vllm_smoe.serving.plugin`)."""
 _KEYS = ("mode", "placement", "placement_dirs", "record", "log_interval", "record_chunk_tokens", "predictor", "all2all", "dp_routing",
          "metrics_dir", "drift_threshold", "record_sample", "record_max_mb", "metrics")
-PREDICTORS = ("tables", "tables-markov", "router", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.serving.token_order)
+PREDICTORS = ("tables", "tables-markov", "learned", "router", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.serving.token_order)
+TABLE_PREDICTORS = ("tables", "tables-markov", "learned")  # those that read the placement's tables file
 ALL2ALL = ("sparse", "vllm")  # smoe's sparse de-duplicated manager, or vLLM's own choice
 
 

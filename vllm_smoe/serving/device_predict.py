@@ -27,18 +27,58 @@ def arbitrate(cands: list[tuple[torch.Tensor, torch.Tensor]], prior: torch.Tenso
     return pref, conf
 
 
-def bigram_query(token_ids: torch.Tensor, positions: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
-    """[T] int64 bigram key of each row (previous id * V + id), -1 where the previous row does not
-    continue the row's sequence (position not one less), as
-    :func:`vllm_smoe.placement.predict.previous_ids` takes it for one step."""
+def previous_ids(token_ids: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """[T] int64 id of the previous row where it continues the row's sequence (its position one
+    less), else -1: :func:`vllm_smoe.placement.predict.previous_ids` for one step."""
     ids = token_ids.long()
     T = ids.shape[0]
     if positions is None or T < 2:
         return torch.full((T,), -1, dtype=torch.long, device=ids.device)
     pos = positions.long()
     ok = torch.cat([torch.zeros(1, dtype=torch.bool, device=ids.device), pos[1:] == pos[:-1] + 1])
-    prev = torch.cat([ids[:1], ids[:-1]])
-    return torch.where(ok, prev * vocab_size + ids, -1)
+    return torch.where(ok, torch.cat([ids[:1], ids[:-1]]), -1)
+
+
+def bigram_query(token_ids: torch.Tensor, positions: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """[T] int64 bigram key of each row (previous id * V + id), -1 where the previous row does not
+    continue the row's sequence (:func:`previous_ids`)."""
+    prev = previous_ids(token_ids, positions)
+    return torch.where(prev >= 0, prev * vocab_size + token_ids.long(), -1)
+
+
+def learned_logits(token_proj: torch.Tensor, prev_proj: torch.Tensor, hidden_bias: torch.Tensor,
+                   out_weight: torch.Tensor, out_bias: torch.Tensor, token_ids: torch.Tensor,
+                   prev_ids: torch.Tensor) -> torch.Tensor:
+    """The learned predictor's [T, L * N] float32 scores (twin of
+    :func:`vllm_smoe.placement.learned.forward`): two gathers and one GEMM. token_proj [V, D],
+    prev_proj [V + 1, D] (row V: no previous id; any float dtype, summed as float32),
+    hidden_bias [D], out_weight [D, L * N], out_bias [L * N]; token_ids [T] int; prev_ids [T]
+    int, -1 = none."""
+    V = token_proj.shape[0]
+    prev = torch.where(prev_ids >= 0, prev_ids.long(), V)
+    h = (token_proj[token_ids.long()].float() + prev_proj[prev].float() + hidden_bias).clamp_min(0.0)
+    return torch.addmm(out_bias, h, out_weight)
+
+
+def learned_layers(logits: torch.Tensor, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer's preference from :func:`learned_logits` (twin of
+    :func:`vllm_smoe.placement.learned.preferences`). Returns (pref [L, T, min(2, N)] int64,
+    conf [L, T] float32, the best rank's softmax probability)."""
+    T = logits.shape[0]
+    z = logits.view(T, -1, num_ranks).transpose(0, 1)  # [L, T, N]
+    pref = torch.argsort(-z, dim=2, stable=True)[..., : min(2, num_ranks)]
+    return pref, 1.0 / torch.exp(z - z.amax(dim=2, keepdim=True)).sum(dim=2)
+
+
+def learned_step(logits: torch.Tensor, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One preference per token for the whole step: ranks by expected local activations summed
+    over layers (twin of :func:`vllm_smoe.placement.learned.step_preferences`).
+    Returns (pref [T, min(2, N)] int64, conf [T] float32)."""
+    T = logits.shape[0]
+    z = logits.view(T, -1, num_ranks)
+    score = torch.softmax(z, dim=2).sum(dim=1)  # [T, N]
+    pref = torch.argsort(-score, dim=1, stable=True)[:, : min(2, num_ranks)]
+    return pref, score.gather(1, pref[:, :1])[:, 0] / z.shape[1]
 
 
 def bigram_override(pref: torch.Tensor, conf: torch.Tensor, bigram: tuple | None

@@ -74,7 +74,7 @@ class Swap:
 
 def check_swap(state: Worker, snapshot) -> Swap:
     """The placement in ``snapshot`` (:class:`~vllm_smoe.formats.placement_file.Snapshot`), parsed once,
-    if it can replace the state one live; ValueError otherwise."""
+    if it can replace the served one live; ValueError otherwise."""
     from .capability import check_served_placement
     from .token_order import device_tables, find_moe_experts
 
@@ -106,13 +106,16 @@ def check_swap(state: Worker, snapshot) -> Swap:
     order = state.order
     if order is not None and order.tables is not None:
         if fresh.tables is None:
-            raise ValueError(f"{path}: field 'predictor' is empty; the state token order predicts with tables")
-        new = device_tables(fresh.tables, "cpu")  # the tensors swap() would copy in
+            raise ValueError(f"{path}: field 'predictor' is empty; the served token order predicts with tables")
+        if order.learned and fresh.tables.learned is None:
+            raise ValueError(f"{path}: field 'predictor': its tables hold no learned predictor, which the served "
+                             f"predictor 'learned' needs (build it with smoe-place build --learned)")
+        new = device_tables(fresh.tables, "cpu", order.learned)  # the tensors swap() would copy in
         graphs = cc.cudagraph_mode is not None and cc.cudagraph_mode.name != "NONE"  # piecewise ones capture them too
         differ = sorted(k for k in set(new) | set(order.tables)
                         if k not in new or k not in order.tables or tuple(new[k].shape) != tuple(order.tables[k].shape))
         if differ and graphs and next(state.model.parameters()).is_cuda:
-            raise ValueError(f"{path}: field 'predictor': tables {differ} differ in shape from the state ones, which "
+            raise ValueError(f"{path}: field 'predictor': tables {differ} differ in shape from the served ones, which "
                              f"captured CUDA graphs read; build with the same options or restart")
     found = find_moe_experts(state.model, old.moe_layers)
     if len(found) != len(old.moe_layers):

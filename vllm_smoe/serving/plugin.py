@@ -67,7 +67,8 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--smoe-log-interval", type=float, default=None,
                    help="seconds between smoe's log lines (recorder, speculate, DP routing and locality)")
     g.add_argument("--smoe-predictor", choices=PREDICTORS, default=None,
-                   help="speculate: token -> rank predictor (default tables: the placement's trained tables)")
+                   help="speculate: token -> rank predictor (default tables: the placement's trained tables; "
+                        "learned: the small network smoe-place build --learned trains)")
     g.add_argument("--smoe-all2all", choices=ALL2ALL, default=None,
                    help="expert-parallel all2all on vLLM's CPU build: smoe's sparse de-duplicated one (default "
                         "there) or vLLM's allgather-reducescatter. On CUDA the transport is vLLM's --all2all-backend "

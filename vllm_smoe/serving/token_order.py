@@ -37,7 +37,9 @@ import time
 import numpy as np
 import torch
 
+from ..placement.learned import LEARNED_FIELDS
 from . import device_predict as dp
+from .config import TABLE_PREDICTORS
 from .served import worker
 
 logger = logging.getLogger("vllm.smoe")
@@ -177,11 +179,12 @@ class TokenOrder:
         if self.stack and cfg.predictor == "tables-markov":
             raise ValueError(f"smoe mode speculate: predictor 'tables-markov' orders each layer after the previous "
                              f"one, but {type(self.blocks[0][1]).__name__}'s decoder layers keep their rows split "
-                             f"between layers, so one order holds for the whole step; use predictor 'tables'")
+                             f"between layers, so one order holds for the whole step; use predictor 'tables' or "
+                             f"'learned'")
         if self.stack and cfg.predictor == "router":
             raise ValueError(f"smoe mode speculate: predictor 'router' runs each MoE layer's gate on its input rows, "
                              f"but {type(self.blocks[0][1]).__name__}'s decoder layers keep their rows split between "
-                             f"layers, so one order holds for the whole step; use predictor 'tables'")
+                             f"layers, so one order holds for the whole step; use predictor 'tables' or 'learned'")
         # the TP group's broadcast on the device communicator (pynccl on the current stream on
         # CUDA, capturable like vLLM's other collectives; torch.distributed's elsewhere)
         comm = getattr(self.tp, "device_communicator", None)
@@ -194,8 +197,9 @@ class TokenOrder:
                     raise ValueError(f"smoe mode speculate: predictor 'router': {reason}")
                 self.gates.append((gate, e.router))
         L, E = plan.slot2expert.shape
-        self.tables = None if tables is None else device_tables(tables, device)
-        self.bigrams = self.tables is not None and "bigram_keys" in self.tables
+        self.learned = cfg.predictor == "learned"
+        self.tables = None if tables is None else device_tables(tables, device, self.learned)
+        self.bigrams = self.tables is not None and "bigram_keys" in self.tables and not self.learned
         self.slot2expert = torch.as_tensor(plan.slot2expert, device=device)
         # [L, N, E]: rank r holds a copy (home or replica) of router output e
         self.holds = torch.as_tensor(np.stack([plan.held(r) for r in range(self.N)], axis=1), device=device)
@@ -203,6 +207,7 @@ class TokenOrder:
         T = vllm_config.scheduler_config.max_num_batched_tokens
         self.ids = torch.zeros(T, dtype=torch.long, device=device)
         self.query = torch.full((T,), -1, dtype=torch.long, device=device)  # bigram keys of the step's rows
+        self.prev = torch.full((T,), -1, dtype=torch.long, device=device)  # learned: previous row's id, -1 = none
         self.perm = torch.zeros((L, T), dtype=torch.long, device=device)
         self.inv = torch.zeros((L, T), dtype=torch.long, device=device)
         c = -(-T // self.N)
@@ -221,7 +226,7 @@ class TokenOrder:
         # the placement's own ratio is what a trained predictor should reach; random and one-rank
         # orders are not judged against it
         self.count = cfg.metrics  # off: no device counters, no log line, no drift
-        self.judged = cfg.predictor in ("tables", "tables-markov", "router")
+        self.judged = cfg.predictor in ("tables", "tables-markov", "learned", "router")
         self.drift = Drift(expected if self.judged else None, cfg.drift_threshold)
         self.steps = self.small_steps = 0  # served steps; those with fewer tokens than ranks
         self.rows = 0  # rows of the current step, pad rows included (host int, from the op's input shape)
@@ -278,7 +283,7 @@ class TokenOrder:
         which :func:`.live.check_swap` refuses under CUDA graphs. Drift restarts its window
         against the new placement's own ratio."""
         if self.tables is not None:
-            new = device_tables(tables, self.slot2expert.device)
+            new = device_tables(tables, self.slot2expert.device, self.learned)
             for k, v in new.items():
                 old = self.tables.get(k)
                 if old is not None and old.shape == v.shape:
@@ -308,8 +313,11 @@ class TokenOrder:
             if positions is not None:
                 self.ids[: positions.shape[0]].zero_()
                 self.query[: positions.shape[0]].fill_(-1)
+                self.prev[: positions.shape[0]].fill_(-1)
             return
         self.ids[: ids.shape[0]].copy_(ids)
+        if self.learned:
+            self.prev[: ids.shape[0]].copy_(dp.previous_ids(ids, positions))
         if self.bigrams:
             self.query[: ids.shape[0]].copy_(dp.bigram_query(ids, positions, self.tables["token2rank"].shape[1]))
 
@@ -422,6 +430,8 @@ class TokenOrder:
                 pref, conf = dp.predict_random(ids, 0, self.N)
             elif self.predictor == "one-rank":
                 pref, conf = dp.predict_one_rank(ids)
+            elif self.learned:  # expected local activations summed over every layer
+                pref, conf = dp.learned_step(self._learned_logits(ids), self.N)
             else:
                 t = self.tables
                 pref, conf = dp.vote(*dp.predict_token_tables(t["token2rank"], t["token_conf"], t["prior2rank"], ids,
@@ -433,6 +443,8 @@ class TokenOrder:
         if self.predictor == "one-rank":
             pref, conf = dp.predict_one_rank(ids)
             return pref.expand(len(layers), -1, -1), conf.expand(len(layers), -1)
+        if self.learned:
+            return dp.learned_layers(self._learned_logits(ids), self.N)
         t = self.tables
         if not self.markov:  # always every layer: whole tables, no index copies
             return dp.predict_token_tables(t["token2rank"], t["token_conf"], t["prior2rank"], ids,
@@ -443,6 +455,10 @@ class TokenOrder:
                                                                "markov_conf", "prior2rank")), ids, prev,
                                        self._bigram(ids.shape[0], layer))
         return pref[None], conf[None]
+
+    def _learned_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        t = self.tables
+        return dp.learned_logits(*(t["learned_" + k] for k in LEARNED_FIELDS), ids, self.prev[: ids.shape[0]])
 
     def _bigram(self, T: int, layer: int | None = None) -> tuple | None:
         """:func:`device_predict.bigram_override`'s argument for the step's T rows (every layer, or one)."""
@@ -583,10 +599,14 @@ def agree(token2rank: torch.Tensor, broadcast) -> torch.Tensor:
     return broadcast(t, 0).long()
 
 
-def device_tables(tables, device) -> dict[str, torch.Tensor]:
+def device_tables(tables, device, learned: bool = False) -> dict[str, torch.Tensor]:
     """The predictor tables (``placement.predict.PredictorTables``) as the ops read them: name ->
-    tensor on ``device``, floats as float32."""
-    names = TABLE_NAMES + (("bigram_keys", "bigram2rank", "bigram_conf") if tables.has_bigrams else ())
+    tensor on ``device``, floats as float32; with ``learned``, the learned predictor's arrays
+    instead of the bigram table (the tables must carry them)."""
+    if learned:
+        names = TABLE_NAMES + tuple("learned_" + k for k in LEARNED_FIELDS)
+    else:
+        names = TABLE_NAMES + (("bigram_keys", "bigram2rank", "bigram_conf") if tables.has_bigrams else ())
     out = {k: torch.as_tensor(getattr(tables, k)).to(device) for k in names}
     return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
 
@@ -594,7 +614,7 @@ def device_tables(tables, device) -> dict[str, torch.Tensor]:
 def install_token_order(model, vllm_config, cfg, served) -> TokenOrder:
     """Called by smoe's model loader once the weights are in place; ``served``: the process's
     :class:`~.served.ServedPlacement` (its tables and load plan)."""
-    tables = served.tables if cfg.predictor.startswith("tables") else None
+    tables = served.tables if cfg.predictor in TABLE_PREDICTORS else None
     order = TokenOrder(model, vllm_config, cfg, tables, served.plan, expected=served.placement.metrics.get("lar"))
     logger.info("smoe: mode speculate: token order over %d ranks around %d MoE blocks (%s), %s, predictor %s",
                 order.N, len(order.blocks), type(order.blocks[0][1]).__name__,

@@ -26,6 +26,7 @@ from ..placement.metrics import evaluate, holds_from_expert2rank, local_share
 from ..placement.migrate import limit_moves, rename_ranks
 from ..placement.online import PREDICTORS as SIM_PREDICTORS
 from ..placement.online import simulate
+from ..placement.learned import MAX_WIDTH, default_width, layer_targets, train_predictor
 from ..placement.predict import bigram_keys, bigram_table, previous_ids, tables_for_placement
 from ..formats.checkpoint import read_embeddings
 from ..formats.placement_file import load_placement, load_tables, model_fingerprint, write_placement
@@ -213,6 +214,19 @@ def _with_bigrams(tables, sample, holds, vocab_size: int, max_pairs: int, batch_
     return dataclasses.replace(tables, bigram_keys=bk, bigram2rank=b2r, bigram_conf=bconf)
 
 
+def _with_learned(tables, sample, holds, vocab_size: int, embeddings, width: int, batch_tokens: int, seed: int):
+    """``tables`` plus the learned predictor (:mod:`..placement.learned`) trained on ``sample``'s
+    rows, the previous id taken within each engine step as serving takes it."""
+    if not sample:
+        raise ValueError("--learned: no training rows")
+    arr, batch = _batched(sample, batch_tokens)
+    tok = arr["token_ids"].astype(np.int64)
+    prev = previous_ids(tok, arr["positions"], batch)
+    model = train_predictor(tok, prev, layer_targets(arr["topk_ids"], holds), vocab_size, embeddings, width=width,
+                            seed=seed)
+    return dataclasses.replace(tables, **model.arrays())
+
+
 def _ticking(it, bar):
     for x in it:
         yield x
@@ -288,6 +302,11 @@ def _check_dp_flags(a) -> None:
 def cmd_build(a) -> int:
     check_output_file(a.output, "-o")
     _check_dp_flags(a)
+    if a.predictor == "learned" and not a.learned:
+        raise ValueError("--predictor learned scores the learned predictor, which only --learned trains")
+    if a.learned and (a.mode == "dp" or a.method not in PREDICTED):
+        raise ValueError(f"--learned: trained for the token order of a locality placement (--mode tp, --method "
+                         f"{' / '.join(PREDICTED)}), not {'--mode dp' if a.mode == 'dp' else '--method ' + a.method}")
     if a.mode == "dp":
         bad = [f for f, v in (("--nodes", a.nodes > 1), ("--replicas", a.replicas > 0),
                               ("--method", a.method != "coclust")) if v]
@@ -324,8 +343,11 @@ def cmd_build(a) -> int:
         e2r, reps, tables, secs, peak = _solve(a.method, counts, meta, a, a.ep_size, a.nodes, emb, groups)
         if tables is not None:
             t1 = time.perf_counter()
-            tables = _with_bigrams(tables, sample, holds_from_expert2rank(e2r, a.ep_size, reps), meta.vocab_size,
-                                   a.bigram_pairs, a.batch_tokens)
+            holds = holds_from_expert2rank(e2r, a.ep_size, reps)
+            tables = _with_bigrams(tables, sample, holds, meta.vocab_size, a.bigram_pairs, a.batch_tokens)
+            if a.learned:
+                tables = _with_learned(tables, sample, holds, meta.vocab_size, emb,
+                                       a.learned_width or default_width(a.ep_size), a.batch_tokens, a.seed)
             secs += time.perf_counter() - t1
     del counts
     sub, batch = _batched(sample, a.batch_tokens)
@@ -367,6 +389,13 @@ def _evaluate_all(a):
     hidden = meta.hidden_size or a.hidden_size
     results: dict[str, dict] = {}
     tables = load_tables(p) if p.predictor else None
+    if a.predictor == "learned":
+        if tables is None or tables.learned is None:
+            raise ValueError(f"--predictor learned: {p.predictor or a.placement} holds no learned predictor "
+                             f"(build it with smoe-place build --learned)")
+        if a.compare:
+            raise ValueError("--predictor learned with --compare: the peers' placements get no learned predictor "
+                             "yet; compare with --predictor tables")
     label = f"placement ({p.method})"
     m = _measure(arr, batch, meta, p.expert2rank, p.replicas, tables, p.ep_size, p.capacity,
                  tables is not None or a.predictor == "router",
@@ -470,6 +499,9 @@ def cmd_advise(a) -> int:
     """What a placement built from a live recording would gain over the one being served: the
     recording's first half of steps trains a candidate (the served placement's method, ep_size,
     nodes, groups, replicas and capacity), its second half scores both with the same predictor."""
+    if a.predictor == "learned":
+        raise ValueError("--predictor learned: advise does not train a learned predictor for its candidate yet; "
+                         "score with --predictor tables")
     given = [f for f, v in (("--capacity", a.capacity is not None), ("--replicas", a.replicas is not None),
                             ("--shuffle-requests", a.shuffle_requests is not None),
                             ("--group-workloads", a.group_workloads)) if v]
@@ -595,7 +627,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the token -> rank predictor simulated for smoe's placements and every X+pred form: "
                             "tables-markov (default: token and bigram tables, Markov table on the previous layer's "
                             "top-1, prefill -> decode table; the largest confidence wins), tables (the token and "
-                            "bigram tables alone: what serving's default predictor uses), router (every token's routing known: serving's "
+                            "bigram tables alone: what serving's default predictor uses), learned (the placement's "
+                            "learned predictor: build --learned), router (every token's routing known: serving's "
                             "predictor that runs vLLM's gate ahead, and the capped oracle every predicted form is "
                             "also scored against as oracle_lar / oracle_share)")
         s.add_argument("--bigram-pairs", type=number(int, -1), default=-1,
@@ -651,6 +684,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "parallel, each request runs on one rank, so experts are co-clustered with whole "
                         "requests (those of --metrics-tokens tokens); serve it with TP = 1")
     b.add_argument("-o", "--output", required=True, help="placement YAML to write")
+    b.add_argument("--learned", action="store_true",
+                   help="also train the learned predictor (a small network over the token's and the previous "
+                        "token's input embeddings, from --model, else per-id rows) on the first --metrics-tokens "
+                        "rows, for serving with --smoe-predictor learned")
+    b.add_argument("--learned-width", type=number(int, 1, MAX_WIDTH), default=None,
+                   help=f"hidden width of the learned predictor (default 16 x --ep-size within 64..{MAX_WIDTH})")
     b.add_argument("--metrics-tokens", type=number(int, 1), default=131072,
                    help="in-sample metrics stored in the YAML use this many leading tokens (default 131072); "
                         "--mode dp also learns from the requests of this many tokens, in evenly spaced windows")

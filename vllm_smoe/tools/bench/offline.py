@@ -218,7 +218,7 @@ def run_predictors(a) -> int:
                     pair.append(path)
                 yaml_path = os.path.join(work, "p.yaml")
                 build = ["build", "--trace", pair[0], "--ep-size", str(ep), "-o", yaml_path]
-                place(*build, *(["--model", model] if model else []))
+                place(*build, "--learned", *(["--model", model] if model else []))
                 # the same placement without the bigram table: what the pairs add to the token table
                 unigram = os.path.join(work, "u.yaml")
                 place(*build[:-1], unigram, "--bigram-pairs", "0", *(["--model", model] if model else []))
