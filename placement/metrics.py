@@ -148,3 +148,26 @@ def evaluate(topk_ids: np.ndarray, token2rank: np.ndarray, expert2rank: np.ndarr
         "rank_tokens": rank_tokens.tolist(),
         "rank_compute": rank_compute.tolist(),
     }
+
+
+def recommend(lar: np.ndarray, rows: np.ndarray, expert_load: np.ndarray, max_expert_load: float,
+              lar_margin: float = 0.02) -> tuple[int, str]:
+    """The candidate to serve: among those whose expert load is at most ``max_expert_load``
+    (balanced compute), the one sending the fewest rows per token among those within
+    ``lar_margin`` (a share) of the best LAR; rows break LAR ties, lower index breaks both.
+
+    lar, rows (remote unique ranks per token and MoE layer), expert_load: [M] float, one entry
+    per candidate. Returns (index, -1 when no candidate is balanced; the reason, one line)."""
+    lar, rows, load = (np.asarray(x, dtype=np.float64) for x in (lar, rows, expert_load))
+    ok = np.flatnonzero(load <= max_expert_load + 1e-9)
+    if ok.size == 0:
+        return -1, f"no candidate keeps its expert load within {max_expert_load:.2f}"
+    best = ok[np.argmax(lar[ok])]  # first of the best on ties
+    near = ok[lar[ok] >= (1.0 - lar_margin) * lar[best] - 1e-12]
+    pick = near[np.lexsort((near, -lar[near], rows[near]))[0]]
+    if pick == best:
+        return int(pick), (f"the best LAR ({lar[best]:.3f}) at expert load <= {max_expert_load:.2f}, and no "
+                           f"candidate within {lar_margin:.0%} of it sends fewer rows")
+    return int(pick), (f"the fewest rows per token ({rows[pick]:.3f} against {rows[best]:.3f}) at expert load <= "
+                       f"{max_expert_load:.2f}, with LAR {lar[pick]:.3f} within {lar_margin:.0%} of the best "
+                       f"({lar[best]:.3f})")

@@ -348,3 +348,32 @@ def test_evaluate_models_vllms_hashed_copy_choice():
     assert hashed["remote_unique_per_token"] == pytest.approx(2 / 3)
     with pytest.raises(ValueError, match="copies"):
         evaluate(topk, t2r, e2r, batch, 2, holds, copies="random")
+
+
+def test_recommend_golden():
+    from vllm_smoe.placement.metrics import recommend
+
+    # coclust best LAR, bytes within 2% and fewer rows, metis fewer still but unbalanced
+    i, why = recommend([0.497, 0.490, 0.470], [1.522, 1.481, 1.30], [1.07, 1.09, 2.3], 1.155)
+    assert i == 1 and "fewest rows per token (1.481 against 1.522)" in why
+    i, why = recommend([0.497, 0.480], [1.522, 1.40], [1.07, 1.09], 1.155)  # 3.4% lower: not near enough
+    assert i == 0 and "no candidate within 2% of it sends fewer rows" in why
+    assert recommend([0.5], [1.0], [2.0], 1.1) == (-1, "no candidate keeps its expert load within 1.10")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 1), st.floats(0, 8), st.floats(1, 3)), min_size=1, max_size=9),
+       st.floats(1, 3), st.floats(0, 0.2))
+def test_recommend_picks_the_fewest_rows_near_the_best_balanced_lar(cands, cap, margin):
+    from vllm_smoe.placement.metrics import recommend
+
+    lar, rows, load = (np.array(x) for x in zip(*cands))
+    i, _ = recommend(lar, rows, load, cap, margin)
+    ok = load <= cap + 1e-9
+    if not ok.any():
+        assert i == -1
+        return
+    best = lar[ok].max()
+    assert ok[i] and lar[i] >= (1 - margin) * best - 1e-12
+    near = ok & (lar >= (1 - margin) * best - 1e-12)
+    assert rows[i] == rows[near].min()

@@ -22,7 +22,7 @@ from ..placement.dp import (assign_requests, place_requests, request_affinity, r
                            request_token_table, round_robin_requests, workload_scores)
 from ..placement.groups import check_groups
 from ..placement.layout import NEEDS_INSTANCES, PREDICTED, SOLVERS, place_model
-from ..placement.metrics import evaluate, holds_from_expert2rank, local_share
+from ..placement.metrics import evaluate, holds_from_expert2rank, local_share, recommend
 from ..placement.migrate import limit_moves, rename_ranks
 from ..placement.online import PREDICTORS as SIM_PREDICTORS
 from ..placement.online import simulate
@@ -41,6 +41,8 @@ COMPARE_ALL = ("linear", "round_robin", "eplb", "metis", "ceo", "alternating", "
 
 
 SAMPLE_FIELDS = ("token_ids", "request_ids", "positions", "topk_ids", "step_ids", "is_prefill", "domain")
+# the held-out expert load a build capped at --max-expert-load may reach (coclust caps it in sample)
+LOAD_SLACK = 0.05
 BIGRAM_TOKENS = 131072  # training rows evaluate --compare learns its peers' bigram tables from
 EVAL_WINDOWS = 16  # evenly spaced windows a bounded evaluation sample is cut into
 
@@ -484,6 +486,13 @@ def cmd_evaluate(a) -> int:
         check_output_file(a.json, "--json")
     results = _evaluate_all(a)[1]
     _print_table(results)
+    # what to serve: every form that serves with smoe's token order, judged on this trace
+    served = [k for k in results if k.startswith("placement") or k.endswith("+pred")]
+    if len(served) > 1:
+        cap = a.max_expert_load * (1 + LOAD_SLACK)
+        i, why = recommend([results[k]["lar"] for k in served], [results[k]["remote_unique_per_token"] for k in served],
+                           [results[k]["expert_load"] for k in served], cap)
+        print(f"recommended: {served[i]}: {why}" if i >= 0 else f"recommended: none: {why}")
     if a.json:
         out = {k: {m: v for m, v in r.items()} for k, r in results.items()}
         with open(a.json, "w") as f:
