@@ -8,7 +8,8 @@ Cuts the trace into steps of ``--step`` tokens and runs the served device code
 sizes) for three orders: one per MoE layer (Qwen3-MoE-style blocks), one per step voted over all
 layers (the DeepSeek family, whose decoder layers keep rows split between layers), and the random
 predictor; when the tables carry a learned predictor (``smoe-place build --learned``), its order
-per layer and per step (expected local activations summed over layers) too. Prints the share of
+per layer (the network, or the token table where it is the more confident) and per step
+(expected local activations summed over layers) too. The bigram table is not used here. Prints the share of
 expert activations whose expert lives on the token's rank.
 """
 
@@ -53,7 +54,8 @@ def shares(placement_path: str, trace_path: str, step: int) -> dict[str, float]:
                   "random": dp.assign(*dp.predict_random(i, 0, N), caps)[None, :, None]}
         if learned:  # the step's previous ids as serving takes them from its positions
             z = dp.learned_logits(*learned, i, dp.previous_ids(i, positions[s: s + step]))
-            orders["learned_per_layer"] = dp.assign(*dp.learned_layers(z, N), caps)[..., None]
+            orders["learned_per_layer"] = dp.assign(*dp.learned_or_tables(pref, conf, *dp.learned_layers(z, N)),
+                                                    caps)[..., None]
             orders["learned_per_step"] = dp.assign(*dp.learned_step(z, N), caps)[None, :, None]
         for name, t2r in orders.items():
             local[name] += int((owner == t2r).sum())

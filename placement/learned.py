@@ -10,7 +10,9 @@ preference from where its embedding lies, and the previous token shifts it. The 
 trained by soft cross-entropy against each token's share of top-k experts on every rank, per
 layer. ``token_proj`` / ``prev_proj`` are the embeddings times learned projections, folded into
 per-id rows after training (with no embeddings, free per-id rows that unseen ids leave at zero),
-so serving runs two gathers and one [T, D] x [D, L * N] GEMM per step, on token ids alone.
+so serving runs two gathers and one [T, D] x [D, L * N] GEMM per step, on token ids alone. Per
+layer it defers to the token tables where they are the more confident (:func:`with_tables`);
+for one order per step it ranks by expected local activations summed over layers.
 Notation: T tokens, L layers, K top-k, E experts, N ranks, V vocabulary, H hidden size, D width.
 """
 
@@ -35,7 +37,8 @@ class LearnedPredictor:
     """token_proj: [V, D] float16, the first layer's contribution of the token id;
     prev_proj: [V + 1, D] float16, that of the previous row's id, row V = none (the row starts
     its sequence in the step, or continues one from an earlier step); both are read as float32
-    (half the bytes of the largest arrays, the same numbers offline and served); hidden_bias: [D] float32;
+    (half the bytes of the largest arrays, in the file and on the device; the same numbers
+    offline and served); hidden_bias: [D] float32;
     out_weight: [D, L * N] float32 and out_bias: [L * N] float32, layer-major (column l * N + n
     scores rank n at MoE layer l)."""
 
@@ -83,11 +86,24 @@ def preferences(logits: np.ndarray, num_ranks: int) -> tuple[np.ndarray, np.ndar
     """Per layer, ranks by score (best first, lower rank on ties) and the best rank's softmax
     probability. logits: [T, L * N]. Returns (pref [L, T, min(2, N)] int64, conf [L, T] float32)."""
     T = logits.shape[0]
-    z = logits.reshape(T, -1, num_ranks).transpose(1, 0, 2)  # [L, T, N]
+    z = logits.reshape(T, logits.shape[1] // num_ranks, num_ranks).transpose(1, 0, 2)  # [L, T, N]
     pref = np.argsort(-z, axis=2, kind="stable")[..., : min(2, num_ranks)]
     p = np.exp(z - z.max(axis=2, keepdims=True))
     conf = (1.0 / p.sum(axis=2)).astype(np.float32)  # the best rank's exp is 1 after the shift
     return pref.astype(np.int64), conf
+
+
+def with_tables(table_pref: np.ndarray, table_conf: np.ndarray, pref: np.ndarray, conf: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Per token and layer, the token tables' preference where their confidence is higher (both
+    estimate the share of the token's activations its best rank holds), else the network's: the
+    order per layer of predictor ``learned``. table_pref: [L, T, 2] int, table_conf: [L, T]
+    (the tables' rows, prior where unseen); pref, conf: :func:`preferences`. Returns
+    (pref [L, T, P] int64, conf [L, T] float32), P = pref's width."""
+    use = table_conf > conf
+    P = pref.shape[-1]
+    return (np.where(use[..., None], table_pref[..., :P], pref).astype(np.int64),
+            np.maximum(table_conf, conf).astype(np.float32))
 
 
 def step_preferences(logits: np.ndarray, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
@@ -96,7 +112,7 @@ def step_preferences(logits: np.ndarray, num_ranks: int) -> tuple[np.ndarray, np
     best first, lower rank on ties. logits: [T, L * N]. Returns (pref [T, min(2, N)] int64,
     conf [T] float32, the best rank's expected share of the token's activations)."""
     T = logits.shape[0]
-    z = logits.reshape(T, -1, num_ranks)
+    z = logits.reshape(T, logits.shape[1] // num_ranks, num_ranks)
     p = np.exp(z - z.max(axis=2, keepdims=True))
     score = (p / p.sum(axis=2, keepdims=True)).sum(axis=1)  # [T, N]
     pref = np.argsort(-score, axis=1, kind="stable")[:, : min(2, num_ranks)]
@@ -124,10 +140,10 @@ def train_predictor(token_ids: np.ndarray, prev_ids: np.ndarray, targets: np.nda
     if embeddings is not None:
         if embeddings.shape[0] < V:
             raise ValueError(f"embeddings have {embeddings.shape[0]} rows, fewer than vocab_size {V}")
-        emb = embeddings[:V].astype(np.float32)
-        emb = emb / max(float(np.sqrt((emb ** 2).sum(axis=1).mean())), 1e-12)  # unit rms row norm
-        emb = np.concatenate([emb, np.zeros((1, emb.shape[1]), np.float32)])  # row V: no previous id
-        H = emb.shape[1]
+        H = embeddings.shape[1]
+        emb = np.zeros((V + 1, H), dtype=np.float32)  # row V: no previous id
+        emb[:V] = embeddings[:V]
+        emb[:V] /= max(float(np.sqrt(np.einsum("vh,vh->v", emb[:V], emb[:V]).mean())), 1e-12)  # unit rms row norm
         params = {"w_tok": rng.normal(0, 1 / np.sqrt(H), (H, D)), "w_prev": rng.normal(0, 1 / np.sqrt(H), (H, D)),
                   "start": np.zeros(D)}
     else:

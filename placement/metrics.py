@@ -154,7 +154,7 @@ def recommend(lar: np.ndarray, rows: np.ndarray, expert_load: np.ndarray, max_ex
               lar_margin: float = 0.02) -> tuple[int, str]:
     """The candidate to serve: among those whose expert load is at most ``max_expert_load``
     (balanced compute), the one sending the fewest rows per token among those within
-    ``lar_margin`` (a share) of the best LAR; rows break LAR ties, lower index breaks both.
+    ``lar_margin`` (a share) of the best LAR; on equal rows the higher LAR, then the lower index.
 
     lar, rows (remote unique ranks per token and MoE layer), expert_load: [M] float, one entry
     per candidate. Returns (index, -1 when no candidate is balanced; the reason, one line)."""

@@ -1,7 +1,9 @@
 """The learned predictor (placement/learned.py): what tables cannot learn, its device twin in
 the served token order, its place in the tables file, smoe-place build --learned."""
 
+import dataclasses
 import os
+import re
 
 import numpy as np
 import pytest
@@ -101,6 +103,9 @@ def test_device_twin_gives_the_offline_ranks(T, D, L_, N_, seed):
     top2 = np.sort(zz, axis=2)[..., ::-1]
     clear = (top2[..., 0] - top2[..., 1] > 1e-4) if N_ > 1 else np.ones((L_, T), bool)
     np.testing.assert_array_equal(tp.numpy()[..., 0][clear], pref[..., 0][clear])
+    if N_ > 2:  # the second preference too, where the second and third scores are apart
+        clear2 = clear & (top2[..., 1] - top2[..., 2] > 1e-4)
+        np.testing.assert_array_equal(tp.numpy()[..., 1][clear2], pref[..., 1][clear2])
     np.testing.assert_allclose(tc.numpy(), conf, rtol=1e-5, atol=1e-6)
     assert pref.shape == (L_, T, min(2, N_)) and ((pref >= 0) & (pref < N_)).all()
     assert ((conf >= 1.0 / N_ - 1e-6) & (conf <= 1.0 + 1e-6)).all()
@@ -127,10 +132,22 @@ def test_served_order_predicts_as_offline_per_layer_and_per_step():
     T = 50
     ids = rng.integers(0, 40, T)
     positions = np.concatenate([np.arange(20), np.arange(7, 37)])  # two sequences: row 20 starts one
-    tables = {"learned_" + k: torch.from_numpy(getattr(m, k)) for k in lp.LEARNED_FIELDS}
+    t2r = rng.integers(-1, 4, (3, 40, 2)).astype(np.int16)  # token tables: -1 = unseen id
+    tconf = np.where(t2r[..., 0] >= 0, rng.uniform(0.2, 1.0, (3, 40)), 0).astype(np.float16)
+    prior = rng.integers(0, 4, (3, 2)).astype(np.int16)
+    from vllm_smoe.placement.predict import empty_tables
+    from vllm_smoe.serving.token_order import device_tables
+
+    t = dataclasses.replace(empty_tables(3, 40, 8), token2rank=t2r, token_conf=tconf, prior2rank=prior,
+                            **m.arrays())
+    tables = device_tables(t, "cpu", learned=True)  # as the worker holds them
+    assert tables["learned_token_proj"].dtype == torch.float16 and tables["learned_out_weight"].dtype == torch.float32
     prev = previous_ids(ids, positions, np.zeros(T, np.int64))
     assert prev[0] == -1 and prev[20] == -1 and prev[21] == ids[20]
-    pref, conf = lp.preferences(lp.forward(m, ids, prev), 4)
+    tab_pref = np.where(t2r[:, ids, :1] >= 0, t2r[:, ids], prior[:, None, :])
+    tab_conf = tconf[:, ids].astype(np.float32)
+    pref, conf = lp.with_tables(tab_pref, tab_conf, *lp.preferences(lp.forward(m, ids, prev), 4))
+    assert 0 < (tab_conf > lp.preferences(lp.forward(m, ids, prev), 4)[1]).mean() < 1  # both sources used
     spref, sconf = lp.step_preferences(lp.forward(m, ids, prev), 4)
     for stack in (False, True):
         o = TokenOrder.__new__(TokenOrder)
@@ -177,10 +194,14 @@ def test_tables_file_carries_the_learned_predictor_and_refuses_a_broken_one(tmp_
     p = load_placement(path)
     for change, words in [({"learned_out_bias": None}, "lack ['learned_out_bias']"),
                           ({"learned_out_weight": np.zeros((4, 3), np.float32)}, "'learned_out_weight' has shape"),
-                          ({"learned_prev_proj": np.full((V + 1, 4), np.nan, np.float32)}, "finite floats"),
-                          ({"learned_hidden_bias": np.zeros(4, np.int32)}, "finite floats")]:
+                          ({"learned_prev_proj": np.full((V + 1, 4), np.nan, np.float16)}, "finite float16"),
+                          ({"learned_prev_proj": np.zeros((V, 4), np.float16)}, "expected (13, 4)"),
+                          ({"learned_token_proj": np.zeros((V, 4), np.float32)}, "float16 values, got float32"),
+                          ({"learned_hidden_bias": np.zeros(4, np.int32)}, "finite float32 values, got int32"),
+                          ({k: np.zeros((V + (k == "learned_prev_proj"), lp.MAX_WIDTH + 1), np.float16)
+                            for k in ("learned_token_proj", "learned_prev_proj")}, "a width D in 1..256")]:
         bad = {k: v for k, v in {**arrays, **change}.items() if v is not None}
-        with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        with pytest.raises(ValueError, match=re.escape(words)):
             load_tables(p.__class__(**{**p.__dict__, "predictor_sha256": None}),
                         _npz_bytes(expert2rank=E2R.astype(np.int32), **bad))
 
@@ -198,7 +219,8 @@ def test_simulate_runs_the_learned_predictor_and_refuses_tables_without_one(tmp_
     batch = np.arange(tok.size) // 8
     t2r, src = simulate(t, holds, tok, topk, batch, N, capacity=1.0, predictor="learned", positions=positions)
     home = E2R[0][topk[:, 0, 0]]
-    assert (t2r[:, 0] == home).mean() > 0.95 and (src == 5).all()  # SOURCES.index("learned")
+    assert (t2r[:, 0] == home).mean() > 0.95
+    assert (src[tok == 3] == 5).all()  # SOURCES.index("learned"): the tables are unsure of token 3 only
     tab, _ = simulate(t, holds, tok, topk, batch, N, capacity=1.0, predictor="tables", positions=positions)
     assert (tab[:, 0] == home).mean() < 0.8
     plain, _ = _placement_with_learned(tmp_path / "plain", None)
@@ -217,6 +239,7 @@ def test_place_build_learned_and_its_refusals(tmp_path, capsys):
     assert place(base + ["--predictor", "learned"]) == 2
     assert "only --learned trains" in capsys.readouterr().err
     assert place(base + ["--method", "linear", "--learned"]) == 2
+    assert "--learned: trained for the token order of a locality placement" in capsys.readouterr().err
     assert place(base) == 0
     assert place(["evaluate", "--trace", FIXTURE_TRACES["heldout"], "--placement", out, "--predictor", "learned",
                   "--max-tokens", "4096"]) == 2
@@ -231,6 +254,18 @@ def test_place_build_learned_and_its_refusals(tmp_path, capsys):
 
     lar = next(iter(json.load(open(js)).values()))["lar"]
     assert 0.5 < lar <= 1.0  # two ranks: better than the 0.5 a random order keeps
+    capsys.readouterr()
     assert place(["evaluate", "--trace", FIXTURE_TRACES["heldout"], "--placement", out, "--predictor", "learned",
                   "--compare", "linear"]) == 2
+    assert "--predictor learned with --compare" in capsys.readouterr().err
     assert os.path.exists(out)
+
+
+def test_a_step_without_rows_predicts_nothing():
+    rng = np.random.default_rng(0)
+    m = _random_model(rng, 10, 4, 3, 2)
+    z = lp.forward(m, np.zeros(0, np.int64), np.zeros(0, np.int64))
+    assert z.shape == (0, 6)
+    assert lp.preferences(z, 2)[0].shape == (3, 0, 2) and lp.step_preferences(z, 2)[0].shape == (0, 2)
+    zt = torch.from_numpy(z)
+    assert dp.learned_layers(zt, 2)[0].shape == (3, 0, 2) and dp.learned_step(zt, 2)[0].shape == (0, 2)

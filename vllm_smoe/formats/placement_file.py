@@ -312,7 +312,8 @@ def load_placement(path: str, data: bytes | None = None) -> Placement:
 def _tables_bound(placement: Placement) -> int:
     """Bytes the tables of this placement can hold, decompressed: [L, V] rows of a few int and
     float columns (V: the model's vocabulary, 2^19 when the YAML does not say), bigrams, and a
-    learned predictor of width <= LEARNED_MAX_WIDTH ([2V + 1, D] rows and [D, L * N] weights)."""
+    learned predictor of width D <= placement.learned.MAX_WIDTH ([2V + 1, D] rows and
+    [D, L * N] weights)."""
     from ..placement.learned import MAX_WIDTH
 
     V = max(placement.vocab_size or (1 << 19), placement.num_experts)
@@ -461,13 +462,14 @@ def _check_learned(path: str, t, V: int, L: int, N: int) -> None:
     """The learned predictor's shapes (one width D throughout) and finite float weights."""
     from ..placement.learned import MAX_WIDTH
 
-    D = t.learned_token_proj.shape[1] if t.learned_token_proj.ndim == 2 else -1
-    want = {"learned_token_proj": (V, D), "learned_prev_proj": (V + 1, D), "learned_hidden_bias": (D,),
-            "learned_out_weight": (D, L * N), "learned_out_bias": (L * N,)}
-    for name, shape in want.items():
+    D = t.learned_token_proj.shape[1] if t.learned_token_proj.ndim == 2 else 0
+    want = {"learned_token_proj": ((V, D), np.float16), "learned_prev_proj": ((V + 1, D), np.float16),
+            "learned_hidden_bias": ((D,), np.float32), "learned_out_weight": ((D, L * N), np.float32),
+            "learned_out_bias": ((L * N,), np.float32)}
+    for name, (shape, dtype) in want.items():
         a = getattr(t, name)
         if a.shape != shape or not 1 <= D <= MAX_WIDTH:
-            raise ValueError(f"{path}: table '{name}' has shape {a.shape}, expected {shape} for {L} layers, {N} "
-                             f"ranks, {V} token ids and a width of 1..{MAX_WIDTH}")
-        if a.dtype.kind != "f" or not np.isfinite(a).all():
-            raise ValueError(f"{path}: table '{name}' must hold finite floats")
+            raise ValueError(f"{path}: table '{name}' has shape {a.shape}, expected {tuple(d or 'D' for d in shape)} "
+                             f"for {L} layers, {N} ranks, {V} token ids and a width D in 1..{MAX_WIDTH}")
+        if a.dtype != dtype or not np.isfinite(a).all():
+            raise ValueError(f"{path}: table '{name}' must hold finite {np.dtype(dtype).name} values, got {a.dtype}")

@@ -91,7 +91,8 @@ def speculate_supported(vllm_config, placement, predictor: str = "tables", all2a
                        f"as embeddings; use predictor 'router' (vLLM's gate on the rows) or mode place")
     if predictor in TABLE_PREDICTORS and placement.predictor is None:
         return False, (f"{placement.path}: field 'predictor' is empty but predictor {predictor!r} needs the tables "
-                       f"(rebuild with smoe-place build, or set predictor 'router' / 'random' / 'one-rank')")
+                       f"(rebuild with smoe-place build{' --learned' if predictor == 'learned' else ''}, or set "
+                       f"predictor 'router' / 'random' / 'one-rank')")
     return True, ""
 
 

@@ -65,9 +65,19 @@ def learned_layers(logits: torch.Tensor, num_ranks: int) -> tuple[torch.Tensor, 
     :func:`vllm_smoe.placement.learned.preferences`). Returns (pref [L, T, min(2, N)] int64,
     conf [L, T] float32, the best rank's softmax probability)."""
     T = logits.shape[0]
-    z = logits.view(T, -1, num_ranks).transpose(0, 1)  # [L, T, N]
+    z = logits.view(T, logits.shape[1] // num_ranks, num_ranks).transpose(0, 1)  # [L, T, N]
     pref = torch.argsort(-z, dim=2, stable=True)[..., : min(2, num_ranks)]
     return pref, 1.0 / torch.exp(z - z.amax(dim=2, keepdim=True)).sum(dim=2)
+
+
+def learned_or_tables(table_pref: torch.Tensor, table_conf: torch.Tensor, pref: torch.Tensor, conf: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables' preference where they are the more confident, else the network's (twin of
+    :func:`vllm_smoe.placement.learned.with_tables`). table_pref [L, T, 2], table_conf [L, T];
+    pref [L, T, P], conf [L, T]. Returns (pref [L, T, P] int64, conf [L, T] float32)."""
+    use = table_conf.float() > conf
+    return (torch.where(use[..., None], table_pref[..., : pref.shape[-1]].long(), pref),
+            torch.maximum(table_conf.float(), conf))
 
 
 def learned_step(logits: torch.Tensor, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +85,7 @@ def learned_step(logits: torch.Tensor, num_ranks: int) -> tuple[torch.Tensor, to
     over layers (twin of :func:`vllm_smoe.placement.learned.step_preferences`).
     Returns (pref [T, min(2, N)] int64, conf [T] float32)."""
     T = logits.shape[0]
-    z = logits.view(T, -1, num_ranks)
+    z = logits.view(T, logits.shape[1] // num_ranks, num_ranks)
     score = torch.softmax(z, dim=2).sum(dim=1)  # [T, N]
     pref = torch.argsort(-score, dim=1, stable=True)[:, : min(2, num_ranks)]
     return pref, score.gather(1, pref[:, :1])[:, 0] / z.shape[1]

@@ -107,9 +107,6 @@ def check_swap(state: Worker, snapshot) -> Swap:
     if order is not None and order.tables is not None:
         if fresh.tables is None:
             raise ValueError(f"{path}: field 'predictor' is empty; the served token order predicts with tables")
-        if order.learned and fresh.tables.learned is None:
-            raise ValueError(f"{path}: field 'predictor': its tables hold no learned predictor, which the served "
-                             f"predictor 'learned' needs (build it with smoe-place build --learned)")
         new = device_tables(fresh.tables, "cpu", order.learned)  # the tensors swap() would copy in
         graphs = cc.cudagraph_mode is not None and cc.cudagraph_mode.name != "NONE"  # piecewise ones capture them too
         differ = sorted(k for k in set(new) | set(order.tables)

@@ -199,7 +199,7 @@ class TokenOrder:
         L, E = plan.slot2expert.shape
         self.learned = cfg.predictor == "learned"
         self.tables = None if tables is None else device_tables(tables, device, self.learned)
-        self.bigrams = self.tables is not None and "bigram_keys" in self.tables and not self.learned
+        self.bigrams = self.tables is not None and "bigram_keys" in self.tables
         self.slot2expert = torch.as_tensor(plan.slot2expert, device=device)
         # [L, N, E]: rank r holds a copy (home or replica) of router output e
         self.holds = torch.as_tensor(np.stack([plan.held(r) for r in range(self.N)], axis=1), device=device)
@@ -443,9 +443,11 @@ class TokenOrder:
         if self.predictor == "one-rank":
             pref, conf = dp.predict_one_rank(ids)
             return pref.expand(len(layers), -1, -1), conf.expand(len(layers), -1)
-        if self.learned:
-            return dp.learned_layers(self._learned_logits(ids), self.N)
         t = self.tables
+        if self.learned:  # the network, or the token tables where they are the more confident
+            tables = dp.predict_token_tables(t["token2rank"], t["token_conf"], t["prior2rank"], ids,
+                                             self._bigram(ids.shape[0]))
+            return dp.learned_or_tables(*tables, *dp.learned_layers(self._learned_logits(ids), self.N))
         if not self.markov:  # always every layer: whole tables, no index copies
             return dp.predict_token_tables(t["token2rank"], t["token_conf"], t["prior2rank"], ids,
                                            self._bigram(ids.shape[0]))
@@ -485,6 +487,13 @@ class TokenOrder:
                 perm, inv = dp.permutation(t2r)
                 self.perm[layer, :T].copy_(perm)
                 self.inv[layer, :T].copy_(inv)
+            elif self.learned:
+                # the network's scores are floats each rank computes itself: a GEMM need not round
+                # alike on every rank (thread counts, kernels), so rank 0's assignment is the step's
+                pref, conf = self.preferences(layers, self.ids[:T])
+                perm, inv = dp.permutation(agree(dp.assign(pref, conf, caps), self.broadcast))
+                self.perm[rows, :T].copy_(perm)
+                self.inv[rows, :T].copy_(inv)
             else:
                 pref, conf = self.preferences(layers, self.ids[:T])
                 dp.assign_permute(pref, conf, caps, self.perm[rows], self.inv[rows])
@@ -593,22 +602,22 @@ def _(y, layer):
 
 
 def agree(token2rank: torch.Tensor, broadcast) -> torch.Tensor:
-    """Rank 0's assignment on every rank. token2rank: [T] int64; broadcast: the TP group's
-    ``broadcast(tensor, src)`` (in place). Returns [T] int64."""
+    """Rank 0's assignment on every rank. token2rank: [T] or [L, T] int64; broadcast: the TP
+    group's ``broadcast(tensor, src)`` (in place). Returns the same shape, int64."""
     t = token2rank.to(torch.int32).contiguous()
     return broadcast(t, 0).long()
 
 
 def device_tables(tables, device, learned: bool = False) -> dict[str, torch.Tensor]:
     """The predictor tables (``placement.predict.PredictorTables``) as the ops read them: name ->
-    tensor on ``device``, floats as float32; with ``learned``, the learned predictor's arrays
-    instead of the bigram table (the tables must carry them)."""
+    tensor on ``device``, floats as float32 (the learned predictor's per-id rows as float16); with
+    ``learned``, the learned predictor's arrays too (the tables must carry them)."""
+    names = TABLE_NAMES + (("bigram_keys", "bigram2rank", "bigram_conf") if tables.has_bigrams else ())
     if learned:
-        names = TABLE_NAMES + tuple("learned_" + k for k in LEARNED_FIELDS)
-    else:
-        names = TABLE_NAMES + (("bigram_keys", "bigram2rank", "bigram_conf") if tables.has_bigrams else ())
+        names += tuple("learned_" + k for k in LEARNED_FIELDS)
     out = {k: torch.as_tensor(getattr(tables, k)).to(device) for k in names}
-    return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
+    # the learned predictor's per-id rows stay float16 (its largest arrays; read as float32)
+    return {k: v.float() if v.is_floating_point() and not k.endswith("_proj") else v for k, v in out.items()}
 
 
 def install_token_order(model, vllm_config, cfg, served) -> TokenOrder:
