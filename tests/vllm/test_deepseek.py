@@ -96,30 +96,26 @@ def test_vllm_serves_and_records_what_transformers_computes(arch, tmp_path):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tp2_placement_and_speculate_give_plain_tp2_tokens(arch, tmp_path):
-    """TP=2 + EP with smoe's placement (built from the fixture's training routing, groups kept)
-    applied at load, and speculate (one token order per step) with the trained tables, the
-    learned predictor, and a random (V2) or an all-to-rank-0 (V3) predictor: plain TP=2's greedy
-    tokens on 32 held-out prompts. (The order's code does not depend on the family member: each
-    bad predictor runs once.)"""
+    """TP=2 + EP, speculate (one token order per step) over smoe's placement applied at load
+    (built from the fixture's training routing, groups kept, with the learned predictor): plain
+    TP=2's greedy tokens on 32 held-out prompts. The order's code is the same for both members
+    of the family, so each predictor runs on one: V2 the trained tables and a random order, V3
+    the learned predictor and an all-to-rank-0 order (V3's tables run compiled, below)."""
     pytest.importorskip("vllm")
     placement = tmp_path / "ep2.yaml"
     r = _build(arch, placement, 2, "--learned")
     assert r.returncode == 0, r.stderr
     prompts = _prompts(arch, 32)
     plain, _ = _generate(arch, prompts, {"smoe": {}})  # the CPU fixes alone (MLA's rope), no placement
-    runs = {"placed": {"placement": str(placement)}}
-    for predictor in ("tables", "learned", "random" if arch == "deepseek_v2" else "one-rank"):
-        runs[predictor] = {"mode": "speculate", "placement": str(placement), "predictor": predictor,
-                           "log_interval": 0.2}
     layers = _config(arch)["num_hidden_layers"] - 1
-    for name, smoe in runs.items():
+    for predictor in ("tables", "random") if arch == "deepseek_v2" else ("learned", "one-rank"):
+        smoe = {"mode": "speculate", "placement": str(placement), "predictor": predictor, "log_interval": 0.2}
         out, log = _generate(arch, prompts, {"smoe": smoe}, ep=True)
-        if name != "placed":
-            assert (f"token order over 2 ranks around {layers} MoE blocks (DeepseekV2MoE), one order per step, "
-                    f"predictor {name}") in log
-            assert "of its expert activations locally" in log
-        assert out["tokens"] == plain["tokens"], name
-        np.testing.assert_allclose(out["logprobs"], plain["logprobs"], rtol=0, atol=ATOL, err_msg=name)
+        assert (f"token order over 2 ranks around {layers} MoE blocks (DeepseekV2MoE), one order per step, "
+                f"predictor {predictor}") in log
+        assert "of its expert activations locally" in log
+        assert out["tokens"] == plain["tokens"], predictor
+        np.testing.assert_allclose(out["logprobs"], plain["logprobs"], rtol=0, atol=ATOL, err_msg=predictor)
 
 
 def test_v3_speculate_compiled_gives_plain_compiled_tokens(tmp_path):

@@ -30,8 +30,8 @@ def test_dp2_serving_with_and_without_smoe_routing_gives_plain_tokens(tmp_path):
     """32 held-out prompts of all four workloads, 8 concurrent clients, DP=2 + EP on vLLM's CPU
     build: smoe's request-level placement with smoe's routing (sparse all2all, the /smoe/route
     endpoint allowlisted), the same placement with routing off on vLLM's own
-    allgather-reducescatter, smoe's sparse all2all alone (vLLM's expert order and balancer), and a
-    placement with expert copies (redundant slots); all against plain single-rank vLLM (prompts one at a time)."""
+    allgather-reducescatter, and a placement with expert copies (redundant slots); all against
+    plain single-rank vLLM (prompts one at a time)."""
     pytest.importorskip("vllm")
     import json
     import urllib.request
@@ -47,7 +47,6 @@ def test_dp2_serving_with_and_without_smoe_routing_gives_plain_tokens(tmp_path):
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_PLUGINS": "smoe"}
     runs = {"vllm": dp + ("--smoe-all2all", "vllm", "--smoe-placement", DP2, "--smoe-dp-routing", "off"),
             "routed": dp + ("--smoe-placement", DP2),
-            "sparse": dp,
             # a placement with copies: each DP rank routes its own requests' rows to its own copies
             "replicas": dp + ("--smoe-placement", os.path.join(REPO, "configs", "tiny-4dom-ep2-r4.yaml"))}
     for name, flags in runs.items():

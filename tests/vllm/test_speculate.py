@@ -67,10 +67,9 @@ SPEC = {"mode": "speculate", "placement": EP2, "log_interval": 0.2}
     ({**SPEC, "predictor": "tables", "all2all": "vllm"}, False, "predictor tables"),  # vLLM's allgather-RS
     ({**SPEC, "predictor": "tables"}, True, "predictor tables"),  # torch.compile keeps smoe's ops opaque
     ({**SPEC, "placement": EP2_R4, "predictor": "tables"}, False, "predictor tables"),  # each rank its own copies
-    ({**SPEC, "placement": EP2_R4, "predictor": "tables", "all2all": "vllm"}, False, "predictor tables"),
     ({**SPEC, "placement": EP2_R4, "predictor": "router"}, False, "predictor router"),  # counts the copies
 ], ids=["vllm-ep", "tables", "tables-markov", "router", "random", "learned", "tables-agrs", "tables-compiled",
-        "replicas", "replicas-agrs", "replicas-router"])
+        "replicas", "replicas-router"])
 def test_tp2_ep_gives_plain_tp2_tokens(plain_tp2, smoe, compiled, says, request):
     prompts, plain = plain_tp2
     if smoe.get("placement") == "learned":  # an EP 2 placement whose tables carry the learned predictor
