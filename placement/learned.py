@@ -97,9 +97,10 @@ def with_tables(table_pref: np.ndarray, table_conf: np.ndarray, pref: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray]:
     """Per token and layer, the token tables' preference where their confidence is higher (both
     estimate the share of the token's activations its best rank holds), else the network's: the
-    order per layer of predictor ``learned``. table_pref: [L, T, 2] int, table_conf: [L, T]
-    (the tables' rows, prior where unseen); pref, conf: :func:`preferences`. Returns
-    (pref [L, T, P] int64, conf [L, T] float32), P = pref's width."""
+    order per layer of predictor ``learned``. table_pref: [..., 2] int, table_conf: [...] (the
+    tables' rows, prior where unseen; any leading shape, e.g. [L, T] or one layer's [T]); pref,
+    conf: :func:`preferences`' of the same rows. Returns (pref [..., P] int64, conf [...]
+    float32), P = pref's width."""
     use = table_conf > conf
     P = pref.shape[-1]
     return (np.where(use[..., None], table_pref[..., :P], pref).astype(np.int64),

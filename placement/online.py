@@ -62,10 +62,8 @@ def simulate(tables: PredictorTables | None, holds: np.ndarray, token_ids: np.nd
     for layer in range(L):
         if learned_pref is not None:  # the network, or the tables where they are the more confident
             tab_pref, tab_conf, tab_src = predict_layer(tables, layer, tok, None, None, keys)
-            pref, conf = with_tables(tab_pref[None], tab_conf[None], learned_pref[0][layer: layer + 1],
-                                     learned_pref[1][layer: layer + 1])
-            pref, conf = pref[0], conf[0]
-            src = np.where(tab_conf > learned_pref[1][layer], tab_src, SOURCES.index("learned")).astype(np.int8)
+            pref, conf = with_tables(tab_pref, tab_conf, learned_pref[0][layer], learned_pref[1][layer])
+            src = np.where(conf > learned_pref[1][layer], tab_src, SOURCES.index("learned")).astype(np.int8)
         elif predictor == "router":
             pref, conf = known_preferences(topk_ids[:, layer].astype(np.int64), holds[layer])
             src = np.full(T, SOURCES.index("router"), dtype=np.int8)

@@ -226,7 +226,7 @@ class TokenOrder:
         # the placement's own ratio is what a trained predictor should reach; random and one-rank
         # orders are not judged against it
         self.count = cfg.metrics  # off: no device counters, no log line, no drift
-        self.judged = cfg.predictor in ("tables", "tables-markov", "learned", "router")
+        self.judged = cfg.predictor in TABLE_PREDICTORS + ("router",)
         self.drift = Drift(expected if self.judged else None, cfg.drift_threshold)
         self.steps = self.small_steps = 0  # served steps; those with fewer tokens than ranks
         self.rows = 0  # rows of the current step, pad rows included (host int, from the op's input shape)
@@ -477,20 +477,17 @@ class TokenOrder:
             layers = [layer] if self.per_layer or self.stack else list(range(self.perm.shape[0]))
             rows = slice(layers[0], layers[-1] + 1)
             caps = dp.chunk_caps(T, self.N, x.device)
-            if self.gates:
-                gate, router = self.gates[layer]
-                pref, conf = route_ahead(gate, router, x, self.holds[layer], self.ids[:T])
-                # every rank must build the same permutation, but the gate's rows are equal
-                # across ranks only if the attention all-reduce is bitwise deterministic (vLLM's
-                # FlashInfer one is not): rank 0's assignment is the step's (4 bytes a token)
-                t2r = agree(dp.assign(pref, conf, caps), self.broadcast)
-                perm, inv = dp.permutation(t2r)
-                self.perm[layer, :T].copy_(perm)
-                self.inv[layer, :T].copy_(inv)
-            elif self.learned:
-                # the network's scores are floats each rank computes itself: a GEMM need not round
-                # alike on every rank (thread counts, kernels), so rank 0's assignment is the step's
-                pref, conf = self.preferences(layers, self.ids[:T])
+            if self.gates or self.learned:
+                # floats each rank computes itself: the gate's rows are equal across ranks only if
+                # the attention all-reduce is bitwise deterministic (vLLM's FlashInfer one is not),
+                # and the network's GEMM need not round alike on every rank (thread counts,
+                # kernels), so rank 0's assignment is the step's (4 bytes a token and layer)
+                if self.gates:
+                    gate, router = self.gates[layer]
+                    pref, conf = route_ahead(gate, router, x, self.holds[layer], self.ids[:T])
+                    pref, conf = pref[None], conf[None]
+                else:
+                    pref, conf = self.preferences(layers, self.ids[:T])
                 perm, inv = dp.permutation(agree(dp.assign(pref, conf, caps), self.broadcast))
                 self.perm[rows, :T].copy_(perm)
                 self.inv[rows, :T].copy_(inv)
