@@ -22,9 +22,22 @@ def test_speculate_settings_are_validated():
                        ({"mode": "speculate", "placement": EP2, "predictor": "oracle"}, "field 'predictor'"),
                        ({"mode": "speculate", "placement": EP2, "capacity": 1.1}, "unknown field"),
                        ({"all2all": "deepep"}, "field 'all2all'"),
-                       ({"placement": EP2, "predictor": "random"}, "only apply to mode 'speculate'")]:
+                       ({"placement": EP2, "predictor": "random"}, "only apply to mode 'speculate'"),
+                       ({"placement": EP2, "reduce_scatter": False}, "only apply to mode 'speculate'"),
+                       ({"mode": "speculate", "placement": EP2, "reduce_scatter": "off"},
+                        "field 'reduce_scatter' must be true or false, got 'off'")]:
         with pytest.raises(ValueError, match=words):
             SmoeConfig.from_dict(bad)
+    off = SmoeConfig.from_dict({"mode": "speculate", "placement": EP2, "reduce_scatter": False})
+    assert not off.reduce_scatter and SmoeConfig.from_dict(off.to_dict()) == off and ok.reduce_scatter
+    import argparse
+
+    from vllm_smoe.serving.plugin import _add_flags, _smoe_from_args
+
+    p = argparse.ArgumentParser()
+    _add_flags(p)
+    assert _smoe_from_args(p.parse_args(["--plugin", "smoe", "--smoe-reduce-scatter", "off"])) == {
+        "reduce_scatter": False}
 
 
 def test_bench_serve_combines_every_ranks_speculate_line():
@@ -100,3 +113,63 @@ def test_advice_says_where_a_configuration_cannot_pay():
     (off,) = advice(_vc(tp=1, dp=2), SmoeConfig(placement=EP2, dp_routing=False), "cpu")
     assert "--smoe-dp-routing off" in off
     assert advice(_vc(), SmoeConfig(), "cpu") == []  # no placement: nothing to judge
+
+
+def test_shuffled_reduce_scatter_seams():
+    """Where the shuffled reduce-scatter may replace the attention's all-reduce: a decoder layer
+    shaped like vLLM 0.32's Qwen3-MoE one (the served tests take vLLM's own), and the reasons it
+    is not taken elsewhere."""
+    import torch
+
+    from vllm_smoe.serving import token_order as to
+
+    class Qwen3MoeSparseMoeBlock(torch.nn.Module):  # a name the token order trusts to read only its chunk
+        pass
+
+    class Linear(torch.nn.Module):
+        def __init__(self, reduce_results=True, tp_size=2):
+            super().__init__()
+            self.reduce_results, self.tp_size = reduce_results, tp_size
+
+    class Attention(torch.nn.Module):
+        def __init__(self, **kw):
+            super().__init__()
+            self.o_proj = Linear(**kw)
+
+        def forward(self, positions, hidden_states):
+            output, _ = self.o_proj(hidden_states)
+            return output
+
+    class Layer(torch.nn.Module):
+        def __init__(self, block, **kw):
+            super().__init__()
+            self.self_attn, self.post_attention_layernorm, self.mlp = Attention(**kw), torch.nn.Identity(), block
+
+        def forward(self, positions, hidden_states, residual):
+            hidden_states = self.self_attn(positions, hidden_states)
+            hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+            hidden_states = self.mlp(hidden_states)
+            return hidden_states, residual
+
+    class Parallel(Layer):  # attention and MLP side by side: no residual between them to split
+        def forward(self, positions, hidden_states, residual):
+            return self.self_attn(positions, hidden_states) + self.mlp(hidden_states), residual
+
+    class Stack(torch.nn.Module):
+        def __init__(self, *layers):
+            super().__init__()
+            self.embed_tokens, self.norm, self.layers = torch.nn.Identity(), torch.nn.Identity(), torch.nn.ModuleList(layers)
+
+    def seams(layer_cls=Layer, block=None, **kw):
+        block = block or Qwen3MoeSparseMoeBlock()
+        stack = Stack(torch.nn.Identity(), layer_cls(block, **kw))  # a dense layer, then a MoE layer
+        found, why = to.shuffle_seams(stack, (1,), [(0, block, "fused")], 2)
+        return [(layer, o is stack.layers[1].self_attn.o_proj, f) for layer, o, _, f in found], why
+
+    assert seams() == ([(0, True, "fused")], "")
+    for kw, words in [({"reduce_results": False}, "does not all-reduce over the 2"),
+                      ({"tp_size": 4}, "does not all-reduce over the 2"),
+                      ({"layer_cls": Parallel}, "does not add the attention output to the residual"),
+                      ({"block": torch.nn.Identity()}, "is not one that reads only its chunk")]:
+        found, why = seams(**kw)
+        assert found == [] and words in why, why

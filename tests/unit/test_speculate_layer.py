@@ -1,6 +1,6 @@
 """The speculate MoE layer across gloo ranks (world 4) against a single-process MoE reference.
 
-One layer as serving runs it: predicted token order (``device_predict``) -> vLLM's contiguous
+One layer as serving runs it (and the shuffled reduce-scatter before it, ``_shuffled_failures``): predicted token order (``device_predict``) -> vLLM's contiguous
 sequence-parallel chunk -> router -> expert-parallel MoE (smoe's sparse exchange, or vLLM's
 allgather-reducescatter, or its point-to-point transport) -> all-gather -> original order. Whatever the predictor says, every
 rank must end with the reference output. A second run patches ``Tensor.item/.tolist/.cpu/
@@ -18,7 +18,9 @@ import torch.distributed as dist
 from vllm_smoe.placement.assign import assign_tokens
 from vllm_smoe.placement.assign import chunk_caps as np_chunk_caps
 from vllm_smoe.serving import device_predict as dp
+from vllm_smoe.serving.cpu_ep import p2p_reduce_scatter
 from vllm_smoe.serving.sparse_a2a import SparseExchange, owner_of
+from vllm_smoe.serving.token_order import chunk_rows, keep_chunk_residual, shuffled_reduce_scatter
 from tests.support import CONFIGS
 
 H, I, E, K, V = 32, 16, 16, 3, 500
@@ -100,6 +102,65 @@ def _layer(rank, x, ids, predictor, exchange_kind, router, w13, w2, owner, exact
     return _gather(out)[:T].index_select(0, inv)
 
 
+def _norm(x):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def _block(x, w):  # any row-wise function stands in for the MoE block
+    return torch.tanh(x @ w)
+
+
+def _shuffled_failures(rank):
+    """s-MoE's shuffled reduce-scatter on one Qwen3-MoE-style decoder step against the path it
+    replaces (vLLM: attention partial sums all-reduced, added to the residual, normed, the MoE
+    block on every row, its output added to the residual by the next layer). smoe: the partial
+    sums reduce-scattered in the token order over :func:`p2p_reduce_scatter`, vLLM's add + norm,
+    the chunk's residual kept, the block on the chunk only, the kept residual added before its
+    all-gather. Every rank must end with the same residual stream. ``_block`` is any row-wise
+    function (test-only math standing in for the MoE block)."""
+    failures = []
+    w = torch.randn(HS, HS, generator=torch.Generator().manual_seed(0))
+    for T in (1, 2, 3, 5, 8, 37):
+        c = -(-T // WORLD)
+        g = torch.Generator().manual_seed(T)
+        partials = torch.randn(WORLD, T, HS, generator=g)  # every rank's addend, known to all
+        residual = torch.randn(T, HS, generator=g)
+        perm = torch.randperm(T, generator=g)
+        inv = torch.argsort(perm)
+        # the reduce-scatter alone: each chunk summed in rank order, the input left as it was
+        x = torch.randn(WORLD, WORLD * c, HS, generator=g)
+        mine = x[rank].clone()
+        got = p2p_reduce_scatter(mine, WORLD)
+        if not torch.equal(mine, x[rank]) or not torch.allclose(got, x.sum(0)[rank * c:(rank + 1) * c], atol=1e-6):
+            failures.append(f"p2p_reduce_scatter T={T}")
+        # vLLM: all-reduce, add, norm, block on every row; the next layer adds the block's output
+        r1 = partials.sum(0) + residual
+        want = _block(_norm(r1), w) + r1
+        kept = torch.full((c + 2, HS), float("nan"))  # larger than needed, stale: must not leak
+        with _NoHostSync():
+            out = shuffled_reduce_scatter(partials[rank], perm, rank, WORLD, lambda t: p2p_reduce_scatter(t, WORLD))
+            res1 = out + residual
+            x_rows, zero = keep_chunk_residual(_norm(res1), res1, perm, rank, WORLD, kept)
+            start, stop = chunk_rows(T, rank, WORLD)
+            chunk = torch.zeros(c, HS)
+            chunk[: stop - start] = x_rows.index_select(0, perm[start:stop])  # the block's chunk only
+            y = _block(chunk, w) + kept[:c]
+            stream = _gather(y)[:T].index_select(0, inv) + zero
+        if not torch.equal(zero, torch.zeros(T, HS)):
+            failures.append(f"T={T}: residual passed on is not zero")
+        if not torch.allclose(stream, want, atol=1e-5):
+            failures.append(f"T={T}: {(stream - want).abs().max():.2e}")
+        rows = perm[start:stop]
+        others = torch.ones(T, dtype=torch.bool)
+        others[rows] = False
+        if not torch.allclose(out[rows], partials.sum(0)[rows], atol=1e-6) or out[others].any():
+            failures.append(f"T={T}: reduce-scatter rows")
+    return failures
+
+
+HS = 6  # hidden size of the shuffled reduce-scatter's rows
+
+
 def _worker(rank, port, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -129,6 +190,7 @@ def _worker(rank, port, results):
                 got = _layer(rank, x, ids, predictor, "agrs", router, w13, w2, owner)
             if not torch.allclose(got, want, atol=1e-5):
                 failures.append(f"agrs T={T} {predictor}: {(got - want).abs().max():.2e}")
+    failures += _shuffled_failures(rank)
     results[rank] = failures
     dist.destroy_process_group()
 

@@ -78,6 +78,9 @@ def test_tp2_ep_gives_plain_tp2_tokens(plain_tp2, smoe, compiled, says, request)
     if says:  # the token order really ran, around vLLM's own MoE blocks, and tokens moved
         assert f"token order over 2 ranks around 4 MoE blocks (Qwen3MoeSparseMoeBlock), one order per layer, {says}" in log
         assert "of its expert activations locally" in log
+        # s-MoE's shuffled reduce-scatter wherever the predictor does not need the reduced rows
+        assert ("attention output: vLLM's all-reduce (predictor 'router'" if smoe["predictor"] == "router" else
+                "attention output: reduce-scattered in the token order at 4 MoE layers") in log
     if smoe.get("all2all", "sparse") == "sparse" and "mode" in smoe:
         assert "sparse de-duplicated all2all manager on group ep" in log
     assert out["tokens"] == plain["tokens"]

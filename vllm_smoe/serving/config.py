@@ -19,7 +19,7 @@ class SmoeSettingsError(ValueError):
     """A smoe setting (flag, additional_config field or a file it names) that cannot serve:
     ``vllm serve`` prints it as one line and exits 2 (:mod:`vllm_smoe.serving.plugin`)."""
 _KEYS = ("mode", "placement", "placement_dirs", "record", "log_interval", "record_chunk_tokens", "predictor", "all2all", "dp_routing",
-         "metrics_dir", "drift_threshold", "record_sample", "record_max_mb", "metrics")
+         "metrics_dir", "drift_threshold", "record_sample", "record_max_mb", "metrics", "reduce_scatter")
 PREDICTORS = ("tables", "tables-markov", "learned", "router", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.serving.token_order)
 TABLE_PREDICTORS = ("tables", "tables-markov", "learned")  # those that read the placement's tables file
 ALL2ALL = ("sparse", "vllm")  # smoe's sparse de-duplicated manager, or vLLM's own choice
@@ -49,7 +49,10 @@ class SmoeConfig:
     request id), with ``record`` in any mode; record_max_mb: disk budget of the record
     directory's trace files, oldest removed first (None = no limit). metrics: False publishes
     nothing for /metrics and turns off speculate's device counters, log line and drift (the
-    sparse all2all's own counters keep counting)."""
+    sparse all2all's own counters keep counting). reduce_scatter: speculate, where the decoder
+    layer's seams allow it (:func:`vllm_smoe.serving.token_order.shuffle_seams`): the attention
+    output's all-reduce becomes a reduce-scatter of its rows already in the token order (s-MoE's
+    shuffled reduce-scatter, half the attention's bytes); False keeps vLLM's all-reduce."""
 
     mode: str = "place"
     placement: str | None = None
@@ -65,13 +68,14 @@ class SmoeConfig:
     record_sample: float = 1.0
     record_max_mb: float | None = None
     metrics: bool = True
+    reduce_scatter: bool = True
 
     @property
     def needs_loader(self) -> bool:
         return self.placement is not None or self.record is not None
 
     def to_dict(self) -> dict:
-        skip = (("predictor",) if self.mode != "speculate" else ()) + (
+        skip = (("predictor", "reduce_scatter") if self.mode != "speculate" else ()) + (
             ("record_sample",) if self.record is None else ())
         d = {k: v for k, v in asdict(self).items() if v is not None and k not in skip}
         if "placement_dirs" in d:  # JSON has lists, not tuples
@@ -102,7 +106,7 @@ class SmoeConfig:
         if mode == "speculate" and placement is None:
             raise ValueError(f"{where}: mode 'speculate' needs field 'placement' (a YAML from smoe-place build)")
         if mode != "speculate":
-            given = [k for k in ("predictor",) if k in d]
+            given = [k for k in ("predictor", "reduce_scatter") if k in d]
             if given:
                 raise ValueError(f"{where}: field(s) {given} only apply to mode 'speculate', not {mode!r}")
         dirs = d.get("placement_dirs")
@@ -133,6 +137,9 @@ class SmoeConfig:
         metrics = d.get("metrics", True)
         if not isinstance(metrics, bool):
             raise ValueError(f"{where}: field 'metrics' must be true or false, got {metrics!r}")
+        reduce_scatter = d.get("reduce_scatter", True)
+        if not isinstance(reduce_scatter, bool):
+            raise ValueError(f"{where}: field 'reduce_scatter' must be true or false, got {reduce_scatter!r}")
         metrics_dir = d.get("metrics_dir")
         if metrics_dir is not None and (not isinstance(metrics_dir, str) or not metrics_dir):
             raise ValueError(f"{where}: field 'metrics_dir' must be a path, got {metrics_dir!r}")
@@ -158,7 +165,7 @@ class SmoeConfig:
                    all2all=all2all, dp_routing=dp_routing,
                    metrics_dir=os.path.abspath(metrics_dir) if metrics_dir else None, drift_threshold=float(drift),
                    record_sample=float(sample), record_max_mb=None if budget is None else float(budget),
-                   metrics=metrics)
+                   metrics=metrics, reduce_scatter=reduce_scatter)
 
     @classmethod
     def from_additional_config(cls, additional_config: object) -> "SmoeConfig | None":

@@ -116,6 +116,16 @@ def _unlink_own_segment(group_name: str, rank: int) -> None:
                        e.strerror)
 
 
+def p2p_reduce_scatter(x: torch.Tensor, world_size: int, group=None) -> torch.Tensor:
+    """x: [N * c, ...] this rank's addend, chunk j for rank j. Returns [c, ...]: this rank's
+    chunk summed over the group (in rank order), each chunk sent only to its rank
+    (``all_to_all_single``): (N - 1) / N of x out and in, what a reduce-scatter must move."""
+    x = x.contiguous()
+    parts = torch.empty_like(x)
+    torch.distributed.all_to_all_single(parts, x, group=group)
+    return parts.view(world_size, x.shape[0] // world_size, *x.shape[1:]).sum(dim=0)
+
+
 class SmoeCpuCommunicator(CpuCommunicator):
     """vLLM's CpuCommunicator plus ``all_gatherv`` / ``reduce_scatterv``, shared memory for
     the EP group, and smoe's sparse all2all manager when asked for."""
@@ -177,6 +187,27 @@ class SmoeCpuCommunicator(CpuCommunicator):
         padded[: x.shape[0]] = x
         g = self.all_gather(padded, 0)
         return torch.cat([g[r * m: r * m + s] for r, s in enumerate(sizes)])
+
+    def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Equal chunks along ``dim``, summed over the group. vLLM's base runs gloo's
+        ``reduce_scatter_tensor``, which moves an all-reduce's bytes and, within a node, never
+        uses the shared memory: here shared memory all-reduces once and keeps this rank's chunk
+        (no reduce-scatter of its own), and gloo sends each peer only its chunk
+        (``all_to_all_single``, (N - 1) / N of the tensor out and in) and adds what comes back."""
+        N = self.world_size
+        if N == 1:
+            return input_
+        dim = dim % input_.dim()
+        x = input_.movedim(dim, 0)
+        assert x.shape[0] % N == 0, f"reduce_scatter of {x.shape[0]} rows over {N} ranks"
+        c = x.shape[0] // N
+        if isinstance(self.dist_module, _CPUSHMDistributed):
+            x = x.clone(memory_format=torch.contiguous_format)  # the all-reduce is in place
+            self.all_reduce(x)
+            out = x[self.rank_in_group * c: (self.rank_in_group + 1) * c]
+        else:
+            out = p2p_reduce_scatter(x, N, self.device_group)
+        return out.movedim(0, dim).contiguous()
 
     def reduce_scatterv(self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None
                         ) -> torch.Tensor:

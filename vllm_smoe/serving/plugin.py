@@ -38,6 +38,7 @@ _FLAGS = {  # CLI dest -> key in additional_config["smoe"]
     "smoe_record_sample": "record_sample",
     "smoe_record_max_mb": "record_max_mb",
     "smoe_metrics": "metrics",
+    "smoe_reduce_scatter": "reduce_scatter",
 }
 _done = False
 
@@ -69,6 +70,10 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--smoe-predictor", choices=PREDICTORS, default=None,
                    help="speculate: token -> rank predictor (default tables: the placement's trained tables; "
                         "learned: the small network smoe-place build --learned trains)")
+    g.add_argument("--smoe-reduce-scatter", choices=["on", "off"], default=None,
+                   help="speculate: reduce-scatter the attention output's rows already in the token order where "
+                        "the decoder layer allows it (default on: half the bytes of vLLM's all-reduce there), or "
+                        "keep vLLM's all-reduce (off)")
     g.add_argument("--smoe-all2all", choices=ALL2ALL, default=None,
                    help="expert-parallel all2all on vLLM's CPU build: smoe's sparse de-duplicated one (default "
                         "there) or vLLM's allgather-reducescatter. On CUDA the transport is vLLM's --all2all-backend "
@@ -82,7 +87,7 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
 
 def _smoe_from_args(args: argparse.Namespace) -> dict | None:
     given = {key: getattr(args, dest) for dest, key in _FLAGS.items() if getattr(args, dest, None) is not None}
-    for key in ("dp_routing", "metrics"):
+    for key in ("dp_routing", "metrics", "reduce_scatter"):
         if key in given:
             given[key] = given[key] == "on"
     if "placement_dirs" in given:

@@ -125,6 +125,44 @@ def block_supported(block: torch.nn.Module, model: torch.nn.Module | None = None
     return True, "", "block"
 
 
+_O_PROJ_RETURNED = re.compile(r"(\w+)\s*(?:,\s*\w+)?\s*=\s*self\.o_proj\([^)]*\)\s*return\s+\1\s*$")
+
+
+def shuffle_seams(model: torch.nn.Module, moe_layers: tuple[int, ...], experts: list, tp_size: int
+                  ) -> tuple[list[tuple[int, torch.nn.Module, torch.nn.Module, torch.nn.Module]], str]:
+    """``(seams, reason)``: per MoE ordinal, the modules the shuffled reduce-scatter hooks
+    (``(layer, o_proj, post_attention_layernorm, FusedMoE)``), or ``[]`` and why not. It needs
+    decoder layers that add the attention output to the residual in ``post_attention_layernorm``
+    and return ``(mlp(hidden), residual)``, an attention whose output is its row-parallel
+    ``o_proj``'s (all-reduced there, so smoe can reduce-scatter instead), and a MoE block that
+    reads its rows only through its chunk (:data:`CHUNK_ONLY_BLOCKS`). experts: (ordinal, block,
+    FusedMoE) as :func:`find_moe_experts` gives."""
+    stack = find_stack(model)
+    if stack is None:
+        return [], "no decoder stack (embed_tokens, layers, norm) was found"
+    seams = []
+    for layer, block, fused in experts:
+        decoder = stack.layers[moe_layers[layer]]
+        name = type(decoder).__name__
+        if getattr(decoder, "mlp", None) is not block or type(block).__name__ not in CHUNK_ONLY_BLOCKS:
+            return [], f"{name}'s MoE block {type(block).__name__} is not one that reads only its chunk"
+        attn, norm = getattr(decoder, "self_attn", None), getattr(decoder, "post_attention_layernorm", None)
+        o_proj = getattr(attn, "o_proj", None)
+        if norm is None or o_proj is None:
+            return [], f"{name} has no self_attn.o_proj and post_attention_layernorm"
+        if getattr(o_proj, "reduce_results", None) is not True or getattr(o_proj, "tp_size", None) != tp_size:
+            return [], f"{name}'s o_proj does not all-reduce over the {tp_size} tensor-parallel ranks"
+        src = inspect.getsource(type(decoder).forward)
+        if ("self.post_attention_layernorm(hidden_states, residual)" not in src or
+                "self.mlp(hidden_states)" not in src or not re.search(r"return\s+hidden_states,\s*residual", src)):
+            return [], (f"{name}.forward does not add the attention output to the residual in "
+                        f"post_attention_layernorm and return (mlp(hidden_states), residual)")
+        if not _O_PROJ_RETURNED.search(inspect.getsource(type(attn).forward).rstrip()):
+            return [], f"{type(attn).__name__}.forward does not return its o_proj's output as it is"
+        seams.append((layer, o_proj, norm, fused))
+    return seams, ""
+
+
 def route_ahead(gate: torch.nn.Module, router, x: torch.Tensor, held: torch.Tensor,
                 input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Predictor router: vLLM's own gate and routing step on a block's rows, which every rank
@@ -237,6 +275,21 @@ class TokenOrder:
         # the block reads only its chunk of the ordered rows: blocks whose forward was read to
         # touch nothing else before vLLM's sequence_parallel_chunk (others get every row)
         self.chunk_only = not self.stack and all(type(b).__name__ in CHUNK_ONLY_BLOCKS for _, b, _ in self.blocks)
+        # s-MoE's shuffled reduce-scatter (config reduce_scatter): the attention's partial sums
+        # reduce-scatter straight into the token order, and the residual added to this rank's
+        # chunk travels in the MoE block's own all-gather; the predictor router needs the whole
+        # reduced rows (it runs the gate on them), so it keeps vLLM's all-reduce
+        self.shuffled, why = [], "off (reduce_scatter: false)"
+        if cfg.reduce_scatter and self.N > 1 and not self.stack:
+            if cfg.predictor == "router":
+                why = "predictor 'router' runs the gate on every reduced row"
+            else:
+                self.shuffled, why = shuffle_seams(model, plan.moe_layers, experts, self.N)
+        self.shuffle_reason = why if not self.shuffled else ""
+        if self.shuffled:
+            hidden = vllm_config.model_config.get_hidden_size()
+            # the residual of this rank's chunk rows, between the norm and the experts' output
+            self.kept = torch.zeros((c, hidden), dtype=vllm_config.model_config.dtype, device=device)
         # tables-markov: each layer waits for the previous one's top-1 (one extra all-gather per
         # layer); the others predict every layer at the first MoE layer of the step
         self.markov = cfg.predictor == "tables-markov"
@@ -251,9 +304,14 @@ class TokenOrder:
         runner_hooks.check_attached(vllm_config, current_platform.device_type)  # else counters would read 0
         for layer, block, router in self.blocks:
             if not self.stack:
-                block.register_forward_pre_hook(self._pre(layer), with_kwargs=True)
+                block.register_forward_pre_hook(self._pre(layer, predict=not self.shuffled), with_kwargs=True)
                 block.register_forward_hook(self._post(layer))
             router.set_capture_fn(functools.partial(self._capture, layer))
+        for layer, o_proj, norm, fused in self.shuffled:
+            o_proj.reduce_results = False  # its partial sums: the reduce-scatter below sums them
+            o_proj.register_forward_hook(self._attn_partial(layer))
+            norm.register_forward_hook(self._norm_out(layer))
+            fused.register_forward_hook(self._experts_out(layer))
         if self.stack:
             stack = find_stack(model)
             # on the first layer's input, not on embed_tokens: drafters may share the embedding
@@ -333,11 +391,40 @@ class TokenOrder:
         self._maybe_log()  # the steps' counters, outside the forward (replayed graphs run no Python)
 
     @staticmethod
-    def _pre(layer: int):
+    def _pre(layer: int, predict: bool = True):
         def hook(module, args, kwargs):  # the rows come first, positional or as hidden_states=
             if args:
-                return (torch.ops.smoe.order_tokens(args[0], layer, True), *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": torch.ops.smoe.order_tokens(kwargs["hidden_states"], layer, True)}
+                return (torch.ops.smoe.order_tokens(args[0], layer, predict), *args[1:]), kwargs
+            return args, {**kwargs,
+                          "hidden_states": torch.ops.smoe.order_tokens(kwargs["hidden_states"], layer, predict)}
+        return hook
+
+    # shuffled reduce-scatter: o_proj's partial sums -> this rank's chunk of reduced rows (placed
+    # at their rows, the rest zero) -> vLLM's add + norm (exact on those rows) -> the chunk's
+    # residual kept, a zero residual passed on -> the experts' output plus the kept residual ->
+    # the block's all-gather: every row's new residual stream, the next layer adds zero to it
+    @staticmethod
+    def _attn_partial(layer: int):
+        def hook(module, args, output):
+            if isinstance(output, tuple):  # (output, bias) of vLLM's linear layers
+                return (torch.ops.smoe.reduce_scatter_tokens(output[0], layer), *output[1:])
+            return torch.ops.smoe.reduce_scatter_tokens(output, layer)
+        return hook
+
+    @staticmethod
+    def _norm_out(layer: int):
+        def hook(module, args, output):  # post_attention_layernorm(hidden, residual) -> (normed, residual)
+            normed, residual = output
+            return torch.ops.smoe.split_residual(normed, residual, layer)
+        return hook
+
+    @staticmethod
+    def _experts_out(layer: int):
+        def hook(module, args, output):
+            if not isinstance(output, torch.Tensor):
+                raise RuntimeError(f"smoe speculate: {type(module).__name__} returned {type(output).__name__}, not "
+                                   f"one tensor; set additional_config smoe.reduce_scatter to false")
+            return torch.ops.smoe.add_residual(output, layer)
         return hook
 
     # stack order: predict at the first layer's input, keep the order through the stack
@@ -470,40 +557,62 @@ class TokenOrder:
         sl = slice(None) if layer is None else slice(layer, layer + 1)
         return t["bigram_keys"], t["bigram2rank"][sl], t["bigram_conf"][sl], self.query[:T]
 
+    def reduce_scatter(self, partial: torch.Tensor, layer: int) -> torch.Tensor:
+        """:func:`shuffled_reduce_scatter` on the TP group, predicting the order first where
+        the block would have (the first MoE layer, or every layer for a per-layer predictor)."""
+        if self.per_layer or layer == 0:
+            self._predict(partial, layer)
+        T = partial.shape[0]
+        return shuffled_reduce_scatter(partial, self.perm[layer, :T], self.rank, self.N,
+                                       lambda x: self.tp.reduce_scatter(x, 0))
+
+    def split_residual(self, x: torch.Tensor, residual: torch.Tensor, layer: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        T = x.shape[0]
+        return keep_chunk_residual(x, residual, self.perm[layer, :T], self.rank, self.N, self.kept)
+
+    def add_residual(self, y: torch.Tensor, layer: int) -> torch.Tensor:
+        """y: [c, H] the experts' output of this rank's chunk: plus its kept residual rows."""
+        return y + self.kept[: y.shape[0]].to(y.dtype)
+
     def order(self, x: torch.Tensor, layer: int, predict: bool) -> torch.Tensor:
         T = x.shape[0]
         if predict and (self.stack or self.per_layer or layer == 0):
-            self.rows = T
-            layers = [layer] if self.per_layer or self.stack else list(range(self.perm.shape[0]))
-            rows = slice(layers[0], layers[-1] + 1)
-            caps = dp.chunk_caps(T, self.N, x.device)
-            if self.gates or self.learned:
-                # floats each rank computes itself: the gate's rows are equal across ranks only if
-                # the attention all-reduce is bitwise deterministic (vLLM's FlashInfer one is not),
-                # and the network's GEMM need not round alike on every rank (thread counts,
-                # kernels), so rank 0's assignment is the step's (4 bytes a token and layer)
-                if self.gates:
-                    gate, router = self.gates[layer]
-                    pref, conf = route_ahead(gate, router, x, self.holds[layer], self.ids[:T])
-                    pref, conf = pref[None], conf[None]
-                else:
-                    pref, conf = self.preferences(layers, self.ids[:T])
-                perm, inv = dp.permutation(agree(dp.assign(pref, conf, caps), self.broadcast))
-                self.perm[rows, :T].copy_(perm)
-                self.inv[rows, :T].copy_(inv)
-            else:
-                pref, conf = self.preferences(layers, self.ids[:T])
-                dp.assign_permute(pref, conf, caps, self.perm[rows], self.inv[rows])
-        if predict and self.chunk_only:
+            self._predict(x, layer)
+        if self.chunk_only:
             # the block keeps only this rank's chunk (vLLM's sequence_parallel_chunk): gather just
             # those rows; the others are never read
-            c = -(-T // self.N)
-            start = min(self.rank * c, T)
-            stop = min(start + c, T)
+            start, stop = chunk_rows(T, self.rank, self.N)
             out = torch.empty_like(x)
             torch.index_select(x, 0, self.perm[layer, start:stop], out=out[start:stop])
             return out
         return x.index_select(0, self.perm[layer, :T])
+
+    def _predict(self, x: torch.Tensor, layer: int) -> None:
+        """The step's token order for ``layer`` (every layer at the first, unless per layer):
+        ``perm`` / ``inv`` written in place. x: [T, H] the rows (read by predictor router only)."""
+        T = x.shape[0]
+        self.rows = T
+        layers = [layer] if self.per_layer or self.stack else list(range(self.perm.shape[0]))
+        rows = slice(layers[0], layers[-1] + 1)
+        caps = dp.chunk_caps(T, self.N, x.device)
+        if self.gates or self.learned:
+            # floats each rank computes itself: the gate's rows are equal across ranks only if
+            # the attention all-reduce is bitwise deterministic (vLLM's FlashInfer one is not),
+            # and the network's GEMM need not round alike on every rank (thread counts,
+            # kernels), so rank 0's assignment is the step's (4 bytes a token and layer)
+            if self.gates:
+                gate, router = self.gates[layer]
+                pref, conf = route_ahead(gate, router, x, self.holds[layer], self.ids[:T])
+                pref, conf = pref[None], conf[None]
+            else:
+                pref, conf = self.preferences(layers, self.ids[:T])
+            perm, inv = dp.permutation(agree(dp.assign(pref, conf, caps), self.broadcast))
+            self.perm[rows, :T].copy_(perm)
+            self.inv[rows, :T].copy_(inv)
+        else:
+            pref, conf = self.preferences(layers, self.ids[:T])
+            dp.assign_permute(pref, conf, caps, self.perm[rows], self.inv[rows])
 
     def restore(self, y: torch.Tensor, layer: int) -> torch.Tensor:
         T = y.shape[0]
@@ -598,6 +707,79 @@ def _(y, layer):
     return torch.empty_like(y)
 
 
+@torch.library.custom_op("smoe::reduce_scatter_tokens", mutates_args=())
+def reduce_scatter_tokens(partial: torch.Tensor, layer: int) -> torch.Tensor:
+    return worker().order.reduce_scatter(partial, layer)
+
+
+@reduce_scatter_tokens.register_fake
+def _(partial, layer):
+    return torch.empty_like(partial)
+
+
+@torch.library.custom_op("smoe::split_residual", mutates_args=())
+def split_residual(x: torch.Tensor, residual: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return worker().order.split_residual(x, residual, layer)
+
+
+@split_residual.register_fake
+def _(x, residual, layer):
+    return torch.empty_like(x), torch.empty_like(residual)
+
+
+@torch.library.custom_op("smoe::add_residual", mutates_args=())
+def add_residual(y: torch.Tensor, layer: int) -> torch.Tensor:
+    return worker().order.add_residual(y, layer)
+
+
+@add_residual.register_fake
+def _(y, layer):
+    return torch.empty_like(y)
+
+
+def chunk_rows(T: int, rank: int, N: int) -> tuple[int, int]:
+    """Rank ``rank``'s rows [start, stop) of T rows split as vLLM's sequence_parallel_chunk does
+    (ceil(T / N) each, the last ones short or empty)."""
+    c = -(-T // N)
+    start = min(rank * c, T)
+    return start, min(start + c, T)
+
+
+def shuffled_reduce_scatter(partial: torch.Tensor, perm: torch.Tensor, rank: int, N: int, reduce_scatter
+                            ) -> torch.Tensor:
+    """s-MoE's shuffled reduce-scatter of one tensor-parallel partial sum. partial: [T, H] this
+    rank's share (summed over ranks it is the all-reduce's result); perm: [T] int64, row i of the
+    token order is step row perm[i]; reduce_scatter: ``[N * c, H] -> [c, H]`` summed over the
+    group, c = ceil(T / N). Returns [T, H]: this rank's chunk of the token order, reduced, at the
+    step rows it came from (``perm[start:stop]``); every other row zero. Static shapes."""
+    T, H = partial.shape
+    c = -(-T // N)
+    rows = partial.new_zeros((N * c, H))
+    torch.index_select(partial, 0, perm, out=rows[:T])
+    mine = reduce_scatter(rows)
+    start, stop = chunk_rows(T, rank, N)
+    out = partial.new_zeros((T, H))
+    out.index_copy_(0, perm[start:stop], mine[: stop - start])
+    return out
+
+
+def keep_chunk_residual(x: torch.Tensor, residual: torch.Tensor, perm: torch.Tensor, rank: int, N: int,
+                        kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """After the add + norm on :func:`shuffled_reduce_scatter`'s output: x, residual [T, H], exact
+    on this rank's chunk rows. Writes the chunk's residual rows, in chunk order, to
+    ``kept[:ceil(T / N)]`` (zero past them; kept: [>= ceil(T / N), H]) for the experts' output to
+    add before the block's all-gather. Returns (x's chunk rows at their step rows, the rest zero;
+    a zero residual: the all-gathered rows then carry the whole residual stream)."""
+    T = x.shape[0]
+    start, stop = chunk_rows(T, rank, N)
+    src = perm[start:stop]
+    kept[: -(-T // N)].zero_()
+    torch.index_select(residual, 0, src, out=kept[: stop - start])
+    out = torch.zeros_like(x)
+    out.index_copy_(0, src, x.index_select(0, src))
+    return out, torch.zeros_like(residual)
+
+
 def agree(token2rank: torch.Tensor, broadcast) -> torch.Tensor:
     """Rank 0's assignment on every rank. token2rank: [T] or [L, T] int64; broadcast: the TP
     group's ``broadcast(tensor, src)`` (in place). Returns the same shape, int64."""
@@ -622,7 +804,10 @@ def install_token_order(model, vllm_config, cfg, served) -> TokenOrder:
     :class:`~.served.ServedPlacement` (its tables and load plan)."""
     tables = served.tables if cfg.predictor in TABLE_PREDICTORS else None
     order = TokenOrder(model, vllm_config, cfg, tables, served.plan, expected=served.placement.metrics.get("lar"))
-    logger.info("smoe: mode speculate: token order over %d ranks around %d MoE blocks (%s), %s, predictor %s",
-                order.N, len(order.blocks), type(order.blocks[0][1]).__name__,
-                "one order per step" if order.stack else "one order per layer", cfg.predictor)
+    logger.info("smoe: mode speculate: token order over %d ranks around %d MoE blocks (%s), %s, predictor %s; "
+                "attention output: %s", order.N, len(order.blocks), type(order.blocks[0][1]).__name__,
+                "one order per step" if order.stack else "one order per layer", cfg.predictor,
+                f"reduce-scattered in the token order at {len(order.shuffled)} MoE layers" if order.shuffled
+                else "reduce-scattered by the decoder layer" if order.stack
+                else f"vLLM's all-reduce ({order.shuffle_reason})")
     return order

@@ -444,6 +444,9 @@ def configurations(tp_placement: str, dp_placement: str, metrics_dir: str, mla: 
         "tp-ep-place": {"kind": "tp", "smoe": True, "flags": ep + ("--smoe-placement", tp_placement)},
         "tp-ep-speculate": {"kind": "tp", "smoe": True,
                             "flags": ep + ("--smoe-mode", "speculate", "--smoe-placement", tp_placement)},
+        "tp-ep-speculate-ar": {"kind": "tp", "smoe": True,  # before the shuffled reduce-scatter
+                               "flags": ep + ("--smoe-mode", "speculate", "--smoe-placement", tp_placement,
+                                              "--smoe-reduce-scatter", "off")},
         "tp-ep-speculate-agrs": {"kind": "tp", "smoe": True,
                                  "flags": ep + ("--smoe-mode", "speculate", "--smoe-placement", tp_placement,
                                                 "--smoe-all2all", "vllm")},
@@ -947,7 +950,8 @@ def add_parser(sub) -> None:
     p.add_argument("--rate", type=number(float, 0, lo_open=True), help="fixed link rate in bit/s instead of a target")
     p.add_argument("--delay", type=number(float, 0), default=0.0, help="with --rate: one-way delay in s")
     p.add_argument("--configs", default="tp,tp-ep,tp-ep-speculate,dp-ep,dp-ep-smoe",
-                   help="comma-separated, from: tp, tp-ep, tp-ep-place, tp-ep-speculate, tp-ep-speculate-agrs, "
+                   help="comma-separated, from: tp, tp-ep, tp-ep-place, tp-ep-speculate, tp-ep-speculate-ar (vLLM's "
+                        "attention all-reduce, not smoe's shuffled reduce-scatter), tp-ep-speculate-agrs, "
                         "dp-ep, dp-ep-sparse, dp-ep-smoe, dp-ep-smoe-agrs")
     p.add_argument("--concurrency", type=number(int, 1), nargs="+", default=[1, 8, 32])
     p.add_argument("--requests-per-level", type=number(int, 1), default=16)
