@@ -18,8 +18,7 @@ import torch.distributed as dist
 from vllm_smoe.placement.assign import assign_tokens
 from vllm_smoe.placement.assign import chunk_caps as np_chunk_caps
 from vllm_smoe.serving import device_predict as dp
-from vllm_smoe.serving.cpu_ep import p2p_reduce_scatter
-from vllm_smoe.serving.sparse_a2a import SparseExchange, owner_of
+from vllm_smoe.serving.sparse_a2a import SparseExchange, owner_of, p2p_reduce_scatter
 from vllm_smoe.serving.token_order import chunk_rows, keep_chunk_residual, shuffled_reduce_scatter
 from tests.support import CONFIGS
 

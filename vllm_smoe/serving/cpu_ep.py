@@ -47,6 +47,8 @@ import os
 import torch
 from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator, _CPUSHMDistributed
 
+from .sparse_a2a import p2p_reduce_scatter
+
 logger = logging.getLogger("vllm.smoe")
 
 
@@ -114,16 +116,6 @@ def _unlink_own_segment(group_name: str, rank: int) -> None:
     except OSError as e:
         logger.warning("smoe: could not remove the EP group's shared memory %s (%s): it stays after exit", path,
                        e.strerror)
-
-
-def p2p_reduce_scatter(x: torch.Tensor, world_size: int, group=None) -> torch.Tensor:
-    """x: [N * c, ...] this rank's addend, chunk j for rank j. Returns [c, ...]: this rank's
-    chunk summed over the group (in rank order), each chunk sent only to its rank
-    (``all_to_all_single``): (N - 1) / N of x out and in, what a reduce-scatter must move."""
-    x = x.contiguous()
-    parts = torch.empty_like(x)
-    torch.distributed.all_to_all_single(parts, x, group=group)
-    return parts.view(world_size, x.shape[0] // world_size, *x.shape[1:]).sum(dim=0)
 
 
 class SmoeCpuCommunicator(CpuCommunicator):

@@ -50,6 +50,16 @@ def served_rows(forward_context, t: int, is_sequence_parallel: bool, sp_rank: in
     return True
 
 
+def p2p_reduce_scatter(x: torch.Tensor, world_size: int, group=None) -> torch.Tensor:
+    """x: [N * c, ...] this rank's addend, chunk j for rank j. Returns [c, ...]: this rank's
+    chunk summed over the group (in rank order), each chunk sent only to its rank
+    (``all_to_all_single``): (N - 1) / N of x out and in, what a reduce-scatter must move."""
+    x = x.contiguous()
+    parts = torch.empty_like(x)
+    torch.distributed.all_to_all_single(parts, x, group=group)
+    return parts.view(world_size, x.shape[0] // world_size, *x.shape[1:]).sum(dim=0)
+
+
 def owner_of(num_experts: int, world_size: int) -> torch.Tensor:
     """[E] int64 rank holding each physical expert under vLLM's linear split (E / N per rank)."""
     if num_experts % world_size:

@@ -11,6 +11,16 @@ forward hooks (no model code):
     restore_tokens: y[inv] back to the original order (+ this layer's top-1, all-gathered on the
                     TP group, for the next layer's Markov look-up)
 
+Where the decoder layer allows it (:func:`shuffle_seams`; Qwen3-MoE's does) the attention's
+all-reduce goes too, as in s-MoE's own step: smoe sets the layer's ``o_proj.reduce_results`` to
+False at load (an attribute of vLLM's module, no symbol replaced) and reduce-scatters its
+partial sums with the rows already in the token order (``reduce_scatter_tokens``); vLLM's add +
+norm then runs exact on this rank's chunk rows, ``split_residual`` keeps the chunk's residual
+and passes a zero one on, and ``add_residual`` adds it to the experts' output before the block's
+own all-gather, which so carries every row's whole residual stream (the next layer adds zero).
+Per MoE layer: a reduce-scatter where vLLM all-reduces, the same number of collectives and half
+the attention's bytes.
+
 Everything runs on the device from device-resident tables with static shapes: no host
 synchronisation, capturable by torch.compile and CUDA graphs. A misprediction only means the
 token's experts sit elsewhere; vLLM's all2all (smoe's sparse manager by default on CPU) takes it
