@@ -125,6 +125,7 @@ def test_point_to_point_exchange_counters_equal_the_veth(tmp_path):
         res = wire_check(net, 256, str(tmp_path), tokens=48, steps=8, port=29000 + os.getpid() % 2000)
     finally:
         net.down()
-    assert abs(res["smoe-p2p"]["agreement"]["ratio"] - 1) < 0.03, res["smoe-p2p"]
+    for name in ("smoe-p2p", "smoe-p2p-slots"):  # sizes first, or riding in padded row slots
+        assert abs(res[name]["agreement"]["ratio"] - 1) < 0.03, res[name]
     assert res["smoe-gather"]["wire"]["payload"] > 1.2 * res["smoe-gather"]["counted_bytes"]
     assert res["smoe-p2p"]["wire"]["payload"] < res["vllm"]["wire"]["payload"]

@@ -77,7 +77,7 @@ def _a2a(out, inp, out_splits, in_splits):
     dist.all_to_all_single(out, inp, out_splits, in_splits)
 
 
-def _layer(rank, x, ids, predictor, exchange_kind, router, w13, w2, owner, exact=False):
+def _layer(rank, x, ids, predictor, exchange_kind, router, w13, w2, owner, exact=False, pad_bytes=1 << 30):
     T = x.shape[0]
     pref, conf = (dp.predict_random(ids, 0, WORLD) if predictor == "random" else
                   dp.predict_one_rank(ids) if predictor == "one-rank" else
@@ -90,9 +90,15 @@ def _layer(rank, x, ids, predictor, exchange_kind, router, w13, w2, owner, exact
     keep = owner == rank
     if exchange_kind in ("sparse", "p2p"):
         ex = SparseExchange(rank, WORLD, owner, _gather, _reduce_scatter, exact,
-                            all_to_all=_a2a if exchange_kind == "p2p" else None)
+                            all_to_all=_a2a if exchange_kind == "p2p" else None, pad_bytes=pad_bytes)
         hs, ws, ids_ = ex.dispatch(chunk, w, top)
         out = ex.combine(_experts(hs, ws, ids_, w13, w2, keep))
+        if exchange_kind == "p2p":  # the counters say what crossed: row slots when padded, else the pairs
+            pairs = int(ex.stats[1])
+            W = H + 2 * K  # 4-byte words of a row with its ids and weights
+            padded = (WORLD - 1) * c * (W + 1) * 4 + pairs * H * 4
+            if int(ex.stats[2]) != (padded if c * (W + 1) * 4 <= pad_bytes else pairs * (2 * H * 4 + 8 * K)):
+                raise AssertionError(f"p2p bytes {int(ex.stats[2])} with {pairs} pairs, c={c}, pad={pad_bytes}")
     else:  # vLLM's allgather-reducescatter with equal chunks: static shapes end to end
         hs, ws, ids_ = _gather(chunk), _gather(w), _gather(top)
         full = _experts(hs, ws, ids_, w13, w2, keep)
@@ -177,14 +183,16 @@ def _worker(rank, port, results):
                 got = _layer(rank, x, ids, predictor, "sparse", router, w13, w2, owner, exact)
                 if not torch.allclose(got, want, atol=1e-5):
                     failures.append(f"sparse T={T} {predictor} exact={exact}: {(got - want).abs().max():.2e}")
-            got = _layer(rank, x, ids, predictor, "p2p", router, w13, w2, owner)
-            if not torch.allclose(got, want, atol=1e-5):
-                failures.append(f"p2p T={T} {predictor}: {(got - want).abs().max():.2e}")
-            # every expert on rank 0: ranks 1-3 receive nothing, rank 0 sends nothing
-            for kind in ("sparse", "p2p"):
-                got = _layer(rank, x, ids, predictor, kind, router, w13, w2, torch.zeros(E, dtype=torch.long))
+            for pad in (0, 1 << 30):  # sizes first (three all-to-alls), or riding in padded slots (two)
+                got = _layer(rank, x, ids, predictor, "p2p", router, w13, w2, owner, pad_bytes=pad)
                 if not torch.allclose(got, want, atol=1e-5):
-                    failures.append(f"{kind} T={T} {predictor} all-on-0: {(got - want).abs().max():.2e}")
+                    failures.append(f"p2p T={T} {predictor} pad={pad}: {(got - want).abs().max():.2e}")
+            # every expert on rank 0: ranks 1-3 receive nothing, rank 0 sends nothing
+            for kind, pad in (("sparse", 0), ("p2p", 0), ("p2p", 1 << 30)):
+                got = _layer(rank, x, ids, predictor, kind, router, w13, w2, torch.zeros(E, dtype=torch.long),
+                             pad_bytes=pad)
+                if not torch.allclose(got, want, atol=1e-5):
+                    failures.append(f"{kind} T={T} {predictor} pad={pad} all-on-0: {(got - want).abs().max():.2e}")
             with _NoHostSync():
                 got = _layer(rank, x, ids, predictor, "agrs", router, w13, w2, owner)
             if not torch.allclose(got, want, atol=1e-5):

@@ -15,7 +15,11 @@ Transport: each rank packs its outgoing rows once (a destination bit mask per ro
 group's ``all_gather`` carries them (vLLM's shared-memory transport on one CPU node); a receiver
 keeps the rows whose mask names it. The byte counters count what a point-to-point transport
 carries: one row per (token, remote rank) pair. Both gathers have static sizes; the receiving
-side selects its rows with ``nonzero`` (CPU tensors here); see the README for GPUs.
+side selects its rows with ``nonzero`` (CPU tensors here); see the README for GPUs. Across nodes
+(gloo) rows go point to point (``all_to_all_single``), each pair once to its rank; a small step's
+rows travel in fixed slots per peer with their sizes in the same message (two all-to-alls a
+layer), a large one's after a round trip for the sizes (three), and the counters then count
+what that transport carries, its slots' padding included.
 """
 
 from __future__ import annotations
@@ -60,6 +64,13 @@ def p2p_reduce_scatter(x: torch.Tensor, world_size: int, group=None) -> torch.Te
     return parts.view(world_size, x.shape[0] // world_size, *x.shape[1:]).sum(dim=0)
 
 
+# the most bytes one peer's row slots may take for a step's sizes to travel with its rows (no
+# round trip for them): a decode-sized step, where the round trip costs more than the slots'
+# padding on any link from the emulated ones (~130 Mbit/s at a few ms a collective) to
+# NVLink/IB (µs latencies, where this much takes a few µs)
+PAD_BYTES = 64 << 10
+
+
 def owner_of(num_experts: int, world_size: int) -> torch.Tensor:
     """[E] int64 rank holding each physical expert under vLLM's linear split (E / N per rank)."""
     if num_experts % world_size:
@@ -94,12 +105,17 @@ class SparseExchange:
     collective and a host read; worth it where bytes cost time, e.g. over a network).
     all_to_all: ``(out, inp, out_splits, in_splits) -> None`` as ``all_to_all_single`` (splits
     lists of rows per rank, or None for equal splits): when given, the point-to-point transport
-    replaces the gather and reduce-scatter (see the module docstring)."""
+    replaces the gather and reduce-scatter (see the module docstring). Its rows' sizes travel
+    without a round trip of their own where a step is small: when ``m`` rows per peer take at
+    most ``pad_bytes``, each peer gets exactly ``m`` row slots with a flag word marking the rows
+    that are real (two all-to-alls per layer, the padding counted in ``stats``); larger steps
+    first exchange their counts (three, nothing padded)."""
 
     def __init__(self, rank: int, world_size: int, owner: torch.Tensor, gather: Callable[[torch.Tensor], torch.Tensor],
                  reduce_scatter: Callable[[torch.Tensor], torch.Tensor], exact: bool = False,
-                 all_to_all: Callable | None = None):
+                 all_to_all: Callable | None = None, pad_bytes: int = PAD_BYTES):
         assert world_size <= 31, "destination masks are int32 bit sets"
+        self.pad_bytes = pad_bytes
         self.exact = exact
         self.all_to_all = all_to_all
         self.rank, self.world_size, self.owner = rank, world_size, owner
@@ -123,10 +139,11 @@ class SparseExchange:
             self.owner = self.owner.to(dev)
             self.stats = self.stats.to(dev)
         bits = destinations(topk_ids, self.owner, me, N)
+        pairs = None
         if served is not False:
-            self._count(bits, topk_ids, served, H * hidden_states.element_size())
+            pairs = self._count(bits, topk_ids, served, H * hidden_states.element_size())
         if self.all_to_all is not None:
-            return self._dispatch_p2p(hidden_states, topk_weights, topk_ids, bits)
+            return self._dispatch_p2p(hidden_states, topk_weights, topk_ids, bits, m, pairs)
         out_rows = torch.nonzero(bits, as_tuple=True)[0]  # rows leaving this rank, once each
         if self.exact:  # size both collectives by the most rows any rank sends, not by the chunk
             m = max(1, int(self.gather(out_rows.new_tensor([[out_rows.shape[0]]])).max()))
@@ -149,30 +166,48 @@ class SparseExchange:
         return (torch.cat([hidden_states, recv_h]), torch.cat([topk_weights, recv_w]),
                 torch.cat([topk_ids, recv_i]))
 
-    def _count(self, bits: torch.Tensor, topk_ids: torch.Tensor, served, row: int) -> None:
-        """Add a step's served rows to ``stats`` (on the device; ``row``: bytes of one hidden row)."""
+    def _count(self, bits: torch.Tensor, topk_ids: torch.Tensor, served, row: int) -> torch.Tensor:
+        """Add a step's served rows to ``stats`` (on the device; ``row``: bytes of one hidden row).
+        Returns the step's served (token, remote rank) pairs (a device scalar)."""
         N, K, t = self.world_size, topk_ids.shape[1], topk_ids.shape[0]
         per_row = sum((bits >> q) & 1 for q in range(N))  # [t] remote ranks each row visits
         local = (self.owner[topk_ids.long()] == self.rank).sum(dim=1)  # [t] activations served here
         w = per_row.new_ones(t) if served is True else served.to(per_row.dtype)
         pairs = (per_row * w).sum()
         self.stats += torch.stack([w.sum(), pairs, pairs * (2 * row + 8 * K), (local * w).sum(), w.sum() * K])
+        return pairs
 
-    def _dispatch_p2p(self, hidden_states, topk_weights, topk_ids, bits):
-        """:meth:`dispatch` over ``all_to_all``: each (token, remote rank) pair once, to that rank."""
+    def _dispatch_p2p(self, hidden_states, topk_weights, topk_ids, bits, m: int, pairs):
+        """:meth:`dispatch` over ``all_to_all``: each (token, remote rank) pair once, to that rank.
+        m: the most rows any rank holds (row slots per peer when padded); pairs: the served pairs
+        :meth:`_count` counted (None: nothing counted), to which padding's bytes are added."""
         N, (t, K), H = self.world_size, topk_ids.shape, hidden_states.shape[1]
         peers = torch.arange(N, device=bits.device)
         to_rank, rows = torch.nonzero(((bits[None, :] >> peers[:, None]) & 1).bool(), as_tuple=True)  # rank, row
         send_counts = torch.bincount(to_rank, minlength=N)
-        recv_counts = torch.empty_like(send_counts)
-        self.all_to_all(recv_counts, send_counts, None, None)
-        sc, rc = send_counts.tolist(), recv_counts.tolist()  # the splits: one host read per layer
         row = H * hidden_states.element_size()
         words = hidden_states.contiguous().view(torch.uint8).view(t, row).view(torch.float32)
         Hw = words.shape[1]
         packed = torch.cat([words, topk_ids.to(torch.int32).view(torch.float32), topk_weights.float()], dim=1)
-        recv = packed.new_empty((sum(rc), packed.shape[1]))
-        self.all_to_all(recv, packed.index_select(0, rows), rc, sc)
+        W = packed.shape[1]
+        if m * (W + 1) * 4 <= self.pad_bytes:  # sizes ride along: m slots per peer, a flag word each
+            slot = torch.arange(rows.shape[0], device=rows.device) - (torch.cumsum(send_counts, 0) - send_counts)[to_rank]
+            send = packed.new_zeros((N, m, W + 1))
+            send[to_rank, slot, :W] = packed.index_select(0, rows)
+            send[to_rank, slot, W] = 1.0
+            got = torch.empty_like(send)
+            self.all_to_all(got.view(N * m, W + 1), send.view(N * m, W + 1), None, None)
+            valid = got[:, :, W] != 0  # [N, m]: source rank, slot
+            recv = got[valid][:, :W]  # source rank order, then the source's row order
+            sc, rc = send_counts.tolist(), valid.sum(dim=1).tolist()  # this rank's own: no round trip
+            if pairs is not None:  # what the wire carries beyond the served rows (slots, flags, pad rows)
+                self.stats[2] += (N - 1) * m * (W + 1) * 4 - pairs * (row + 8 * K)
+        else:
+            recv_counts = torch.empty_like(send_counts)
+            self.all_to_all(recv_counts, send_counts, None, None)
+            sc, rc = send_counts.tolist(), recv_counts.tolist()  # the splits: one host read per layer
+            recv = packed.new_empty((sum(rc), W))
+            self.all_to_all(recv, packed.index_select(0, rows), rc, sc)
         r = recv.shape[0]
         recv_h = recv[:, :Hw].contiguous().view(torch.uint8).view(r, row).view(hidden_states.dtype).view(r, H)
         recv_i = recv[:, Hw: Hw + K].contiguous().view(torch.int32).to(topk_ids.dtype)

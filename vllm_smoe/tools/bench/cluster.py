@@ -332,8 +332,10 @@ print(json.dumps({{"rtt_s": sorted(rtt)[10], "bulk_bytes": n, "bulk_s": s}}))
 
 # smoe's sparse exchange over the shared-memory transport's gather (as it would run over a
 # network before the point-to-point one), over its point-to-point transport, and vLLM's
-# allgather-reducescatter
-PIPELINES = ("smoe-gather", "smoe-p2p", "vllm")
+# allgather-reducescatter; smoe-p2p sends its sizes first (three all-to-alls), smoe-p2p-slots
+# pads every peer's rows to the step's row count with the sizes riding along (two), as served
+# steps do up to sparse_a2a.PAD_BYTES
+PIPELINES = ("smoe-gather", "smoe-p2p", "smoe-p2p-slots", "vllm")
 
 def _wire_worker(rank: int, spec_path: str) -> int:
     """One gloo rank per namespace: the MoE layer's exchange alone on the veth, smoe's sparse one
@@ -379,7 +381,8 @@ def _wire_worker(rank: int, spec_path: str) -> int:
             x, w = torch.randn(len(rows), H, generator=g), torch.full((len(rows), K), 1.0 / K)
             if name != "vllm":
                 ex = SparseExchange(rank, N, owner, gather, reduce_scatter, exact=True,
-                                    all_to_all=all_to_all if name == "smoe-p2p" else None)
+                                    all_to_all=all_to_all if name.startswith("smoe-p2p") else None,
+                                    pad_bytes=1 << 40 if name == "smoe-p2p-slots" else 0)
                 h, ww, ii = ex.dispatch(x, w, ids)
                 ex.combine(h * (ww * (owner[ii] == rank)).sum(1, keepdim=True))
                 counted += int(ex.stats[2])
