@@ -166,8 +166,9 @@ def advice(vllm_config, cfg, device_type: str) -> list[str]:
                        "rank whatever the order, so the order adds work and saves no bytes; drop all2all: vllm "
                        "(smoe's sparse exchange) or serve mode place")
         if tp == 2:
-            out.append("mode speculate at 2 ranks: a sequence-parallel order cannot carry fewer bytes than plain TP's "
-                       "two all-reduces (measured across two emulated nodes: 1.11x plain TP's wire bytes); what pays at "
+            out.append("mode speculate at 2 ranks: it makes more collectives per layer than plain TP's two "
+                       "all-reduces, and at 2 ranks bytes save little (measured across two emulated nodes with the "
+                       "shuffled reduce-scatter: 0.90x plain TP's wire bytes, 1.2-1.4x its TPOT); what pays at "
                        "this size is attention DP + EP with a DP placement and request routing (smoe-place build "
                        "--mode dp, --data-parallel-size, 0.52-0.55x vLLM DP+EP's bytes) or mode place")
         elif one_node:
