@@ -23,21 +23,22 @@ def test_speculate_settings_are_validated():
                        ({"mode": "speculate", "placement": EP2, "capacity": 1.1}, "unknown field"),
                        ({"all2all": "deepep"}, "field 'all2all'"),
                        ({"placement": EP2, "predictor": "random"}, "only apply to mode 'speculate'"),
-                       ({"placement": EP2, "reduce_scatter": False}, "only apply to mode 'speculate'"),
-                       ({"mode": "speculate", "placement": EP2, "reduce_scatter": "off"},
-                        "field 'reduce_scatter' must be true or false, got 'off'")]:
+                       ({"placement": EP2, "reduce_scatter": "on"}, "only apply to mode 'speculate'"),
+                       ({"mode": "speculate", "placement": EP2, "reduce_scatter": False},
+                        "field 'reduce_scatter' must be one of auto, on, off, got False")]:
         with pytest.raises(ValueError, match=words):
             SmoeConfig.from_dict(bad)
-    off = SmoeConfig.from_dict({"mode": "speculate", "placement": EP2, "reduce_scatter": False})
-    assert not off.reduce_scatter and SmoeConfig.from_dict(off.to_dict()) == off and ok.reduce_scatter
+    off = SmoeConfig.from_dict({"mode": "speculate", "placement": EP2, "reduce_scatter": "off"})
+    assert off.reduce_scatter == "off" and SmoeConfig.from_dict(off.to_dict()) == off
+    assert ok.reduce_scatter == "auto"
     import argparse
 
     from vllm_smoe.serving.plugin import _add_flags, _smoe_from_args
 
     p = argparse.ArgumentParser()
     _add_flags(p)
-    assert _smoe_from_args(p.parse_args(["--plugin", "smoe", "--smoe-reduce-scatter", "off"])) == {
-        "reduce_scatter": False}
+    assert _smoe_from_args(p.parse_args(["--plugin", "smoe", "--smoe-reduce-scatter", "on"])) == {
+        "reduce_scatter": "on"}
 
 
 def test_bench_serve_combines_every_ranks_speculate_line():

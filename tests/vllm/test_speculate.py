@@ -54,7 +54,8 @@ def learned_ep2(tmp_path_factory):
 # Logprob tolerance: with expert parallelism each expert runs whole on one rank, plain TP=2 splits
 # its intermediate dimension over two ranks and all-reduces, so fp32 sums differ in order (~1e-6).
 ATOL = 1e-4
-SPEC = {"mode": "speculate", "placement": EP2, "log_interval": 0.2}
+# reduce_scatter on: the shuffled reduce-scatter on one node too (auto takes it only across nodes)
+SPEC = {"mode": "speculate", "placement": EP2, "log_interval": 0.2, "reduce_scatter": "on"}
 
 
 @pytest.mark.parametrize("smoe,compiled,says", [

@@ -22,7 +22,8 @@ _KEYS = ("mode", "placement", "placement_dirs", "record", "log_interval", "recor
          "metrics_dir", "drift_threshold", "record_sample", "record_max_mb", "metrics", "reduce_scatter")
 PREDICTORS = ("tables", "tables-markov", "learned", "router", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.serving.token_order)
 TABLE_PREDICTORS = ("tables", "tables-markov", "learned")  # those that read the placement's tables file
-ALL2ALL = ("sparse", "vllm")  # smoe's sparse de-duplicated manager, or vLLM's own choice
+ALL2ALL = ("sparse", "vllm")
+REDUCE_SCATTER = ("auto", "on", "off")  # speculate's shuffled reduce-scatter (SmoeConfig.reduce_scatter)  # smoe's sparse de-duplicated manager, or vLLM's own choice
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,9 @@ class SmoeConfig:
     sparse all2all's own counters keep counting). reduce_scatter: speculate, where the decoder
     layer's seams allow it (:func:`vllm_smoe.serving.token_order.shuffle_seams`): the attention
     output's all-reduce becomes a reduce-scatter of its rows already in the token order (s-MoE's
-    shuffled reduce-scatter, half the attention's bytes); False keeps vLLM's all-reduce."""
+    shuffled reduce-scatter, half the attention's bytes over a network): ``auto`` where the
+    tensor-parallel group spans nodes (within one, shared memory and NVLink's one-shot
+    all-reduces cost no less), ``on`` wherever the seams allow, ``off`` never."""
 
     mode: str = "place"
     placement: str | None = None
@@ -68,7 +71,7 @@ class SmoeConfig:
     record_sample: float = 1.0
     record_max_mb: float | None = None
     metrics: bool = True
-    reduce_scatter: bool = True
+    reduce_scatter: str = "auto"
 
     @property
     def needs_loader(self) -> bool:
@@ -137,9 +140,10 @@ class SmoeConfig:
         metrics = d.get("metrics", True)
         if not isinstance(metrics, bool):
             raise ValueError(f"{where}: field 'metrics' must be true or false, got {metrics!r}")
-        reduce_scatter = d.get("reduce_scatter", True)
-        if not isinstance(reduce_scatter, bool):
-            raise ValueError(f"{where}: field 'reduce_scatter' must be true or false, got {reduce_scatter!r}")
+        reduce_scatter = d.get("reduce_scatter", "auto")
+        if reduce_scatter not in REDUCE_SCATTER:
+            raise ValueError(f"{where}: field 'reduce_scatter' must be one of {', '.join(REDUCE_SCATTER)}, got "
+                             f"{reduce_scatter!r}")
         metrics_dir = d.get("metrics_dir")
         if metrics_dir is not None and (not isinstance(metrics_dir, str) or not metrics_dir):
             raise ValueError(f"{where}: field 'metrics_dir' must be a path, got {metrics_dir!r}")

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import os
 
-from .config import ALL2ALL, MODES, PREDICTORS
+from .config import ALL2ALL, MODES, PREDICTORS, REDUCE_SCATTER
 
 logger = logging.getLogger("vllm.smoe")  # under vLLM's logger: same handlers and level
 
@@ -70,10 +70,11 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--smoe-predictor", choices=PREDICTORS, default=None,
                    help="speculate: token -> rank predictor (default tables: the placement's trained tables; "
                         "learned: the small network smoe-place build --learned trains)")
-    g.add_argument("--smoe-reduce-scatter", choices=["on", "off"], default=None,
+    g.add_argument("--smoe-reduce-scatter", choices=REDUCE_SCATTER, default=None,
                    help="speculate: reduce-scatter the attention output's rows already in the token order where "
-                        "the decoder layer allows it (default on: half the bytes of vLLM's all-reduce there), or "
-                        "keep vLLM's all-reduce (off)")
+                        "the decoder layer allows it, half the bytes of vLLM's all-reduce over a network (default "
+                        "auto: where the tensor-parallel group spans nodes; on: wherever allowed; off: vLLM's "
+                        "all-reduce)")
     g.add_argument("--smoe-all2all", choices=ALL2ALL, default=None,
                    help="expert-parallel all2all on vLLM's CPU build: smoe's sparse de-duplicated one (default "
                         "there) or vLLM's allgather-reducescatter. On CUDA the transport is vLLM's --all2all-backend "
@@ -87,7 +88,7 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
 
 def _smoe_from_args(args: argparse.Namespace) -> dict | None:
     given = {key: getattr(args, dest) for dest, key in _FLAGS.items() if getattr(args, dest, None) is not None}
-    for key in ("dp_routing", "metrics", "reduce_scatter"):
+    for key in ("dp_routing", "metrics"):
         if key in given:
             given[key] = given[key] == "on"
     if "placement_dirs" in given:

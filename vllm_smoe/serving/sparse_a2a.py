@@ -200,8 +200,9 @@ class SparseExchange:
             valid = got[:, :, W] != 0  # [N, m]: source rank, slot
             recv = got[valid][:, :W]  # source rank order, then the source's row order
             sc, rc = send_counts.tolist(), valid.sum(dim=1).tolist()  # this rank's own: no round trip
-            if pairs is not None:  # what the wire carries beyond the served rows (slots, flags, pad rows)
-                self.stats[2] += (N - 1) * m * (W + 1) * 4 - pairs * (row + 8 * K)
+            if pairs is not None:  # what the wire carries beyond the served rows: slots, flags, and
+                # the partial rows that come back for pad rows' pairs
+                self.stats[2] += (N - 1) * m * (W + 1) * 4 - pairs * (row + 8 * K) + (rows.shape[0] - pairs) * row
         else:
             recv_counts = torch.empty_like(send_counts)
             self.all_to_all(recv_counts, send_counts, None, None)

@@ -173,6 +173,20 @@ def shuffle_seams(model: torch.nn.Module, moe_layers: tuple[int, ...], experts: 
     return seams, ""
 
 
+def tp_spans_nodes(tp) -> bool:
+    """Does the tensor-parallel group ``tp`` (vLLM's GroupCoordinator) cross a network? On vLLM's
+    CPU build: its communicator is not on shared memory; elsewhere: a rank is on another node
+    (vLLM's ``in_the_same_node_as``, a collective on the group's CPU side, once at start)."""
+    comm = tp.device_communicator
+    if hasattr(comm, "dist_module"):  # CpuCommunicator: shared memory within a node, else gloo
+        from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+        return not isinstance(comm.dist_module, _CPUSHMDistributed)
+    from vllm.distributed.parallel_state import in_the_same_node_as
+
+    return not all(in_the_same_node_as(tp.cpu_group, source_rank=0))
+
+
 def route_ahead(gate: torch.nn.Module, router, x: torch.Tensor, held: torch.Tensor,
                 input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Predictor router: vLLM's own gate and routing step on a block's rows, which every rank
@@ -289,10 +303,17 @@ class TokenOrder:
         # reduce-scatter straight into the token order, and the residual added to this rank's
         # chunk travels in the MoE block's own all-gather; the predictor router needs the whole
         # reduced rows (it runs the gate on them), so it keeps vLLM's all-reduce
-        self.shuffled, why = [], "off (reduce_scatter: false)"
-        if cfg.reduce_scatter and self.N > 1 and not self.stack:
+        self.shuffled, why = [], "reduce_scatter: off"
+        if cfg.reduce_scatter != "off" and self.N > 1 and not self.stack:
             if cfg.predictor == "router":
                 why = "predictor 'router' runs the gate on every reduced row"
+            elif getattr(vllm_config, "lora_config", None) is not None:
+                # vLLM wraps o_proj for LoRA after the load: the wrapper would skip both the
+                # all-reduce (it reads reduce_results) and smoe's hook on the module it wraps
+                why = "LoRA wraps the attention's o_proj after the load"
+            elif cfg.reduce_scatter == "auto" and not tp_spans_nodes(self.tp):
+                why = ("reduce_scatter: auto, and the tensor-parallel group is on one node, where vLLM's all-reduce "
+                       "costs no more")
             else:
                 self.shuffled, why = shuffle_seams(model, plan.moe_layers, experts, self.N)
         self.shuffle_reason = why if not self.shuffled else ""
@@ -784,7 +805,7 @@ def keep_chunk_residual(x: torch.Tensor, residual: torch.Tensor, perm: torch.Ten
     start, stop = chunk_rows(T, rank, N)
     src = perm[start:stop]
     kept[: -(-T // N)].zero_()
-    torch.index_select(residual, 0, src, out=kept[: stop - start])
+    kept[: stop - start].copy_(residual.index_select(0, src))
     out = torch.zeros_like(x)
     out.index_copy_(0, src, x.index_select(0, src))
     return out, torch.zeros_like(residual)
