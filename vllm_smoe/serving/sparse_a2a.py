@@ -190,6 +190,7 @@ class SparseExchange:
         Hw = words.shape[1]
         packed = torch.cat([words, topk_ids.to(torch.int32).view(torch.float32), topk_weights.float()], dim=1)
         W = packed.shape[1]
+        sc = send_counts.tolist()  # the splits, read on the host once per layer (the CPU network path only)
         if m * (W + 1) * 4 <= self.pad_bytes:  # sizes ride along: m slots per peer, a flag word each
             slot = torch.arange(rows.shape[0], device=rows.device) - (torch.cumsum(send_counts, 0) - send_counts)[to_rank]
             send = packed.new_zeros((N, m, W + 1))
@@ -199,14 +200,14 @@ class SparseExchange:
             self.all_to_all(got.view(N * m, W + 1), send.view(N * m, W + 1), None, None)
             valid = got[:, :, W] != 0  # [N, m]: source rank, slot
             recv = got[valid][:, :W]  # source rank order, then the source's row order
-            sc, rc = send_counts.tolist(), valid.sum(dim=1).tolist()  # this rank's own: no round trip
+            rc = valid.sum(dim=1).tolist()  # read from this rank's own rows: no round trip
             if pairs is not None:  # what the wire carries beyond the served rows: slots, flags, and
                 # the partial rows that come back for pad rows' pairs
                 self.stats[2] += (N - 1) * m * (W + 1) * 4 - pairs * (row + 8 * K) + (rows.shape[0] - pairs) * row
         else:
             recv_counts = torch.empty_like(send_counts)
             self.all_to_all(recv_counts, send_counts, None, None)
-            sc, rc = send_counts.tolist(), recv_counts.tolist()  # the splits: one host read per layer
+            rc = recv_counts.tolist()
             recv = packed.new_empty((sum(rc), W))
             self.all_to_all(recv, packed.index_select(0, rows), rc, sc)
         r = recv.shape[0]
