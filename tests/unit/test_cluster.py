@@ -129,3 +129,23 @@ def test_point_to_point_exchange_counters_equal_the_veth(tmp_path):
         assert abs(res[name]["agreement"]["ratio"] - 1) < 0.03, res[name]
     assert res["smoe-gather"]["wire"]["payload"] > 1.2 * res["smoe-gather"]["counted_bytes"]
     assert res["smoe-p2p"]["wire"]["payload"] < res["vllm"]["wire"]["payload"]
+
+
+def test_collectives_read_from_metrics_per_served_step():
+    from vllm_smoe.tools.bench.cluster import collective_counts, collectives_per_step, collectives_table
+
+    def text(ar, a2a, steps):
+        return "\n".join([
+            "# TYPE smoe:collectives_total counter",
+            f'smoe:collectives_total{{group="tp",kind="all_reduce",rank="0"}} {ar}',
+            f'smoe:collectives_total{{group="tp",kind="all_reduce",rank="1"}} {ar}',
+            f'smoe:collectives_total{{group="ep",kind="all_to_all",rank="1"}} {a2a}',
+            f'smoe:collective_steps_total{{rank="0"}} {steps}', f'smoe:collective_steps_total{{rank="1"}} {steps}',
+            'smoe:collectives_created{group="tp",kind="all_reduce",rank="0"} 1.7e9', ""])
+    before, after = collective_counts(text(10, 4, 5)), collective_counts(text(10 + 9 * 3, 4 + 8 * 3, 5 + 3))
+    assert before == ({"tp all_reduce": 20.0, "ep all_to_all": 4.0}, 10.0)
+    per = collectives_per_step(before, after)  # two ranks, three steps each
+    assert per == {"ep all_to_all": 4.0, "tp all_reduce": 9.0}
+    assert collectives_per_step(after, after) is None and collective_counts("") == ({}, 0.0)
+    lines = collectives_table({"tp": {"collectives_per_step": per}, "x": {"error": "e"}}, 4)
+    assert lines[-1] == "| tp | 13.0 | 3.25 | ep all_to_all 4.00, tp all_reduce 9.00 |"

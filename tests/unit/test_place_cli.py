@@ -63,6 +63,10 @@ def test_evaluate_compare_all_beats_plain_ep(built, tmp_path):
     assert res["bytes+pred"]["remote_unique_per_token"] <= res["coclust+pred"]["remote_unique_per_token"]
     assert res["bytes+pred"]["expert_load"] < 1.2
     assert ours["token_load"] <= 1.11  # cap is ceil(512 / 4 * 1.10) = 141 of 128 tokens = 1.1016
+    # the printed recommendation is in the JSON too: exactly one served form, with its reason
+    chosen = [k for k, m in res.items() if m.get("recommended")]
+    assert len(chosen) == 1 and (chosen[0].startswith("placement") or chosen[0].endswith("+pred")), chosen
+    assert res[chosen[0]]["recommended_why"] and "recommended" not in res["linear"]
 
 
 def test_report_draws_pngs_and_html(built, tmp_path):

@@ -86,7 +86,26 @@ def _bad_yaml(tmp_path, kind):
     return str(p), want
 
 
-@pytest.mark.parametrize("kind", ["missing", "malformed", "version", "experts", "twice", "rank", "fingerprint"])
+KINDS = ["missing", "malformed", "version", "experts", "twice", "rank", "fingerprint"]
+
+
+def test_bad_placement_is_refused_by_the_engine_config(tmp_path):
+    """Every kind of bad file, through the hook `vllm serve` runs on vLLM's engine config (one
+    process for all of them): a ValueError naming the file and the field, before any engine."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    for kind in KINDS:
+        (tmp_path / kind).mkdir()
+        path, words = _bad_yaml(tmp_path / kind, kind)
+        ea = EngineArgs(model=FIXTURE_MODEL, dtype="float32", max_model_len=512, skip_tokenizer_init=True,
+                        additional_config={"smoe": {"placement": path}})
+        with pytest.raises(ValueError) as e:
+            ea.create_engine_config()
+        assert path in str(e.value) and words in str(e.value), (kind, str(e.value))
+
+
+# the command line's own exit (one line, code 2) for one file-level and one model-level refusal
+@pytest.mark.parametrize("kind", ["malformed", "twice"])
 def test_bad_placement_never_starts_serving(tmp_path, kind):
     path, words = _bad_yaml(tmp_path, kind)
     r = subprocess.run([VLLM, "serve", FIXTURE_MODEL, "--port", str(free_port()), *BASE, "--plugin", "smoe",

@@ -3,6 +3,7 @@ tokens identical to plain vLLM (fp32, 32 held-out prompts), logprobs within fp32
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -131,12 +132,15 @@ def test_router_order_is_more_local_than_every_prediction():
     ({"placement": EP2_R4}, True, "every rank routes every row"),  # TP=2 + EP without speculate's split rows
 ])
 def test_speculate_refuses_before_serving(smoe, ep, words):
+    """Refused on the engine config `LLM` and `vllm serve` build (in this process: no engine,
+    no worker starts)."""
     pytest.importorskip("vllm")
-    env = {**os.environ, "SMOE_TEST_TP": "2", "VLLM_CPU_OMP_THREADS_BIND": "0|1", "SMOE_TEST_EP": "1" if ep else "0"}
-    r = subprocess.run([sys.executable, HELPER, FIXTURE_MODEL, "[[1, 2, 3]]", "2", json.dumps({"smoe": smoe})],
-                       capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode != 0
-    assert words in r.stderr
+    from vllm.engine.arg_utils import EngineArgs
+
+    ea = EngineArgs(model=FIXTURE_MODEL, dtype="float32", max_model_len=512, skip_tokenizer_init=True,
+                    tensor_parallel_size=2, enable_expert_parallel=ep, additional_config={"smoe": smoe})
+    with pytest.raises(ValueError, match=re.escape(words)):
+        ea.create_engine_config()
 
 
 def _served_tokens(port: int, prompt: list[int], max_tokens: int = 8) -> list[int]:

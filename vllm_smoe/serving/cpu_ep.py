@@ -40,6 +40,8 @@ settings.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
 import os
@@ -118,9 +120,28 @@ def _unlink_own_segment(group_name: str, rank: int) -> None:
                        e.strerror)
 
 
+def _counted(kind: str):
+    """A communicator method whose calls count per served step (:mod:`.collectives`)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def method(self, *args, **kwargs):
+            with self.counted(kind):
+                return fn(self, *args, **kwargs)
+        return method
+    return wrap
+
+
 class SmoeCpuCommunicator(CpuCommunicator):
     """vLLM's CpuCommunicator plus ``all_gatherv`` / ``reduce_scatterv``, shared memory for
-    the EP group, and smoe's sparse all2all manager when asked for."""
+    the EP group, smoe's sparse all2all manager when asked for, and its collectives counted."""
+
+    counts = None  # CollectiveCounts of this process (set once the group is up)
+    group = ""  # vLLM's group name without its suffix: tp, ep, dp, ...
+    all_reduce = _counted("all_reduce")(CpuCommunicator.all_reduce)
+    gather = _counted("gather")(CpuCommunicator.gather)
+    broadcast = _counted("broadcast")(CpuCommunicator.broadcast)
+    send = _counted("send")(CpuCommunicator.send)
+    recv = _counted("recv")(CpuCommunicator.recv)
 
     def __init__(self, cpu_group, device=None, device_group=None, unique_name: str = "",
                  use_all2all: bool = False):
@@ -131,12 +152,22 @@ class SmoeCpuCommunicator(CpuCommunicator):
             self.dist_module = _CPUSHMDistributed(self)
             _unlink_own_segment(self.dist_module.group_name, self.rank)
         cfg = smoe_settings()
+        if cfg is not None:
+            from .collectives import counts, group_of
+
+            self.group = group_of(unique_name)
+            self.counts = counts(torch.distributed.get_rank(), cfg)
         if self.use_all2all and cfg is not None and cfg.all2all in (None, "sparse"):
             from .sparse_a2a import make_manager
 
             self.all2all_manager = make_manager(self.cpu_group, self)
             logger.info("smoe: sparse de-duplicated all2all manager on group %s", unique_name)
 
+    def counted(self, kind: str):
+        """Around one collective on this group (also smoe's exchange's all-to-alls)."""
+        return contextlib.nullcontext() if self.counts is None else self.counts.call(self.group, kind)
+
+    @_counted("all_gather")
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         # vLLM's shared-memory all-gather copies floating-point tensors only: carry 4- and 8-byte
         # integers bit for bit as float32 words
@@ -146,6 +177,7 @@ class SmoeCpuCommunicator(CpuCommunicator):
             return super().all_gather(words, dim).view(input_.dtype)
         return super().all_gather(input_, dim)
 
+    @_counted("all_gatherv")
     def all_gatherv(self, input_, dim: int = 0, sizes: list[int] | None = None):
         assert dim == 0, "smoe's all_gatherv gathers along dim 0"
         tensors = [input_] if isinstance(input_, torch.Tensor) else list(input_)
@@ -180,6 +212,7 @@ class SmoeCpuCommunicator(CpuCommunicator):
         g = self.all_gather(padded, 0)
         return torch.cat([g[r * m: r * m + s] for r, s in enumerate(sizes)])
 
+    @_counted("reduce_scatter")
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Equal chunks along ``dim``, summed over the group. vLLM's base runs gloo's
         ``reduce_scatter_tensor``, which moves an all-reduce's bytes and, within a node, never
@@ -201,6 +234,7 @@ class SmoeCpuCommunicator(CpuCommunicator):
             out = p2p_reduce_scatter(x, N, self.device_group)
         return out.movedim(0, dim).contiguous()
 
+    @_counted("reduce_scatterv")
     def reduce_scatterv(self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None
                         ) -> torch.Tensor:
         dim = dim % input_.dim()

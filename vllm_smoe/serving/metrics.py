@@ -13,9 +13,10 @@ environment (``SMOE_METRICS_DIR``, as vLLM hands over ``PROMETHEUS_MULTIPROC_DIR
 ``additional_config``, whose hash keys vLLM's compile caches.
 
 Sources: ``order`` (speculate's token order: per MoE layer, the rows each rank served),
-``a2a`` (smoe's sparse all2all: the rows that crossed, whatever orders the tokens) and
-``record`` (the recorder: tokens written and tokens lost, by reason). With several API servers
-(vLLM's default under DP) vLLM serves ``/metrics`` from a multiprocess registry of its own in
+``a2a`` (smoe's sparse all2all: the rows that crossed, whatever orders the tokens),
+``record`` (the recorder: tokens written and tokens lost, by reason) and ``collectives``
+(:mod:`.collectives`: each worker's collectives by group and kind, and its served steps).
+With several API servers (vLLM's default under DP) vLLM serves ``/metrics`` from a multiprocess registry of its own in
 each API server process, not the default one: :func:`multiprocess_registry` builds a registry
 of the same kind with smoe's collector, which smoe's endpoint plugin serves on ``/metrics``.
 """
@@ -136,6 +137,11 @@ def _valid(s: object) -> bool:
         return _counts([s.get(k) for k in A2A_FIELDS], len(A2A_FIELDS))
     if s.get("source") == "record":
         return _counts([s.get(k) for k in RECORD_FIELDS], len(RECORD_FIELDS))
+    if s.get("source") == "collectives":
+        rows = s.get("counts")
+        return (_counts([s.get("steps")], 1) and isinstance(rows, list)
+                and all(isinstance(r, list) and len(r) == 3 and all(isinstance(v, str) for v in r[:2])
+                        and _counts(r[2:], 1) for r in rows))
     return False
 
 
@@ -214,6 +220,18 @@ def families(snapshots: list[dict]):
                 lost.add_metric([str(s["rank"]), k], s[k])
         yield written
         yield lost
+    coll = [s for s in snapshots if s.get("source") == "collectives"]
+    if coll:
+        n = CounterMetricFamily("smoe:collectives", "collectives a worker's communicators issued in served steps "
+                                "(CPU build), by group and kind", labels=["rank", "group", "kind"])
+        steps = CounterMetricFamily("smoe:collective_steps", "served steps those collectives were counted in",
+                                    labels=["rank"])
+        for s in coll:
+            for g, k, v in s["counts"]:
+                n.add_metric([str(s["rank"]), g, k], v)
+            steps.add_metric([str(s["rank"])], s["steps"])
+        yield n
+        yield steps
     if a2a:
         names = {"tokens": ("smoe:a2a_tokens", "served tokens through the sparse all2all (rows x MoE layers)"),
                  "pairs": ("smoe:a2a_remote_pairs", "(token, remote rank) rows the sparse all2all sent"),

@@ -277,7 +277,8 @@ def make_manager(cpu_group, comm):
             group = comm.device_group
 
             def all_to_all(out, inp, out_splits, in_splits):
-                torch.distributed.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+                with comm.counted("all_to_all"):
+                    torch.distributed.all_to_all_single(out, inp, out_splits, in_splits, group=group)
             self.exchange = SparseExchange(comm.rank_in_group, comm.world_size, owner_of(slots, comm.world_size),
                                            lambda x: comm.all_gather(x.contiguous(), 0),
                                            lambda x: comm.reduce_scatterv(x, 0), exact=network,

@@ -493,6 +493,9 @@ def cmd_evaluate(a) -> int:
         i, why = recommend([results[k]["lar"] for k in served], [results[k]["remote_unique_per_token"] for k in served],
                            [results[k]["expert_load"] for k in served], cap)
         print(f"recommended: {served[i]}: {why}" if i >= 0 else f"recommended: none: {why}")
+        for n, k in enumerate(served):  # the same choice in the JSON, with its reason on every served form
+            results[k]["recommended"] = n == i
+            results[k]["recommended_why"] = why
     if a.json:
         out = {k: {m: v for m, v in r.items()} for k, r in results.items()}
         with open(a.json, "w") as f:

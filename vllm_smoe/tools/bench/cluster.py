@@ -169,6 +169,28 @@ def metric_sum(text: str, name: str) -> float | None:
     return sum(vals) if vals else None
 
 
+def collective_counts(text: str) -> tuple[dict[str, float], float]:
+    """smoe's collectives on ``/metrics``, summed over ranks: ({"group kind": count}, served
+    steps); ({}, 0) when the server publishes none (no smoe settings)."""
+    counts: dict[str, float] = {}
+    pat = re.compile(r'^smoe:collectives_total\{([^}]*)\}\s+([0-9.eE+-]+)\s*$', re.M)
+    for labels, v in pat.findall(text):
+        lab = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        key = f"{lab.get('group', '?')} {lab.get('kind', '?')}"
+        counts[key] = counts.get(key, 0.0) + float(v)
+    return counts, metric_sum(text, "smoe:collective_steps") or 0.0
+
+
+def collectives_per_step(before: tuple, after: tuple) -> dict[str, float] | None:
+    """Collectives per served step and rank between two readings of :func:`collective_counts`
+    (None without served steps between them)."""
+    steps = after[1] - before[1]
+    if steps <= 0:
+        return None
+    return {k: round((v - before[0].get(k, 0.0)) / steps, 3) for k, v in sorted(after[0].items())
+            if v - before[0].get(k, 0.0) > 0}
+
+
 # ----- host and link --------------------------------------------------------------------------
 
 def host_speed(seconds: float = 1.0) -> dict:
@@ -433,16 +455,17 @@ def wire_check(net: Net, hidden: int, work: str, tokens: int = 64, steps: int = 
 
 # ----- configurations ---------------------------------------------------------------------------
 
-def configurations(tp_placement: str, dp_placement: str, metrics_dir: str, mla: bool = False) -> dict:
+def configurations(tp_placement: str, dp_placement: str, metrics_dir: str) -> dict:
     """name -> {kind: tp|dp, smoe: whether smoe orders, routes or places anything, flags}.
-    vLLM's peers run as vLLM's docs run them across nodes; the CPU build needs smoe's CPU fixes
-    for expert parallelism (--plugin smoe with nothing placed or ordered, vLLM's all2all), and MLA
-    models need its rotary fix even for plain TP."""
+    vLLM's peers run as vLLM's docs run them across nodes; every one loads the plugin with smoe's
+    metrics (its communicator counts collectives per served step); the CPU build needs smoe's CPU
+    fixes for expert parallelism (nothing placed or ordered, vLLM's all2all), and MLA models its
+    rotary fix even for plain TP."""
     ep = ("--enable-expert-parallel", "--plugin", "smoe", "--smoe-log-interval", "0.5",
           "--additional-config", json.dumps({"smoe": {"metrics_dir": metrics_dir}}))
     # "counts": the configuration's all2all is smoe's sparse exchange, whose counters are read
     cfgs = {
-        "tp": {"kind": "tp", "smoe": False, "flags": ("--plugin", "smoe") if mla else ()},
+        "tp": {"kind": "tp", "smoe": False, "flags": ep[2:]},
         "tp-ep": {"kind": "tp", "smoe": False, "flags": ep + ("--smoe-all2all", "vllm")},
         "tp-ep-place": {"kind": "tp", "smoe": True, "flags": ep + ("--smoe-placement", tp_placement)},
         "tp-ep-speculate": {"kind": "tp", "smoe": True,
@@ -461,6 +484,7 @@ def configurations(tp_placement: str, dp_placement: str, metrics_dir: str, mla: 
     }
     for c in cfgs.values():
         c["counts"] = "--enable-expert-parallel" in c["flags"] and "vllm" not in c["flags"]
+        c["collectives"] = "--additional-config" in c["flags"]
     return cfgs
 
 
@@ -520,7 +544,9 @@ def run_phase(spec: dict, net_spec: dict, phase: dict, prompts: list) -> dict:
     net.shape(phase["link"])
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{spec['api']}/v1", api_key="smoe", timeout=900)
     model = spec["model"]
-    m0 = metric_sum(_scrape(spec["api"]), "smoe:a2a_bytes") if spec["counts"] else None
+    text0 = _scrape(spec["api"])
+    m0 = metric_sum(text0, "smoe:a2a_bytes") if spec["counts"] else None
+    k0 = collective_counts(text0) if spec.get("collectives") else None
     w0, s0 = net.stats(), net.sockets()
     t0 = time.perf_counter()
     if phase["arrivals"] == "poisson":
@@ -535,13 +561,17 @@ def run_phase(spec: dict, net_spec: dict, phase: dict, prompts: list) -> dict:
     w1 = net.stats()
     res = {**{k: v for k, v in phase.items() if k != "link"}, **latency_summary(outs, secs)}
     wire = wire_delta(w0, w1)
-    if m0 is not None:  # counters publish once per log interval: wait one, step once to flush
+    if m0 is not None or k0 is not None:  # counters publish once per log interval: wait one, step once to flush
         time.sleep(1.2)
         _one(c, model, prompts[0][:1], 1)
         time.sleep(1.2)
-        m1 = metric_sum(_scrape(spec["api"]), "smoe:a2a_bytes")
+        text1 = _scrape(spec["api"])
         wire = wire_delta(w0, net.stats())  # the flush request's own bytes on both sides
-        res["counter_bytes"] = m1 - m0
+        if m0 is not None:
+            res["counter_bytes"] = metric_sum(text1, "smoe:a2a_bytes") - m0
+        # per served step and rank, the flush step among them (a one-token decode step)
+        if k0 is not None:
+            res["collectives_per_step"] = collectives_per_step(k0, collective_counts(text1))
     tok = max(1, res["tokens"])
     res["wire"] = wire
     # who sent it: vLLM's workers (collectives on gloo), its engine and API processes (scheduler
@@ -634,7 +664,7 @@ def run_config(net: Net, name: str, cfg: dict, idx: int, work: str, a, phases: l
                                              start_new_session=True, env=env, cwd=work))
             logs.insert(0, log)
         spec = {"api": api, "model": a.model, "timeout": a.timeout, "prompts": prompts, "phases": phases,
-                "counts": cfg["counts"],
+                "counts": cfg["counts"], "collectives": cfg["collectives"],
                 "net": {"ns": net.ns, "dev": net.dev}, "out": os.path.join(work, f"{idx:02d}-{name}-client.json")}
         with open(spec["out"] + ".spec", "w") as f:
             json.dump(spec, f)
@@ -714,6 +744,7 @@ def summarise(results: dict, slo_scale: float) -> dict:
                           "counter_bytes_per_token": head["counter_bytes_per_token"],
                           "counters_vs_wire": head["counters_vs_wire"],
                           "greedy_equal_tp": None if ref is None or not r.get("greedy") else r["greedy"] == ref,
+                          "collectives_per_step": head.get("collectives_per_step"),
                           "phases": {p["name"]: {k: p.get(k) for k in ("tpot_ms", "ttft_ms", "p90_itl_ms", "tok_s",
                                                                        "failed", "wire_bytes_per_token",
                                                                        "counter_bytes_per_token")}
@@ -765,9 +796,7 @@ def run(a) -> int:
         tp_pl, dp_pl = (out, dp_pl) if mode == "tp" else (tp_pl, out)
     metrics_dir = os.path.join(work, "metrics")
     os.makedirs(metrics_dir, exist_ok=True)
-    from .common import is_mla
-
-    all_cfgs = configurations(tp_pl, dp_pl, metrics_dir, mla=is_mla(a.model))
+    all_cfgs = configurations(tp_pl, dp_pl, metrics_dir)
     names = [c for c in a.configs.split(",") if c]
     if bad := [c for c in names if c not in all_cfgs]:
         raise ValueError(f"--configs: unknown {bad}; choose from {', '.join(all_cfgs)}")
@@ -833,7 +862,8 @@ def run(a) -> int:
     summary = summarise(results, a.slo_scale)
     _print(summary)
     payload = {"date": datetime.datetime.now().astimezone().isoformat(), "uname": " ".join(os.uname()),
-               "model": a.model, "placements": {"tp": tp_pl, "dp": dp_pl}, "host": host, **meta,
+               "model": a.model, "moe_layers": _moe_layers(a.model), "placements": {"tp": tp_pl, "dp": dp_pl},
+               "host": host, **meta,
                "targets": {t: TARGETS.get(t) for t in a.target},
                "args": {k: v for k, v in vars(a).items() if k != "fn"},
                "configs": {n: {k: list(v) if k == "flags" else v for k, v in all_cfgs[n].items()} for n in names},
@@ -910,7 +940,37 @@ def markdown(payload: dict) -> str:
         if bound:
             lines.append(f"\nSLO: p90 TBT <= {bound:.0f} ms (the best single-stream p90 TBT x the run's --slo-scale); "
                          f"ladder {payload['args'].get('rates')} req/s")
+        lines += collectives_table(rows, payload.get("moe_layers"))
     return "\n".join(lines)
+
+
+def collectives_table(rows: dict, moe_layers: int | None) -> list[str]:
+    """Markdown lines: each configuration's collectives per served step and rank (decode mix at
+    concurrency 8), by group and kind, counted by smoe's communicator; per MoE layer too, which
+    includes each step's own few (the embedding's all-reduce, the logits' gather)."""
+    counted = {n: r["collectives_per_step"] for n, r in rows.items() if r.get("collectives_per_step")}
+    if not counted:
+        return []
+    L = moe_layers or 0
+    out = ["", f"collectives per served step and rank, counted (decode mix at concurrency 8"
+               f"{f'; {L} MoE layers' if L else ''}):", "",
+           "| config | per step | per MoE layer | by group and kind (per step) |", "|---|---|---|---|"]
+    for name, c in counted.items():
+        total = sum(c.values())
+        out.append(f"| {name} | {total:.1f} | {f'{total / L:.2f}' if L else '-'} | "
+                   + ", ".join(f"{k} {v:.2f}" for k, v in c.items()) + " |")
+    return out
+
+
+def _moe_layers(model: str) -> int | None:
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    from ...formats.model_info import moe_layer_indices
+
+    return len(moe_layer_indices(cfg.get("text_config", cfg)))
 
 
 def _plot(summary: dict, results: dict, path: str) -> None:
