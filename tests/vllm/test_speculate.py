@@ -60,7 +60,7 @@ SPEC = {"mode": "speculate", "placement": EP2, "log_interval": 0.2, "reduce_scat
 
 
 @pytest.mark.parametrize("smoe,compiled,says", [
-    ({"all2all": "vllm"}, False, None),  # vLLM's own EP, experts fixed by the plugin (no SP at DP=1)
+    ({"all2all": "vllm", "log_interval": 0.2}, False, None),  # vLLM's own EP, experts fixed by the plugin (no SP at DP=1)
     ({**SPEC, "predictor": "tables"}, False, "predictor tables"),
     ({**SPEC, "predictor": "tables-markov"}, False, "predictor tables-markov"),
     ({**SPEC, "predictor": "router"}, False, "predictor router"),  # vLLM's gate run ahead: exact ranks
@@ -85,6 +85,18 @@ def test_tp2_ep_gives_plain_tp2_tokens(plain_tp2, smoe, compiled, says, request)
                 "attention output: reduce-scattered in the token order at 4 MoE layers") in log
     if smoe.get("all2all", "sparse") == "sparse" and "mode" in smoe:
         assert "sparse de-duplicated all2all manager on group ep" in log
+    per = _collectives(log)  # counted by smoe's communicator in served steps, 4 MoE layers
+    if "mode" not in smoe:  # vLLM's EP at DP = 1: TP's all-reduce twice a layer, the embedding's, the logits'
+        assert per == {"tp all_reduce": 9.0, "tp all_gather": 1.0}, per
+    elif not compiled and smoe["predictor"] != "router" and smoe.get("all2all", "sparse") == "sparse":
+        # the shuffled reduce-scatter in the all-reduce's place, the block's chunk all-gather (the
+        # markov predictor gathers the previous layer's chunk experts too, at layers 1..3; the
+        # learned one broadcasts rank 0's assignment once a step), and two (sizes in the rows) or
+        # three (sizes first) point-to-point all-to-alls a layer
+        want = {"tp reduce_scatter": 4.0, "tp all_gather": 5.0 + 3.0 * (smoe["predictor"] == "tables-markov"),
+                "tp all_reduce": 1.0, **({"tp broadcast": 1.0} if smoe["predictor"] == "learned" else {})}
+        assert {k: v for k, v in per.items() if k != "ep all_to_all"} == want, per
+        assert 8.0 <= per["ep all_to_all"] <= 12.0, per
     assert out["tokens"] == plain["tokens"]
     np.testing.assert_allclose(out["logprobs"], plain["logprobs"], rtol=0, atol=ATOL)
     if smoe.get("placement") == EP2_R4:
@@ -96,6 +108,13 @@ def test_tp2_ep_gives_plain_tp2_tokens(plain_tp2, smoe, compiled, says, request)
         assert set(served["tokens_per_rank"]) == {0, 1}  # every rank reports its own counters
         key = smoe["predictor"] + ("-replicas" if smoe["placement"] == EP2_R4 else "")
         _LOCAL[key], _PAIRS[key] = served["local_share"], served["remote_pairs_per_token"]
+
+
+def _collectives(log: str) -> dict[str, float]:
+    """Rank 0's last collectives line: {"group kind": per served step}."""
+    lines = re.findall(r"smoe: collectives \(rank 0\) per served step over \d+ steps: (.*)", log)
+    assert lines, "no collectives line"
+    return {" ".join(kv.split()[:2]): float(kv.split()[2]) for kv in lines[-1].split(", ")}
 
 
 _LOCAL: dict[str, float] = {}  # served local share of each predictor above, both ranks
