@@ -88,6 +88,7 @@ def _cli(*args):
     (["build", "--trace", "/nonexistent/x.npz", "--ep-size", "4"], "no trace files"),
     (["build", "--trace", TRAIN, "--ep-size", "4", "--nodes", "3"], "nodes 3"),
     (["build", "--trace", TRAIN, "--ep-size", "4", "--method", "linear", "--replicas", "4"], "--replicas"),
+    (["build", "--trace", TRAIN, "--ep-size", "2", "--mode", "dp", "--method", "auto"], "--mode dp: --method not supported"),
 ])
 def test_build_errors_exit_2_and_write_nothing(tmp_path, args, words):
     out = tmp_path / "x.yaml"
@@ -475,3 +476,67 @@ def test_advise_finds_the_gain_of_a_placement_built_from_live_traffic(tmp_path):
     with pytest.raises(SystemExit) as e:  # argparse names the flag
         main(["advise", "--trace", str(tmp_path / "live.npz"), "--placement", str(served), "--max-moves", "1.5"])
     assert e.value.code == 2
+
+
+def test_build_method_auto_keeps_what_the_rule_picks_and_builds_it_as_the_method_itself(tmp_path):
+    """--method auto solves coclust and bytes, judges both on rows past the bytes objective's
+    instances, and keeps recommend()'s pick: the YAML says which and why, and its experts and
+    tables are the ones --method <pick> builds with the same flags."""
+    from vllm_smoe.placement.metrics import recommend
+
+    flags = ["--trace", TRAIN, "--ep-size", "4", "--instance-tokens", "65536", "--metrics-tokens", "65536"]
+    auto = tmp_path / "auto.yaml"
+    assert main(["build", *flags, "--method", "auto", "-o", str(auto)]) == 0
+    doc = yaml.safe_load(open(auto))
+    rec = doc["built_from"]["auto"]
+    assert doc["method"] == rec["chosen"] in ("coclust", "bytes") and rec["held_out"] is True
+    assert rec["judged_rows"] == 65536 and set(rec["candidates"]) == {"coclust", "bytes"}
+    c = [rec["candidates"][k] for k in ("coclust", "bytes")]
+    i, why = recommend([x["lar"] for x in c], [x["remote_unique_per_token"] for x in c],
+                       [x["expert_load"] for x in c], 1.10 * 1.05)
+    i = i if i >= 0 else int(np.argmin([x["expert_load"] for x in c]))
+    assert rec["chosen"] == ("coclust", "bytes")[i] and rec["why"].startswith(why)
+    direct = tmp_path / "direct.yaml"
+    assert main(["build", *flags, "--method", rec["chosen"], "-o", str(direct)]) == 0
+    a, d = load_placement(str(auto)), load_placement(str(direct))
+    np.testing.assert_array_equal(a.expert2rank, d.expert2rank)
+    ta, td = load_tables(a), load_tables(d)
+    for k, v in td.arrays().items():
+        np.testing.assert_array_equal(ta.arrays()[k], v, err_msg=k)
+
+
+def test_auto_judges_in_sample_when_the_trace_is_short(tmp_path, capsys):
+    out = tmp_path / "auto.yaml"
+    assert main(["build", "--trace", TRAIN, "--ep-size", "2", "--method", "auto", "-o", str(out)]) == 0
+    rec = yaml.safe_load(open(out))["built_from"]["auto"]
+    assert rec["held_out"] is False and rec["judged_rows"] == 131072  # the fixture's 131072 rows, all instances
+    assert "in sample" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("total,metrics,instances,want", [
+    (131072, 131072, 131072, [(0, 131072)]),  # nothing past the instances: in sample
+    (131072, 65536, 65536, [(65536, 131072)]),
+    (1 << 20, 1 << 16, 1 << 17, [(131072 + i * 917504 // 16, 131072 + i * 917504 // 16 + 4096) for i in range(16)]),
+])
+def test_judge_windows_golden(total, metrics, instances, want):
+    from vllm_smoe.tools.place_cli import _judge_windows
+
+    assert _judge_windows(total, metrics, instances) == want
+
+
+def test_positions_index_the_kept_rows():
+    from hypothesis import given, strategies as st
+    from vllm_smoe.tools.place_cli import _positions, _union
+
+    @given(st.lists(st.tuples(st.integers(0, 200), st.integers(1, 30)), min_size=1, max_size=6), st.data())
+    def check(spans, data):
+        spans = [(lo, lo + n) for lo, n in spans]
+        kept = _union(spans)
+        assert all(a[1] < b[0] for a, b in zip(kept, kept[1:]))  # sorted, disjoint, not touching
+        trace = np.arange(300) * 7  # each row's value names its position
+        sample = np.concatenate([trace[lo:hi] for lo, hi in kept])
+        rows = np.array(data.draw(st.lists(st.sampled_from([r for lo, hi in spans for r in range(lo, hi)]),
+                                           min_size=1, max_size=20)))
+        np.testing.assert_array_equal(sample[_positions(kept, rows)], trace[rows])
+
+    check()

@@ -314,15 +314,25 @@ def cmd_build(a) -> int:
                               ("--method", a.method != "coclust")) if v]
         if bad:
             raise ValueError(f"--mode dp: {', '.join(bad)} not supported with request-level placement yet")
-    if a.replicas and a.method not in PREDICTED:
+    if a.replicas and a.method not in PREDICTED + ("auto",):
         raise ValueError(f"--replicas needs a locality method ({', '.join(PREDICTED)}), not {a.method!r}")
     t0 = time.perf_counter()
     # one pass: counts of every token, and the leading rows for the in-sample metrics
     # --mode dp learns from these rows' requests: evenly spaced windows, so a recording made one
-    # workload after another still shows every workload
-    window = (lambda T: _windows(T, a.metrics_tokens)) if a.mode == "dp" else (lambda T: [(0, min(T, a.metrics_tokens))])
-    meta, counts, sample, files, total = _stream(a.trace, window,
-                                                 sample_tokens=a.instance_tokens if a.method in NEEDS_INSTANCES else 0)
+    # workload after another still shows every workload; --method auto also keeps a tail to judge on
+    judge_span: list[tuple[int, int]] = []
+
+    def window(T):
+        if a.mode == "dp":
+            return _windows(T, a.metrics_tokens)
+        lead = [(0, min(T, a.metrics_tokens))]
+        if a.method == "auto":
+            judge_span.extend(_judge_windows(T, a.metrics_tokens, a.instance_tokens))
+            return _union(lead + judge_span)
+        return lead
+
+    instances = a.method in NEEDS_INSTANCES or a.method == "auto"
+    meta, counts, sample, files, total = _stream(a.trace, window, sample_tokens=a.instance_tokens if instances else 0)
     count_s = time.perf_counter() - t0
     fingerprint, emb, model_groups = _model_info(a.model, meta.vocab_size)
     groups = a.groups or model_groups
@@ -339,17 +349,33 @@ def cmd_build(a) -> int:
     print(f"counted {total} tokens x {meta.num_layers} layers in {count_s:.1f} s ({total / count_s:,.0f} tokens/s, "
           f"{counts.nbytes / 2**20:.0f} MiB of counts); placing {meta.num_experts} experts on {a.ep_size} ranks "
           f"with {a.method}, {a.jobs} job{'s' if a.jobs > 1 else ''}", file=sys.stderr)
+    auto = judge = None
+    if judge_span:  # --method auto: the lead rows first, then (or among them) the rows it judges on
+        rows = np.concatenate([np.arange(lo, hi) for lo, hi in _union(judge_span)])
+        kept = _union([(0, min(total, a.metrics_tokens))] + judge_span)
+        at = _positions(kept, rows)
+        judge = {k: v[at] for k, v in sample.items()}
+        sample = {k: v[:min(total, a.metrics_tokens)] for k, v in sample.items()}
     if a.mode == "dp":
         e2r, reps, tables, secs, peak = _solve_dp(counts, sample, meta, a, emb, groups)
+    elif a.method == "auto":
+        method, (e2r, reps, tables, secs, peak), auto = _choose(counts, meta, a, emb, groups, sample, judge,
+                                                                spans=judge_span, total=total)
     else:
         e2r, reps, tables, secs, peak = _solve(a.method, counts, meta, a, a.ep_size, a.nodes, emb, groups)
-        if tables is not None:
+    if a.mode == "tp":
+        if tables is not None and auto is None:
             t1 = time.perf_counter()
             holds = holds_from_expert2rank(e2r, a.ep_size, reps)
             tables = _with_bigrams(tables, sample, holds, meta.vocab_size, a.bigram_pairs, a.batch_tokens)
             if a.learned:
                 tables = _with_learned(tables, sample, holds, meta.vocab_size, emb,
                                        a.learned_width or default_width(a.ep_size), a.batch_tokens, a.seed)
+            secs += time.perf_counter() - t1
+        elif auto is not None and a.learned:  # bigrams came with the candidates; the network only for the chosen
+            t1 = time.perf_counter()
+            tables = _with_learned(tables, sample, holds_from_expert2rank(e2r, a.ep_size, reps), meta.vocab_size, emb,
+                                   a.learned_width or default_width(a.ep_size), a.batch_tokens, a.seed)
             secs += time.perf_counter() - t1
     del counts
     sub, batch = _batched(sample, a.batch_tokens)
@@ -359,14 +385,16 @@ def cmd_build(a) -> int:
                  shuffle=a.shuffle_requests, workloads=a.group_workloads, predictor=a.predictor)
     m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tables.nbytes if tables is not None else 0)
     write_placement(a.output, expert2rank=e2r, ep_size=a.ep_size, nodes=a.nodes, top_k=meta.top_k,
-                    vocab_size=meta.vocab_size, method=a.method if a.mode == "tp" else "dp-coclust",
+                    vocab_size=meta.vocab_size,
+                    method=(method if auto is not None else a.method) if a.mode == "tp" else "dp-coclust",
                     capacity=a.capacity,
                     tables=tables.arrays() if tables is not None else None,
                     replicas=reps if a.replicas else None, fingerprint=fingerprint, groups=groups,
                     built_from={"traces": [_rel(f, a.output) for f in files], "tokens": int(total),
                                 "batch_tokens": a.batch_tokens, "theta": a.theta, "seed": a.seed,
                                 "max_expert_load": a.max_expert_load, "mode": a.mode, "predictor": a.predictor,
-                                **({"shuffle_requests": a.shuffle_requests} if a.shuffle_requests is not None else {})},
+                                **({"shuffle_requests": a.shuffle_requests} if a.shuffle_requests is not None else {}),
+                                **({"auto": auto} if auto is not None else {})},
                     metrics={k: m[k] for k in METRIC_KEYS if k in m})
     nodes = (f", a2a bytes/token {m['internode_bytes_per_token']:.0f} inter-node + "
              f"{m['intranode_bytes_per_token']:.0f} intra-node" if a.nodes > 1 else "")
@@ -374,6 +402,81 @@ def cmd_build(a) -> int:
           f"expert load {m['expert_load']:.3f}{nodes} (first {sub['token_ids'].size} tokens), "
           f"solve {secs:.1f} s, tables {m['table_bytes'] / 1e6:.2f} MB, total {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+AUTO_METHODS = ("coclust", "bytes")  # --method auto's candidates: the most local, the fewest rows
+
+
+def _judge_windows(total: int, metrics_tokens: int, instance_tokens: int) -> list[tuple[int, int]]:
+    """[start, stop) ranges of the rows --method auto judges its candidates on: about
+    ``metrics_tokens`` rows in evenly spaced windows (a recording made one workload after another
+    still shows every workload) past the leading ``instance_tokens`` rows the bytes objective is
+    scored on, where at least a quarter of the trace lies there; else over the whole trace."""
+    lo = instance_tokens if total - instance_tokens >= total // 4 and total > instance_tokens else 0
+    return [(lo + a, lo + b) for a, b in _windows(total - lo, metrics_tokens)]
+
+
+def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, merged [start, stop) ranges."""
+    out: list[list[int]] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
+
+
+def _positions(kept: list[tuple[int, int]], rows: np.ndarray) -> np.ndarray:
+    """Indices into the concatenation of the merged ranges ``kept`` of the trace rows ``rows``
+    (each inside one of them)."""
+    starts = np.array([lo for lo, _ in kept])
+    offsets = np.cumsum([0] + [hi - lo for lo, hi in kept])[:-1]
+    k = np.searchsorted(starts, rows, side="right") - 1
+    return offsets[k] + rows - starts[k]
+
+
+def _choose(counts, meta, a, emb, groups, sample, judge, spans: list[tuple[int, int]], total: int):
+    """--method auto: solve every :data:`AUTO_METHODS` candidate with the same flags, score each
+    with its predictor tables on ``judge`` (rows sorted by step), and keep the one
+    :func:`..placement.metrics.recommend` picks (evaluate --compare's rule: the fewest rows per
+    token within 2% of the best LAR, at a balanced expert load). Returns (method, what
+    :func:`_solve` returns for it, the choice's record for the YAML's built_from)."""
+    held_out = spans[0][0] >= a.instance_tokens
+    jarr, jbatch = _batched(judge, a.batch_tokens)
+    hidden = meta.hidden_size or a.hidden_size
+    solved, scores = {}, {}
+    for method in AUTO_METHODS:
+        e2r, reps, tables, secs, peak = _solve(method, counts, meta, a, a.ep_size, a.nodes, emb, groups)
+        t1 = time.perf_counter()
+        holds = holds_from_expert2rank(e2r, a.ep_size, reps)
+        tables = _with_bigrams(tables, sample, holds, meta.vocab_size, a.bigram_pairs, a.batch_tokens)
+        secs += time.perf_counter() - t1
+        m = _measure(jarr, jbatch, meta, e2r, reps, tables, a.ep_size, a.capacity, True, hidden, a.dtype_bytes,
+                     nodes=a.nodes, predictor="tables" if a.predictor == "learned" else a.predictor)
+        solved[method] = (e2r, reps, tables, secs, peak)
+        scores[method] = {k: float(m[k]) for k in ("lar", "remote_unique_per_token", "expert_load")}
+    cap = a.max_expert_load * (1 + LOAD_SLACK)
+    i, why = recommend([scores[k]["lar"] for k in AUTO_METHODS],
+                       [scores[k]["remote_unique_per_token"] for k in AUTO_METHODS],
+                       [scores[k]["expert_load"] for k in AUTO_METHODS], cap)
+    if i < 0:  # the judge rows load every candidate unevenly (a workload they lack): the least uneven
+        i = int(np.argmin([scores[k]["expert_load"] for k in AUTO_METHODS]))
+        why += f"; kept {AUTO_METHODS[i]}, the lowest expert load"
+    method = AUTO_METHODS[i]
+    n = sum(hi - lo for lo, hi in spans)
+    where = (f"{n} rows in {len(spans)} windows past the first {a.instance_tokens} (those the bytes objective is "
+             f"scored on)" if held_out else f"{n} rows in {len(spans)} windows (in sample: the trace holds too few "
+                                            f"rows past the bytes objective's first {a.instance_tokens})")
+    line = ", ".join(f"{k} LAR {v['lar']:.3f} rows/token {v['remote_unique_per_token']:.3f} expert load "
+                     f"{v['expert_load']:.3f}" for k, v in scores.items())
+    print(f"--method auto: {method}: {why}; judged on {where}: {line}", file=sys.stderr)
+    total_secs = sum(v[3] for v in solved.values())
+    e2r, reps, tables, _, _ = solved[method]
+    peak = max(v[4] for v in solved.values())
+    record = {"chosen": method, "why": why, "judged_rows": int(n), "held_out": bool(held_out),
+              "candidates": scores}
+    return method, (e2r, reps, tables, total_secs, peak), record
 
 
 def _evaluate_all(a):
@@ -679,8 +782,10 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="place experts and build predictor tables; writes YAML + .tables.npz")
     b.add_argument("--trace", nargs="+", required=True, help="trace files, directories or globs")
     b.add_argument("--ep-size", type=number(int, 1), required=True)
-    b.add_argument("--method", choices=tuple(SOLVERS) + ("eplb",), default="coclust",
-                   help="coclust (default: most local activations), bytes (fewest all-to-all rows), or a peer")
+    b.add_argument("--method", choices=tuple(SOLVERS) + ("eplb", "auto"), default="coclust",
+                   help="coclust (default: most local activations), bytes (fewest all-to-all rows), auto (both "
+                        "solved, the one sending fewer rows per token kept where its LAR is within 2%% of the "
+                        "other's at balanced load, judged on the trace's last quarter), or a peer")
     b.add_argument("--nodes", type=number(int, 1), default=1,
                    help="hierarchical: nodes first, then ranks inside a node")
     b.add_argument("--replicas", type=number(int, 0), default=0,
