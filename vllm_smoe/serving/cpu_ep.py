@@ -161,7 +161,9 @@ class SmoeCpuCommunicator(CpuCommunicator):
             from .sparse_a2a import make_manager
 
             self.all2all_manager = make_manager(self.cpu_group, self)
-            logger.info("smoe: sparse de-duplicated all2all manager on group %s", unique_name)
+            logger.info("smoe: sparse de-duplicated all2all manager on group %s (communicator: %s)", unique_name,
+                        "shared memory, static-size gather" if isinstance(self.dist_module, _CPUSHMDistributed)
+                        else "gloo, point to point")
 
     def counted(self, kind: str):
         """Around one collective on this group (also smoe's exchange's all-to-alls)."""
