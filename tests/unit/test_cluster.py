@@ -149,3 +149,14 @@ def test_collectives_read_from_metrics_per_served_step():
     assert collectives_per_step(after, after) is None and collective_counts("") == ({}, 0.0)
     lines = collectives_table({"tp": {"collectives_per_step": per}, "x": {"error": "e"}}, 4)
     assert lines[-1] == "| tp | 13.0 | 3.25 | ep all_to_all 4.00, tp all_reduce 9.00 |"
+
+
+def test_every_configuration_loads_the_plugin_and_only_ep_ones_turn_ep_on():
+    from vllm_smoe.tools.bench.cluster import configurations
+
+    for name, c in configurations("tp.yaml", "dp.yaml", "/m").items():
+        f = list(c["flags"])
+        assert f[f.index("--plugin") + 1] == "smoe" and c["collectives"], name  # the counters need the plugin
+        assert ("--enable-expert-parallel" in f) == (name != "tp"), name
+        assert all(not x.startswith("--") or x in ("--plugin", "--enable-expert-parallel", "--additional-config")
+                   or x.startswith("--smoe-") for x in f), (name, f)

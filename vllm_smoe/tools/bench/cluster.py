@@ -465,7 +465,7 @@ def configurations(tp_placement: str, dp_placement: str, metrics_dir: str) -> di
           "--additional-config", json.dumps({"smoe": {"metrics_dir": metrics_dir}}))
     # "counts": the configuration's all2all is smoe's sparse exchange, whose counters are read
     cfgs = {
-        "tp": {"kind": "tp", "smoe": False, "flags": ep[2:]},
+        "tp": {"kind": "tp", "smoe": False, "flags": ep[1:]},  # the plugin for its counters, no EP
         "tp-ep": {"kind": "tp", "smoe": False, "flags": ep + ("--smoe-all2all", "vllm")},
         "tp-ep-place": {"kind": "tp", "smoe": True, "flags": ep + ("--smoe-placement", tp_placement)},
         "tp-ep-speculate": {"kind": "tp", "smoe": True,
