@@ -540,3 +540,13 @@ def test_positions_index_the_kept_rows():
         np.testing.assert_array_equal(sample[_positions(kept, rows)], trace[rows])
 
     check()
+
+
+def test_auto_keeps_coclust_where_bytes_cannot_place_and_trains_the_chosen_network(tmp_path, capsys):
+    out = tmp_path / "auto.yaml"
+    assert main(["build", "--trace", TRAIN, "--ep-size", "4", "--nodes", "2", "--method", "auto", "--learned",
+                 "-o", str(out)]) == 0
+    doc = yaml.safe_load(open(out))
+    assert doc["method"] == "coclust" and set(doc["built_from"]["auto"]["candidates"]) == {"coclust"}
+    assert "bytes does not support --nodes 2" in capsys.readouterr().err
+    assert load_tables(load_placement(str(out))).learned is not None

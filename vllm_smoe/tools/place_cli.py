@@ -306,7 +306,7 @@ def cmd_build(a) -> int:
     _check_dp_flags(a)
     if a.predictor == "learned" and not a.learned:
         raise ValueError("--predictor learned scores the learned predictor, which only --learned trains")
-    if a.learned and (a.mode == "dp" or a.method not in PREDICTED):
+    if a.learned and (a.mode == "dp" or a.method not in PREDICTED + ("auto",)):
         raise ValueError(f"--learned: trained for the token order of a locality placement (--mode tp, --method "
                          f"{' / '.join(PREDICTED)}), not {'--mode dp' if a.mode == 'dp' else '--method ' + a.method}")
     if a.mode == "dp":
@@ -446,7 +446,12 @@ def _choose(counts, meta, a, emb, groups, sample, judge, spans: list[tuple[int, 
     jarr, jbatch = _batched(judge, a.batch_tokens)
     hidden = meta.hidden_size or a.hidden_size
     solved, scores = {}, {}
-    for method in AUTO_METHODS:
+    # bytes places on one level of ranks with experts free to move: hierarchical and grouped builds keep coclust
+    unsupported = [f for f, v in ((f"--nodes {a.nodes}", a.nodes > 1), (f"{groups} routing groups", groups > 1)) if v]
+    methods = AUTO_METHODS[:1] if unsupported else AUTO_METHODS
+    if unsupported:
+        print(f"--method auto: bytes does not support {' and '.join(unsupported)} yet; coclust alone", file=sys.stderr)
+    for method in methods:
         e2r, reps, tables, secs, peak = _solve(method, counts, meta, a, a.ep_size, a.nodes, emb, groups)
         t1 = time.perf_counter()
         holds = holds_from_expert2rank(e2r, a.ep_size, reps)
@@ -457,13 +462,13 @@ def _choose(counts, meta, a, emb, groups, sample, judge, spans: list[tuple[int, 
         solved[method] = (e2r, reps, tables, secs, peak)
         scores[method] = {k: float(m[k]) for k in ("lar", "remote_unique_per_token", "expert_load")}
     cap = a.max_expert_load * (1 + LOAD_SLACK)
-    i, why = recommend([scores[k]["lar"] for k in AUTO_METHODS],
-                       [scores[k]["remote_unique_per_token"] for k in AUTO_METHODS],
-                       [scores[k]["expert_load"] for k in AUTO_METHODS], cap)
+    i, why = recommend([scores[k]["lar"] for k in methods],
+                       [scores[k]["remote_unique_per_token"] for k in methods],
+                       [scores[k]["expert_load"] for k in methods], cap)
     if i < 0:  # the judge rows load every candidate unevenly (a workload they lack): the least uneven
-        i = int(np.argmin([scores[k]["expert_load"] for k in AUTO_METHODS]))
-        why += f"; kept {AUTO_METHODS[i]}, the lowest expert load"
-    method = AUTO_METHODS[i]
+        i = int(np.argmin([scores[k]["expert_load"] for k in methods]))
+        why += f"; kept {methods[i]}, the lowest expert load"
+    method = methods[i]
     n = sum(hi - lo for lo, hi in spans)
     where = (f"{n} rows in {len(spans)} windows past the first {a.instance_tokens} (those the bytes objective is "
              f"scored on)" if held_out else f"{n} rows in {len(spans)} windows (in sample: the trace holds too few "
