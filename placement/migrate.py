@@ -14,7 +14,12 @@ fresh one that pay most per moved slot, within a budget:
 3. cycles are applied greedily by gain per moved slot (lazily re-scored against the layer as it
    is then), where the gain is the change in :mod:`.coclust`'s objective on the training trace
    (activations served locally when token ids take their best ranks in order of confidence,
-   each rank capped at ``capacity`` x its share), until the budget is spent or no cycle gains.
+   each rank capped at ``capacity`` x its share), until the budget is spent or no cycle gains;
+4. with ``swaps``, an exchange of two experts on different ranks that the fresh placement does
+   not make competes with the cycles on the same gain per moved slot (candidates ranked with the
+   token ids' ranks held fixed, the best few scored exactly): a budget too small for the fresh
+   placement's cycles may still buy its best pairs, and a swap that moves an expert back home
+   costs nothing.
 
 No torch, no I/O. Arrays: expert2rank [L, E] int (rank of each expert, E / N per rank).
 """
@@ -27,7 +32,7 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import linear_sum_assignment
 
-from .counts import assign_token_ids, local_count, rank_scores
+from .counts import assign_token_ids, expert_gains, local_count, rank_scores
 from .groups import broken_group
 
 
@@ -121,8 +126,51 @@ def _experts(layer: "_Layer", target: np.ndarray, unit: list[int] | None) -> lis
     return [] if (layer.e2r[unit] == target[unit]).all() else unit
 
 
+def _best_swap(layer: "_Layer", current: np.ndarray, groups: int, max_load: float = 1.10, top: int = 4):
+    """The pairwise exchange of two experts on different ranks that gains most per moved slot,
+    or None: candidates ranked by their gain with the token ids' ranks held fixed (the
+    activations each expert gets from each rank's ids), the ``top`` best re-scored exactly.
+    A swap may not raise the layer's busiest rank's activations past ``max_load`` x the mean
+    (or past what it is, if already higher). Returns (gain per slot, experts [2], their new
+    ranks [2], slots it adds to the moves)."""
+    # compute balance: no swap raises the busiest rank's activations past max(the cap, now)
+    act = np.asarray(layer.A.sum(axis=0)).ravel()  # [E] activations of each expert
+    loads = np.bincount(layer.e2r, weights=act, minlength=layer.N)
+    ceiling = max(max_load * loads.mean(), loads.max()) + 1e-9
+    R = rank_scores(layer.A, layer.e2r, layer.N)
+    G = expert_gains(layer.A, assign_token_ids(R, layer.occ, layer.capacity), layer.N)  # [E, N]
+    r = layer.e2r
+    own = G[np.arange(r.size), r]  # [E]: what each expert serves locally now
+    # swap e (on r[e]) with f (on r[f]): e serves G[e, r[f]], f serves G[f, r[e]]
+    proxy = G[:, r] - own[:, None]  # [E, E]: e moved to f's rank
+    proxy = proxy + proxy.T
+    proxy[r[:, None] == r[None, :]] = -np.inf
+    d = act[:, None] - act[None, :]  # e leaves r[e] for r[f], f the other way
+    proxy[np.maximum(loads[r][:, None] - d, loads[r][None, :] + d) > ceiling] = -np.inf
+    iu = np.triu_indices(r.size, 1)
+    order = np.argsort(-proxy[iu], kind="stable")[:top]
+    best = None
+    for k in order:
+        e, f = int(iu[0][k]), int(iu[1][k])
+        if not np.isfinite(proxy[e, f]):
+            break
+        new = np.array([r[f], r[e]])
+        pair = [e, f]
+        trial = r.copy()
+        trial[pair] = new
+        if groups > 1 and broken_group(trial, groups) >= 0:
+            continue
+        cost = int((new != current[pair]).sum() - (r[pair] != current[pair]).sum())
+        g = layer.score(trial) - layer.value
+        per = g / max(cost, 1)
+        if g > 1e-12 and (best is None or per > best[0]):
+            best = (per, pair, new, cost)
+    return best
+
+
 def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.ndarray, max_moves: int,
-                ep_size: int, capacity: float = 1.10, groups: int = 1) -> tuple[np.ndarray, dict]:
+                ep_size: int, capacity: float = 1.10, groups: int = 1, swaps: bool = False,
+                max_expert_load: float = 1.10) -> tuple[np.ndarray, dict]:
     """The served placement with the fresh one's best exchange cycles applied, at most
     ``max_moves`` expert slots changed in all.
 
@@ -130,9 +178,11 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
     layer_counts: L token x expert count matrices ([V', E] float, scipy sparse or dense; rows
     the training trace's seen token ids); occ: [V'] float occurrences of each; max_moves: int >=
     0; capacity: the token-load cap of the objective; groups: grouped routing (a cycle that would
-    split a group is skipped). When the budget covers every move and the fresh placement scores
+    split a group is skipped); swaps: also exchanges of two experts outside the fresh placement
+    (step 4 above), none raising a layer's expert load (its busiest rank's training activations
+    over the mean) past ``max_expert_load`` or past what it is. When the budget covers every move and the fresh placement scores
     more, it is the fresh placement (renamed). Returns (expert2rank [L, E] int32, info) with info:
-    ``moved`` slots, ``cycles`` (units) applied, ``fresh_moves`` (slots the renamed fresh placement
+    ``moved`` slots, ``cycles`` (units) applied, ``swaps`` applied, ``fresh_moves`` (slots the renamed fresh placement
     moves), ``score`` of current, result and fresh (the capped objective summed over layers)."""
     current = np.asarray(current, dtype=np.int64)
     fresh = np.asarray(fresh, dtype=np.int64)
@@ -157,29 +207,59 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
             experts = _experts(layers[layer], target[layer], unit)
             heapq.heappush(heap, (-layers[layer].gain(experts, target[layer]) / len(experts), tie, layer, unit))
             tie += 1
-    budget, applied = max_moves, 0
-    while heap and budget > 0:
-        neg, _, layer, unit = heapq.heappop(heap)
-        if -neg <= 0:
-            break
-        experts = _experts(layers[layer], target[layer], unit)
-        if not experts or len(experts) > budget:
-            continue  # done already, or a shorter unit may still fit
-        g = layers[layer].gain(experts, target[layer]) / len(experts)  # against the layer as it is now
-        if heap and g < -heap[0][0] - 1e-12:
-            heapq.heappush(heap, (-g, tie, layer, unit))
-            tie += 1
-            continue
-        if g <= 0:
-            continue
-        if groups > 1:
-            trial = layers[layer].e2r.copy()
-            trial[experts] = target[layer][experts]
-            if broken_group(trial, groups) >= 0:
+    budget, applied, swapped = max_moves, 0, 0
+    swap = [None] * L  # per layer: its best exchange of two experts (swaps), re-found when it changes
+    while budget > 0:
+        cycle = None  # the best fresh unit that fits, scored against its layer as it is now
+        while heap:
+            neg, _, layer, unit = heapq.heappop(heap)
+            if -neg <= 0:
+                heap.clear()
+                break
+            experts = _experts(layers[layer], target[layer], unit)
+            if not experts or len(experts) > budget:
+                continue  # done already, or a shorter unit may still fit
+            if unit is not None and (layers[layer].e2r[unit] != current[layer][unit]).any():
+                continue  # a swap moved one of its experts: the cycle no longer keeps ranks balanced
+            cost = int((target[layer][experts] != current[layer][experts]).sum()
+                       - (layers[layer].e2r[experts] != current[layer][experts]).sum())
+            g = layers[layer].gain(experts, target[layer]) / max(cost, 1)
+            if heap and g < -heap[0][0] - 1e-12:
+                heapq.heappush(heap, (-g, tie, layer, unit))
+                tie += 1
                 continue
-        layers[layer].apply(experts, target[layer])
-        budget -= len(experts)
-        applied += 1
+            if g <= 0:
+                continue
+            if groups > 1:
+                trial = layers[layer].e2r.copy()
+                trial[experts] = target[layer][experts]
+                if broken_group(trial, groups) >= 0:
+                    continue
+            cycle = (g, layer, unit, experts, cost)
+            break
+        best_swap = None
+        if swaps:
+            for layer in range(L):
+                if swap[layer] is None:
+                    swap[layer] = _best_swap(layers[layer], current[layer], groups, max_expert_load) or False
+                if swap[layer] and swap[layer][3] <= budget and (best_swap is None or swap[layer][0] > best_swap[0]):
+                    best_swap = (*swap[layer], layer)
+        if cycle is None and best_swap is None:
+            break
+        if best_swap is not None and (cycle is None or best_swap[0] > cycle[0]):
+            if cycle is not None:  # not taken: back in line
+                heapq.heappush(heap, (-cycle[0], tie, cycle[1], cycle[2]))
+                tie += 1
+            _, pair, new, cost, layer = best_swap
+            layers[layer].e2r[pair] = new
+            layers[layer].value = layers[layer].score(layers[layer].e2r)
+            swapped += 1
+        else:
+            _, layer, unit, experts, cost = cycle
+            layers[layer].apply(experts, target[layer])
+            applied += 1
+        swap[layer] = None
+        budget = max_moves - sum(int((x.e2r != current[i]).sum()) for i, x in enumerate(layers))
     score["result"] = sum(x.value for x in layers)
     score["fresh"] = sum(x.score(target[layer]) for layer, x in enumerate(layers))
     if max_moves >= int((target != current).sum()) and score["fresh"] > score["result"]:
@@ -187,6 +267,6 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
             x.e2r = target[layer].copy()
         score["result"] = score["fresh"]
     out = np.stack([x.e2r for x in layers]).astype(np.int32)
-    info = {"moved": int((out != current).sum()), "cycles": applied,
+    info = {"moved": int((out != current).sum()), "cycles": applied, "swaps": swapped,
             "fresh_moves": int((target != current).sum()), "score": score}
     return out, info

@@ -26,20 +26,22 @@ def _score(counts, occ, e2r, N, capacity=1.10):
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10**6), N=st.sampled_from([2, 3, 4]), per=st.integers(1, 4), L=st.integers(1, 3),
-       share=st.floats(0, 1))
-def test_within_budget_balanced_and_never_worse(seed, N, per, L, share):
+       share=st.floats(0, 1), swaps=st.booleans())
+def test_within_budget_balanced_and_never_worse(seed, N, per, L, share, swaps):
     rng = np.random.default_rng(seed)
     E = N * per
     cur, fresh = _balanced(rng, L, E, N), _balanced(rng, L, E, N)
     counts = [sp.csr_matrix(rng.poisson(0.5, (30, E)).astype(float)) for _ in range(L)]
     occ = rng.integers(1, 5, 30).astype(float)
     budget = int(share * L * E)
-    out, info = limit_moves(cur, fresh, counts, occ, budget, N)
+    out, info = limit_moves(cur, fresh, counts, occ, budget, N, swaps=swaps)
     assert out.shape == cur.shape and info["moved"] == int((out != cur).sum()) <= budget
     for layer in range(L):
         assert (np.bincount(out[layer], minlength=N) == per).all()
     target = rename_ranks(cur, fresh, N)
-    assert (out[out != cur] == target[out != cur]).all()  # only the fresh placement's moves
+    if not swaps:
+        assert (out[out != cur] == target[out != cur]).all()  # only the fresh placement's moves
+        assert info["swaps"] == 0
     assert info["score"]["result"] == pytest.approx(_score(counts, occ, out, N))
     assert info["score"]["result"] >= info["score"]["current"] - 1e-9
     assert info["score"]["fresh"] == pytest.approx(_score(counts, occ, target, N))
@@ -88,3 +90,21 @@ def test_the_budget_goes_to_the_move_that_pays_most():
 def test_refuses_unbalanced_input():
     with pytest.raises(ValueError, match="E / ep_size"):
         limit_moves(np.array([[0, 0, 0, 1]]), np.array([[0, 0, 1, 1]]), [np.ones((2, 4))], np.ones(2), 2, 2)
+
+
+def test_a_swap_the_fresh_placement_does_not_make_is_taken():
+    # the fresh placement is the served one: no cycle moves anything, one exchange of two experts
+    # puts each token's experts on one rank (as in the golden above)
+    cur = np.array([[0, 0, 1, 1]])
+    C = sp.csr_matrix(np.array([[5.0, 0, 5, 0], [0, 1, 0, 1]]))
+    occ = np.array([5.0, 1.0])
+    out, info = limit_moves(cur, cur, [C], occ, 2, 2, capacity=2.0)
+    assert (out == cur).all() and info["swaps"] == 0  # swaps off: the fresh placement's moves only
+    # it puts 10 of 12 activations on one rank: refused under the expert-load cap, taken above it
+    out, info = limit_moves(cur, cur, [C], occ, 2, 2, capacity=2.0, swaps=True)
+    assert (out == cur).all()
+    out, info = limit_moves(cur, cur, [C], occ, 2, 2, capacity=2.0, swaps=True, max_expert_load=2.0)
+    assert info["swaps"] == 1 and info["moved"] == 2 and info["score"]["result"] == 12
+    assert len(set(out[0][[0, 2]])) == 1 and len(set(out[0][[1, 3]])) == 1
+    out, info = limit_moves(cur, cur, [C], occ, 1, 2, capacity=2.0, swaps=True, max_expert_load=2.0)  # 2 slots
+    assert (out == cur).all()

@@ -88,7 +88,8 @@ def _cli(*args):
     (["build", "--trace", "/nonexistent/x.npz", "--ep-size", "4"], "no trace files"),
     (["build", "--trace", TRAIN, "--ep-size", "4", "--nodes", "3"], "nodes 3"),
     (["build", "--trace", TRAIN, "--ep-size", "4", "--method", "linear", "--replicas", "4"], "--replicas"),
-    (["build", "--trace", TRAIN, "--ep-size", "2", "--mode", "dp", "--method", "auto"], "--mode dp: --method not supported"),
+    (["build", "--trace", TRAIN, "--ep-size", "2", "--mode", "dp", "--method", "auto"],
+     "--mode dp: --method not supported"),
 ])
 def test_build_errors_exit_2_and_write_nothing(tmp_path, args, words):
     out = tmp_path / "x.yaml"

@@ -681,7 +681,8 @@ def cmd_advise(a) -> int:
     if a.max_moves is not None:
         budget = int(a.max_moves * p.expert2rank.size)
         e2r, info = limit_moves(p.expert2rank, e2r, [counts.layer_matrix(layer) for layer in range(meta.num_layers)],
-                                counts.seen()[1], budget, p.ep_size, capacity=p.capacity, groups=p.groups)
+                                counts.seen()[1], budget, p.ep_size, capacity=p.capacity, groups=p.groups,
+                                swaps=True, max_expert_load=a.max_expert_load)  # measured: BENCHMARKS.md
         holds = holds_from_expert2rank(e2r, p.ep_size)
         tables = _with_bigrams(tables_for_placement(counts, holds, meta.vocab_size), train, holds, meta.vocab_size,
                                a.bigram_pairs, a.batch_tokens)
@@ -695,8 +696,8 @@ def cmd_advise(a) -> int:
               f"{(lim['lar'] / cur['lar'] - 1) * 100 if cur['lar'] else 0.0:+9.1f}%")
         kept = f"; it keeps {(lim['lar'] - cur['lar']) / gain:.0%} of the candidate's LAR gain" if gain > 0 else ""
         print(f"moves: the candidate changes {new['moved_slots']} of {p.expert2rank.size} expert slots (its ranks "
-              f"renamed to agree with the served ones), the limited one {info['moved']} ({info['cycles']} exchange "
-              f"cycles){kept}")
+              f"renamed to agree with the served ones), the limited one {info['moved']} ({info['cycles']} of its "
+              f"exchange cycles, {info['swaps']} swaps of two experts){kept}")
         new, method = lim, f"{method}+moves"
     else:
         print(f"moves: the candidate changes {new['moved_slots']} of {p.expert2rank.size} expert slots (its ranks "
