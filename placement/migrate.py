@@ -102,6 +102,7 @@ class _Layer:
     def __init__(self, A: sp.csr_matrix, occ: np.ndarray, expert2rank: np.ndarray, N: int, capacity: float):
         self.A, self.occ, self.N, self.capacity = sp.csr_matrix(A, dtype=np.float64), occ, N, capacity
         self.e2r = expert2rank.astype(np.int64).copy()
+        self.act = np.asarray(self.A.sum(axis=0)).ravel()  # [E] float: activations of each expert
         self.value = self.score(self.e2r)
 
     def score(self, e2r: np.ndarray) -> float:
@@ -134,7 +135,7 @@ def _best_swap(layer: "_Layer", current: np.ndarray, groups: int, max_load: floa
     (or past what it is, if already higher). Returns (gain per slot, experts [2], their new
     ranks [2], slots it adds to the moves)."""
     # compute balance: no swap raises the busiest rank's activations past max(the cap, now)
-    act = np.asarray(layer.A.sum(axis=0)).ravel()  # [E] activations of each expert
+    act = layer.act
     loads = np.bincount(layer.e2r, weights=act, minlength=layer.N)
     ceiling = max(max_load * loads.mean(), loads.max()) + 1e-9
     R = rank_scores(layer.A, layer.e2r, layer.N)
@@ -180,10 +181,11 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
     0; capacity: the token-load cap of the objective; groups: grouped routing (a cycle that would
     split a group is skipped); swaps: also exchanges of two experts outside the fresh placement
     (step 4 above), none raising a layer's expert load (its busiest rank's training activations
-    over the mean) past ``max_expert_load`` or past what it is. When the budget covers every move and the fresh placement scores
-    more, it is the fresh placement (renamed). Returns (expert2rank [L, E] int32, info) with info:
-    ``moved`` slots, ``cycles`` (units) applied, ``swaps`` applied, ``fresh_moves`` (slots the renamed fresh placement
-    moves), ``score`` of current, result and fresh (the capped objective summed over layers)."""
+    over the mean) past ``max_expert_load`` or past what it is. When the budget covers every
+    move and the fresh placement scores more, it is the fresh placement (renamed). Returns
+    (expert2rank [L, E] int32, info) with info: ``moved`` slots, ``cycles`` (units) applied,
+    ``swaps`` applied, ``fresh_moves`` (slots the renamed fresh placement moves), ``score`` of
+    current, result and fresh (the capped objective summed over layers)."""
     current = np.asarray(current, dtype=np.int64)
     fresh = np.asarray(fresh, dtype=np.int64)
     if current.shape != fresh.shape or current.ndim != 2:

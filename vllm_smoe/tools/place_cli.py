@@ -360,23 +360,18 @@ def cmd_build(a) -> int:
         e2r, reps, tables, secs, peak = _solve_dp(counts, sample, meta, a, emb, groups)
     elif a.method == "auto":
         method, (e2r, reps, tables, secs, peak), auto = _choose(counts, meta, a, emb, groups, sample, judge,
-                                                                spans=judge_span, total=total)
+                                                                spans=judge_span)
     else:
         e2r, reps, tables, secs, peak = _solve(a.method, counts, meta, a, a.ep_size, a.nodes, emb, groups)
-    if a.mode == "tp":
-        if tables is not None and auto is None:
-            t1 = time.perf_counter()
-            holds = holds_from_expert2rank(e2r, a.ep_size, reps)
+    if a.mode == "tp" and tables is not None:
+        t1 = time.perf_counter()
+        holds = holds_from_expert2rank(e2r, a.ep_size, reps)
+        if auto is None:  # auto's candidates came with their bigrams (they were judged with them)
             tables = _with_bigrams(tables, sample, holds, meta.vocab_size, a.bigram_pairs, a.batch_tokens)
-            if a.learned:
-                tables = _with_learned(tables, sample, holds, meta.vocab_size, emb,
-                                       a.learned_width or default_width(a.ep_size), a.batch_tokens, a.seed)
-            secs += time.perf_counter() - t1
-        elif auto is not None and a.learned:  # bigrams came with the candidates; the network only for the chosen
-            t1 = time.perf_counter()
-            tables = _with_learned(tables, sample, holds_from_expert2rank(e2r, a.ep_size, reps), meta.vocab_size, emb,
+        if a.learned:  # the network for the method kept only
+            tables = _with_learned(tables, sample, holds, meta.vocab_size, emb,
                                    a.learned_width or default_width(a.ep_size), a.batch_tokens, a.seed)
-            secs += time.perf_counter() - t1
+        secs += time.perf_counter() - t1
     del counts
     sub, batch = _batched(sample, a.batch_tokens)
     m = _measure(sub, batch, meta, e2r, reps, tables, a.ep_size, a.capacity,
@@ -436,7 +431,7 @@ def _positions(kept: list[tuple[int, int]], rows: np.ndarray) -> np.ndarray:
     return offsets[k] + rows - starts[k]
 
 
-def _choose(counts, meta, a, emb, groups, sample, judge, spans: list[tuple[int, int]], total: int):
+def _choose(counts, meta, a, emb, groups, sample, judge, spans: list[tuple[int, int]]):
     """--method auto: solve every :data:`AUTO_METHODS` candidate with the same flags, score each
     with its predictor tables on ``judge`` (rows sorted by step), and keep the one
     :func:`..placement.metrics.recommend` picks (evaluate --compare's rule: the fewest rows per
