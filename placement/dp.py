@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
+from .coclust import cap_expert_load
 from .counts import assign_token_ids
 
 WINDOW = 64  # requests in the sliding balance window
@@ -171,11 +172,15 @@ def _balanced(gain: np.ndarray, per: int) -> np.ndarray:
     return out
 
 
-def _experts_for(A: np.ndarray, request2rank: np.ndarray, ep_size: int, groups: int = 1) -> np.ndarray:
+def _experts_for(A: np.ndarray, request2rank: np.ndarray, ep_size: int, groups: int = 1,
+                 max_expert_load: float | None = None) -> np.ndarray:
     """[L, E] int32: per layer, E / N experts per rank, each rank's the experts its requests use
-    most (exact balanced assignments). With routing groups (contiguous blocks of E / groups ids)
+    most (exact balanced assignments), then, with ``max_expert_load``, the fewest-loss swaps that
+    bring every rank's activations within that multiple of the mean
+    (:func:`.coclust.cap_expert_load`). With routing groups (contiguous blocks of E / groups ids)
     every group stays whole: whole groups go to ranks (groups >= N), or each group to a block of
-    N / groups ranks and its experts over that block (groups < N)."""
+    N / groups ranks and its experts over that block (groups < N); a swap of single experts would
+    split a group, so grouped layers are not capped."""
     Q, L, E = A.shape
     per = E // ep_size
     onehot = np.eye(ep_size)[request2rank]
@@ -185,6 +190,9 @@ def _experts_for(A: np.ndarray, request2rank: np.ndarray, ep_size: int, groups: 
         gain = A[:, layer].T.astype(np.float64) @ onehot  # [E, N]
         if groups == 1:
             e2r[layer] = _balanced(gain, per)
+            if max_expert_load is not None:
+                e2r[layer] = cap_expert_load(e2r[layer], gain, A[:, layer].sum(axis=0).astype(np.float64), ep_size,
+                                             max_expert_load)
             continue
         by_group = gain.reshape(groups, size, ep_size).sum(axis=1)  # [G, N]
         if groups >= ep_size:
@@ -199,8 +207,8 @@ def _experts_for(A: np.ndarray, request2rank: np.ndarray, ep_size: int, groups: 
 
 
 def place_requests(A: np.ndarray, tokens: np.ndarray, ep_size: int, capacity: float = CAPACITY,
-                   restarts: int = 4, iters: int = 50, seed: int = 0, groups: int = 1
-                   ) -> tuple[np.ndarray, np.ndarray, float]:
+                   restarts: int = 4, iters: int = 50, seed: int = 0, groups: int = 1,
+                   max_expert_load: float | None = None) -> tuple[np.ndarray, np.ndarray, float]:
     """Experts for attention DP: co-cluster requests and experts so each request's activations
     sit on one rank (the rank it will run on), every rank holding E / N experts per layer and at
     most ``capacity`` x the fair share of the tokens.
@@ -210,8 +218,11 @@ def place_requests(A: np.ndarray, tokens: np.ndarray, ep_size: int, capacity: fl
     ranks holding most of their activations (capped assignment). A: [Q, L, E] activations (see
     :func:`request_counts`); tokens: [Q] int. Returns (expert2rank [L, E] int32, request2rank
     [Q] int64, local share of the activations in-sample). groups: routing groups of grouped
-    top-k (DeepSeek's ``n_group``), kept whole (see ``groups.check_groups``). Same seed, same
-    result."""
+    top-k (DeepSeek's ``n_group``), kept whole (see ``groups.check_groups``). max_expert_load:
+    cap on each rank's share of a layer's activations, x mean (None: uncapped). DP engines step
+    in lock-step, so the rank with the most expert work sets every engine's step time where
+    decode is compute bound; the cap trades locality for that balance (ungrouped layers only,
+    see :func:`_experts_for`). Same seed, same result."""
     Q, L, E = A.shape
     if E % ep_size:
         raise ValueError(f"{E} experts do not split evenly over ep_size {ep_size}")
@@ -225,7 +236,7 @@ def place_requests(A: np.ndarray, tokens: np.ndarray, ep_size: int, capacity: fl
     for _ in range(max(1, restarts)):
         r2r = rng.permutation(Q) % ep_size
         for _ in range(iters):
-            e2r = _experts_for(A, r2r, ep_size, groups)
+            e2r = _experts_for(A, r2r, ep_size, groups, max_expert_load)
             S = _request_scores(A, e2r, ep_size)
             new = assign_token_ids(S, tokens.astype(np.float64), capacity)
             if np.array_equal(new, r2r):

@@ -147,6 +147,54 @@ def test_place_requests_recovers_planted_workloads_and_is_seeded():
     assert np.array_equal(again[0], e2r) and np.array_equal(again[1], r2r)
 
 
+def _layer_loads(A, e2r, N):
+    """[L, N] activations on each rank's experts per layer."""
+    return np.stack([np.bincount(e2r[layer], weights=A[:, layer].sum(axis=0), minlength=N) for layer in range(A.shape[1])])
+
+
+def test_place_requests_caps_the_expert_load_of_a_hot_workload():
+    # workload 0 fires twice as often as workload 1, each on its own half of the experts: the
+    # uncapped placement puts each half on one rank (load 1.33 x mean); capped at 1.10 every
+    # layer's ranks carry within 1.10 x mean, at the price of some locality
+    rng = np.random.default_rng(1)
+    Q, L, E, N = 40, 2, 8, 2
+    work = np.arange(Q) % 2
+    A = rng.random((Q, L, E)).astype(np.float32) * 0.1
+    for q in range(Q):
+        A[q, :, work[q] * 4:(work[q] + 1) * 4] += 10 if work[q] == 0 else 5
+    free = place_requests(A, np.full(Q, 10), N, seed=0)
+    capped = place_requests(A, np.full(Q, 10), N, seed=0, max_expert_load=1.10)
+    free_load = _layer_loads(A, free[0], N)
+    capped_load = _layer_loads(A, capped[0], N)
+    assert (free_load.max(axis=1) / free_load.mean(axis=1)).min() > 1.3
+    assert (capped_load.max(axis=1) / capped_load.mean(axis=1)).max() <= 1.10 + 1e-9
+    assert (np.stack([np.bincount(r, minlength=N) for r in capped[0]]) == E // N).all()
+    assert 0.5 < capped[2] < free[2]
+    S = _request_scores(A, capped[0], N)
+    assert capped[2] == pytest.approx(S[np.arange(Q), capped[1]].sum() / A.sum())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 4), st.floats(1.0, 1.5), st.integers(0, 2**16))
+def test_place_requests_capped_layers_are_within_the_cap_or_no_swap_lowers_the_hottest_rank(N, cap, seed):
+    rng = np.random.default_rng(seed)
+    Q, L, E = 12, 2, 2 * N
+    A = (rng.random((Q, L, E)) ** 3 * 10).astype(np.float32)
+    e2r, r2r, share = place_requests(A, rng.integers(1, 9, Q), N, seed=seed, restarts=2, iters=10,
+                                     max_expert_load=cap)
+    for layer in range(L):
+        assert (np.bincount(e2r[layer], minlength=N) == E // N).all()
+        load = A[:, layer].sum(axis=0).astype(np.float64)
+        rl = np.bincount(e2r[layer], weights=load, minlength=N)
+        hot = int(np.argmax(rl))
+        if rl[hot] <= cap * rl.mean() + 1e-6:
+            continue
+        for a in np.flatnonzero(e2r[layer] == hot):  # a local optimum: no swap takes load off it
+            for b in np.flatnonzero(e2r[layer] != hot):
+                moved = load[a] - load[b]
+                assert not (moved > 0 and max(rl[hot] - moved, rl[e2r[layer, b]] + moved) < rl[hot] - 1e-6)
+
+
 # ---- the front-end router around vLLM's balancer -------------------------------------------------
 
 def _router(num_engines=2, ep_size=2, window=64):

@@ -179,7 +179,8 @@ def _solve_dp(counts, sample, meta, args, embeddings, groups=1):
     A, tokens = request_counts(sample["request_ids"], sample["topk_ids"], meta.num_experts)
     print(f"--mode dp: co-clustering {A.shape[0]} requests ({int(tokens.sum())} tokens) with experts",
           file=sys.stderr)
-    e2r, r2r, _ = place_requests(A, tokens, args.ep_size, args.capacity, seed=args.seed, groups=groups)
+    e2r, r2r, _ = place_requests(A, tokens, args.ep_size, args.capacity, seed=args.seed, groups=groups,
+                                 max_expert_load=args.max_expert_load)
     # then per layer, with the requests' ranks fixed, expert swaps that cut the all-to-all rows
     # (a token crosses once per remote rank, whatever its experts there); a swap could split a
     # routing group, so not for grouped models
@@ -766,8 +767,8 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--theta", type=number(float, 0.0, 1.0), default=0.5,
                        help="balance weight of ceo/alternating, in [0, 1] (default 0.5)")
         s.add_argument("--max-expert-load", type=number(float, 1.0), default=1.10,
-                       help="coclust, bytes: cap on each rank's expert (compute) load, x mean, >= 1 (default 1.10; "
-                            "--mode dp does not cap it, only keeps its swap refinement from raising it)")
+                       help="coclust, bytes, --mode dp: cap on each rank's expert (compute) load, x mean, >= 1 "
+                            "(default 1.10; --mode dp with routing groups: not capped, only kept from rising)")
         s.add_argument("--seed", type=number(int, 0), default=0)
         s.add_argument("--hidden-size", type=number(int, 1), default=4096,
                        help="for a2a bytes when the trace meta has no hidden_size (default 4096)")

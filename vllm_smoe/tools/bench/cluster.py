@@ -49,6 +49,7 @@ TARGETS = {
 BURST_PACKETS, BURST_SECONDS = 4, 50e-6  # tbf's bucket: a few frames, never a whole message
 HEADER_BYTES = 66  # Ethernet 14 + IPv4 20 + TCP 20 + timestamps 12, per packet on the veth
 ADDR = ("10.213.0.1", "10.213.0.2")
+UNCAPPED = 1000.0  # --max-expert-load of dp-ep-smoe-uncapped's placement: no cap in effect
 DEFAULT_WIDTHS = dict(hidden=1536, moe_intermediate=768, heads=24, kv_heads=12)
 
 
@@ -455,12 +456,13 @@ def wire_check(net: Net, hidden: int, work: str, tokens: int = 64, steps: int = 
 
 # ----- configurations ---------------------------------------------------------------------------
 
-def configurations(tp_placement: str, dp_placement: str, metrics_dir: str) -> dict:
+def configurations(tp_placement: str, dp_placement: str, metrics_dir: str, dp_uncapped: str | None = None) -> dict:
     """name -> {kind: tp|dp, smoe: whether smoe orders, routes or places anything, flags}.
     vLLM's peers run as vLLM's docs run them across nodes; every one loads the plugin with smoe's
     metrics (its communicator counts collectives per served step); the CPU build needs smoe's CPU
     fixes for expert parallelism (nothing placed or ordered, vLLM's all2all), and MLA models its
-    rotary fix even for plain TP."""
+    rotary fix even for plain TP. ``dp-ep-smoe-uncapped`` serves ``dp_uncapped``, a DP placement
+    built without the expert-load cap (as ``build --mode dp`` did before it had one)."""
     ep = ("--enable-expert-parallel", "--plugin", "smoe", "--smoe-log-interval", "0.5",
           "--additional-config", json.dumps({"smoe": {"metrics_dir": metrics_dir}}))
     # "counts": the configuration's all2all is smoe's sparse exchange, whose counters are read
@@ -479,6 +481,7 @@ def configurations(tp_placement: str, dp_placement: str, metrics_dir: str) -> di
         "dp-ep": {"kind": "dp", "smoe": False, "flags": ep + ("--smoe-all2all", "vllm")},
         "dp-ep-sparse": {"kind": "dp", "smoe": True, "flags": ep},
         "dp-ep-smoe": {"kind": "dp", "smoe": True, "flags": ep + ("--smoe-placement", dp_placement)},
+        "dp-ep-smoe-uncapped": {"kind": "dp", "smoe": True, "flags": ep + ("--smoe-placement", dp_uncapped or dp_placement)},
         "dp-ep-smoe-agrs": {"kind": "dp", "smoe": True,
                             "flags": ep + ("--smoe-placement", dp_placement, "--smoe-all2all", "vllm")},
     }
@@ -794,10 +797,17 @@ def run(a) -> int:
         sh(sys.executable, "-m", "vllm_smoe.tools.place_cli", "build", "--trace", *a.trace, "--ep-size", "2", "--model",
            a.model, *flags, "-o", out)
         tp_pl, dp_pl = (out, dp_pl) if mode == "tp" else (tp_pl, out)
+    names = [c for c in a.configs.split(",") if c]
+    dp_uncapped = None
+    if "dp-ep-smoe-uncapped" in names:
+        if not a.trace:
+            raise ValueError("--configs dp-ep-smoe-uncapped: --trace is needed to build its placement")
+        dp_uncapped = os.path.join(work, "placement-dp-uncapped.yaml")
+        sh(sys.executable, "-m", "vllm_smoe.tools.place_cli", "build", "--trace", *a.trace, "--ep-size", "2", "--model",
+           a.model, "--mode", "dp", "--max-expert-load", str(UNCAPPED), "-o", dp_uncapped)
     metrics_dir = os.path.join(work, "metrics")
     os.makedirs(metrics_dir, exist_ok=True)
-    all_cfgs = configurations(tp_pl, dp_pl, metrics_dir)
-    names = [c for c in a.configs.split(",") if c]
+    all_cfgs = configurations(tp_pl, dp_pl, metrics_dir, dp_uncapped)
     if bad := [c for c in names if c not in all_cfgs]:
         raise ValueError(f"--configs: unknown {bad}; choose from {', '.join(all_cfgs)}")
     host = host_speed()
