@@ -21,6 +21,7 @@ from .counts import assign_token_ids
 
 WINDOW = 64  # requests in the sliding balance window
 CAPACITY = 1.10  # default cap on a rank's share of the window's work, x fair share
+DECODE_CONCURRENCY = 8  # requests decoding at once in step_imbalance's default
 
 
 def request_index(request_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -246,6 +247,53 @@ def place_requests(A: np.ndarray, tokens: np.ndarray, ep_size: int, capacity: fl
         if share > best[2] + 1e-12:
             best = (e2r, r2r.astype(np.int64), share)
     return best
+
+
+def step_imbalance(topk_ids: np.ndarray, request_ids: np.ndarray, expert2rank: np.ndarray, ep_size: int,
+                   concurrency: int = DECODE_CONCURRENCY, steps: int = 256, seed: int = 0) -> float:
+    """What lock-step costs a placement in attention-DP decode: sum over steps and MoE layers of
+    the busiest rank's work over the mean rank's (1.0 = every rank equally busy at every layer).
+
+    DP engines wait for each other at every MoE layer's exchange, so a layer takes as long as its
+    busiest rank; at decode batch sizes a rank's expert work is reading the weights of each
+    distinct local expert its step's tokens activate, which is what is counted. ``concurrency``
+    requests are in flight (a seeded random order of the trace's requests; one finishing is
+    replaced by the next), each adding its next token to every step, for ``steps`` steps.
+    topk_ids: [T, L, K] int expert ids; request_ids: [T] int (a request's tokens in trace order);
+    expert2rank: [L, E] int. Which rank a request runs on does not change where its experts
+    are, so request routing leaves this number unchanged; the placement sets it."""
+    topk = np.asarray(topk_ids)
+    T, L, K = topk.shape
+    e2r = np.asarray(expert2rank, dtype=np.int64)
+    E = e2r.shape[1]
+    if T == 0 or steps < 1 or concurrency < 1:
+        raise ValueError(f"step_imbalance needs tokens, steps >= 1 and concurrency >= 1 (got {T}, {steps}, "
+                         f"{concurrency})")
+    _, q = request_index(request_ids)
+    starts = np.flatnonzero(np.r_[True, np.diff(np.sort(q, kind="stable")) != 0])
+    rows_of = np.argsort(q, kind="stable")  # tokens grouped by request, each in trace order
+    ends = np.r_[starts[1:], T]
+    order = np.random.default_rng(seed).permutation(starts.size)
+    C = min(concurrency, starts.size)
+    live = [[int(order[i]), 0] for i in range(C)]
+    nxt = C
+    layer = np.repeat(np.arange(L), C * K)
+    busiest = mean = 0.0
+    for _ in range(steps):
+        rows = np.array([rows_of[starts[r] + p] for r, p in live])
+        ex = topk[rows].transpose(1, 0, 2).reshape(-1).astype(np.int64)  # [L * C * K], layer-major
+        present = np.zeros(L * E, dtype=bool)
+        present[layer * E + ex] = True
+        li, ei = np.divmod(np.flatnonzero(present), E)
+        work = np.bincount(li * ep_size + e2r[li, ei], minlength=L * ep_size).reshape(L, ep_size)
+        busiest += float(work.max(axis=1).sum())
+        mean += float(work.mean(axis=1).sum())
+        for c in live:
+            c[1] += 1
+            if starts[c[0]] + c[1] >= ends[c[0]]:
+                c[0], c[1] = int(order[nxt % order.size]), 0
+                nxt += 1
+    return busiest / max(mean, 1e-12)
 
 
 def request_token_table(token_ids: np.ndarray, request_ids: np.ndarray, request2rank: np.ndarray,

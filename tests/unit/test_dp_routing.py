@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_smoe.placement.dp import (_request_scores, assign_requests, balance_mask, pick_rank, place_requests,
-                                    request_affinity, request_counts, request_index, request_token_table)
+                                    request_affinity, request_counts, request_index, request_token_table,
+                                    step_imbalance)
 from tests.support import REPO
 
 DP2 = os.path.join(REPO, "configs", "tiny-4dom-dp2.yaml")
@@ -193,6 +194,51 @@ def test_place_requests_capped_layers_are_within_the_cap_or_no_swap_lowers_the_h
             for b in np.flatnonzero(e2r[layer] != hot):
                 moved = load[a] - load[b]
                 assert not (moved > 0 and max(rl[hot] - moved, rl[e2r[layer, b]] + moved) < rl[hot] - 1e-6)
+
+
+def _step_imbalance_by_hand(topk, req, e2r, N, C, steps, seed):
+    """step_imbalance's twin, one token and one set at a time."""
+    firsts = list(dict.fromkeys(req.tolist()))  # requests in first-appearance order
+    tokens = {r: [t for t in range(len(req)) if req[t] == r] for r in firsts}
+    order = [firsts[i] for i in np.random.default_rng(seed).permutation(len(firsts))]
+    live = [[order[i], 0] for i in range(min(C, len(order)))]
+    nxt, busiest, mean = len(live), 0.0, 0.0
+    for _ in range(steps):
+        rows = [tokens[r][p] for r, p in live]
+        for layer in range(topk.shape[1]):
+            experts = {int(e) for t in rows for e in topk[t, layer]}
+            work = [sum(1 for e in experts if e2r[layer][e] == r) for r in range(N)]
+            busiest += max(work)
+            mean += sum(work) / N
+        for c in live:
+            c[1] += 1
+            if c[1] == len(tokens[c[0]]):
+                c[0], c[1] = order[nxt % len(order)], 0
+                nxt += 1
+    return busiest / mean
+
+
+def test_step_imbalance_golden():
+    # two one-token-per-step requests; layer 0 fires experts {0, 1} (both on rank 0), then {2, 3}
+    topk = np.array([[[0, 1]], [[2, 3]]])
+    req = np.array([7, 9])
+    assert step_imbalance(topk, req, np.array([[0, 0, 1, 1]]), 2, concurrency=2, steps=3) == pytest.approx(1.0)
+    assert step_imbalance(topk, req, np.array([[0, 0, 0, 1]]), 2, concurrency=2, steps=3) == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="concurrency"):
+        step_imbalance(topk, req, np.array([[0, 0, 1, 1]]), 2, concurrency=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 4), st.integers(1, 6), st.integers(1, 9), st.integers(0, 2**16))
+def test_step_imbalance_matches_a_token_by_token_count(N, C, steps, seed):
+    rng = np.random.default_rng(seed)
+    T, L, K, E = 30, 2, 2, 2 * N
+    topk = np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(L)]) for _ in range(T)])
+    req = rng.integers(0, 5, T) * 3 + 1  # interleaved requests, ids not dense
+    e2r = np.stack([rng.permutation(np.arange(E) % N) for _ in range(L)])
+    got = step_imbalance(topk, req, e2r, N, concurrency=C, steps=steps, seed=seed)
+    assert got == pytest.approx(_step_imbalance_by_hand(topk, req, e2r, N, C, steps, seed))
+    assert 1.0 - 1e-9 <= got <= N + 1e-9
 
 
 # ---- the front-end router around vLLM's balancer -------------------------------------------------

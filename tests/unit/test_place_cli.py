@@ -157,6 +157,14 @@ def test_evaluate_attention_dp_mode(built, tmp_path):
     ours, lin = res["placement (coclust)"], res["linear"]
     assert ours["lar"] > lin["lar"]  # requests scheduled by affinity beat round robin
     assert ours["token_load"] <= 1.2 and lin["token_load"] == 1.0  # 64-request windows, capacity 1.10
+    # the lock-step cost at decode, for each placement (at least 1: the busiest rank over the mean)
+    assert ours["step_imbalance"] >= 1.0 and lin["step_imbalance"] >= 1.0
+    assert main(["evaluate", "--trace", HELDOUT, "--placement", str(built), "--compare", "linear",
+                 "--mode", "dp", "--decode-concurrency", "1", "--json", str(js)]) == 0
+    one = json.load(open(js))["linear"]["step_imbalance"]
+    assert one > lin["step_imbalance"]  # a lone request's experts fall less evenly than eight requests'
+    r = _cli("evaluate", "--trace", HELDOUT, "--placement", str(built), "--decode-concurrency", "8")
+    assert r.returncode == 2 and "only with --mode dp" in r.stderr
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -18,8 +18,9 @@ from ..placement.assign import batches_from_windows, contiguous_tokens
 from ..placement.bytes import layer_instances, swap_for_bytes
 from ..formats.model_info import expert_groups
 from ..placement.dp import WINDOW as DP_WINDOW
+from ..placement.dp import DECODE_CONCURRENCY
 from ..placement.dp import (assign_requests, place_requests, request_affinity, request_counts, request_index,
-                           request_token_table, round_robin_requests, workload_scores)
+                           request_token_table, round_robin_requests, step_imbalance, workload_scores)
 from ..placement.groups import check_groups
 from ..placement.layout import NEEDS_INSTANCES, PREDICTED, SOLVERS, place_model
 from ..placement.metrics import evaluate, holds_from_expert2rank, local_share, recommend
@@ -36,7 +37,8 @@ from ..formats.trace import iter_traces, open_traces
 
 METRIC_KEYS = ("lar", "token_load", "expert_load", "remote_pairs_per_token", "remote_unique_per_token",
                "a2a_bytes_per_token", "internode_bytes_per_token", "intranode_bytes_per_token", "hit_rate",
-               "oracle_hit_rate", "oracle_lar", "oracle_share", "solve_seconds", "peak_mem_mb", "table_bytes")
+               "oracle_hit_rate", "oracle_lar", "oracle_share", "step_imbalance", "solve_seconds", "peak_mem_mb",
+               "table_bytes")
 COMPARE_ALL = ("linear", "round_robin", "eplb", "metis", "ceo", "alternating", "coclust", "bytes")
 
 
@@ -237,7 +239,7 @@ def _ticking(it, bar):
 
 
 def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, hidden, dtype_bytes, mode="tp",
-             nodes=1, shuffle=None, workloads=False, predictor="tables-markov", copies="own"):
+             nodes=1, shuffle=None, workloads=False, predictor="tables-markov", copies="own", concurrency=8):
     holds = holds_from_expert2rank(e2r, ep_size, reps)
     if mode == "dp":  # whole requests on attention-DP ranks
         reqs, q = request_index(arr["request_ids"])  # q: each token's request, in first-appearance order
@@ -278,7 +280,10 @@ def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, 
         return m
     else:
         t2r = np.repeat(contiguous_tokens(batch, ep_size)[:, None], meta.num_layers, axis=1)
-    return evaluate(arr["topk_ids"], t2r, e2r, batch, ep_size, holds, hidden, dtype_bytes, nodes, copies=copies)
+    m = evaluate(arr["topk_ids"], t2r, e2r, batch, ep_size, holds, hidden, dtype_bytes, nodes, copies=copies)
+    if mode == "dp" and not (np.asarray(reps) >= 0).any():  # copies would split an expert's reads: not modelled
+        m["step_imbalance"] = step_imbalance(arr["topk_ids"], arr["request_ids"], e2r, ep_size, concurrency)
+    return m
 
 
 def _check_dp_flags(a) -> None:
@@ -290,7 +295,8 @@ def _check_dp_flags(a) -> None:
                          f"votes and learns no bigram table")
     if a.mode != "dp":
         given = [f for f, v in (("--shuffle-requests", a.shuffle_requests is not None),
-                                ("--group-workloads", a.group_workloads)) if v]
+                                ("--group-workloads", a.group_workloads),
+                                ("--decode-concurrency", a.decode_concurrency is not None)) if v]
         if given:
             raise ValueError(f"{', '.join(given)}: only with --mode dp (whole requests routed to ranks)")
     if a.group_workloads:  # a domain is an index into its file's meta.domains: one list for all
@@ -378,7 +384,8 @@ def cmd_build(a) -> int:
     m = _measure(sub, batch, meta, e2r, reps, tables, a.ep_size, a.capacity,
                  tables is not None or a.predictor == "router",
                  meta.hidden_size or a.hidden_size, a.dtype_bytes, mode=a.mode, nodes=a.nodes,
-                 shuffle=a.shuffle_requests, workloads=a.group_workloads, predictor=a.predictor)
+                 shuffle=a.shuffle_requests, workloads=a.group_workloads, predictor=a.predictor,
+                 concurrency=a.decode_concurrency or DECODE_CONCURRENCY)
     m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tables.nbytes if tables is not None else 0)
     write_placement(a.output, expert2rank=e2r, ep_size=a.ep_size, nodes=a.nodes, top_k=meta.top_k,
                     vocab_size=meta.vocab_size,
@@ -394,8 +401,9 @@ def cmd_build(a) -> int:
                     metrics={k: m[k] for k in METRIC_KEYS if k in m})
     nodes = (f", a2a bytes/token {m['internode_bytes_per_token']:.0f} inter-node + "
              f"{m['intranode_bytes_per_token']:.0f} intra-node" if a.nodes > 1 else "")
+    step = f", step imbalance {m['step_imbalance']:.3f}" if "step_imbalance" in m else ""
     print(f"wrote {a.output}: in-sample LAR {m['lar']:.3f}, token load {m['token_load']:.3f}, "
-          f"expert load {m['expert_load']:.3f}{nodes} (first {sub['token_ids'].size} tokens), "
+          f"expert load {m['expert_load']:.3f}{step}{nodes} (first {sub['token_ids'].size} tokens), "
           f"solve {secs:.1f} s, tables {m['table_bytes'] / 1e6:.2f} MB, total {time.perf_counter() - t0:.1f} s")
     return 0
 
@@ -505,7 +513,8 @@ def _evaluate_all(a):
     label = f"placement ({p.method})"
     m = _measure(arr, batch, meta, p.expert2rank, p.replicas, tables, p.ep_size, p.capacity,
                  tables is not None or a.predictor == "router",
-                 hidden, a.dtype_bytes, a.mode, p.nodes, a.shuffle_requests, a.group_workloads, a.predictor)
+                 hidden, a.dtype_bytes, a.mode, p.nodes, a.shuffle_requests, a.group_workloads, a.predictor,
+                 concurrency=a.decode_concurrency or DECODE_CONCURRENCY)
     m.update({k: p.metrics[k] for k in ("solve_seconds", "peak_mem_mb", "table_bytes") if k in p.metrics})
     results[label] = m
     methods = [] if not a.compare else (COMPARE_ALL if a.compare == "all" else a.compare.split(","))
@@ -545,7 +554,8 @@ def _evaluate_all(a):
                 # served as plain EP, EPLB's copies are picked by vLLM's hash; smoe picks the token's own
                 m = _measure(arr, batch, meta, e2r, reps, tab, p.ep_size, p.capacity, predicted, hidden,
                              a.dtype_bytes, a.mode, p.nodes, a.shuffle_requests, a.group_workloads, a.predictor,
-                             copies="hashed" if method == "eplb" and not predicted else "own")
+                             copies="hashed" if method == "eplb" and not predicted else "own",
+                             concurrency=a.decode_concurrency or DECODE_CONCURRENCY)
                 m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tab.nbytes if predicted else 0)
                 results[form] = m
     return p, results, meta, arr
@@ -572,6 +582,9 @@ def _print_table(results: dict[str, dict]) -> None:
             "a2a_bytes_per_token", "hit_rate", "oracle_hit_rate", "oracle_share", "solve_seconds")
     head = ("method", "LAR", "tok_load", "exp_load", "remote/tok", "uniq/tok", "a2a B/tok", "hit", "oracle_hit",
             "LAR/oracle", "solve_s")
+    if any("step_imbalance" in m for m in results.values()):  # --mode dp
+        cols = cols[:3] + ("step_imbalance",) + cols[3:]
+        head = head[:4] + ("step_imb",) + head[4:]
     if any("internode_bytes_per_token" in m for m in results.values()):  # --nodes > 1
         cols = cols[:6] + ("internode_bytes_per_token", "intranode_bytes_per_token") + cols[6:]
         head = head[:7] + ("inter B/tok", "intra B/tok") + head[7:]
@@ -620,7 +633,8 @@ def cmd_advise(a) -> int:
                          "score with --predictor tables")
     given = [f for f, v in (("--capacity", a.capacity is not None), ("--replicas", a.replicas is not None),
                             ("--shuffle-requests", a.shuffle_requests is not None),
-                            ("--group-workloads", a.group_workloads)) if v]
+                            ("--group-workloads", a.group_workloads),
+                            ("--decode-concurrency", a.decode_concurrency is not None)) if v]
     if given:
         raise ValueError(f"{', '.join(given)}: advise takes capacity and copies from the served placement, and judges "
                          f"tensor-parallel placements only")
@@ -759,6 +773,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="--mode dp: requests arrive in a random order (this seed) instead of the trace's, for "
                             "traces recorded one workload after another (the simulated routing only: build "
                             "learns from the same requests either way)")
+        s.add_argument("--decode-concurrency", type=number(int, 1), default=None,
+                       help="--mode dp: requests decoding at once when scoring the placement's lock-step cost "
+                            "(step_imbalance: the busiest rank's distinct experts per MoE layer over the mean's; "
+                            "default 8)")
         s.add_argument("--group-workloads", action="store_true",
                        help="--mode dp: route each request by its workload's running score (the trace's 'domain' "
                             "field) instead of its own, so that a workload's requests land together")
