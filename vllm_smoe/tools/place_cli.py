@@ -18,9 +18,9 @@ from ..placement.assign import batches_from_windows, contiguous_tokens
 from ..placement.bytes import layer_instances, swap_for_bytes
 from ..formats.model_info import expert_groups
 from ..placement.dp import WINDOW as DP_WINDOW
-from ..placement.dp import DECODE_CONCURRENCY
-from ..placement.dp import (assign_requests, place_requests, request_affinity, request_counts, request_index,
-                           request_token_table, round_robin_requests, step_imbalance, workload_scores)
+from ..placement.dp import (DECODE_CONCURRENCY, assign_requests, place_requests, request_affinity, request_counts,
+                           request_index, request_token_table, round_robin_requests, step_imbalance,
+                           workload_scores)
 from ..placement.groups import check_groups
 from ..placement.layout import NEEDS_INSTANCES, PREDICTED, SOLVERS, place_model
 from ..placement.metrics import evaluate, holds_from_expert2rank, local_share, recommend
@@ -239,7 +239,8 @@ def _ticking(it, bar):
 
 
 def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, hidden, dtype_bytes, mode="tp",
-             nodes=1, shuffle=None, workloads=False, predictor="tables-markov", copies="own", concurrency=8):
+             nodes=1, shuffle=None, workloads=False, predictor="tables-markov", copies="own",
+             concurrency=DECODE_CONCURRENCY):
     holds = holds_from_expert2rank(e2r, ep_size, reps)
     if mode == "dp":  # whole requests on attention-DP ranks
         reqs, q = request_index(arr["request_ids"])  # q: each token's request, in first-appearance order
@@ -299,6 +300,8 @@ def _check_dp_flags(a) -> None:
                                 ("--decode-concurrency", a.decode_concurrency is not None)) if v]
         if given:
             raise ValueError(f"{', '.join(given)}: only with --mode dp (whole requests routed to ranks)")
+    elif a.decode_concurrency is None:
+        a.decode_concurrency = DECODE_CONCURRENCY
     if a.group_workloads:  # a domain is an index into its file's meta.domains: one list for all
         _, traces = open_traces(a.trace)
         named = [t for t in traces if t.meta.domains]
@@ -385,7 +388,7 @@ def cmd_build(a) -> int:
                  tables is not None or a.predictor == "router",
                  meta.hidden_size or a.hidden_size, a.dtype_bytes, mode=a.mode, nodes=a.nodes,
                  shuffle=a.shuffle_requests, workloads=a.group_workloads, predictor=a.predictor,
-                 concurrency=a.decode_concurrency or DECODE_CONCURRENCY)
+                 concurrency=a.decode_concurrency)
     m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tables.nbytes if tables is not None else 0)
     write_placement(a.output, expert2rank=e2r, ep_size=a.ep_size, nodes=a.nodes, top_k=meta.top_k,
                     vocab_size=meta.vocab_size,
@@ -514,7 +517,7 @@ def _evaluate_all(a):
     m = _measure(arr, batch, meta, p.expert2rank, p.replicas, tables, p.ep_size, p.capacity,
                  tables is not None or a.predictor == "router",
                  hidden, a.dtype_bytes, a.mode, p.nodes, a.shuffle_requests, a.group_workloads, a.predictor,
-                 concurrency=a.decode_concurrency or DECODE_CONCURRENCY)
+                 concurrency=a.decode_concurrency)
     m.update({k: p.metrics[k] for k in ("solve_seconds", "peak_mem_mb", "table_bytes") if k in p.metrics})
     results[label] = m
     methods = [] if not a.compare else (COMPARE_ALL if a.compare == "all" else a.compare.split(","))
@@ -555,7 +558,7 @@ def _evaluate_all(a):
                 m = _measure(arr, batch, meta, e2r, reps, tab, p.ep_size, p.capacity, predicted, hidden,
                              a.dtype_bytes, a.mode, p.nodes, a.shuffle_requests, a.group_workloads, a.predictor,
                              copies="hashed" if method == "eplb" and not predicted else "own",
-                             concurrency=a.decode_concurrency or DECODE_CONCURRENCY)
+                             concurrency=a.decode_concurrency)
                 m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tab.nbytes if predicted else 0)
                 results[form] = m
     return p, results, meta, arr

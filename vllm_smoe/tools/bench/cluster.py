@@ -462,7 +462,8 @@ def configurations(tp_placement: str, dp_placement: str, metrics_dir: str, dp_un
     metrics (its communicator counts collectives per served step); the CPU build needs smoe's CPU
     fixes for expert parallelism (nothing placed or ordered, vLLM's all2all), and MLA models its
     rotary fix even for plain TP. ``dp-ep-smoe-uncapped`` serves ``dp_uncapped``, a DP placement
-    built without the expert-load cap (as ``build --mode dp`` did before it had one)."""
+    built with ``--max-expert-load`` :data:`UNCAPPED`: neither the co-clustering nor its bytes
+    refinement bounds expert load."""
     ep = ("--enable-expert-parallel", "--plugin", "smoe", "--smoe-log-interval", "0.5",
           "--additional-config", json.dumps({"smoe": {"metrics_dir": metrics_dir}}))
     # "counts": the configuration's all2all is smoe's sparse exchange, whose counters are read
