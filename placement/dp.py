@@ -22,6 +22,7 @@ from .counts import assign_token_ids
 WINDOW = 64  # requests in the sliding balance window
 CAPACITY = 1.10  # default cap on a rank's share of the window's work, x fair share
 DECODE_CONCURRENCY = 8  # requests decoding at once in step_imbalance's default
+NODE_WEIGHT = 0.5  # a vote's weight on the other engines of its rank's node (placements with nodes > 1)
 
 
 def request_index(request_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -33,37 +34,49 @@ def request_index(request_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return uniq[order], q_of[inv.reshape(-1)]
 
 
-def token_votes(token2rank: np.ndarray, token_conf: np.ndarray, ep_size: int, engines: int | None = None
-                ) -> np.ndarray:
+def token_votes(token2rank: np.ndarray, token_conf: np.ndarray, ep_size: int, engines: int | None = None,
+                nodes: int = 1, node_weight: float = NODE_WEIGHT) -> np.ndarray:
     """[V, engines] float64: what each token id adds to a request's score on each engine, summed
     over MoE layers: its confidence for the engine holding its best rank (engine = rank //
-    (ep_size / engines); default one engine per rank). token2rank: [L, V, 2] int16 (-1 = unseen);
-    token_conf: [L, V] float."""
+    (ep_size / engines); default one engine per rank), and with ``nodes`` > 1 (ranks
+    ``n * ep_size/nodes ...`` form node n) ``node_weight`` x that for every engine on the best
+    rank's node, the engine itself included: a hierarchical placement (``place_requests(...,
+    nodes)``) put a request's experts on one node first, so where its own engine is full the
+    next best is a sibling, not whichever engine is least loaded. token2rank: [L, V, 2] int16
+    (-1 = unseen); token_conf: [L, V] float."""
     L, V = token_conf.shape
     engines = engines or ep_size
     if ep_size % engines:
         raise ValueError(f"placement ep_size {ep_size} is not a multiple of the {engines} DP engines")
+    if nodes < 1 or ep_size % nodes:
+        raise ValueError(f"placement nodes {nodes} does not divide its ep_size {ep_size}")
     votes = np.zeros(V * engines)
     for layer in range(L):
         r = token2rank[layer, :, 0].astype(np.int64)
         ok = r >= 0
         votes += np.bincount(np.flatnonzero(ok) * engines + r[ok] // (ep_size // engines),
                              weights=token_conf[layer, ok].astype(np.float64), minlength=V * engines)
-    return votes.reshape(V, engines)
+    votes = votes.reshape(V, engines)
+    per = engines // nodes  # engines on a node (a node's ranks are whole engines when nodes <= engines)
+    if nodes > 1 and per > 1 and engines % nodes == 0:
+        node = votes.reshape(V, nodes, per).sum(axis=2, keepdims=True)
+        votes = votes + node_weight * np.broadcast_to(node, (V, nodes, per)).reshape(V, engines)
+    return votes
 
 
 def request_affinity(token2rank: np.ndarray, token_conf: np.ndarray, token_ids: np.ndarray,
                      request_ids: np.ndarray, is_prefill: np.ndarray | None, ep_size: int,
-                     votes: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                     votes: np.ndarray | None = None, nodes: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Score every request against every rank from its prompt tokens (:func:`token_votes`).
 
     token2rank: [L, V, 2] int16 (-1 = unseen) and token_conf: [L, V] float tables;
     token_ids, request_ids: [T] int; is_prefill: [T] bool or None (all tokens count); votes:
-    the tables' :func:`token_votes`, when already made. Token ids outside the tables score nothing.
+    the tables' :func:`token_votes`, when already made; nodes: the placement's (for those votes).
+    Token ids outside the tables score nothing.
     Returns (request ids [Q] in first-appearance order, scores [Q, N] float64, tokens [Q] int64).
     """
     if votes is None:
-        votes = token_votes(token2rank, token_conf, ep_size)
+        votes = token_votes(token2rank, token_conf, ep_size, nodes=nodes)
     V, N = votes.shape
     reqs, q = request_index(request_ids)
     Q = reqs.size
@@ -209,7 +222,7 @@ def _experts_for(A: np.ndarray, request2rank: np.ndarray, ep_size: int, groups: 
 
 def place_requests(A: np.ndarray, tokens: np.ndarray, ep_size: int, capacity: float = CAPACITY,
                    restarts: int = 4, iters: int = 50, seed: int = 0, groups: int = 1,
-                   max_expert_load: float | None = None) -> tuple[np.ndarray, np.ndarray, float]:
+                   max_expert_load: float | None = None, nodes: int = 1) -> tuple[np.ndarray, np.ndarray, float]:
     """Experts for attention DP: co-cluster requests and experts so each request's activations
     sit on one rank (the rank it will run on), every rank holding E / N experts per layer and at
     most ``capacity`` x the fair share of the tokens.
@@ -223,7 +236,12 @@ def place_requests(A: np.ndarray, tokens: np.ndarray, ep_size: int, capacity: fl
     cap on each rank's share of a layer's activations, x mean (None: uncapped). DP engines step
     in lock-step, so the rank with the most expert work sets every engine's step time where
     decode is compute bound; the cap trades locality for that balance (ungrouped layers only,
-    see :func:`_experts_for`). Same seed, same result."""
+    see :func:`_experts_for`). nodes: ranks ``n * N/nodes ...`` form node n; with nodes > 1 the
+    slow link comes first: requests and experts are co-clustered onto nodes (E / nodes experts
+    each, the cap on each node's share), then inside each node onto its ranks from that node's
+    requests and experts alone, so an activation leaves its node only where the node-level
+    solution sends it; the cap then applies once more to the ranks (the two levels' caps
+    compound), by the swaps that cost least, a node's gain counting too. Same seed, same result."""
     Q, L, E = A.shape
     if E % ep_size:
         raise ValueError(f"{E} experts do not split evenly over ep_size {ep_size}")
@@ -231,6 +249,10 @@ def place_requests(A: np.ndarray, tokens: np.ndarray, ep_size: int, capacity: fl
         raise ValueError(f"place_requests needs iters >= 1 and at least one request (got {iters}, {Q})")
     if groups > 1 and (E % groups or (groups % ep_size and ep_size % groups)):
         raise ValueError(f"{groups} routing groups of {E} experts cannot stay whole over ep_size {ep_size}")
+    if nodes < 1 or ep_size % nodes:
+        raise ValueError(f"nodes {nodes} does not divide ep_size {ep_size}")
+    if 1 < nodes < ep_size:  # nodes == ep_size: one rank a node, the flat problem
+        return _place_by_node(A, tokens, ep_size, nodes, capacity, restarts, iters, seed, groups, max_expert_load)
     total = max(float(A.sum()), 1e-12)
     rng = np.random.default_rng(seed)
     best = (None, None, -1.0)
@@ -247,6 +269,39 @@ def place_requests(A: np.ndarray, tokens: np.ndarray, ep_size: int, capacity: fl
         if share > best[2] + 1e-12:
             best = (e2r, r2r.astype(np.int64), share)
     return best
+
+
+def _place_by_node(A: np.ndarray, tokens: np.ndarray, ep_size: int, nodes: int, capacity: float, restarts: int,
+                   iters: int, seed: int, groups: int, max_expert_load: float | None
+                   ) -> tuple[np.ndarray, np.ndarray, float]:
+    """:func:`place_requests` with nodes > 1: nodes first, then each node's ranks."""
+    Q, L, E = A.shape
+    per = ep_size // nodes
+    e2n, r2n, _ = place_requests(A, tokens, nodes, capacity, restarts, iters, seed, groups, max_expert_load)
+    # a node holds whole groups (groups >= nodes) or part of one (groups < nodes: one group inside)
+    sub_groups = groups // nodes if groups >= nodes else 1
+    e2r = np.empty((L, E), dtype=np.int32)
+    r2r = np.empty(Q, dtype=np.int64)
+    for n in range(nodes):
+        qs = np.flatnonzero(r2n == n)
+        ids = np.stack([np.flatnonzero(e2n[layer] == n) for layer in range(L)])  # [L, E / nodes], ascending
+        sub = np.take_along_axis(A[qs], ids[None], axis=2) if qs.size else None
+        if sub is None:  # no request chose this node: its experts spread over its ranks in order
+            e2r[np.arange(L)[:, None], ids] = n * per + np.arange(ids.shape[1]) // (ids.shape[1] // per)
+            continue
+        se2r, sr2r, _ = place_requests(sub, tokens[qs], per, capacity, restarts, iters, seed + n + 1, sub_groups,
+                                       max_expert_load)
+        e2r[np.arange(L)[:, None], ids] = n * per + se2r
+        r2r[qs] = n * per + sr2r
+    if max_expert_load is not None:  # the two levels' caps compound (up to cap x cap): cap the ranks once more,
+        onehot = np.eye(ep_size)[r2r]  # a swap across nodes costing its node's gain too
+        for layer in range(L):
+            gain = A[:, layer].T.astype(np.float64) @ onehot  # [E, N]
+            node_gain = np.repeat(gain.reshape(E, nodes, per).sum(axis=2), per, axis=1)
+            e2r[layer] = cap_expert_load(e2r[layer], gain + node_gain, A[:, layer].sum(axis=0).astype(np.float64),
+                                         ep_size, max_expert_load)
+    share = float(_request_scores(A, e2r, ep_size)[np.arange(Q), r2r].sum()) / max(float(A.sum()), 1e-12)
+    return e2r, r2r, share
 
 
 def step_imbalance(topk_ids: np.ndarray, request_ids: np.ndarray, expert2rank: np.ndarray, ep_size: int,

@@ -13,6 +13,9 @@ Notation: T tokens, L MoE layers, K top-k, E experts, N = ep_size ranks.
   With ``nodes`` > 1 (ranks ``n * N/nodes ...`` form node n) also split into
   ``internode_bytes_per_token`` (pairs whose remote rank is on another node) and
   ``intranode_bytes_per_token``.
+- ``rank2rank_rows``: [N, N] list, rows per token per MoE layer from the token's rank (row; under
+  attention DP the rank its request runs on) to each remote rank (column), counted as
+  ``remote_unique_per_token`` is (they sum to it; the diagonal is 0).
 - ``hit_rate``: share of (token, layer) whose rank holds at least one of its experts;
   ``oracle_hit_rate``: share whose rank holds as many of its experts as the best rank does.
 """
@@ -67,7 +70,8 @@ def evaluate(topk_ids: np.ndarray, token2rank: np.ndarray, expert2rank: np.ndarr
     copies: which copy an activation uses where an expert has several: "own" (smoe's serving:
     the one on the token's rank, else the home) or "hashed" (vLLM's EPLB: one picked by the
     token's row in its step, wherever it is). Returns a dict of floats plus ``lar_per_layer``
-    ([L] list) and ``rank_tokens``/``rank_compute`` ([N] lists, totals over the trace).
+    ([L] list), ``rank_tokens``/``rank_compute`` ([N] lists, totals over the trace) and
+    ``rank2rank_rows`` ([N, N] nested list, per token and MoE layer).
     """
     T, L, K = topk_ids.shape
     N = ep_size
@@ -82,6 +86,7 @@ def evaluate(topk_ids: np.ndarray, token2rank: np.ndarray, expert2rank: np.ndarr
     expert_load = np.zeros(L)
     rank_tokens = np.zeros(N, dtype=np.int64)
     rank_compute = np.zeros(N, dtype=np.int64)
+    traffic = np.zeros(N * N, dtype=np.int64)  # [src * N + dst] distinct remote rows
     single_copy = bool((holds.sum(axis=1) == 1).all())
     if copies not in ("own", "hashed"):
         raise ValueError(f"copies must be 'own' or 'hashed', got {copies!r}")
@@ -117,8 +122,9 @@ def evaluate(topk_ids: np.ndarray, token2rank: np.ndarray, expert2rank: np.ndarr
         srt = np.sort(remote_rank, axis=1)
         distinct = (srt[:, 1:] != srt[:, :-1]) & (srt[:, 1:] >= 0)
         remote_unique += int(((srt[:, 0] >= 0).sum()) + distinct.sum())
+        first = np.concatenate([srt[:, :1] >= 0, distinct], axis=1)  # [T, K] each distinct remote rank once
+        traffic += np.bincount((r[:, None] * N + srt)[first], minlength=N * N)
         if nodes > 1:  # the distinct remote ranks on another node than the token's rank
-            first = np.concatenate([srt[:, :1] >= 0, distinct], axis=1)
             internode += int((first & (srt // per_node != (r // per_node)[:, None])).sum())
         counts = np.bincount(batch * N + r, minlength=B * N).reshape(B, N)
         sizes = counts.sum(axis=1)
@@ -147,6 +153,7 @@ def evaluate(topk_ids: np.ndarray, token2rank: np.ndarray, expert2rank: np.ndarr
         "lar_per_layer": lar_layer.tolist(),
         "rank_tokens": rank_tokens.tolist(),
         "rank_compute": rank_compute.tolist(),
+        "rank2rank_rows": (traffic.reshape(N, N) / max(1, pairs)).tolist(),
     }
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from vllm_smoe.placement.dp import (_request_scores, assign_requests, balance_mask, pick_rank, place_requests,
                                     request_affinity, request_counts, request_index, request_token_table,
-                                    step_imbalance)
+                                    step_imbalance, token_votes)
 from tests.support import REPO
 
 DP2 = os.path.join(REPO, "configs", "tiny-4dom-dp2.yaml")
@@ -183,6 +183,13 @@ def test_place_requests_capped_layers_are_within_the_cap_or_no_swap_lowers_the_h
     A = (rng.random((Q, L, E)) ** 3 * 10).astype(np.float32)
     e2r, r2r, share = place_requests(A, rng.integers(1, 9, Q), N, seed=seed, restarts=2, iters=10,
                                      max_expert_load=cap)
+    _assert_capped_or_stuck(A, e2r, N, cap)
+
+
+def _assert_capped_or_stuck(A, e2r, N, cap):
+    """Every layer holds E / N experts a rank and is within ``cap`` x mean activations, or no swap
+    takes load off its hottest rank without making another as hot."""
+    L, E = e2r.shape
     for layer in range(L):
         assert (np.bincount(e2r[layer], minlength=N) == E // N).all()
         load = A[:, layer].sum(axis=0).astype(np.float64)
@@ -268,6 +275,86 @@ def test_router_folds_tp_ranks_into_engines_and_scores_a_nodes_own_engines():
     assert node.choose([3], 10, [0, 0]) == 1
     with pytest.raises(ValueError, match="outside the 4 DP ranks"):
         RequestRouter(t2r, np.ones((1, 8), np.float16), 4, 4, engine_ranks=[4])
+
+
+def _families(seed, Q=48, L=2, E=16):
+    """Four workloads in two families: workload w fires its own quarter of the experts, and a
+    third as often its sibling's (w ^ 1) quarter: [Q, L, E] activations, workload of each request."""
+    rng = np.random.default_rng(seed)
+    work = np.arange(Q) % 4
+    A = rng.random((Q, L, E)).astype(np.float32) * 0.1
+    for q in range(Q):
+        A[q, :, work[q] * 4:(work[q] + 1) * 4] += 6
+        A[q, :, (work[q] ^ 1) * 4:((work[q] ^ 1) + 1) * 4] += 2
+    return A, work
+
+
+def _node_share(A, e2r, r2r, per):
+    S = _request_scores(A, e2r // per, e2r.max() // per + 1)
+    return S[np.arange(len(r2r)), r2r // per].sum() / A.sum()
+
+
+def test_place_requests_by_node_keeps_families_on_a_node():
+    # 4 ranks on 2 nodes: the hierarchical solve puts each family (and its experts) on one node,
+    # so only the 0.1-noise leaves its node; every rank still holds E / N experts per layer
+    A, work = _families(0)
+    Q, L, E = A.shape
+    # the flat solve names its ranks without knowing nodes: with this seed it splits both families
+    flat = place_requests(A, np.full(Q, 10), 4, seed=2)
+    assert _node_share(A, flat[0], flat[1], 2) < 0.8
+    e2r, r2r, share = place_requests(A, np.full(Q, 10), 4, nodes=2, seed=2)
+    assert all((np.bincount(e2r[layer], minlength=4) == E // 4).all() for layer in range(L))
+    assert len({(w // 2, r // 2) for w, r in zip(work.tolist(), r2r.tolist())}) == 2  # a family per node
+    assert len(set(zip(work.tolist(), r2r.tolist()))) == 4  # a workload per rank
+    assert _node_share(A, e2r, r2r, 2) > 0.95 and share > 0.7
+    assert share == pytest.approx(_request_scores(A, e2r, 4)[np.arange(Q), r2r].sum() / A.sum())
+    with pytest.raises(ValueError, match="nodes 3 does not divide ep_size 4"):
+        place_requests(A, np.full(Q, 10), 4, nodes=3)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from([(4, 2), (8, 2), (8, 4)]), st.integers(0, 2**16))
+def test_place_requests_by_node_refines_the_node_level_solution(shape, seed):
+    # nodes first, then ranks inside: the node of every expert and request is the node-level
+    # solve's, each node's ranks split its experts evenly, and the share is what it scores
+    N, nodes = shape
+    rng = np.random.default_rng(seed)
+    Q, L, E = 20, 2, 2 * N
+    A = (rng.random((Q, L, E)) ** 3 * 10).astype(np.float32)
+    tokens = rng.integers(1, 9, Q)
+    e2r, r2r, share = place_requests(A, tokens, N, seed=seed, restarts=2, iters=10, nodes=nodes)
+    e2n, r2n, _ = place_requests(A, tokens, nodes, seed=seed, restarts=2, iters=10)
+    per = N // nodes
+    np.testing.assert_array_equal(e2r // per, e2n)
+    np.testing.assert_array_equal(r2r // per, r2n)
+    assert all((np.bincount(e2r[layer], minlength=N) == E // N).all() for layer in range(L))
+    assert share == pytest.approx(_request_scores(A, e2r, N)[np.arange(Q), r2r].sum() / A.sum())
+    # capped, the ranks are within the cap (not cap x cap) or at a local optimum of the swaps
+    e2r, r2r, share = place_requests(A, tokens, N, seed=seed, restarts=2, iters=10, nodes=nodes, max_expert_load=1.1)
+    np.testing.assert_array_equal(r2r // per, place_requests(A, tokens, nodes, seed=seed, restarts=2, iters=10,
+                                                             max_expert_load=1.1)[1])
+    _assert_capped_or_stuck(A, e2r, N, 1.1)
+
+
+def test_token_votes_count_for_the_node_too():
+    # 4 ranks on 2 nodes (0-1, 2-3); token 0 votes rank 1 (conf 1), token 1 rank 2 (conf 0.5)
+    t2r = np.array([[[1, -1], [2, -1], [-1, -1]]], dtype=np.int16)
+    conf = np.array([[1.0, 0.5, 0.0]])
+    np.testing.assert_allclose(token_votes(t2r, conf, 4), [[0, 1, 0, 0], [0, 0, 0.5, 0], [0, 0, 0, 0]])
+    np.testing.assert_allclose(token_votes(t2r, conf, 4, nodes=2, node_weight=0.5),
+                               [[0.5, 1.5, 0, 0], [0, 0, 0.75, 0.25], [0, 0, 0, 0]])
+    np.testing.assert_allclose(token_votes(t2r, conf, 4, engines=2, nodes=2), [[1, 0], [0, 0.5]] + [[0, 0]])
+    with pytest.raises(ValueError, match="nodes 3 does not divide"):
+        token_votes(t2r, conf, 4, nodes=3)
+    # a full engine's request goes to its node's other engine, not to the least loaded one
+    from vllm_smoe.serving.dp_router import RequestRouter
+
+    flat = RequestRouter(t2r, conf.astype(np.float16), 4, 4, window=8)
+    node = RequestRouter(t2r, conf.astype(np.float16), 4, 4, window=8, nodes=2)
+    for r in (flat, node):
+        r.routed(1, 10, "placement")  # engine 1 is full for one more (20 > max(1.1 x 5, 0 + 10))
+    assert flat.choose([0], 10, [0, 0, 0, 0]) == -1  # no open engine scores: vLLM's least loaded
+    assert node.choose([0], 10, [0, 0, 0, 0]) == 0
 
 
 def test_router_waiting_mask_follows_vllms_per_client_count():

@@ -167,6 +167,26 @@ def test_evaluate_attention_dp_mode(built, tmp_path):
     assert r.returncode == 2 and "only with --mode dp" in r.stderr
 
 
+def test_dp_placement_over_nodes_and_evaluate_nodes(built, tmp_path, capsys):
+    # --mode dp --nodes 2: nodes first; evaluate --nodes splits any placement's bytes by node
+    out = tmp_path / "dpn.yaml"
+    assert main(["build", "--trace", TRAIN, "--ep-size", "4", "--mode", "dp", "--nodes", "2", "--model",
+                 FIXTURE_MODEL, "-o", str(out)]) == 0
+    assert "inter-node" in capsys.readouterr().out and load_placement(str(out)).nodes == 2
+    res = {}
+    for name, path in (("dp", out), ("tp", built)):
+        js = tmp_path / f"{name}.json"
+        assert main(["evaluate", "--trace", HELDOUT, "--placement", str(path), "--mode", "dp", "--nodes", "2",
+                     "--json", str(js)]) == 0
+        res[name] = next(iter(json.load(open(js)).values()))
+    for m in res.values():  # the flat placement split as if it ran on two nodes too
+        assert m["internode_bytes_per_token"] + m["intranode_bytes_per_token"] == pytest.approx(m["a2a_bytes_per_token"])
+        R = np.array(m["rank2rank_rows"])  # which DP rank's rows go where
+        assert R.shape == (4, 4) and (np.diag(R) == 0).all() and R.sum() == pytest.approx(m["remote_unique_per_token"])
+    r = _cli("evaluate", "--trace", HELDOUT, "--placement", str(built), "--nodes", "3")
+    assert r.returncode == 2 and "--nodes 3 does not divide the ep_size 4" in r.stderr
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_build_reads_embeddings_of_sharded_half_precision_checkpoints(tmp_path, dtype):
     """Real checkpoints ship bf16 and sharded: the embedding is read from the shard the index

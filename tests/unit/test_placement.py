@@ -269,6 +269,28 @@ def test_internode_and_intranode_bytes_golden():
     assert m["internode_bytes_per_token"] == (2 + 2) / 2 * 2 and m["intranode_bytes_per_token"] == (1 + 1) / 2 * 2
     assert m["a2a_bytes_per_token"] == m["internode_bytes_per_token"] + m["intranode_bytes_per_token"]
     assert "internode_bytes_per_token" not in evaluate(topk, t2r, e2r, np.zeros(2), 4)
+    # where each token's rows go: rank 0 sends one row to each of 1, 2, 3; rank 3 to 0, 1, 2
+    want = np.zeros((4, 4))
+    want[0, [1, 2, 3]] = want[3, [0, 1, 2]] = 1 / 2
+    np.testing.assert_array_equal(m["rank2rank_rows"], want)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 4), st.integers(1, 3), st.integers(0, 2**16))
+def test_rank2rank_rows_count_each_tokens_distinct_remote_ranks(N, K, seed):
+    rng = np.random.default_rng(seed)
+    T, L, E = 20, 2, 2 * N
+    topk = np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(L)]) for _ in range(T)])
+    e2r = np.stack([rng.permutation(E) % N for _ in range(L)]).astype(np.int32)
+    t2r = rng.integers(0, N, (T, L))
+    m = evaluate(topk, t2r, e2r, np.zeros(T), N)
+    want = np.zeros((N, N))
+    for t in range(T):
+        for layer in range(L):
+            for dst in {int(e2r[layer, e]) for e in topk[t, layer]} - {int(t2r[t, layer])}:
+                want[t2r[t, layer], dst] += 1 / (T * L)
+    np.testing.assert_allclose(m["rank2rank_rows"], want, atol=1e-12)
+    assert np.sum(m["rank2rank_rows"]) == pytest.approx(m["remote_unique_per_token"])
 
 
 def test_broken_group_golden():

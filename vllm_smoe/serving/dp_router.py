@@ -46,16 +46,18 @@ class RequestRouter:
     tables over its ``ep_size`` expert-parallel ranks; DP rank d holds EP ranks
     ``d * ep_size / dp_size ...`` (vLLM's EP rank = dp_rank * tp + tp_rank), so an engine's score
     is the sum of its ranks'. engine_ranks: the global DP ranks of the engines this client routes
-    to, in its order (all of them, or a node's own under hybrid load balancing). Not
+    to, in its order (all of them, or a node's own under hybrid load balancing). nodes: the
+    placement's (a vote also counts for its rank's node, see ``token_votes``). Not
     thread-safe: one per front-end client (vLLM calls it from its event loop)."""
 
     def __init__(self, token2rank: np.ndarray, token_conf: np.ndarray, ep_size: int, dp_size: int,
-                 engine_ranks=None, capacity: float = CAPACITY, window: int = WINDOW, log_interval: float = 10.0):
+                 engine_ranks=None, capacity: float = CAPACITY, window: int = WINDOW, log_interval: float = 10.0,
+                 nodes: int = 1):
         ranks = list(range(dp_size)) if engine_ranks is None else [int(r) for r in engine_ranks]
         if not ranks or min(ranks) < 0 or max(ranks) >= dp_size:
             raise ValueError(f"engine ranks {ranks} outside the {dp_size} DP ranks")
         # [V, engines]: a prompt's score is one gather and a sum (the placement/dp.py rule)
-        self.votes = token_votes(token2rank, token_conf, ep_size, dp_size)[:, ranks]
+        self.votes = token_votes(token2rank, token_conf, ep_size, dp_size, nodes=nodes)[:, ranks]
         self.ep_size, self.num_engines = ep_size, len(ranks)
         self.capacity, self.window = capacity, window
         self.load = np.zeros(self.num_engines)  # routed work of the last ``window`` requests, per engine
@@ -140,7 +142,8 @@ def router_for(vllm_config, engine_ranks) -> RequestRouter | None:
         if tables is None:
             return None
         router = RequestRouter(tables.token2rank, tables.token_conf, placement.ep_size, pc.data_parallel_size,
-                               engine_ranks, capacity=placement.capacity, log_interval=cfg.log_interval)
+                               engine_ranks, capacity=placement.capacity, log_interval=cfg.log_interval,
+                               nodes=placement.nodes)
     except ValueError as e:
         logger.error("smoe dp routing is off for this front end, every request goes to vLLM's balancer: %s", e)
         return None
@@ -219,7 +222,7 @@ def preferred_rank(placement_path: str, prompt_token_ids, num_engines: int | Non
         placement = load_placement(placement_path)
         tables = load_tables(placement)
         scorer = _SCORERS[key] = RequestRouter(tables.token2rank, tables.token_conf, placement.ep_size,
-                                               num_engines or placement.ep_size)
+                                               num_engines or placement.ep_size, nodes=placement.nodes)
     s = scorer.scores(prompt_token_ids)
     best = pick_rank(s, np.ones(s.size, dtype=bool))
     return (None if best < 0 else best), s.tolist()

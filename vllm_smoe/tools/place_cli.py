@@ -182,12 +182,13 @@ def _solve_dp(counts, sample, meta, args, embeddings, groups=1):
     print(f"--mode dp: co-clustering {A.shape[0]} requests ({int(tokens.sum())} tokens) with experts",
           file=sys.stderr)
     e2r, r2r, _ = place_requests(A, tokens, args.ep_size, args.capacity, seed=args.seed, groups=groups,
-                                 max_expert_load=args.max_expert_load)
+                                 max_expert_load=args.max_expert_load, nodes=args.nodes)
     # then per layer, with the requests' ranks fixed, expert swaps that cut the all-to-all rows
     # (a token crosses once per remote rank, whatever its experts there); a swap could split a
-    # routing group, so not for grouped models
+    # routing group, so not for grouped models, and could move an expert across nodes, so not
+    # with --nodes (the hierarchical solve put the slow link first)
     _, q = request_index(sample["request_ids"])
-    for layer in range(meta.num_layers if groups == 1 else 0):
+    for layer in range(meta.num_layers if groups == 1 and args.nodes == 1 else 0):
         inst = layer_instances(q, sample["topk_ids"][:, layer].astype(np.int64))
         e2r[layer] = swap_for_bytes(sp.csr_matrix(A[:, layer]), inst, r2r, args.ep_size, e2r[layer],
                                     args.max_expert_load, seed=args.seed)
@@ -240,7 +241,10 @@ def _ticking(it, bar):
 
 def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, hidden, dtype_bytes, mode="tp",
              nodes=1, shuffle=None, workloads=False, predictor="tables-markov", copies="own",
-             concurrency=DECODE_CONCURRENCY):
+             concurrency=DECODE_CONCURRENCY, route_nodes=None):
+    """Metrics of one placement on ``arr``'s rows. nodes: how the bytes split into inter- and
+    intra-node; route_nodes: the nodes the placement was built for, which --mode dp's request
+    router scores with (default ``nodes``)."""
     holds = holds_from_expert2rank(e2r, ep_size, reps)
     if mode == "dp":  # whole requests on attention-DP ranks
         reqs, q = request_index(arr["request_ids"])  # q: each token's request, in first-appearance order
@@ -250,7 +254,8 @@ def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, 
         r2r = np.empty(Q, dtype=np.int64)
         if predicted:
             _, scores, tokens = request_affinity(tables.token2rank, tables.token_conf, arr["token_ids"],
-                                                 arr["request_ids"], arr.get("is_prefill"), ep_size)
+                                                 arr["request_ids"], arr.get("is_prefill"), ep_size,
+                                                 nodes=route_nodes or nodes)
             scores = scores[arrival]
             if workloads:  # workload-aware grouping: a request scores as its workload's centroid so far
                 if "domain" not in arr:
@@ -320,7 +325,7 @@ def cmd_build(a) -> int:
         raise ValueError(f"--learned: trained for the token order of a locality placement (--mode tp, --method "
                          f"{' / '.join(PREDICTED)}), not {'--mode dp' if a.mode == 'dp' else '--method ' + a.method}")
     if a.mode == "dp":
-        bad = [f for f, v in (("--nodes", a.nodes > 1), ("--replicas", a.replicas > 0),
+        bad = [f for f, v in (("--replicas", a.replicas > 0),
                               ("--method", a.method != "coclust")) if v]
         if bad:
             raise ValueError(f"--mode dp: {', '.join(bad)} not supported with request-level placement yet")
@@ -514,10 +519,13 @@ def _evaluate_all(a):
             raise ValueError("--predictor learned with --compare: the peers' placements get no learned predictor "
                              "yet; compare with --predictor tables")
     label = f"placement ({p.method})"
+    nodes = a.nodes or p.nodes  # the bytes split only: every placement is solved as the placement was
+    if p.ep_size % nodes:
+        raise ValueError(f"--nodes {nodes} does not divide the ep_size {p.ep_size} of {a.placement}")
     m = _measure(arr, batch, meta, p.expert2rank, p.replicas, tables, p.ep_size, p.capacity,
                  tables is not None or a.predictor == "router",
-                 hidden, a.dtype_bytes, a.mode, p.nodes, a.shuffle_requests, a.group_workloads, a.predictor,
-                 concurrency=a.decode_concurrency)
+                 hidden, a.dtype_bytes, a.mode, nodes, a.shuffle_requests, a.group_workloads, a.predictor,
+                 concurrency=a.decode_concurrency, route_nodes=p.nodes)
     m.update({k: p.metrics[k] for k in ("solve_seconds", "peak_mem_mb", "table_bytes") if k in p.metrics})
     results[label] = m
     methods = [] if not a.compare else (COMPARE_ALL if a.compare == "all" else a.compare.split(","))
@@ -556,9 +564,9 @@ def _evaluate_all(a):
             for form, predicted in ((method, False), (method + "+pred", True)):
                 # served as plain EP, EPLB's copies are picked by vLLM's hash; smoe picks the token's own
                 m = _measure(arr, batch, meta, e2r, reps, tab, p.ep_size, p.capacity, predicted, hidden,
-                             a.dtype_bytes, a.mode, p.nodes, a.shuffle_requests, a.group_workloads, a.predictor,
+                             a.dtype_bytes, a.mode, nodes, a.shuffle_requests, a.group_workloads, a.predictor,
                              copies="hashed" if method == "eplb" and not predicted else "own",
-                             concurrency=a.decode_concurrency)
+                             concurrency=a.decode_concurrency, route_nodes=p.nodes)
                 m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tab.nbytes if predicted else 0)
                 results[form] = m
     return p, results, meta, arr
@@ -849,6 +857,10 @@ def build_parser() -> argparse.ArgumentParser:
         e.add_argument("--mode", choices=("tp", "dp"), default="tp",
                        help="tp: attention in tensor parallel, tokens shuffled per layer (default); "
                             "dp: attention data parallel, whole requests scheduled on ranks")
+        e.add_argument("--nodes", type=number(int, 1), default=None,
+                       help="split the all-to-all bytes into inter- and intra-node as if ranks n*N/nodes .. "
+                            "(n+1)*N/nodes - 1 formed node n (default: the placement's nodes); every placement "
+                            "is still solved as the placement was")
         common(e)
         if name == "evaluate":
             e.add_argument("--json", help="write {method: {metric: value}} here")
