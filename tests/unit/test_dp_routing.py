@@ -357,6 +357,54 @@ def test_token_votes_count_for_the_node_too():
     assert node.choose([0], 10, [0, 0, 0, 0]) == 0
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), st.lists(st.tuples(st.integers(0, 2), st.integers(1, 20), st.integers(0, 30)),
+                                   min_size=1, max_size=60))
+def test_router_window_follows_requests_in_flight(window, calls):
+    # the load is always the work of the last max(window, in flight) routed requests, however
+    # the in-flight count moves between calls
+    r = _router(num_engines=3, ep_size=3, window=window)
+    history = []
+    for engine, weight, in_flight in calls:
+        r.choose([1], 5, [0, 0, 0], in_flight=in_flight)
+        span = max(window, in_flight)
+        want = np.bincount([e for e, _ in history[-span:]], weights=[w for _, w in history[-span:]], minlength=3)
+        np.testing.assert_allclose(r.load, want)
+        r.routed(engine, weight, "placement")
+        history.append((engine, weight))
+        want = np.bincount([e for e, _ in history[-span:]], weights=[w for _, w in history[-span:]], minlength=3)
+        np.testing.assert_allclose(r.load, want)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 40), st.lists(st.tuples(st.lists(st.integers(0, 7), min_size=1, max_size=4), st.integers(1, 30)),
+                                    min_size=1, max_size=50))
+def test_router_with_requests_in_flight_is_the_offline_rule(in_flight, requests):
+    # what evaluate --mode dp --in-flight simulates: the server's router with that many in flight
+    # (vLLM's balancer, for a request without a preference, stands in as the least loaded engine)
+    r = _router(window=8)
+    scores = np.array([r.scores(p) for p, _ in requests])
+    weights = np.array([w for _, w in requests])
+    online = []
+    for prompt, w in requests:
+        e = r.choose(prompt, float(w), [0, 0], in_flight=in_flight)
+        e = int(np.argmin(r.load)) if e < 0 else e
+        r.routed(e, float(w), "placement")
+        online.append(e)
+    assert online == assign_requests(scores, weights, 2, window=max(8, in_flight)).tolist()
+
+
+def test_router_balances_over_what_is_in_flight():
+    # 64 requests in flight, the last 8 of them on engine 1: over a window of 8 engine 1 is full,
+    # over the 64 in flight (32 on each engine) it is open and the prompt keeps its engine
+    r = _router(window=8)
+    for i in range(64):
+        r.routed(0 if i < 32 else 1, 10, "placement")
+    assert r.choose([1], 10, [0, 0]) == 0
+    assert r.choose([1], 10, [0, 0], in_flight=64) == 1
+    assert r.choose([1], 10, [0, 0], in_flight=3) == 0  # back under the window: its 8 again
+
+
 def test_router_waiting_mask_follows_vllms_per_client_count():
     # two front ends: vLLM adds 2 to an engine's waiting count per routed request until the next
     # snapshot; one request of slack is then 2, so a burst is not forced to alternate

@@ -165,6 +165,16 @@ def test_evaluate_attention_dp_mode(built, tmp_path):
     assert one > lin["step_imbalance"]  # a lone request's experts fall less evenly than eight requests'
     r = _cli("evaluate", "--trace", HELDOUT, "--placement", str(built), "--decode-concurrency", "8")
     assert r.returncode == 2 and "only with --mode dp" in r.stderr
+    r = _cli("evaluate", "--trace", HELDOUT, "--placement", str(built), "--in-flight", "256")
+    assert r.returncode == 2 and "--in-flight" in r.stderr and "only with --mode dp" in r.stderr
+    # more requests in flight: the same balance over more of them leaves more where they belong
+    assert main(["evaluate", "--trace", HELDOUT, "--placement", str(built), "--mode", "dp", "--shuffle-requests", "0",
+                 "--in-flight", "256", "--json", str(js)]) == 0
+    wide = json.load(open(js))["placement (coclust)"]
+    assert main(["evaluate", "--trace", HELDOUT, "--placement", str(built), "--mode", "dp", "--shuffle-requests", "0",
+                 "--json", str(js)]) == 0
+    narrow = json.load(open(js))["placement (coclust)"]
+    assert wide["lar"] > narrow["lar"] and wide["token_load"] <= 1.10 + 0.02
 
 
 def test_dp_placement_over_nodes_and_evaluate_nodes(built, tmp_path, capsys):

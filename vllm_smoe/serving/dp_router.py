@@ -13,8 +13,9 @@ method, in the front-end process only:
   or one vLLM routes by its own rule (late interaction, session affinity), is vLLM's;
 - otherwise the request's scores (:func:`vllm_smoe.placement.dp.request_affinity`) pick the
   best engine among those two balance masks leave open (:func:`~vllm_smoe.placement.dp.balance_mask`):
-  the routed work (prompt + max new tokens) of the last ``WINDOW`` requests, exactly as
-  ``smoe-place evaluate --mode dp`` simulates it, and vLLM's own count of waiting requests per
+  the routed work (prompt + max new tokens) of the last ``WINDOW`` requests, or of as many as
+  the front end has in flight where that is more, exactly as ``smoe-place evaluate --mode dp
+  --in-flight`` simulates it, and vLLM's own count of waiting requests per
   engine (one request of slack), so no engine gets more than its share of queued work;
 - when no open engine scores strictly best (an unseen prompt, a tie, everything masked), vLLM's
   balancer chooses as it would without smoe.
@@ -34,6 +35,8 @@ from collections import deque
 import numpy as np
 
 from ..placement.dp import CAPACITY, WINDOW, balance_mask, pick_rank, request_affinity, token_votes
+
+MAX_SPAN = 1 << 14  # the longest window kept (requests), whatever is in flight
 
 logger = logging.getLogger("vllm.smoe")
 
@@ -59,9 +62,10 @@ class RequestRouter:
         # [V, engines]: a prompt's score is one gather and a sum (the placement/dp.py rule)
         self.votes = token_votes(token2rank, token_conf, ep_size, dp_size, nodes=nodes)[:, ranks]
         self.ep_size, self.num_engines = ep_size, len(ranks)
-        self.capacity, self.window = capacity, window
-        self.load = np.zeros(self.num_engines)  # routed work of the last ``window`` requests, per engine
-        self.recent: deque[tuple[int, float]] = deque()
+        self.capacity, self.window = capacity, window  # window: the fewest requests balanced over
+        self.span = window  # the window in use: max(window, this front end's requests in flight)
+        self.load = np.zeros(self.num_engines)  # routed work of the last ``span`` requests, per engine
+        self.recent: deque[tuple[int, float]] = deque(maxlen=MAX_SPAN + 1)  # one past: the one leaving
         self.counts = {"placement": 0, "vllm": 0, "explicit": 0}
         self.per_engine = np.zeros(self.num_engines, dtype=np.int64)
         self.first_choice = 0  # requests routed to the engine they score best on, all engines open
@@ -73,11 +77,29 @@ class RequestRouter:
         _, s, _ = request_affinity(None, None, ids, np.zeros(ids.size, np.int64), None, self.ep_size, self.votes)
         return s[0] if s.shape[0] else np.zeros(self.num_engines)
 
-    def choose(self, prompt_token_ids, weight: float, waiting, client_count: int = 1) -> int:
+    def _resize(self, in_flight: int) -> None:
+        """Balance over the last max(window, in_flight) routed requests: what is in flight when
+        requests finish in arrival order. A long window at low load would let one engine
+        take a burst; a short one at high load spreads requests a larger in-flight set would
+        balance anyway, and locality is lost for nothing (BENCHMARKS.md, "Attention DP over nodes")."""
+        span = min(max(self.window, int(in_flight)), MAX_SPAN)
+        n = len(self.recent)
+        # in flight moves by a request or two between calls: add or drop the requests between the spans
+        for i in range(min(self.span, n), min(span, n)):
+            e, w = self.recent[n - 1 - i]
+            self.load[e] += w
+        for i in range(min(span, n), min(self.span, n)):
+            e, w = self.recent[n - 1 - i]
+            self.load[e] -= w
+        self.span = span
+
+    def choose(self, prompt_token_ids, weight: float, waiting, client_count: int = 1, in_flight: int = 0) -> int:
         """The engine smoe routes a request to, or -1 = leave it to vLLM's balancer.
         waiting: [num_engines] vLLM's waiting-request count per engine, in which each of the
         ``client_count`` front ends counts a request it routes as ``client_count`` until the
-        coordinator's next snapshot (100 ms)."""
+        coordinator's next snapshot (100 ms); in_flight: this front end's requests in flight
+        (vLLM's own count), which sets the window when it is above ``window``."""
+        self._resize(in_flight)
         open_ = balance_mask(self.load, weight, self.capacity)
         # one request of slack, or a burst would alternate engines on vLLM's own estimate
         open_ &= balance_mask(np.asarray(waiting, dtype=np.float64), float(client_count), self.capacity,
@@ -92,8 +114,8 @@ class RequestRouter:
         """Account a request sent to ``engine`` (by ``how``: placement | vllm | explicit)."""
         self.recent.append((engine, weight))
         self.load[engine] += weight
-        if len(self.recent) > self.window:
-            e, w = self.recent.popleft()
+        if len(self.recent) > self.span:  # the request that leaves the window (still in the history)
+            e, w = self.recent[-self.span - 1]
             self.load[e] -= w
         self.counts[how] += 1
         self.per_engine[engine] += 1
@@ -180,7 +202,7 @@ def _choose(orig, client, request):
                       "explicit" if request.data_parallel_rank is not None else "vllm")
         return engine
     choice = router.choose(request.prompt_token_ids, weight, [c[0] for c in client.lb_engines],
-                           client.client_count)
+                           client.client_count, sum(client.engine_inflight.values()))
     if choice < 0:
         engine = orig(client, request)
         router.routed(client.core_engines.index(engine), weight, "vllm")

@@ -241,10 +241,12 @@ def _ticking(it, bar):
 
 def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, hidden, dtype_bytes, mode="tp",
              nodes=1, shuffle=None, workloads=False, predictor="tables-markov", copies="own",
-             concurrency=DECODE_CONCURRENCY, route_nodes=None):
+             concurrency=DECODE_CONCURRENCY, route_nodes=None, in_flight=DP_WINDOW):
     """Metrics of one placement on ``arr``'s rows. nodes: how the bytes split into inter- and
     intra-node; route_nodes: the nodes the placement was built for, which --mode dp's request
-    router scores with (default ``nodes``)."""
+    router scores with (default ``nodes``); in_flight: --mode dp's balance window, in requests
+    (the server's router balances over max(WINDOW, its requests in flight))."""
+    window = max(DP_WINDOW, in_flight)
     holds = holds_from_expert2rank(e2r, ep_size, reps)
     if mode == "dp":  # whole requests on attention-DP ranks
         reqs, q = request_index(arr["request_ids"])  # q: each token's request, in first-appearance order
@@ -263,13 +265,13 @@ def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, 
                 wl = np.empty(Q, dtype=np.int64)
                 wl[q] = arr["domain"]
                 scores = workload_scores(scores, wl[arrival])
-            r2r[arrival] = assign_requests(scores, tokens[arrival], ep_size, capacity, window=DP_WINDOW)
+            r2r[arrival] = assign_requests(scores, tokens[arrival], ep_size, capacity, window=window)
         else:
             r2r[arrival] = round_robin_requests(Q, ep_size)
         pos = np.empty(Q, dtype=np.int64)
         pos[arrival] = np.arange(Q)
         # balance is judged per scheduling window (DP ranks batch their own requests)
-        win = pos[q] // DP_WINDOW
+        win = pos[q] // in_flight
         order = np.argsort(win, kind="stable")
         arr = {k: v[order] for k, v in arr.items()}
         t2r = np.repeat(r2r[q[order]][:, None], meta.num_layers, axis=1)
@@ -302,11 +304,13 @@ def _check_dp_flags(a) -> None:
     if a.mode != "dp":
         given = [f for f, v in (("--shuffle-requests", a.shuffle_requests is not None),
                                 ("--group-workloads", a.group_workloads),
-                                ("--decode-concurrency", a.decode_concurrency is not None)) if v]
+                                ("--decode-concurrency", a.decode_concurrency is not None),
+                                ("--in-flight", a.in_flight is not None)) if v]
         if given:
             raise ValueError(f"{', '.join(given)}: only with --mode dp (whole requests routed to ranks)")
-    elif a.decode_concurrency is None:
-        a.decode_concurrency = DECODE_CONCURRENCY
+    else:
+        a.decode_concurrency = DECODE_CONCURRENCY if a.decode_concurrency is None else a.decode_concurrency
+        a.in_flight = DP_WINDOW if a.in_flight is None else a.in_flight
     if a.group_workloads:  # a domain is an index into its file's meta.domains: one list for all
         _, traces = open_traces(a.trace)
         named = [t for t in traces if t.meta.domains]
@@ -393,7 +397,7 @@ def cmd_build(a) -> int:
                  tables is not None or a.predictor == "router",
                  meta.hidden_size or a.hidden_size, a.dtype_bytes, mode=a.mode, nodes=a.nodes,
                  shuffle=a.shuffle_requests, workloads=a.group_workloads, predictor=a.predictor,
-                 concurrency=a.decode_concurrency)
+                 concurrency=a.decode_concurrency, in_flight=a.in_flight or DP_WINDOW)
     m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tables.nbytes if tables is not None else 0)
     write_placement(a.output, expert2rank=e2r, ep_size=a.ep_size, nodes=a.nodes, top_k=meta.top_k,
                     vocab_size=meta.vocab_size,
@@ -525,7 +529,7 @@ def _evaluate_all(a):
     m = _measure(arr, batch, meta, p.expert2rank, p.replicas, tables, p.ep_size, p.capacity,
                  tables is not None or a.predictor == "router",
                  hidden, a.dtype_bytes, a.mode, nodes, a.shuffle_requests, a.group_workloads, a.predictor,
-                 concurrency=a.decode_concurrency, route_nodes=p.nodes)
+                 concurrency=a.decode_concurrency, route_nodes=p.nodes, in_flight=a.in_flight or DP_WINDOW)
     m.update({k: p.metrics[k] for k in ("solve_seconds", "peak_mem_mb", "table_bytes") if k in p.metrics})
     results[label] = m
     methods = [] if not a.compare else (COMPARE_ALL if a.compare == "all" else a.compare.split(","))
@@ -566,7 +570,7 @@ def _evaluate_all(a):
                 m = _measure(arr, batch, meta, e2r, reps, tab, p.ep_size, p.capacity, predicted, hidden,
                              a.dtype_bytes, a.mode, nodes, a.shuffle_requests, a.group_workloads, a.predictor,
                              copies="hashed" if method == "eplb" and not predicted else "own",
-                             concurrency=a.decode_concurrency, route_nodes=p.nodes)
+                             concurrency=a.decode_concurrency, route_nodes=p.nodes, in_flight=a.in_flight or DP_WINDOW)
                 m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tab.nbytes if predicted else 0)
                 results[form] = m
     return p, results, meta, arr
@@ -788,6 +792,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="--mode dp: requests decoding at once when scoring the placement's lock-step cost "
                             "(step_imbalance: the busiest rank's distinct experts per MoE layer over the mean's; "
                             "default 8)")
+        s.add_argument("--in-flight", type=number(int, 1), default=None, metavar="R",
+                       help="--mode dp: requests in flight the simulated server balances over (its router's window "
+                            "is the larger of this and %d, its in-flight count when serving); balance is judged per "
+                            "window of this many arrivals (default %d)" % (DP_WINDOW, DP_WINDOW))
         s.add_argument("--group-workloads", action="store_true",
                        help="--mode dp: route each request by its workload's running score (the trace's 'domain' "
                             "field) instead of its own, so that a workload's requests land together")
