@@ -241,7 +241,8 @@ def place_requests(A: np.ndarray, tokens: np.ndarray, ep_size: int, capacity: fl
     each, the cap on each node's share), then inside each node onto its ranks from that node's
     requests and experts alone, so an activation leaves its node only where the node-level
     solution sends it; the cap then applies once more to the ranks (the two levels' caps
-    compound), by the swaps that cost least, a node's gain counting too. Same seed, same result."""
+    compound), by the swaps that cost least, a node's gain counting too (not with routing groups,
+    as for the flat solve). Same seed, same result."""
     Q, L, E = A.shape
     if E % ep_size:
         raise ValueError(f"{E} experts do not split evenly over ep_size {ep_size}")
@@ -293,7 +294,7 @@ def _place_by_node(A: np.ndarray, tokens: np.ndarray, ep_size: int, nodes: int, 
                                        max_expert_load)
         e2r[np.arange(L)[:, None], ids] = n * per + se2r
         r2r[qs] = n * per + sr2r
-    if max_expert_load is not None:  # the two levels' caps compound (up to cap x cap): cap the ranks once more,
+    if max_expert_load is not None and groups == 1:  # the levels' caps compound (up to cap x cap): once more,
         onehot = np.eye(ep_size)[r2r]  # a swap across nodes costing its node's gain too
         for layer in range(L):
             gain = A[:, layer].T.astype(np.float64) @ onehot  # [E, N]

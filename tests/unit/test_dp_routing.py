@@ -666,14 +666,16 @@ def test_swap_for_bytes_golden():
     assert remote_bytes(inst[1], inst[2], inst[0], out.astype(np.int64), r2r) == 0
 
 
-@pytest.mark.parametrize("groups,N", [(4, 2), (4, 4), (2, 4), (8, 2), (2, 8), (4, 8)])
-def test_place_requests_keeps_routing_groups_whole(groups, N):
-    from vllm_smoe.placement.groups import broken_group
+@pytest.mark.parametrize("groups,N,nodes", [(4, 2, 1), (4, 4, 1), (2, 4, 1), (8, 2, 1), (2, 8, 1), (4, 8, 1),
+                                           (4, 8, 2), (4, 4, 2), (2, 8, 4), (8, 8, 2), (2, 4, 2)])
+def test_place_requests_keeps_routing_groups_whole(groups, N, nodes):
+    from vllm_smoe.placement.groups import broken_group, check_groups
 
     rng = np.random.default_rng(groups * 10 + N)
     Q, L, E = 30, 2, 16
     A = rng.random((Q, L, E)).astype(np.float32) ** 4
-    e2r, r2r, share = place_requests(A, rng.integers(1, 9, Q), N, groups=groups)
+    check_groups(E, N, nodes, groups)
+    e2r, r2r, share = place_requests(A, rng.integers(1, 9, Q), N, groups=groups, nodes=nodes, max_expert_load=1.1)
     for layer in range(L):
         assert broken_group(e2r[layer], groups) == -1
         assert (np.bincount(e2r[layer], minlength=N) == E // N).all()
