@@ -42,7 +42,8 @@ def token_votes(token2rank: np.ndarray, token_conf: np.ndarray, ep_size: int, en
     ``n * ep_size/nodes ...`` form node n) ``node_weight`` x that for every engine on the best
     rank's node, the engine itself included: a hierarchical placement (``place_requests(...,
     nodes)``) put a request's experts on one node first, so where its own engine is full the
-    next best is a sibling, not whichever engine is least loaded. token2rank: [L, V, 2] int16
+    next best is a sibling, not whichever engine is least loaded (no node votes where there are
+    fewer engines than nodes or engines straddle nodes). token2rank: [L, V, 2] int16
     (-1 = unseen); token_conf: [L, V] float."""
     L, V = token_conf.shape
     engines = engines or ep_size
@@ -57,7 +58,7 @@ def token_votes(token2rank: np.ndarray, token_conf: np.ndarray, ep_size: int, en
         votes += np.bincount(np.flatnonzero(ok) * engines + r[ok] // (ep_size // engines),
                              weights=token_conf[layer, ok].astype(np.float64), minlength=V * engines)
     votes = votes.reshape(V, engines)
-    per = engines // nodes  # engines on a node (a node's ranks are whole engines when nodes <= engines)
+    per = engines // nodes  # engines on a node; none where engines straddle nodes or are fewer than nodes
     if nodes > 1 and per > 1 and engines % nodes == 0:
         node = votes.reshape(V, nodes, per).sum(axis=2, keepdims=True)
         votes = votes + node_weight * np.broadcast_to(node, (V, nodes, per)).reshape(V, engines)
@@ -252,6 +253,8 @@ def place_requests(A: np.ndarray, tokens: np.ndarray, ep_size: int, capacity: fl
         raise ValueError(f"{groups} routing groups of {E} experts cannot stay whole over ep_size {ep_size}")
     if nodes < 1 or ep_size % nodes:
         raise ValueError(f"nodes {nodes} does not divide ep_size {ep_size}")
+    if 1 < nodes < ep_size and groups > 1 and groups % nodes and nodes % groups:
+        raise ValueError(f"{groups} routing groups and {nodes} nodes: one must divide the other")
     if 1 < nodes < ep_size:  # nodes == ep_size: one rank a node, the flat problem
         return _place_by_node(A, tokens, ep_size, nodes, capacity, restarts, iters, seed, groups, max_expert_load)
     total = max(float(A.sum()), 1e-12)

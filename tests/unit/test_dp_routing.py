@@ -310,6 +310,8 @@ def test_place_requests_by_node_keeps_families_on_a_node():
     assert share == pytest.approx(_request_scores(A, e2r, 4)[np.arange(Q), r2r].sum() / A.sum())
     with pytest.raises(ValueError, match="nodes 3 does not divide ep_size 4"):
         place_requests(A, np.full(Q, 10), 4, nodes=3)
+    with pytest.raises(ValueError, match="3 routing groups and 2 nodes"):
+        place_requests(np.ones((4, 1, 24), np.float32), np.ones(4), 6, nodes=2, groups=3)
 
 
 @settings(max_examples=25, deadline=None)

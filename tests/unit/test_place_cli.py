@@ -87,6 +87,7 @@ def _cli(*args):
     (["build", "--trace", TRAIN, "--ep-size", "4", "--method", "magic"], "invalid choice"),
     (["build", "--trace", "/nonexistent/x.npz", "--ep-size", "4"], "no trace files"),
     (["build", "--trace", TRAIN, "--ep-size", "4", "--nodes", "3"], "nodes 3"),
+    (["build", "--trace", TRAIN, "--ep-size", "4", "--nodes", "3", "--mode", "dp"], "--nodes 3 does not divide --ep-size 4"),
     (["build", "--trace", TRAIN, "--ep-size", "4", "--method", "linear", "--replicas", "4"], "--replicas"),
     (["build", "--trace", TRAIN, "--ep-size", "2", "--mode", "dp", "--method", "auto"],
      "--mode dp: --method not supported"),
@@ -175,6 +176,11 @@ def test_evaluate_attention_dp_mode(built, tmp_path):
                  "--json", str(js)]) == 0
     narrow = json.load(open(js))["placement (coclust)"]
     assert wide["lar"] > narrow["lar"] and wide["token_load"] <= 1.10 + 0.02
+    # fewer in flight than the router's 64: routed and judged over its 64, as with the default
+    assert main(["evaluate", "--trace", HELDOUT, "--placement", str(built), "--mode", "dp", "--shuffle-requests", "0",
+                 "--in-flight", "4", "--json", str(js)]) == 0
+    few = json.load(open(js))["placement (coclust)"]
+    assert (few["lar"], few["token_load"]) == (narrow["lar"], narrow["token_load"])
 
 
 def test_dp_placement_over_nodes_and_evaluate_nodes(built, tmp_path, capsys):

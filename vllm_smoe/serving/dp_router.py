@@ -63,7 +63,7 @@ class RequestRouter:
         self.votes = token_votes(token2rank, token_conf, ep_size, dp_size, nodes=nodes)[:, ranks]
         self.ep_size, self.num_engines = ep_size, len(ranks)
         self.capacity, self.window = capacity, window  # window: the fewest requests balanced over
-        self.span = window  # the window in use: max(window, this front end's requests in flight)
+        self.span = min(window, MAX_SPAN)  # the window in use: max(window, this front end's requests in flight)
         self.load = np.zeros(self.num_engines)  # routed work of the last ``span`` requests, per engine
         self.recent: deque[tuple[int, float]] = deque(maxlen=MAX_SPAN + 1)  # one past: the one leaving
         self.counts = {"placement": 0, "vllm": 0, "explicit": 0}

@@ -188,7 +188,7 @@ def _solve_dp(counts, sample, meta, args, embeddings, groups=1):
     # routing group, so not for grouped models, and could move an expert across nodes, so not
     # with --nodes (the hierarchical solve put the slow link first)
     _, q = request_index(sample["request_ids"])
-    for layer in range(meta.num_layers if groups == 1 and args.nodes == 1 else 0):
+    for layer in range(meta.num_layers if groups == 1 and args.nodes in (1, args.ep_size) else 0):
         inst = layer_instances(q, sample["topk_ids"][:, layer].astype(np.int64))
         e2r[layer] = swap_for_bytes(sp.csr_matrix(A[:, layer]), inst, r2r, args.ep_size, e2r[layer],
                                     args.max_expert_load, seed=args.seed)
@@ -271,7 +271,7 @@ def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, 
         pos = np.empty(Q, dtype=np.int64)
         pos[arrival] = np.arange(Q)
         # balance is judged per scheduling window (DP ranks batch their own requests)
-        win = pos[q] // in_flight
+        win = pos[q] // window
         order = np.argsort(win, kind="stable")
         arr = {k: v[order] for k, v in arr.items()}
         t2r = np.repeat(r2r[q[order]][:, None], meta.num_layers, axis=1)
@@ -328,6 +328,8 @@ def cmd_build(a) -> int:
     if a.learned and (a.mode == "dp" or a.method not in PREDICTED + ("auto",)):
         raise ValueError(f"--learned: trained for the token order of a locality placement (--mode tp, --method "
                          f"{' / '.join(PREDICTED)}), not {'--mode dp' if a.mode == 'dp' else '--method ' + a.method}")
+    if a.ep_size % a.nodes:
+        raise ValueError(f"--nodes {a.nodes} does not divide --ep-size {a.ep_size}")
     if a.mode == "dp":
         bad = [f for f, v in (("--replicas", a.replicas > 0),
                               ("--method", a.method != "coclust")) if v]
@@ -409,6 +411,7 @@ def cmd_build(a) -> int:
                                 "batch_tokens": a.batch_tokens, "theta": a.theta, "seed": a.seed,
                                 "max_expert_load": a.max_expert_load, "mode": a.mode, "predictor": a.predictor,
                                 **({"shuffle_requests": a.shuffle_requests} if a.shuffle_requests is not None else {}),
+                                **({"in_flight": a.in_flight} if a.mode == "dp" else {}),
                                 **({"auto": auto} if auto is not None else {})},
                     metrics={k: m[k] for k in METRIC_KEYS if k in m})
     nodes = (f", a2a bytes/token {m['internode_bytes_per_token']:.0f} inter-node + "
@@ -794,8 +797,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "default 8)")
         s.add_argument("--in-flight", type=number(int, 1), default=None, metavar="R",
                        help="--mode dp: requests in flight the simulated server balances over (its router's window "
-                            "is the larger of this and %d, its in-flight count when serving); balance is judged per "
-                            "window of this many arrivals (default %d)" % (DP_WINDOW, DP_WINDOW))
+                            "is the larger of this and %d, its in-flight count when serving); token load is judged "
+                            "per window of that many arrivals (default %d)" % (DP_WINDOW, DP_WINDOW))
         s.add_argument("--group-workloads", action="store_true",
                        help="--mode dp: route each request by its workload's running score (the trace's 'domain' "
                             "field) instead of its own, so that a workload's requests land together")
