@@ -21,6 +21,12 @@ fresh one that pay most per moved slot, within a budget:
    placement's cycles may still buy its best pairs, and a swap that moves an expert back home
    costs nothing.
 
+Compute balance, as :mod:`.coclust` keeps it: no unit raises a layer's expert load (its busiest
+rank's training activations over the mean) past the cap or past what it is, and every gain is
+net of ``balance_weight`` x the activations the busiest rank holds past the cap, so a layer the
+workload shift left unbalanced gets its load down (swaps of a heavy expert for a light one, or
+the fresh placement's cycles) where that pays more per slot than locality elsewhere.
+
 No torch, no I/O. Arrays: expert2rank [L, E] int (rank of each expert, E / N per rank).
 """
 
@@ -94,20 +100,47 @@ def _shortest_cycle(start: int, out: dict[int, list[int]], target: np.ndarray) -
     return None
 
 
+# Local activations one activation of excess expert load is worth (limit_moves' default): the
+# busiest rank's excess delays the whole step, a remote activation only its share of the links.
+# Of 0 / 1 / 2 / 4 / 8 on the fixture's shifts, 1 and 4 kept the most of the fresh gain and 4
+# left the least excess (BENCHMARKS.md, "advise --max-moves")
+BALANCE_WEIGHT = 4.0
+
+
 class _Layer:
     """One layer's capped objective under its current assignment (what :mod:`.coclust` solves:
     activations served locally when token ids go to ranks by confidence, each rank capped at
-    ``capacity`` x its share of the occurrences)."""
+    ``capacity`` x its share of the occurrences), less ``weight`` x the activations its busiest
+    rank holds past ``max_load`` x the mean (the expert-load cap coclust keeps)."""
 
-    def __init__(self, A: sp.csr_matrix, occ: np.ndarray, expert2rank: np.ndarray, N: int, capacity: float):
+    def __init__(self, A: sp.csr_matrix, occ: np.ndarray, expert2rank: np.ndarray, N: int, capacity: float,
+                 max_load: float, weight: float):
         self.A, self.occ, self.N, self.capacity = sp.csr_matrix(A, dtype=np.float64), occ, N, capacity
         self.e2r = expert2rank.astype(np.int64).copy()
         self.act = np.asarray(self.A.sum(axis=0)).ravel()  # [E] float: activations of each expert
+        self.cap = max_load * self.act.sum() / N  # activations the busiest rank may hold
+        self.weight = weight
         self.value = self.score(self.e2r)
 
-    def score(self, e2r: np.ndarray) -> float:
+    def loads(self, e2r: np.ndarray) -> np.ndarray:
+        """[N] float: activations of the experts on each rank."""
+        return np.bincount(e2r, weights=self.act, minlength=self.N)
+
+    def load_ratio(self, e2r: np.ndarray) -> float:
+        """Expert load: the busiest rank's activations over the mean (1.0 when the layer has none)."""
+        loads = self.loads(e2r)
+        return float(loads.max() / loads.mean()) if loads.sum() > 0 else 1.0
+
+    def local(self, e2r: np.ndarray) -> float:
         R = rank_scores(self.A, e2r, self.N)
         return local_count(R, assign_token_ids(R, self.occ, self.capacity))
+
+    def score(self, e2r: np.ndarray) -> float:
+        return self.local(e2r) - self.weight * max(0.0, self.loads(e2r).max() - self.cap)
+
+    def allows(self, e2r: np.ndarray) -> bool:
+        """Whether e2r keeps the busiest rank within the cap, or within what it holds now."""
+        return self.loads(e2r).max() <= max(self.cap, self.loads(self.e2r).max()) + 1e-9
 
     def gain(self, cycle: list[int], target: np.ndarray) -> float:
         trial = self.e2r.copy()
@@ -127,27 +160,42 @@ def _experts(layer: "_Layer", target: np.ndarray, unit: list[int] | None) -> lis
     return [] if (layer.e2r[unit] == target[unit]).all() else unit
 
 
-def _best_swap(layer: "_Layer", current: np.ndarray, groups: int, max_load: float = 1.10, top: int = 4):
+def busiest_after_swaps(loads: np.ndarray, expert2rank: np.ndarray, act: np.ndarray) -> np.ndarray:
+    """[E, E] float: the busiest rank's activations once experts e and f trade ranks, for every
+    pair (e, f). loads: [N] float, activations on each rank; expert2rank: [E] int; act: [E]
+    float, activations of each expert. Same-rank pairs give the loads' max."""
+    N, r = loads.size, expert2rank
+    d = act[:, None] - act[None, :]  # e leaves r[e] for r[f], f the other way
+    pair = np.maximum(loads[r][:, None] - d, loads[r][None, :] + d)  # [E, E]: the two ranks after
+    pair[r[:, None] == r[None, :]] = loads.max()
+    others = np.zeros((N, N))  # [N, N]: the most any rank but a and b holds (one of the top three)
+    ra, rb = np.meshgrid(np.arange(N), np.arange(N), indexing="ij")
+    for t in np.argsort(loads, kind="stable")[-3:]:  # ascending: the busiest left last wins
+        others[(ra != t) & (rb != t)] = loads[t]
+    return np.maximum(pair, others[r][:, r])
+
+
+def _best_swap(layer: "_Layer", current: np.ndarray, groups: int, top: int = 16):
     """The pairwise exchange of two experts on different ranks that gains most per moved slot,
     or None: candidates ranked by their gain with the token ids' ranks held fixed (the
-    activations each expert gets from each rank's ids), the ``top`` best re-scored exactly.
-    A swap may not raise the layer's busiest rank's activations past ``max_load`` x the mean
-    (or past what it is, if already higher). Returns (gain per slot, experts [2], their new
+    activations each expert gets from each rank's ids, less the expert-load penalty), the
+    ``top`` best re-scored exactly. A swap may not raise the layer's busiest rank past the cap
+    (or past what it holds, if already higher). Returns (gain per slot, experts [2], their new
     ranks [2], slots it adds to the moves)."""
-    # compute balance: no swap raises the busiest rank's activations past max(the cap, now)
-    act = layer.act
-    loads = np.bincount(layer.e2r, weights=act, minlength=layer.N)
-    ceiling = max(max_load * loads.mean(), loads.max()) + 1e-9
-    R = rank_scores(layer.A, layer.e2r, layer.N)
-    G = expert_gains(layer.A, assign_token_ids(R, layer.occ, layer.capacity), layer.N)  # [E, N]
+    act, N = layer.act, layer.N
+    loads = layer.loads(layer.e2r)  # [N]
+    ceiling = max(layer.cap, loads.max()) + 1e-9
+    R = rank_scores(layer.A, layer.e2r, N)
+    G = expert_gains(layer.A, assign_token_ids(R, layer.occ, layer.capacity), N)  # [E, N]
     r = layer.e2r
     own = G[np.arange(r.size), r]  # [E]: what each expert serves locally now
     # swap e (on r[e]) with f (on r[f]): e serves G[e, r[f]], f serves G[f, r[e]]
     proxy = G[:, r] - own[:, None]  # [E, E]: e moved to f's rank
     proxy = proxy + proxy.T
     proxy[r[:, None] == r[None, :]] = -np.inf
-    d = act[:, None] - act[None, :]  # e leaves r[e] for r[f], f the other way
-    proxy[np.maximum(loads[r][:, None] - d, loads[r][None, :] + d) > ceiling] = -np.inf
+    after = busiest_after_swaps(loads, r, act)
+    proxy -= layer.weight * (np.maximum(after - layer.cap, 0.0) - max(loads.max() - layer.cap, 0.0))
+    proxy[after > ceiling] = -np.inf
     iu = np.triu_indices(r.size, 1)
     order = np.argsort(-proxy[iu], kind="stable")[:top]
     best = None
@@ -171,7 +219,7 @@ def _best_swap(layer: "_Layer", current: np.ndarray, groups: int, max_load: floa
 
 def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.ndarray, max_moves: int,
                 ep_size: int, capacity: float = 1.10, groups: int = 1, swaps: bool = False,
-                max_expert_load: float = 1.10) -> tuple[np.ndarray, dict]:
+                max_expert_load: float = 1.10, balance_weight: float = BALANCE_WEIGHT) -> tuple[np.ndarray, dict]:
     """The served placement with the fresh one's best exchange cycles applied, at most
     ``max_moves`` expert slots changed in all.
 
@@ -180,26 +228,32 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
     the training trace's seen token ids); occ: [V'] float occurrences of each; max_moves: int >=
     0; capacity: the token-load cap of the objective; groups: grouped routing (a cycle that would
     split a group is skipped); swaps: also exchanges of two experts outside the fresh placement
-    (step 4 above), none raising a layer's expert load (its busiest rank's training activations
-    over the mean) past ``max_expert_load`` or past what it is. When the budget covers every
-    move and the fresh placement scores more, it is the fresh placement (renamed). Returns
-    (expert2rank [L, E] int32, info) with info: ``moved`` slots, ``cycles`` (units) applied,
-    ``swaps`` applied, ``fresh_moves`` (slots the renamed fresh placement moves), ``score`` of
-    current, result and fresh (the capped objective summed over layers)."""
+    (step 4 above); max_expert_load: no cycle or swap raises a layer's expert load (its busiest
+    rank's training activations over the mean) past it or past what it is; balance_weight: local
+    activations one activation of the busiest rank's excess over that cap is worth (0: the cap
+    only guards). When the budget covers every move and the fresh placement scores more, it is
+    the fresh placement (renamed). Returns (expert2rank [L, E] int32, info) with info: ``moved``
+    slots, ``cycles`` (units) applied, ``swaps`` applied, ``fresh_moves`` (slots the renamed
+    fresh placement moves), ``score`` of current, result and fresh (the capped objective summed
+    over layers, without the balance term), ``expert_load`` of each (the most over layers)."""
     current = np.asarray(current, dtype=np.int64)
     fresh = np.asarray(fresh, dtype=np.int64)
     if current.shape != fresh.shape or current.ndim != 2:
         raise ValueError(f"current {current.shape} and fresh {fresh.shape} must both be [L, E]")
     if max_moves < 0:
         raise ValueError(f"max_moves must be >= 0, got {max_moves}")
+    if not balance_weight >= 0:
+        raise ValueError(f"balance_weight must be >= 0, got {balance_weight}")
     L, E = current.shape
     for name, e2r in (("current", current), ("fresh", fresh)):
         if (np.bincount(e2r.reshape(-1), minlength=ep_size) != L * E // ep_size).any() or e2r.max() >= ep_size:
             raise ValueError(f"{name}: every rank must hold E / ep_size = {E // ep_size} experts per layer")
     target = rename_ranks(current, fresh, ep_size)
     occ = np.asarray(occ, dtype=np.float64)
-    layers = [_Layer(layer_counts[layer], occ, current[layer], ep_size, capacity) for layer in range(L)]
-    score = {"current": sum(x.value for x in layers)}
+    layers = [_Layer(layer_counts[layer], occ, current[layer], ep_size, capacity, max_expert_load,
+                     balance_weight) for layer in range(L)]
+    score = {"current": sum(x.local(x.e2r) for x in layers)}
+    load = {"current": max(x.load_ratio(x.e2r) for x in layers)}
     # units: each exchange cycle, and per layer the rest of its moves together (a layer's fresh
     # assignment can pay as a whole where no single cycle does)
     heap, tie = [], 0
@@ -232,18 +286,17 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
                 continue
             if g <= 0:
                 continue
-            if groups > 1:
-                trial = layers[layer].e2r.copy()
-                trial[experts] = target[layer][experts]
-                if broken_group(trial, groups) >= 0:
-                    continue
+            trial = layers[layer].e2r.copy()
+            trial[experts] = target[layer][experts]
+            if not layers[layer].allows(trial) or (groups > 1 and broken_group(trial, groups) >= 0):
+                continue
             cycle = (g, layer, unit, experts, cost)
             break
         best_swap = None
         if swaps:
             for layer in range(L):
                 if swap[layer] is None:
-                    swap[layer] = _best_swap(layers[layer], current[layer], groups, max_expert_load) or False
+                    swap[layer] = _best_swap(layers[layer], current[layer], groups) or False
                 if swap[layer] and swap[layer][3] <= budget and (best_swap is None or swap[layer][0] > best_swap[0]):
                     best_swap = (*swap[layer], layer)
         if cycle is None and best_swap is None:
@@ -262,13 +315,15 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
             applied += 1
         swap[layer] = None
         budget = max_moves - sum(int((x.e2r != current[i]).sum()) for i, x in enumerate(layers))
-    score["result"] = sum(x.value for x in layers)
-    score["fresh"] = sum(x.score(target[layer]) for layer, x in enumerate(layers))
-    if max_moves >= int((target != current).sum()) and score["fresh"] > score["result"]:
+    value = sum(x.value for x in layers)
+    if max_moves >= int((target != current).sum()) and sum(x.score(target[i]) for i, x in enumerate(layers)) > value:
         for layer, x in enumerate(layers):  # every move fits: the fresh placement, whole
             x.e2r = target[layer].copy()
-        score["result"] = score["fresh"]
+    score["result"] = sum(x.local(x.e2r) for x in layers)
+    score["fresh"] = sum(x.local(target[layer]) for layer, x in enumerate(layers))
+    load["result"] = max(x.load_ratio(x.e2r) for x in layers)
+    load["fresh"] = max(x.load_ratio(target[layer]) for layer, x in enumerate(layers))
     out = np.stack([x.e2r for x in layers]).astype(np.int32)
     info = {"moved": int((out != current).sum()), "cycles": applied, "swaps": swapped,
-            "fresh_moves": int((target != current).sum()), "score": score}
+            "fresh_moves": int((target != current).sum()), "score": score, "expert_load": load}
     return out, info

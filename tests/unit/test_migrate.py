@@ -6,7 +6,7 @@ import scipy.sparse as sp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_smoe.placement.migrate import _cycles, rename_ranks, limit_moves
+from vllm_smoe.placement.migrate import _cycles, busiest_after_swaps, limit_moves, rename_ranks
 
 
 def _balanced(rng, L, E, N):
@@ -24,17 +24,34 @@ def _score(counts, occ, e2r, N, capacity=1.10):
     return total
 
 
+def _rank_loads(C, e2r_layer, N):
+    """[N]: activations of the experts on each rank, summed token by token."""
+    dense = np.asarray(sp.csr_matrix(C).todense())
+    return np.array([dense[:, e2r_layer == r].sum() for r in range(N)])
+
+
+def _penalised(counts, occ, e2r, N, max_load, weight):
+    """_score less weight x each layer's busiest rank's activations past max_load x the mean."""
+    excess = 0.0
+    for layer, C in enumerate(counts):
+        loads = _rank_loads(C, e2r[layer], N)
+        excess += max(0.0, loads.max() - max_load * loads.mean())
+    return _score(counts, occ, e2r, N) - weight * excess
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10**6), N=st.sampled_from([2, 3, 4]), per=st.integers(1, 4), L=st.integers(1, 3),
-       share=st.floats(0, 1), swaps=st.booleans())
-def test_within_budget_balanced_and_never_worse(seed, N, per, L, share, swaps):
+       share=st.floats(0, 1), swaps=st.booleans(), weight=st.sampled_from([0.0, 1.0, 4.0]),
+       max_load=st.sampled_from([1.0, 1.1, 1.5, 3.0]))
+def test_within_budget_balanced_and_never_worse(seed, N, per, L, share, swaps, weight, max_load):
     rng = np.random.default_rng(seed)
     E = N * per
     cur, fresh = _balanced(rng, L, E, N), _balanced(rng, L, E, N)
     counts = [sp.csr_matrix(rng.poisson(0.5, (30, E)).astype(float)) for _ in range(L)]
     occ = rng.integers(1, 5, 30).astype(float)
     budget = int(share * L * E)
-    out, info = limit_moves(cur, fresh, counts, occ, budget, N, swaps=swaps)
+    out, info = limit_moves(cur, fresh, counts, occ, budget, N, swaps=swaps, max_expert_load=max_load,
+                            balance_weight=weight)
     assert out.shape == cur.shape and info["moved"] == int((out != cur).sum()) <= budget
     for layer in range(L):
         assert (np.bincount(out[layer], minlength=N) == per).all()
@@ -43,10 +60,21 @@ def test_within_budget_balanced_and_never_worse(seed, N, per, L, share, swaps):
         assert (out[out != cur] == target[out != cur]).all()  # only the fresh placement's moves
         assert info["swaps"] == 0
     assert info["score"]["result"] == pytest.approx(_score(counts, occ, out, N))
-    assert info["score"]["result"] >= info["score"]["current"] - 1e-9
     assert info["score"]["fresh"] == pytest.approx(_score(counts, occ, target, N))
+    if weight == 0:  # locality alone
+        assert info["score"]["result"] >= info["score"]["current"] - 1e-9
+    value = {k: _penalised(counts, occ, x, N, max_load, weight) for k, x in (("cur", cur), ("out", out),
+                                                                              ("fresh", target))}
+    assert value["out"] >= value["cur"] - 1e-6
     if budget >= info["fresh_moves"]:  # everything fits: never worse than the fresh placement
-        assert info["score"]["result"] >= info["score"]["fresh"] - 1e-9
+        assert value["out"] >= value["fresh"] - 1e-6
+    if not (out == target).all():  # short of the fresh placement, no layer is left busier than the cap allows
+        for layer in range(L):
+            loads, was = _rank_loads(counts[layer], out[layer], N), _rank_loads(counts[layer], cur[layer], N)
+            assert loads.max() <= max(max_load * loads.mean(), was.max()) + 1e-9
+    assert info["expert_load"]["result"] == pytest.approx(max(
+        (lambda x: x.max() / x.mean() if x.sum() else 1.0)(_rank_loads(counts[layer], out[layer], N))
+        for layer in range(L)))
 
 
 @settings(max_examples=40, deadline=None)
@@ -80,9 +108,13 @@ def test_the_budget_goes_to_the_move_that_pays_most():
     fresh = np.array([[0, 1, 0, 1]])  # swaps 1 <-> 2: both tokens' experts on one rank
     C = sp.csr_matrix(np.array([[5.0, 0, 5, 0], [0, 1, 0, 1]]))
     occ = np.array([5.0, 1.0])  # capacity 2.0: each token id may take its best rank
-    out, info = limit_moves(cur, fresh, [C], occ, 1, 2, capacity=2.0)  # a cycle has 2 slots: nothing fits
+    # a cycle has 2 slots: nothing fits
+    out, info = limit_moves(cur, fresh, [C], occ, 1, 2, capacity=2.0, max_expert_load=2.0)
     assert (out == cur).all() and info["moved"] == 0
+    # rank 0 would hold 10 of 12 activations: past the default cap (1.10 x 6), and 6 / 6 now
     out, info = limit_moves(cur, fresh, [C], occ, 2, 2, capacity=2.0)
+    assert (out == cur).all() and info["moved"] == 0
+    out, info = limit_moves(cur, fresh, [C], occ, 2, 2, capacity=2.0, max_expert_load=2.0)
     assert info["moved"] == 2 and info["score"]["result"] == 12 > info["score"]["current"] == 6
     assert len(set(out[0][[0, 2]])) == 1 and len(set(out[0][[1, 3]])) == 1
 
@@ -108,3 +140,39 @@ def test_a_swap_the_fresh_placement_does_not_make_is_taken():
     assert len(set(out[0][[0, 2]])) == 1 and len(set(out[0][[1, 3]])) == 1
     out, info = limit_moves(cur, cur, [C], occ, 1, 2, capacity=2.0, swaps=True, max_expert_load=2.0)  # 2 slots
     assert (out == cur).all()
+
+
+def test_a_layer_past_the_cap_is_balanced_where_the_weight_says_it_pays():
+    # token 0 fires experts 0 and 1 (10 times each), token 1 experts 2 and 3 (once each): all local,
+    # but rank 0 holds 20 of 22 activations. Swapping 1 <-> 2 balances the ranks (11 / 11) and
+    # loses 11 local activations; the excess over the cap (1.10 x 11 = 12.1) was 7.9.
+    cur = np.array([[0, 0, 1, 1]])
+    C = sp.csr_matrix(np.array([[10.0, 10, 0, 0], [0, 0, 1, 1]]))
+    occ = np.array([10.0, 1.0])
+    for weight, taken in ((0.0, False), (1.0, False), (4.0, True)):  # -11 + weight x 7.9 local
+        out, info = limit_moves(cur, cur, [C], occ, 2, 2, capacity=2.0, swaps=True, balance_weight=weight)
+        assert (info["swaps"] == 1) is taken, weight
+        assert info["expert_load"]["current"] == pytest.approx(20 / 11)
+        if taken:
+            assert info["moved"] == 2 and info["expert_load"]["result"] == pytest.approx(1.0)
+            assert info["score"]["result"] == 11 < info["score"]["current"] == 22
+            assert out[0][0] != out[0][1]
+    out, info = limit_moves(cur, cur, [C], occ, 1, 2, capacity=2.0, swaps=True)  # a swap is 2 slots
+    assert (out == cur).all()
+    with pytest.raises(ValueError, match="balance_weight"):
+        limit_moves(cur, cur, [C], occ, 2, 2, balance_weight=-1.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), N=st.integers(1, 6), per=st.integers(1, 4))
+def test_busiest_after_swaps_against_each_swap_made(seed, N, per):
+    rng = np.random.default_rng(seed)
+    e2r = _balanced(rng, 1, N * per, N)[0]
+    act = rng.integers(0, 20, N * per).astype(float)
+    loads = np.bincount(e2r, weights=act, minlength=N)
+    got = busiest_after_swaps(loads, e2r, act)
+    for e in range(N * per):
+        for f in range(N * per):
+            trial = e2r.copy()
+            trial[e], trial[f] = e2r[f], e2r[e]
+            assert got[e, f] == pytest.approx(np.bincount(trial, weights=act, minlength=N).max())

@@ -518,9 +518,13 @@ def test_advise_finds_the_gain_of_a_placement_built_from_live_traffic(tmp_path):
     assert res["candidate (coclust)"]["moved_slots"] > moved
     assert (np.bincount(new_p.expert2rank.reshape(-1), minlength=4) == new_p.expert2rank.size // 4).all()
     assert lim["lar"] > res["served (coclust)"]["lar"]
-    with pytest.raises(SystemExit) as e:  # argparse names the flag
-        main(["advise", "--trace", str(tmp_path / "live.npz"), "--placement", str(served), "--max-moves", "1.5"])
-    assert e.value.code == 2
+    # no layer left busier than the cap (1.10) or than it was served, on the half it was chosen on
+    assert lim["train_expert_load"] <= max(1.10, res["served (coclust)"]["train_expert_load"]) + 1e-9
+    for flag, bad in (("--max-moves", "1.5"), ("--balance-weight", "-1")):
+        with pytest.raises(SystemExit) as e:  # argparse names the flag
+            main(["advise", "--trace", str(tmp_path / "live.npz"), "--placement", str(served), "--max-moves", "0.25",
+                  flag, bad])
+        assert e.value.code == 2
 
 
 def test_build_method_auto_keeps_what_the_rule_picks_and_builds_it_as_the_method_itself(tmp_path):

@@ -24,7 +24,7 @@ from ..placement.dp import (DECODE_CONCURRENCY, assign_requests, place_requests,
 from ..placement.groups import check_groups
 from ..placement.layout import NEEDS_INSTANCES, PREDICTED, SOLVERS, place_model
 from ..placement.metrics import evaluate, holds_from_expert2rank, local_share, recommend
-from ..placement.migrate import limit_moves, rename_ranks
+from ..placement.migrate import BALANCE_WEIGHT, limit_moves, rename_ranks
 from ..placement.online import PREDICTORS as SIM_PREDICTORS
 from ..placement.online import simulate
 from ..placement.learned import MAX_WIDTH, default_width, layer_targets, train_predictor
@@ -710,7 +710,8 @@ def cmd_advise(a) -> int:
         budget = int(a.max_moves * p.expert2rank.size)
         e2r, info = limit_moves(p.expert2rank, e2r, [counts.layer_matrix(layer) for layer in range(meta.num_layers)],
                                 counts.seen()[1], budget, p.ep_size, capacity=p.capacity, groups=p.groups,
-                                swaps=True, max_expert_load=a.max_expert_load)  # measured: BENCHMARKS.md
+                                swaps=True, max_expert_load=a.max_expert_load,
+                                balance_weight=a.balance_weight)  # measured: BENCHMARKS.md
         holds = holds_from_expert2rank(e2r, p.ep_size)
         tables = _with_bigrams(tables_for_placement(counts, holds, meta.vocab_size), train, holds, meta.vocab_size,
                                a.bigram_pairs, a.batch_tokens)
@@ -719,6 +720,8 @@ def cmd_advise(a) -> int:
             test, test_batch, meta, e2r, reps, tables, p.ep_size, p.capacity, True, hidden, a.dtype_bytes,
             nodes=p.nodes, predictor=a.predictor)
         lim["moved_slots"] = info["moved"]
+        for res, k in ((cur, "current"), (new, "fresh"), (lim, "result")):  # what the cap is judged on
+            res["train_expert_load"] = info["expert_load"][k]
         gain = new["lar"] - cur["lar"]
         print(f"{'lar, moves limited':26}{cur['lar']:12.4g}{lim['lar']:12.4g}"
               f"{(lim['lar'] / cur['lar'] - 1) * 100 if cur['lar'] else 0.0:+9.1f}%")
@@ -726,6 +729,9 @@ def cmd_advise(a) -> int:
         print(f"moves: the candidate changes {new['moved_slots']} of {p.expert2rank.size} expert slots (its ranks "
               f"renamed to agree with the served ones), the limited one {info['moved']} ({info['cycles']} of its "
               f"exchange cycles, {info['swaps']} swaps of two experts){kept}")
+        load = info["expert_load"]
+        print(f"expert load on the training half (the most over layers; cap {a.max_expert_load:g}): served "
+              f"{load['current']:.2f}, candidate {load['fresh']:.2f}, limited {load['result']:.2f}")
         new, method = lim, f"{method}+moves"
     else:
         print(f"moves: the candidate changes {new['moved_slots']} of {p.expert2rank.size} expert slots (its ranks "
@@ -894,6 +900,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also a candidate that moves at most this share of the served expert slots (a live swap "
                         "moves what changes): the fresh candidate's exchange cycles that pay most per moved slot, "
                         "its ranks renamed to agree with the served ones; -o then writes this one")
+    v.add_argument("--balance-weight", type=number(float, 0.0), default=BALANCE_WEIGHT, metavar="W",
+                   help="with --max-moves: local activations one activation of a layer's busiest rank past "
+                        f"--max-expert-load is worth (default {BALANCE_WEIGHT:g}; 0: the cap only guards, the load a "
+                        "workload shift left stays)")
     v.add_argument("-o", "--output", help="also write the candidate placement here (POST /smoe/placement swaps it "
                                           "in live)")
     v.add_argument("--json", help="write {placement: {metric: value}} here")

@@ -128,6 +128,8 @@ def main(argv=None) -> int:
     m.add_argument("--heldout", help="held-out trace (default: the fixture's)")
     m.add_argument("--ep-size", type=number(int, 1), nargs="+", default=[2, 4, 8])
     m.add_argument("--max-moves", type=number(float, 0.0, 1.0), nargs="+", default=[0.0, 0.1, 0.25, 0.5])
+    m.add_argument("--balance-weight", type=number(float, 0.0), nargs="+", default=None, metavar="W",
+                   help="advise --balance-weight values, each a row (default: advise's own)")
     m.add_argument("--json", help="write every row here")
     m.set_defaults(fn=offline.run_migrate)
     from .load import add_parser as add_load

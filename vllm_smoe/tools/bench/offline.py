@@ -249,6 +249,7 @@ def run_migrate(a) -> int:
     from .. import place_cli
     from ..cli_util import check_output_file
     from ...formats.trace import read_traces, write_trace
+    from ...placement.migrate import BALANCE_WEIGHT
     from ...testbed import FIXTURE_TRACES
 
     if a.json:
@@ -279,23 +280,27 @@ def run_migrate(a) -> int:
                     keep = np.isin(arr["domain"], new)
                     recording.append(os.path.join(work, f"rec{i}.npz"))
                     write_trace(recording[-1], meta, **{k: v[keep] for k, v in arr.items()})
-                row = {"ep_size": ep, "shift": name, "limited": {}}
-                for share in a.max_moves:
-                    out = os.path.join(work, "advise.json")
-                    place("advise", "--trace", *recording, "--placement", served, "--max-moves", share,
-                          "--max-tokens", 0, "--json", out)
-                    res = json.load(open(out))
-                    cur, fresh, lim = (res[k] for k in res)
-                    row["served"], row["fresh"] = _migrate_row(cur), _migrate_row(fresh)
-                    gain = fresh["lar"] - cur["lar"]
-                    row["limited"][f"{share:g}"] = {**_migrate_row(lim),
-                                                    "gain_kept": (lim["lar"] - cur["lar"]) / gain if gain > 0 else None}
-                rows.append(row)
-                print(f"EP {ep} {name}: LAR served {row['served']['lar']:.3f}, fresh {row['fresh']['lar']:.3f} "
-                      f"({row['fresh']['moved_slots']} slots); " + ", ".join(
-                          f"F={f} {r['lar']:.3f} ({r['moved_slots']} slots, kept "
-                          f"{'-' if r['gain_kept'] is None else format(r['gain_kept'], '.0%')})"
-                          for f, r in row["limited"].items()), flush=True)
+                for weight in a.balance_weight or [None]:
+                    row = {"ep_size": ep, "shift": name, "limited": {},
+                           "balance_weight": BALANCE_WEIGHT if weight is None else weight}
+                    for share in a.max_moves:
+                        out = os.path.join(work, "advise.json")
+                        place("advise", "--trace", *recording, "--placement", served, "--max-moves", share,
+                              "--max-tokens", 0, "--json", out,
+                              *(["--balance-weight", weight] if weight is not None else []))
+                        res = json.load(open(out))
+                        cur, fresh, lim = (res[k] for k in res)
+                        row["served"], row["fresh"] = _migrate_row(cur), _migrate_row(fresh)
+                        gain = fresh["lar"] - cur["lar"]
+                        row["limited"][f"{share:g}"] = {
+                            **_migrate_row(lim), "gain_kept": (lim["lar"] - cur["lar"]) / gain if gain > 0 else None}
+                    rows.append(row)
+                    print(f"EP {ep} {name} (balance weight {row['balance_weight']:g}): LAR served "
+                          f"{row['served']['lar']:.3f}, fresh {row['fresh']['lar']:.3f} ({row['fresh']['moved_slots']} "
+                          f"slots, load {row['fresh']['train_expert_load']:.2f}); " + ", ".join(
+                              f"F={f} {r['lar']:.3f} ({r['moved_slots']} slots, kept "
+                              f"{'-' if r['gain_kept'] is None else format(r['gain_kept'], '.0%')}, load "
+                              f"{r['train_expert_load']:.2f})" for f, r in row["limited"].items()), flush=True)
     if a.json:
         write_json(a.json, {"train": a.train or FIXTURE_TRACES["train"], "heldout": a.heldout or
                             FIXTURE_TRACES["heldout"], "max_moves": a.max_moves, "rows": rows})
@@ -303,4 +308,5 @@ def run_migrate(a) -> int:
 
 
 def _migrate_row(m: dict) -> dict:
-    return {k: m[k] for k in ("lar", "remote_unique_per_token", "expert_load", "moved_slots")}
+    """One placement's held-out metrics, its slots moved and its expert load on advise's training half."""
+    return {k: m[k] for k in ("lar", "remote_unique_per_token", "expert_load", "moved_slots", "train_expert_load")}
