@@ -525,6 +525,82 @@ def test_advise_finds_the_gain_of_a_placement_built_from_live_traffic(tmp_path):
             main(["advise", "--trace", str(tmp_path / "live.npz"), "--placement", str(served), "--max-moves", "0.25",
                   flag, bad])
         assert e.value.code == 2
+    # a tensor-parallel placement routes no requests
+    assert main(["advise", "--trace", str(tmp_path / "live.npz"), "--placement", str(served), "--in-flight", "128"]) == 2
+
+
+def test_advise_a_dp_placement_from_every_engines_recording(tmp_path, capsys):
+    """A --mode dp placement built on two workloads, a live recording of the other two by two DP
+    engines: advise trains a request co-clustering on each engine's first half, judges both with
+    the server's request routing on the second halves, and writes a dp-coclust placement."""
+    from vllm_smoe.formats.trace import read_traces, write_trace
+
+    fields = ("token_ids", "request_ids", "positions", "topk_ids", "step_ids", "is_prefill", "domain")
+    meta, tr, _ = read_traces([TRAIN], fields)
+    keep = np.isin(tr["domain"], (2, 3))
+    write_trace(str(tmp_path / "old.npz"), meta, **{k: v[keep] for k, v in tr.items()})
+    served = tmp_path / "served.yaml"
+    assert main(["build", "--trace", str(tmp_path / "old.npz"), "--ep-size", "2", "--mode", "dp",
+                 "--shuffle-requests", "0", "-o", str(served)]) == 0
+    # two engines' recordings of python + c, as the recorder names them: each engine got every
+    # other request, so both engines' first halves hold both workloads' early requests
+    live = tr["domain"] < 2
+    req = np.unique(tr["request_ids"][live], return_inverse=True)[1].ravel()
+    for rank in (0, 1):
+        mine = live.copy()
+        mine[live] = req % 2 == rank
+        write_trace(str(tmp_path / f"trace-dp{rank}-20261203T000000-1-00000.npz"), meta,
+                    **{k: v[mine] for k, v in tr.items()})
+    js, cand = tmp_path / "a.json", tmp_path / "cand.yaml"
+    capsys.readouterr()
+    assert main(["advise", "--trace", str(tmp_path / "trace-dp*.npz"), "--placement", str(served), "-o", str(cand),
+                 "--json", str(js)]) == 0
+    out = capsys.readouterr()
+    assert "requests routed as the server does at 64 in flight" in out.out
+    res = json.load(open(js))
+    cur, new = res["served (dp-coclust)"], res["candidate (dp-coclust)"]
+    assert new["lar"] > cur["lar"] + 0.01 and new["expert_load"] < cur["expert_load"]
+    assert "step_imbalance" in new
+    p = load_placement(str(cand))
+    assert p.method == "dp-coclust" and p.ep_size == 2 and load_tables(p).token2rank.shape[0] == 4
+    doc = yaml.safe_load(open(cand))
+    assert doc["built_from"]["mode"] == "dp" and doc["built_from"]["in_flight"] == 64
+    # what advise cannot do for it, and what only a DP placement takes, each named
+    for args, says in ((["--max-moves", "0.25"], "restart"), (["--group-workloads"], "--group-workloads")):
+        assert main(["advise", "--trace", str(tmp_path / "trace-dp0-20261203T000000-1-00000.npz"), "--placement",
+                     str(served), *args]) == 2
+        assert says in capsys.readouterr().err
+
+
+def test_advise_splits_each_dp_engine_into_halves():
+    from vllm_smoe.tools.place_cli import _late_half
+
+    # engine 0 ran steps 0..3, engine 1 steps 4..9 (its recording offset after engine 0's)
+    batch = np.array([0, 0, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9])
+    engine = np.array([0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1])
+    late = _late_half(batch, engine)
+    assert late.tolist() == [False, False, False, True, True, True, False, False, False, True, True, True]
+    assert _late_half(batch, None).tolist() == (batch >= 5).tolist()  # one engine: its steps in order
+    # whole requests: request 7 starts in engine 0's first half and runs on into its second
+    req = np.array([7, 1, 7, 7, 2, 7, 3, 3, 4, 4, 5, 6])
+    late = _late_half(batch, engine, req)
+    assert late.tolist() == [False, False, False, False, True, False, False, False, False, False, True, True]
+    assert _late_half(np.array([0, 0]), np.array([0, 0])).tolist() == [False, False]  # one step: nothing to judge
+
+
+def test_a_trace_names_the_dp_engine_that_recorded_it(tmp_path):
+    from vllm_smoe.formats.trace import TraceMeta, open_trace, write_trace
+    from vllm_smoe.tools.place_cli import _engine
+
+    rows = dict(token_ids=np.zeros(2, np.int32), request_ids=np.zeros(2, np.int32),
+                positions=np.arange(2, dtype=np.int32), topk_ids=np.array([[[0, 1]], [[1, 2]]], np.int16))
+    meta = TraceMeta(num_experts=4, top_k=2, num_layers=1, vocab_size=8)
+    cases = (("trace-dp3-20261203T000000-9-00001.npz", meta, 3), ("mine.npz", meta, 0),
+             ("trace-dp3-x.npz", TraceMeta(num_experts=4, top_k=2, num_layers=1, vocab_size=8,
+                                           extra={"dp_rank": 1}), 1))
+    for name, m, want in cases:
+        write_trace(str(tmp_path / name), m, **rows)
+        assert _engine(open_trace(str(tmp_path / name))) == want
 
 
 def test_build_method_auto_keeps_what_the_rule_picks_and_builds_it_as_the_method_itself(tmp_path):

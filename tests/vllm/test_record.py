@@ -48,6 +48,7 @@ def test_record_writes_valid_rotated_chunks(recorded):
     assert len(files) >= 2 and all(f.startswith("trace-dp0-") and f.endswith(".npz") for f in files)
     meta, arr, _ = read_traces([rec_dir])
     assert (meta.num_layers, meta.num_experts, meta.top_k) == (4, 32, 4)
+    assert meta.extra["dp_rank"] == 0  # advise splits each DP engine's recording on its own
     # every processed token once: the prompts plus all generated tokens but the last of each
     assert arr["token_ids"].size == sum(len(p) for p in prompts) + sum(len(t) - 1 for t in out["tokens"])
     assert arr["is_prefill"].sum() == sum(len(p) for p in prompts)

@@ -108,7 +108,8 @@ class Recorder:
         self.meta = TraceMeta(num_experts=self.E, top_k=self.K, num_layers=self.L, vocab_size=hf.vocab_size,
                               model=vllm_config.model_config.model, hidden_size=hf.hidden_size,
                               extra={"recorded_by": "vllm-smoe", "placement": cfg.placement,
-                                     "recording": f"{os.uname().nodename}-{os.getpid()}-{time.time_ns()}"})
+                                     "recording": f"{os.uname().nodename}-{os.getpid()}-{time.time_ns()}",
+                                     "dp_rank": int(self.dp_rank or 0)})
         self.started = time.strftime("%Y%m%dT%H%M%S")
         self.req_index: dict[str, int] = {}  # vLLM request id -> trace request id, while it runs
         self.prompt_len: dict[str, int] = {}  # vLLM request id -> prompt tokens, while it runs

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 
@@ -65,14 +66,28 @@ def _windows(total: int, max_tokens: int) -> list[tuple[int, int]]:
     return [(s, s + max_tokens // n) for s in (i * total // n for i in range(n))]
 
 
-def _stream(specs, windows=None, counts: bool = True, desc: str = "counting", sample_tokens: int = 0):
+def _engine(trace) -> int:
+    """The DP engine that recorded ``trace``: its meta's ``dp_rank``, else the recorder's file name
+    (``trace-dp<rank>-...``), else 0."""
+    if "dp_rank" in trace.meta.extra:
+        return int(trace.meta.extra["dp_rank"])
+    m = re.match(r"trace-dp(\d+)-", os.path.basename(trace.path))
+    return int(m.group(1)) if m else 0
+
+
+def _stream(specs, windows=None, counts: bool = True, desc: str = "counting", sample_tokens: int = 0,
+            engines: bool = False):
     """One pass over the traces: routing counts of every token (when ``counts``) and the rows
     inside ``windows`` (a function of the total token count -> [start, stop) ranges) as arrays;
-    the counts keep the first ``sample_tokens`` rows whole (for the bytes objective).
+    the counts keep the first ``sample_tokens`` rows whole (for the bytes objective). With
+    ``engines``, the rows also get ``engine`` [n] int64: the DP engine that recorded each
+    (:func:`_engine`), whose recordings ran side by side where one engine's follow each other.
     Returns (meta, RoutingCounts or None, {field: rows} sorted by step, batch ids [n], files, total)."""
     meta, traces = open_traces(specs)
     files = [t.path for t in traces]
     total = sum(t.num_tokens for t in traces)
+    ends = np.cumsum([t.num_tokens for t in traces])  # [files]: the row past each file's last
+    engine_of_file = np.array([_engine(t) for t in traces], dtype=np.int64)
     if total == 0:
         raise ValueError(f"{', '.join(files)}: the trace holds no tokens")
     if counts and total >= 2**32:
@@ -99,6 +114,9 @@ def _stream(specs, windows=None, counts: bool = True, desc: str = "counting", sa
                 a, b = max(lo - start, 0), min(hi - start, n)
                 if a < b:
                     parts.append({k: v[a:b].copy() for k, v in ch.items()})
+                    if engines:
+                        parts[-1]["engine"] = engine_of_file[np.searchsorted(ends, np.arange(start + a, start + b),
+                                                                             side="right")]
             start += n
             bar.update(n)
     sample = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]} if parts else {}
@@ -642,32 +660,58 @@ def cmd_evaluate(a) -> int:
 ADVISE_KEYS = ("lar", "remote_unique_per_token", "a2a_bytes_per_token", "expert_load", "token_load")
 
 
+def _late_half(batch: np.ndarray, engine: np.ndarray | None, request_ids: np.ndarray | None = None) -> np.ndarray:
+    """[n] bool: the rows of each DP engine's second half of engine steps (batch: [n] step ids,
+    sorted, one engine's recordings one after another; engine: [n] int, or None for one). An
+    engine of one step stays whole in the first half. With request_ids ([n] int, distinct
+    across recordings) every request goes whole to the half its first row is in (--mode dp
+    judges whole requests, routed by their prompts)."""
+    rec = np.zeros(batch.size, dtype=np.int64) if engine is None else engine
+    late = np.zeros(batch.size, dtype=bool)
+    for r in np.unique(rec):
+        mine = rec == r
+        steps = np.unique(batch[mine])
+        late |= mine & (batch >= steps[steps.size // 2]) if steps.size >= 2 else False
+    if request_ids is not None:
+        reqs, first, q = np.unique(request_ids, return_index=True, return_inverse=True)
+        late = late[first][q.ravel()]
+    return late
+
+
 def cmd_advise(a) -> int:
-    """What a placement built from a live recording would gain over the one being served: the
-    recording's first half of steps trains a candidate (the served placement's method, ep_size,
-    nodes, groups, replicas and capacity), its second half scores both with the same predictor."""
+    """What a placement built from a live recording would gain over the one being served: each
+    DP engine's first half of steps trains a candidate (the served placement's method, ep_size,
+    nodes, groups, replicas and capacity; a --mode dp placement's request co-clustering), its
+    second half scores both with the same predictor (--mode dp: the same request routing)."""
     if a.predictor == "learned":
         raise ValueError("--predictor learned: advise does not train a learned predictor for its candidate yet; "
                          "score with --predictor tables")
     given = [f for f, v in (("--capacity", a.capacity is not None), ("--replicas", a.replicas is not None),
-                            ("--shuffle-requests", a.shuffle_requests is not None),
-                            ("--group-workloads", a.group_workloads),
-                            ("--decode-concurrency", a.decode_concurrency is not None)) if v]
+                            ("--group-workloads", a.group_workloads)) if v]
     if given:
-        raise ValueError(f"{', '.join(given)}: advise takes capacity and copies from the served placement, and judges "
-                         f"tensor-parallel placements only")
+        raise ValueError(f"{', '.join(given)}: advise takes capacity and copies from the served placement")
     if a.json:
         check_output_file(a.json, "--json")
     if a.output:
         check_output_file(a.output, "-o")
     p = load_placement(a.placement)
-    if p.method == "dp-coclust":
-        raise ValueError(f"{a.placement}: field 'method' = dp-coclust: advise judges tensor-parallel placements only "
-                         f"so far")
+    dp = p.method == "dp-coclust"
+    if not dp:
+        given = [f for f, v in (("--shuffle-requests", a.shuffle_requests is not None),
+                                ("--decode-concurrency", a.decode_concurrency is not None),
+                                ("--in-flight", a.in_flight is not None)) if v]
+        if given:
+            raise ValueError(f"{', '.join(given)}: only for a --mode dp placement (field 'method' = dp-coclust); "
+                             f"{a.placement} has method {p.method}")
+    elif a.max_moves is not None:
+        raise ValueError(f"{a.placement}: field 'method' = dp-coclust: --max-moves limits a live swap, which DP "
+                         f"engines do not take (POST /smoe/placement answers 409 with DP > 1); a DP placement is "
+                         f"changed by a restart, all of it")
     if a.max_moves is not None and p.replicas.size and (p.replicas[..., 0] >= 0).any():
         raise ValueError(f"{a.placement}: field 'layers[].replicas': --max-moves limits the moves of placements "
                          f"without copies only, so far")
-    meta, _, arr, files, total = _stream(a.trace, lambda T: _windows(T, a.max_tokens), counts=False, desc="reading")
+    meta, _, arr, files, total = _stream(a.trace, lambda T: _windows(T, a.max_tokens), counts=False, desc="reading",
+                                         engines=True)
     for key, want in (("num_layers", p.num_layers), ("num_experts", p.num_experts), ("top_k", p.top_k)):
         if getattr(meta, key) != want:
             raise ValueError(f"{a.trace[0]}: trace meta.{key} = {getattr(meta, key)} but placement "
@@ -676,33 +720,42 @@ def cmd_advise(a) -> int:
         raise ValueError(f"{a.trace[0]}: trace meta.vocab_size = {meta.vocab_size} but placement {a.placement} has "
                          f"model.vocab_size = {p.vocab_size}")
     arr, batch = _batched(arr, a.batch_tokens)
-    steps = np.unique(batch)
-    if steps.size < 2:
-        raise ValueError(f"{a.trace[0]}: {steps.size} engine step(s) recorded; advise needs two or more (one half "
-                         f"trains the candidate, the other judges it)")
-    late = batch >= steps[steps.size // 2]
+    late = _late_half(batch, arr.pop("engine"), arr["request_ids"] if dp else None)
+    if not late.any():
+        raise ValueError(f"{a.trace[0]}: {np.unique(batch).size} engine step(s) recorded; advise needs two or more "
+                         f"from one engine (its first half trains the candidate, the second judges it)")
     train = {k: v[~late] for k, v in arr.items()}
     test, test_batch = {k: v[late] for k, v in arr.items()}, batch[late]
     print(f"training a candidate on {int((~late).sum())} tokens, judging both on the next {int(late.sum())}",
           file=sys.stderr)
     counts = RoutingCounts.from_arrays(train["token_ids"], train["topk_ids"], meta.num_experts, meta.vocab_size)
-    method = p.method if p.method in PREDICTED else "coclust"
     a.replicas = int((p.replicas[..., 0] >= 0).sum(axis=1).max()) if p.replicas.size else 0
     a.capacity = p.capacity
-    e2r, reps, tables, secs, _ = _solve(method, counts, meta, a, p.ep_size, p.nodes, groups=p.groups)
-    holds = holds_from_expert2rank(e2r, p.ep_size, reps)
-    tables = _with_bigrams(tables, train, holds, meta.vocab_size, a.bigram_pairs, a.batch_tokens)
     hidden = meta.hidden_size or a.hidden_size
     current = load_tables(p) if p.predictor else None
+    if dp:  # whole requests, routed as the server routes them; the engines' recordings interleaved
+        a.ep_size, a.nodes = p.ep_size, p.nodes
+        a.in_flight = DP_WINDOW if a.in_flight is None else a.in_flight
+        a.decode_concurrency = DECODE_CONCURRENCY if a.decode_concurrency is None else a.decode_concurrency
+        method = p.method
+        e2r, reps, tables, secs, _ = _solve_dp(counts, train, meta, a, None, groups=p.groups)
+        judge = dict(mode="dp", shuffle=a.seed if a.shuffle_requests is None else a.shuffle_requests,
+                     in_flight=a.in_flight, concurrency=a.decode_concurrency)
+    else:
+        method = p.method if p.method in PREDICTED else "coclust"
+        e2r, reps, tables, secs, _ = _solve(method, counts, meta, a, p.ep_size, p.nodes, groups=p.groups)
+        holds = holds_from_expert2rank(e2r, p.ep_size, reps)
+        tables = _with_bigrams(tables, train, holds, meta.vocab_size, a.bigram_pairs, a.batch_tokens)
+        judge = dict(predictor=a.predictor)
     results = {
         f"served ({p.method})": _measure(test, test_batch, meta, p.expert2rank, p.replicas, current, p.ep_size,
                                          p.capacity, current is not None or a.predictor == "router", hidden,
-                                         a.dtype_bytes, nodes=p.nodes, predictor=a.predictor),
+                                         a.dtype_bytes, nodes=p.nodes, **judge),
         f"candidate ({method})": _measure(test, test_batch, meta, e2r, reps, tables, p.ep_size, p.capacity, True,
-                                          hidden, a.dtype_bytes, nodes=p.nodes, predictor=a.predictor)}
+                                          hidden, a.dtype_bytes, nodes=p.nodes, **judge)}
     (cur, new) = results.values()
     print(f"{'':26}{'served':>12}{'candidate':>12}{'change':>10}")
-    for k in ADVISE_KEYS:
+    for k in ADVISE_KEYS + (("step_imbalance",) if "step_imbalance" in cur and "step_imbalance" in new else ()):
         print(f"{k:26}{cur[k]:12.4g}{new[k]:12.4g}{(new[k] / cur[k] - 1) * 100 if cur[k] else 0.0:+9.1f}%")
     cur["moved_slots"] = 0
     new["moved_slots"] = int((rename_ranks(p.expert2rank, e2r, p.ep_size) != p.expert2rank).sum())
@@ -735,12 +788,15 @@ def cmd_advise(a) -> int:
         new, method = lim, f"{method}+moves"
     else:
         print(f"moves: the candidate changes {new['moved_slots']} of {p.expert2rank.size} expert slots (its ranks "
-              f"renamed to agree with the served ones; --max-moves F limits them)")
+              f"renamed to agree with the served ones; " + ("DP engines load it at a restart)" if dp else
+                                                            "--max-moves F limits them)"))
     verdict = ("the candidate keeps more activations local" if new["lar"] > cur["lar"]
                else "the served placement still does as well")
+    judged = (f"requests routed as the server does at {a.in_flight} in flight, in a random order (seed "
+              f"{judge['shuffle']})" if dp else f"predictor {a.predictor}")
     print(f"{verdict}: LAR {cur['lar']:.3f} -> {new['lar']:.3f}, rows per token "
-          f"{cur['remote_unique_per_token']:.3f} -> {new['remote_unique_per_token']:.3f} (held-out half, predictor "
-          f"{a.predictor}; candidate built in {secs:.1f} s)")
+          f"{cur['remote_unique_per_token']:.3f} -> {new['remote_unique_per_token']:.3f} (held-out half, {judged}; "
+          f"candidate built in {secs:.1f} s)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=2)
@@ -752,7 +808,8 @@ def cmd_advise(a) -> int:
                         replicas=reps if a.replicas else None, fingerprint=p.fingerprint, groups=p.groups,
                         built_from={"traces": [_rel(f, a.output) for f in files], "tokens": int((~late).sum()),
                                     "batch_tokens": a.batch_tokens, "theta": a.theta, "seed": a.seed,
-                                    "max_expert_load": a.max_expert_load, "mode": "tp", "predictor": a.predictor,
+                                    "max_expert_load": a.max_expert_load, "mode": "dp" if dp else "tp",
+                                    "predictor": a.predictor, **({"in_flight": a.in_flight} if dp else {}),
                                     "advised_over": os.path.abspath(a.placement)},
                         metrics={k: new[k] for k in METRIC_KEYS if k in new})
         print(f"wrote {a.output}")
@@ -886,10 +943,13 @@ def build_parser() -> argparse.ArgumentParser:
         e.set_defaults(fn=fn, replicas=0)
 
     v = sub.add_parser("advise", help="what a placement built from a live recording would gain over the served one",
-                       description="Trains a candidate on the recording's first half of engine steps (the served "
-                                   "placement's method, ep_size, nodes, groups, copies and capacity) and scores both "
-                                   "on the second half. --predictor defaults to tables here (serving's default). "
-                                   "The steps of one engine: with DP, pass one engine's files.")
+                       description="Trains a candidate on each DP engine's first half of engine steps (the "
+                                   "served placement's method, ep_size, nodes, groups, copies and capacity) and "
+                                   "scores both on the second halves. --predictor defaults to tables here (serving's "
+                                   "default). A --mode dp placement (method dp-coclust): pass every DP engine's "
+                                   "recording; the candidate co-clusters their requests with experts, and both are "
+                                   "judged with the server's request routing (--in-flight, --shuffle-requests: "
+                                   "default the --seed, which interleaves the engines' requests).")
     v.add_argument("--trace", nargs="+", required=True,
                    help="the live recording (trace files, directories or globs, e.g. a --smoe-record directory)")
     v.add_argument("--placement", required=True, help="the placement being served")

@@ -7,6 +7,7 @@
   smoe-bench kernels -- on a CUDA GPU: speculate's assignment + permutation kernel vs the torch ops
   smoe-bench place-scale -- smoe-place build/evaluate on a large trace: wall time, peak memory of all its processes
   smoe-bench migrate -- smoe-place advise --max-moves after a workload shift: LAR kept per share of slots moved
+                        (--mode dp: advise of an attention-DP placement)
   smoe-bench load    -- speculate under a workload shift: metrics cost, live re-placement from the recording, plot
   smoe-bench cluster -- vLLM nodes in network namespaces over a link at a real cluster's proportions (needs root)
 """
@@ -130,6 +131,9 @@ def main(argv=None) -> int:
     m.add_argument("--max-moves", type=number(float, 0.0, 1.0), nargs="+", default=[0.0, 0.1, 0.25, 0.5])
     m.add_argument("--balance-weight", type=number(float, 0.0), nargs="+", default=None, metavar="W",
                    help="advise --balance-weight values, each a row (default: advise's own)")
+    m.add_argument("--mode", choices=("tp", "dp"), default="tp",
+                   help="dp: the served placement built with --mode dp (requests shuffled), advise's fresh "
+                        "candidate judged with the request router; no --max-moves (DP engines take no live swap)")
     m.add_argument("--json", help="write every row here")
     m.set_defaults(fn=offline.run_migrate)
     from .load import add_parser as add_load

@@ -274,12 +274,26 @@ def run_migrate(a) -> int:
                 path = os.path.join(work, "old.npz")
                 keep = np.isin(tr["domain"], old)
                 write_trace(path, meta, **{k: v[keep] for k, v in tr.items()})
-                place("build", "--trace", path, "--ep-size", ep, "-o", served)
+                # --mode dp: the trace holds one workload after another; the router meets them mixed
+                place("build", "--trace", path, "--ep-size", ep, "-o", served,
+                      *(["--mode", "dp", "--shuffle-requests", 0] if a.mode == "dp" else []))
                 recording = []
                 for i, arr in enumerate((tr, he)):  # no step ids: advise's halves are these two files
                     keep = np.isin(arr["domain"], new)
                     recording.append(os.path.join(work, f"rec{i}.npz"))
                     write_trace(recording[-1], meta, **{k: v[keep] for k, v in arr.items()})
+                if a.mode == "dp":  # no live swaps under DP: the fresh candidate alone
+                    out = os.path.join(work, "advise.json")
+                    place("advise", "--trace", *recording, "--placement", served, "--max-tokens", 0, "--json", out)
+                    cur, fresh = json.load(open(out)).values()
+                    row = {"ep_size": ep, "shift": name, "mode": "dp", "served": _migrate_row(cur, dp=True),
+                           "fresh": _migrate_row(fresh, dp=True)}
+                    rows.append(row)
+                    print(f"EP {ep} {name} (--mode dp): " + "; ".join(
+                        f"{k} LAR {r['lar']:.3f}, rows {r['remote_unique_per_token']:.3f}, expert load "
+                        f"{r['expert_load']:.2f}, step imbalance {r['step_imbalance']:.3f}"
+                        for k, r in (("served", row["served"]), ("fresh", row["fresh"]))), flush=True)
+                    continue
                 for weight in a.balance_weight or [None]:
                     row = {"ep_size": ep, "shift": name, "limited": {},
                            "balance_weight": BALANCE_WEIGHT if weight is None else weight}
@@ -307,6 +321,8 @@ def run_migrate(a) -> int:
     return 0
 
 
-def _migrate_row(m: dict) -> dict:
-    """One placement's held-out metrics, its slots moved and its expert load on advise's training half."""
-    return {k: m[k] for k in ("lar", "remote_unique_per_token", "expert_load", "moved_slots", "train_expert_load")}
+def _migrate_row(m: dict, dp: bool = False) -> dict:
+    """One placement's held-out metrics, its slots moved and its expert load on advise's training
+    half (--mode dp: its step imbalance instead; no moves are limited there)."""
+    return {k: m[k] for k in ("lar", "remote_unique_per_token", "expert_load", "moved_slots") + (
+        ("step_imbalance",) if dp else ("train_expert_load",))}
