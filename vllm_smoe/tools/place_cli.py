@@ -259,12 +259,12 @@ def _ticking(it, bar):
 
 def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, hidden, dtype_bytes, mode="tp",
              nodes=1, shuffle=None, workloads=False, predictor="tables-markov", copies="own",
-             concurrency=DECODE_CONCURRENCY, route_nodes=None, in_flight=DP_WINDOW):
+             concurrency=DECODE_CONCURRENCY, route_nodes=None, in_flight=None):
     """Metrics of one placement on ``arr``'s rows. nodes: how the bytes split into inter- and
     intra-node; route_nodes: the nodes the placement was built for, which --mode dp's request
     router scores with (default ``nodes``); in_flight: --mode dp's balance window, in requests
-    (the server's router balances over max(WINDOW, its requests in flight))."""
-    window = max(DP_WINDOW, in_flight)
+    (the server's router balances over max(WINDOW, its requests in flight); None: WINDOW)."""
+    window = max(DP_WINDOW, in_flight or 0)
     holds = holds_from_expert2rank(e2r, ep_size, reps)
     if mode == "dp":  # whole requests on attention-DP ranks
         reqs, q = request_index(arr["request_ids"])  # q: each token's request, in first-appearance order
@@ -312,6 +312,21 @@ def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, 
     return m
 
 
+def _dp_flags(a, dp: bool, why: str) -> None:
+    """The flags only whole-request routing takes: refused naming ``why`` unless ``dp``, else
+    their defaults filled in."""
+    if not dp:
+        given = [f for f, v in (("--shuffle-requests", a.shuffle_requests is not None),
+                                ("--group-workloads", a.group_workloads),
+                                ("--decode-concurrency", a.decode_concurrency is not None),
+                                ("--in-flight", a.in_flight is not None)) if v]
+        if given:
+            raise ValueError(f"{', '.join(given)}: {why}")
+    else:
+        a.decode_concurrency = DECODE_CONCURRENCY if a.decode_concurrency is None else a.decode_concurrency
+        a.in_flight = DP_WINDOW if a.in_flight is None else a.in_flight
+
+
 def _check_dp_flags(a) -> None:
     if a.mode == "dp" and a.predictor != "tables-markov":
         raise ValueError(f"--predictor {a.predictor}: --mode dp routes whole requests by their prompt's votes, "
@@ -319,16 +334,7 @@ def _check_dp_flags(a) -> None:
     if a.mode == "dp" and a.bigram_pairs != -1:
         raise ValueError(f"--bigram-pairs {a.bigram_pairs}: --mode dp routes whole requests by their prompt's "
                          f"votes and learns no bigram table")
-    if a.mode != "dp":
-        given = [f for f, v in (("--shuffle-requests", a.shuffle_requests is not None),
-                                ("--group-workloads", a.group_workloads),
-                                ("--decode-concurrency", a.decode_concurrency is not None),
-                                ("--in-flight", a.in_flight is not None)) if v]
-        if given:
-            raise ValueError(f"{', '.join(given)}: only with --mode dp (whole requests routed to ranks)")
-    else:
-        a.decode_concurrency = DECODE_CONCURRENCY if a.decode_concurrency is None else a.decode_concurrency
-        a.in_flight = DP_WINDOW if a.in_flight is None else a.in_flight
+    _dp_flags(a, a.mode == "dp", "only with --mode dp (whole requests routed to ranks)")
     if a.group_workloads:  # a domain is an index into its file's meta.domains: one list for all
         _, traces = open_traces(a.trace)
         named = [t for t in traces if t.meta.domains]
@@ -417,7 +423,7 @@ def cmd_build(a) -> int:
                  tables is not None or a.predictor == "router",
                  meta.hidden_size or a.hidden_size, a.dtype_bytes, mode=a.mode, nodes=a.nodes,
                  shuffle=a.shuffle_requests, workloads=a.group_workloads, predictor=a.predictor,
-                 concurrency=a.decode_concurrency, in_flight=a.in_flight or DP_WINDOW)
+                 concurrency=a.decode_concurrency, in_flight=a.in_flight)
     m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tables.nbytes if tables is not None else 0)
     write_placement(a.output, expert2rank=e2r, ep_size=a.ep_size, nodes=a.nodes, top_k=meta.top_k,
                     vocab_size=meta.vocab_size,
@@ -550,7 +556,7 @@ def _evaluate_all(a):
     m = _measure(arr, batch, meta, p.expert2rank, p.replicas, tables, p.ep_size, p.capacity,
                  tables is not None or a.predictor == "router",
                  hidden, a.dtype_bytes, a.mode, nodes, a.shuffle_requests, a.group_workloads, a.predictor,
-                 concurrency=a.decode_concurrency, route_nodes=p.nodes, in_flight=a.in_flight or DP_WINDOW)
+                 concurrency=a.decode_concurrency, route_nodes=p.nodes, in_flight=a.in_flight)
     m.update({k: p.metrics[k] for k in ("solve_seconds", "peak_mem_mb", "table_bytes") if k in p.metrics})
     results[label] = m
     methods = [] if not a.compare else (COMPARE_ALL if a.compare == "all" else a.compare.split(","))
@@ -591,7 +597,7 @@ def _evaluate_all(a):
                 m = _measure(arr, batch, meta, e2r, reps, tab, p.ep_size, p.capacity, predicted, hidden,
                              a.dtype_bytes, a.mode, nodes, a.shuffle_requests, a.group_workloads, a.predictor,
                              copies="hashed" if method == "eplb" and not predicted else "own",
-                             concurrency=a.decode_concurrency, route_nodes=p.nodes, in_flight=a.in_flight or DP_WINDOW)
+                             concurrency=a.decode_concurrency, route_nodes=p.nodes, in_flight=a.in_flight)
                 m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tab.nbytes if predicted else 0)
                 results[form] = m
     return p, results, meta, arr
@@ -696,14 +702,9 @@ def cmd_advise(a) -> int:
         check_output_file(a.output, "-o")
     p = load_placement(a.placement)
     dp = p.method == "dp-coclust"
-    if not dp:
-        given = [f for f, v in (("--shuffle-requests", a.shuffle_requests is not None),
-                                ("--decode-concurrency", a.decode_concurrency is not None),
-                                ("--in-flight", a.in_flight is not None)) if v]
-        if given:
-            raise ValueError(f"{', '.join(given)}: only for a --mode dp placement (field 'method' = dp-coclust); "
-                             f"{a.placement} has method {p.method}")
-    elif a.max_moves is not None:
+    _dp_flags(a, dp, f"only for a --mode dp placement (field 'method' = dp-coclust); {a.placement} has method "
+                     f"{p.method}")
+    if dp and a.max_moves is not None:
         raise ValueError(f"{a.placement}: field 'method' = dp-coclust: --max-moves limits a live swap, which DP "
                          f"engines do not take (POST /smoe/placement answers 409 with DP > 1); a DP placement is "
                          f"changed by a restart, all of it")
@@ -735,8 +736,6 @@ def cmd_advise(a) -> int:
     current = load_tables(p) if p.predictor else None
     if dp:  # whole requests, routed as the server routes them; the engines' recordings interleaved
         a.ep_size, a.nodes = p.ep_size, p.nodes
-        a.in_flight = DP_WINDOW if a.in_flight is None else a.in_flight
-        a.decode_concurrency = DECODE_CONCURRENCY if a.decode_concurrency is None else a.decode_concurrency
         method = p.method
         e2r, reps, tables, secs, _ = _solve_dp(counts, train, meta, a, None, groups=p.groups)
         judge = dict(mode="dp", shuffle=a.seed if a.shuffle_requests is None else a.shuffle_requests,
