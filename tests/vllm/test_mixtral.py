@@ -1,0 +1,66 @@
+"""Mixtral (vLLM's MixtralForCausalLM, softmax top-2 over 8 experts, no shared expert) through the
+plugin at one rank: a placement at load that moves every expert and record mode. vLLM's greedy
+tokens equal transformers' own generation, and the recorded top-k sets equal transformers'
+router, so recording and placement work for an architecture smoe has no fixture for. Speculate
+is refused for it (no sequence-parallel MoE in vLLM): see tests/unit."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from vllm_smoe.formats.trace import read_traces
+from tests.support import HELPER, heldout_prompts
+
+LAYERS, EXPERTS, TOP_K = 2, 8, 2
+
+
+def test_mixtral_placement_at_load_and_recording_equal_transformers(tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from transformers import AutoModelForCausalLM
+
+    from vllm_smoe.testbed import FIXTURE_MODEL
+    from vllm_smoe.testbed.models import build_random
+    from vllm_smoe.testbed.record import router_topk
+
+    model_dir = str(tmp_path / "mixtral")  # random weights, the fixture's tokenizer (as smoe-testbed build)
+    build_random("mixtral", model_dir, FIXTURE_MODEL, num_layers=LAYERS, num_experts=EXPERTS, top_k=TOP_K)
+    moved = tmp_path / "moved.yaml"  # one expert per rank, every expert moved, differently per layer
+    moved.write_text(yaml.safe_dump({
+        "smoe_placement": 1, "model": {"num_layers": LAYERS, "num_experts": EXPERTS, "top_k": TOP_K},
+        "ep_size": EXPERTS, "layers": [{"expert_to_rank": [(e + 3 + i) % EXPERTS for e in range(EXPERTS)]}
+                                       for i in range(LAYERS)]}))
+    prompts = heldout_prompts(6, lambda i, r: 6 + 5 * i)
+    extra = {"smoe": {"mode": "record", "record": str(tmp_path / "rec"), "placement": str(moved)}}
+    env = {**os.environ, "SMOE_TEST_TP": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "SMOE_TEST_EP": "0",
+           "SMOE_TEST_COMPILED": "0"}
+    r = subprocess.run([sys.executable, HELPER, model_dir, json.dumps(prompts), "6", json.dumps(extra)],
+                       capture_output=True, text=True, timeout=900, env=env)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("SMOE_RESULT ")]
+    assert r.returncode == 0 and line, (r.stdout + r.stderr)[-4000:]
+    out = json.loads(line[0][len("SMOE_RESULT "):])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for p, got in zip(prompts, out["tokens"]):
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            for _ in range(6):
+                ids = torch.cat([ids, model(ids).logits[0, -1].argmax().view(1, 1)], dim=1)
+        assert got == ids[0, len(p):].tolist()
+    meta, arr, _ = read_traces([str(tmp_path / "rec")])
+    assert (meta.num_layers, meta.num_experts, meta.top_k) == (LAYERS, EXPERTS, TOP_K)
+    checked = mismatched = 0
+    for q in np.unique(arr["request_ids"]):
+        rows = np.flatnonzero(arr["request_ids"] == q)
+        rows = rows[np.argsort(arr["positions"][rows])]
+        seq = arr["token_ids"][rows]
+        ids, _ = router_topk(model, torch.from_numpy(seq.astype(np.int64))[None], TOP_K)
+        got = np.sort(arr["topk_ids"][rows].astype(np.int32), -1)
+        checked += got.shape[0] * got.shape[1]
+        mismatched += int((got != np.sort(ids, -1)).any(-1).sum())
+    assert checked == LAYERS * (sum(map(len, prompts)) + 5 * len(prompts)) and mismatched == 0, \
+        f"{mismatched} of {checked} (token, layer) top-k sets differ"
