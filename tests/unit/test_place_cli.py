@@ -526,7 +526,8 @@ def test_advise_finds_the_gain_of_a_placement_built_from_live_traffic(tmp_path):
                   flag, bad])
         assert e.value.code == 2
     # a tensor-parallel placement routes no requests
-    assert main(["advise", "--trace", str(tmp_path / "live.npz"), "--placement", str(served), "--in-flight", "128"]) == 2
+    assert main(["advise", "--trace", str(tmp_path / "live.npz"), "--placement", str(served),
+                 "--in-flight", "128"]) == 2
 
 
 def test_advise_a_dp_placement_from_every_engines_recording(tmp_path, capsys):
@@ -566,7 +567,8 @@ def test_advise_a_dp_placement_from_every_engines_recording(tmp_path, capsys):
     doc = yaml.safe_load(open(cand))
     assert doc["built_from"]["mode"] == "dp" and doc["built_from"]["in_flight"] == 64
     # what advise cannot do for it, and what only a DP placement takes, each named
-    for args, says in ((["--max-moves", "0.25"], "restart"), (["--group-workloads"], "--group-workloads")):
+    for args, says in ((["--max-moves", "0.25"], "restart"), (["--group-workloads"], "--group-workloads"),
+                       (["--predictor", "tables"], "prompt's votes"), (["--balance-weight", "1"], "--max-moves")):
         assert main(["advise", "--trace", str(tmp_path / "trace-dp0-20261203T000000-1-00000.npz"), "--placement",
                      str(served), *args]) == 2
         assert says in capsys.readouterr().err
@@ -586,6 +588,30 @@ def test_advise_splits_each_dp_engine_into_halves():
     late = _late_half(batch, engine, req)
     assert late.tolist() == [False, False, False, False, True, False, False, False, False, False, True, True]
     assert _late_half(np.array([0, 0]), np.array([0, 0])).tolist() == [False, False]  # one step: nothing to judge
+
+
+def test_advise_reads_which_engine_recorded_each_row(tmp_path):
+    """Two engines' rotated files in any order, and engines of unequal length: every row is
+    labelled with its engine, and each engine's own second half is what advise judges."""
+    from vllm_smoe.formats.trace import TraceMeta, write_trace
+    from vllm_smoe.tools.place_cli import _batched, _late_half, _stream
+
+    meta = TraceMeta(num_experts=4, top_k=2, num_layers=1, vocab_size=8)
+    # file -> (rows, first step): a recorder's rotated chunks go on counting its steps and requests
+    sizes = {"trace-dp1-a-1-00000.npz": (4, 0), "trace-dp0-a-2-00000.npz": (6, 0), "trace-dp0-a-2-00001.npz": (2, 6)}
+    for name, (n, first) in sizes.items():
+        rank = int(name[8])
+        ids = np.arange(first, first + n, dtype=np.int32)
+        write_trace(str(tmp_path / name), TraceMeta(**{**meta.__dict__, "extra": {"recording": f"r{rank}"}}),
+                    token_ids=np.full(n, rank, np.int32), request_ids=ids, positions=np.zeros(n, np.int32),
+                    topk_ids=np.tile(np.array([[[0, 1]]], np.int16), (n, 1, 1)), step_ids=ids)
+    files = [str(tmp_path / f) for f in sizes]
+    _, _, arr, _, _ = _stream(files, lambda T: [(0, T)], counts=False, engines=True)
+    np.testing.assert_array_equal(arr["engine"], arr["token_ids"])  # each row's engine is the rank it was written by
+    arr, batch = _batched(arr, 512)
+    late = _late_half(batch, arr.pop("engine"))
+    for rank, n in ((0, 8), (1, 4)):  # engine 0: its two files, 8 steps; engine 1: 4 steps
+        assert int(late[arr["token_ids"] == rank].sum()) == n // 2
 
 
 def test_a_trace_names_the_dp_engine_that_recorded_it(tmp_path):

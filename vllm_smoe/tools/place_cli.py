@@ -692,10 +692,15 @@ def cmd_advise(a) -> int:
     if a.predictor == "learned":
         raise ValueError("--predictor learned: advise does not train a learned predictor for its candidate yet; "
                          "score with --predictor tables")
-    given = [f for f, v in (("--capacity", a.capacity is not None), ("--replicas", a.replicas is not None),
-                            ("--group-workloads", a.group_workloads)) if v]
+    given = [f for f, v in (("--capacity", a.capacity is not None), ("--replicas", a.replicas is not None)) if v]
     if given:
         raise ValueError(f"{', '.join(given)}: advise takes capacity and copies from the served placement")
+    if a.group_workloads:
+        raise ValueError("--group-workloads: advise judges the router as the server runs it (each request by its "
+                         "own prompt); the workload-grouped router is a what-if of evaluate --mode dp")
+    if a.balance_weight is not None and a.max_moves is None:
+        raise ValueError(f"--balance-weight {a.balance_weight:g}: only with --max-moves (it weighs expert load "
+                         f"against locality in the limited candidate)")
     if a.json:
         check_output_file(a.json, "--json")
     if a.output:
@@ -708,6 +713,12 @@ def cmd_advise(a) -> int:
         raise ValueError(f"{a.placement}: field 'method' = dp-coclust: --max-moves limits a live swap, which DP "
                          f"engines do not take (POST /smoe/placement answers 409 with DP > 1); a DP placement is "
                          f"changed by a restart, all of it")
+    given = [f for f, v in (("--predictor", a.predictor is not None), ("--bigram-pairs", a.bigram_pairs != -1)) if v]
+    if dp and given:
+        raise ValueError(f"{', '.join(given)}: {a.placement} has method dp-coclust: whole requests are routed by "
+                         f"their prompt's votes, not tokens by a predictor")
+    # serving's default predictor; a DP placement's tables are built as build --mode dp builds them
+    a.predictor = a.predictor or ("tables-markov" if dp else "tables")
     if a.max_moves is not None and p.replicas.size and (p.replicas[..., 0] >= 0).any():
         raise ValueError(f"{a.placement}: field 'layers[].replicas': --max-moves limits the moves of placements "
                          f"without copies only, so far")
@@ -722,6 +733,9 @@ def cmd_advise(a) -> int:
                          f"model.vocab_size = {p.vocab_size}")
     arr, batch = _batched(arr, a.batch_tokens)
     late = _late_half(batch, arr.pop("engine"), arr["request_ids"] if dp else None)
+    if not late.any() and dp and np.unique(batch).size >= 2:
+        raise ValueError(f"{a.trace[0]}: no request starts in the second half of its engine's steps (advise judges "
+                         f"whole requests on it, the first half trains the candidate): record longer")
     if not late.any():
         raise ValueError(f"{a.trace[0]}: {np.unique(batch).size} engine step(s) recorded; advise needs two or more "
                          f"from one engine (its first half trains the candidate, the second judges it)")
@@ -762,8 +776,8 @@ def cmd_advise(a) -> int:
         budget = int(a.max_moves * p.expert2rank.size)
         e2r, info = limit_moves(p.expert2rank, e2r, [counts.layer_matrix(layer) for layer in range(meta.num_layers)],
                                 counts.seen()[1], budget, p.ep_size, capacity=p.capacity, groups=p.groups,
-                                swaps=True, max_expert_load=a.max_expert_load,
-                                balance_weight=a.balance_weight)  # measured: BENCHMARKS.md
+                                swaps=True, max_expert_load=a.max_expert_load,  # measured: BENCHMARKS.md
+                                balance_weight=BALANCE_WEIGHT if a.balance_weight is None else a.balance_weight)
         holds = holds_from_expert2rank(e2r, p.ep_size)
         tables = _with_bigrams(tables_for_placement(counts, holds, meta.vocab_size), train, holds, meta.vocab_size,
                                a.bigram_pairs, a.batch_tokens)
@@ -808,7 +822,8 @@ def cmd_advise(a) -> int:
                         built_from={"traces": [_rel(f, a.output) for f in files], "tokens": int((~late).sum()),
                                     "batch_tokens": a.batch_tokens, "theta": a.theta, "seed": a.seed,
                                     "max_expert_load": a.max_expert_load, "mode": "dp" if dp else "tp",
-                                    "predictor": a.predictor, **({"in_flight": a.in_flight} if dp else {}),
+                                    "predictor": a.predictor,
+                                    **({"in_flight": a.in_flight, "shuffle_requests": judge["shuffle"]} if dp else {}),
                                     "advised_over": os.path.abspath(a.placement)},
                         metrics={k: new[k] for k in METRIC_KEYS if k in new})
         print(f"wrote {a.output}")
@@ -959,7 +974,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also a candidate that moves at most this share of the served expert slots (a live swap "
                         "moves what changes): the fresh candidate's exchange cycles that pay most per moved slot, "
                         "its ranks renamed to agree with the served ones; -o then writes this one")
-    v.add_argument("--balance-weight", type=number(float, 0.0), default=BALANCE_WEIGHT, metavar="W",
+    v.add_argument("--balance-weight", type=number(float, 0.0), default=None, metavar="W",
                    help="with --max-moves: local activations one activation of a layer's busiest rank past "
                         f"--max-expert-load is worth (default {BALANCE_WEIGHT:g}; 0: the cap only guards, the load a "
                         "workload shift left stays)")
@@ -967,8 +982,8 @@ def build_parser() -> argparse.ArgumentParser:
                                           "in live)")
     v.add_argument("--json", help="write {placement: {metric: value}} here")
     common(v)
-    # serving's default predictor; capacity and copies come from the served placement
-    v.set_defaults(fn=cmd_advise, predictor="tables", capacity=None, replicas=None)
+    # the predictor is serving's default (cmd_advise); capacity and copies come from the served placement
+    v.set_defaults(fn=cmd_advise, predictor=None, capacity=None, replicas=None)
     return p
 
 

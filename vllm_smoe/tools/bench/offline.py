@@ -241,7 +241,8 @@ def run_predictors(a) -> int:
 def run_migrate(a) -> int:
     """``smoe-place advise --max-moves F`` after a workload shift: the served placement built on
     some workloads of the training trace, the recording those it never saw (their training rows,
-    then their held-out rows, so advise trains on the first and judges on the second); per EP
+    then their held-out rows, one recording: advise trains on the first half of its 512-token
+    batches, three quarters of the training rows, and judges on the rest); per EP
     size and share F, LAR and rows per token of the served placement (its old tables), the fresh
     candidate and the limited ones, the slots each moves and the share of the gain kept."""
     import tempfile
@@ -278,7 +279,7 @@ def run_migrate(a) -> int:
                 place("build", "--trace", path, "--ep-size", ep, "-o", served,
                       *(["--mode", "dp", "--shuffle-requests", 0] if a.mode == "dp" else []))
                 recording = []
-                for i, arr in enumerate((tr, he)):  # no step ids: advise's halves are these two files
+                for i, arr in enumerate((tr, he)):  # no step ids: halves of the two files' 512-token batches
                     keep = np.isin(arr["domain"], new)
                     recording.append(os.path.join(work, f"rec{i}.npz"))
                     write_trace(recording[-1], meta, **{k: v[keep] for k, v in arr.items()})
@@ -317,7 +318,8 @@ def run_migrate(a) -> int:
                               f"{r['train_expert_load']:.2f})" for f, r in row["limited"].items()), flush=True)
     if a.json:
         write_json(a.json, {"train": a.train or FIXTURE_TRACES["train"], "heldout": a.heldout or
-                            FIXTURE_TRACES["heldout"], "max_moves": a.max_moves, "rows": rows})
+                            FIXTURE_TRACES["heldout"], "mode": a.mode, "rows": rows,
+                            **({"max_moves": a.max_moves} if a.mode == "tp" else {})})
     return 0
 
 
