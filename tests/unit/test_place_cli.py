@@ -530,6 +530,38 @@ def test_advise_finds_the_gain_of_a_placement_built_from_live_traffic(tmp_path):
                  "--in-flight", "128"]) == 2
 
 
+def test_advise_gives_its_candidates_the_served_learned_predictor(tmp_path, capsys):
+    """A placement served with its learned predictor: advise trains one of the same width for the
+    fresh and the limited candidate (from --model's embeddings), scores with it, and writes it,
+    so a server ordering with --smoe-predictor learned can take the candidate."""
+    from vllm_smoe.formats.trace import read_traces, write_trace
+    from vllm_smoe.testbed import FIXTURES
+
+    fields = ("token_ids", "request_ids", "positions", "topk_ids", "step_ids", "is_prefill", "domain")
+    meta, tr, _ = read_traces([TRAIN], fields)
+    _, he, _ = read_traces([HELDOUT], fields)
+    for name, arr, d in (("py.npz", tr, 0), ("live.npz", he, 3)):
+        keep = arr["domain"] == d
+        write_trace(str(tmp_path / name), meta, **{k: v[keep] for k, v in arr.items()})
+    served, plain = tmp_path / "served.yaml", tmp_path / "plain.yaml"
+    for out, extra in ((served, ["--learned", "--learned-width", "24"]), (plain, [])):
+        assert main(["build", "--trace", str(tmp_path / "py.npz"), "--ep-size", "4", "--model", FIXTURE_MODEL,
+                     "-o", str(out), *extra]) == 0
+    js, lim = tmp_path / "a.json", tmp_path / "lim.yaml"
+    assert main(["advise", "--trace", str(tmp_path / "live.npz"), "--placement", str(served), "--model", FIXTURE_MODEL,
+                 "--predictor", "learned", "--max-moves", "0.25", "-o", str(lim), "--json", str(js)]) == 0
+    res = json.load(open(js))
+    cur, new = res["served (coclust)"], res["candidate (coclust)"]
+    assert new["lar"] > cur["lar"] + 0.05
+    net = load_tables(load_placement(str(lim))).learned
+    assert net is not None and net.token_proj.shape == (4096, 24)
+    capsys.readouterr()
+    for placement, args, says in ((plain, ["--predictor", "learned"], "holds no learned predictor"),
+                                  (served, ["--model", FIXTURES["deepseek_v2"][0]], "fingerprint")):
+        assert main(["advise", "--trace", str(tmp_path / "live.npz"), "--placement", str(placement), *args]) == 2
+        assert says in capsys.readouterr().err
+
+
 def test_advise_a_dp_placement_from_every_engines_recording(tmp_path, capsys):
     """A --mode dp placement built on two workloads, a live recording of the other two by two DP
     engines: advise trains a request co-clustering on each engine's first half, judges both with

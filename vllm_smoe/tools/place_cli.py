@@ -689,9 +689,6 @@ def cmd_advise(a) -> int:
     DP engine's first half of steps trains a candidate (the served placement's method, ep_size,
     nodes, groups, replicas and capacity; a --mode dp placement's request co-clustering), its
     second half scores both with the same predictor (--mode dp: the same request routing)."""
-    if a.predictor == "learned":
-        raise ValueError("--predictor learned: advise does not train a learned predictor for its candidate yet; "
-                         "score with --predictor tables")
     given = [f for f, v in (("--capacity", a.capacity is not None), ("--replicas", a.replicas is not None)) if v]
     if given:
         raise ValueError(f"{', '.join(given)}: advise takes capacity and copies from the served placement")
@@ -719,6 +716,13 @@ def cmd_advise(a) -> int:
                          f"their prompt's votes, not tokens by a predictor")
     # serving's default predictor; a DP placement's tables are built as build --mode dp builds them
     a.predictor = a.predictor or ("tables-markov" if dp else "tables")
+    current = load_tables(p) if p.predictor else None
+    # the served tables' learned predictor: every candidate gets one of the same width, so that a
+    # server ordering with --smoe-predictor learned can take it
+    learned = None if current is None or current.learned is None else current.learned_token_proj.shape[1]
+    if a.predictor == "learned" and learned is None:
+        raise ValueError(f"--predictor learned: {p.predictor or a.placement} holds no learned predictor (build the "
+                         f"served placement with smoe-place build --learned)")
     if a.max_moves is not None and p.replicas.size and (p.replicas[..., 0] >= 0).any():
         raise ValueError(f"{a.placement}: field 'layers[].replicas': --max-moves limits the moves of placements "
                          f"without copies only, so far")
@@ -731,6 +735,10 @@ def cmd_advise(a) -> int:
     if p.vocab_size is not None and meta.vocab_size > p.vocab_size:
         raise ValueError(f"{a.trace[0]}: trace meta.vocab_size = {meta.vocab_size} but placement {a.placement} has "
                          f"model.vocab_size = {p.vocab_size}")
+    fingerprint, emb, _ = _model_info(a.model, meta.vocab_size)
+    if fingerprint is not None and p.fingerprint is not None and fingerprint != p.fingerprint:
+        raise ValueError(f"--model {a.model}: its fingerprint {fingerprint} is not the served placement's "
+                         f"model.fingerprint {p.fingerprint} ({a.placement})")
     arr, batch = _batched(arr, a.batch_tokens)
     late = _late_half(batch, arr.pop("engine"), arr["request_ids"] if dp else None)
     if not late.any() and dp and np.unique(batch).size >= 2:
@@ -747,18 +755,19 @@ def cmd_advise(a) -> int:
     a.replicas = int((p.replicas[..., 0] >= 0).sum(axis=1).max()) if p.replicas.size else 0
     a.capacity = p.capacity
     hidden = meta.hidden_size or a.hidden_size
-    current = load_tables(p) if p.predictor else None
     if dp:  # whole requests, routed as the server routes them; the engines' recordings interleaved
         a.ep_size, a.nodes = p.ep_size, p.nodes
         method = p.method
-        e2r, reps, tables, secs, _ = _solve_dp(counts, train, meta, a, None, groups=p.groups)
+        e2r, reps, tables, secs, _ = _solve_dp(counts, train, meta, a, emb, groups=p.groups)
         judge = dict(mode="dp", shuffle=a.seed if a.shuffle_requests is None else a.shuffle_requests,
                      in_flight=a.in_flight, concurrency=a.decode_concurrency)
     else:
         method = p.method if p.method in PREDICTED else "coclust"
-        e2r, reps, tables, secs, _ = _solve(method, counts, meta, a, p.ep_size, p.nodes, groups=p.groups)
+        e2r, reps, tables, secs, _ = _solve(method, counts, meta, a, p.ep_size, p.nodes, emb, groups=p.groups)
         holds = holds_from_expert2rank(e2r, p.ep_size, reps)
         tables = _with_bigrams(tables, train, holds, meta.vocab_size, a.bigram_pairs, a.batch_tokens)
+        if learned:
+            tables = _with_learned(tables, train, holds, meta.vocab_size, emb, learned, a.batch_tokens, a.seed)
         judge = dict(predictor=a.predictor)
     results = {
         f"served ({p.method})": _measure(test, test_batch, meta, p.expert2rank, p.replicas, current, p.ep_size,
@@ -779,8 +788,10 @@ def cmd_advise(a) -> int:
                                 swaps=True, max_expert_load=a.max_expert_load,  # measured: BENCHMARKS.md
                                 balance_weight=BALANCE_WEIGHT if a.balance_weight is None else a.balance_weight)
         holds = holds_from_expert2rank(e2r, p.ep_size)
-        tables = _with_bigrams(tables_for_placement(counts, holds, meta.vocab_size), train, holds, meta.vocab_size,
-                               a.bigram_pairs, a.batch_tokens)
+        tables = _with_bigrams(tables_for_placement(counts, holds, meta.vocab_size, emb), train, holds,
+                               meta.vocab_size, a.bigram_pairs, a.batch_tokens)
+        if learned:
+            tables = _with_learned(tables, train, holds, meta.vocab_size, emb, learned, a.batch_tokens, a.seed)
         reps = np.zeros((meta.num_layers, 0, 2), dtype=np.int32)
         lim = results[f"limited (at most {a.max_moves:g} of slots moved)"] = _measure(
             test, test_batch, meta, e2r, reps, tables, p.ep_size, p.capacity, True, hidden, a.dtype_bytes,
@@ -967,6 +978,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--trace", nargs="+", required=True,
                    help="the live recording (trace files, directories or globs, e.g. a --smoe-record directory)")
     v.add_argument("--placement", required=True, help="the placement being served")
+    v.add_argument("--model", help="checkpoint directory, as build --model: its input embeddings give tokens the "
+                                   "recording never saw a rank, and feed the learned predictor a candidate gets "
+                                   "when the served tables hold one")
     v.add_argument("--max-tokens", type=number(int, 0), default=1 << 20,
                    help=f"use at most this many recorded tokens, in {EVAL_WINDOWS} evenly spaced windows "
                         "(default 1048576; 0 = all, held in memory)")
