@@ -27,6 +27,18 @@ def heldout_prompts(n, length=lambda i, r: 3 + i, trace=None, skip=None):
     return [tok[req == r][: length(i, r)].tolist() for i, r in enumerate(reqs)]
 
 
+def transformers_greedy(model, prompt, n):
+    """The n tokens transformers' ``model`` generates greedily after ``prompt`` (ids), full
+    forward passes without a cache: the reference vLLM's greedy tokens are checked against."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, model(ids).logits[0, -1].argmax().view(1, 1)], dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
 def derangement_yaml(path, shift=1, ep=32, layers=4, experts=32, step=1, **model):
     """A placement file moving expert e of layer i to slot (e + shift + step * i) % experts,
     ``experts // ep`` slots a rank; ``model`` adds fields to its model section. Returns str(path)."""

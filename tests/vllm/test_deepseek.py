@@ -16,7 +16,7 @@ import yaml
 
 from vllm_smoe.testbed import FIXTURES
 from vllm_smoe.formats.trace import read_traces
-from tests.support import HELPER, heldout_prompts
+from tests.support import HELPER, heldout_prompts, transformers_greedy
 from tests.unit.test_deepseek import ARCHS, _build, _config
 
 ATOL = 1e-4  # fp32 summation order: experts whole on one rank vs split over TP ranks
@@ -74,11 +74,7 @@ def test_vllm_serves_and_records_what_transformers_computes(arch, tmp_path):
                                                 "placement": str(placement)}}, max_tokens=6, tp=1)
     model = AutoModelForCausalLM.from_pretrained(FIXTURES[arch][0], dtype=torch.float32).eval()
     for p, got in zip(prompts, out["tokens"]):
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            for _ in range(6):
-                ids = torch.cat([ids, model(ids).logits[0, -1].argmax().view(1, 1)], dim=1)
-        assert got == ids[0, len(p):].tolist()
+        assert got == transformers_greedy(model, p, 6)
     _, arr, _ = read_traces([str(tmp_path / "rec")])
     checked = mismatched = 0
     for r in np.unique(arr["request_ids"]):

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from vllm_smoe.formats.trace import read_traces
-from tests.support import HELPER, heldout_prompts
+from tests.support import HELPER, heldout_prompts, transformers_greedy
 
 LAYERS, EXPERTS, TOP_K = 2, 8, 2
 
@@ -46,11 +46,7 @@ def test_mixtral_placement_at_load_and_recording_equal_transformers(tmp_path):
     out = json.loads(line[0][len("SMOE_RESULT "):])
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for p, got in zip(prompts, out["tokens"]):
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            for _ in range(6):
-                ids = torch.cat([ids, model(ids).logits[0, -1].argmax().view(1, 1)], dim=1)
-        assert got == ids[0, len(p):].tolist()
+        assert got == transformers_greedy(model, p, 6)
     meta, arr, _ = read_traces([str(tmp_path / "rec")])
     assert (meta.num_layers, meta.num_experts, meta.top_k) == (LAYERS, EXPERTS, TOP_K)
     checked = mismatched = 0

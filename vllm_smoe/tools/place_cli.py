@@ -679,7 +679,7 @@ def _late_half(batch: np.ndarray, engine: np.ndarray | None, request_ids: np.nda
         steps = np.unique(batch[mine])
         late |= mine & (batch >= steps[steps.size // 2]) if steps.size >= 2 else False
     if request_ids is not None:
-        reqs, first, q = np.unique(request_ids, return_index=True, return_inverse=True)
+        _, first, q = np.unique(request_ids, return_index=True, return_inverse=True)
         late = late[first][q.ravel()]
     return late
 
