@@ -47,3 +47,51 @@ def derangement_yaml(path, shift=1, ep=32, layers=4, experts=32, step=1, **model
                                                          for e in range(experts)]} for i in range(layers)]}
     path.write_text(yaml.safe_dump(doc))
     return str(path)
+
+
+def vllm_runs(runs, tmp_dir, tp=1, timeout=1800):
+    """Greedy generations of several engines in one child process (vLLM imported once; each
+    engine and its workers stopped before the next). runs: dicts with "model", "prompts",
+    "max_tokens" and optionally "extra" (vLLM's additional_config), "ep", "compiled" (bools).
+    Returns [(result {"tokens", "logprobs"}, that run's log)], one per run, in order. Fails the
+    test with the first traceback in the output when the process does not finish them all."""
+    import json
+    import re
+    import subprocess
+    import sys
+
+    import pytest
+
+    path = os.path.join(str(tmp_dir), "runs.json")
+    with open(path, "w") as f:
+        json.dump(runs, f)
+    env = {**os.environ, "SMOE_TEST_TP": str(tp), "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "0"}
+    r = subprocess.run([sys.executable, HELPER, "--runs", path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=timeout, env=env)
+    out = []
+    for i in range(len(runs)):
+        m = re.search(rf"^SMOE_RUN_BEGIN {i}\n(.*?)^SMOE_RUN_END {i}$", r.stdout, re.S | re.M)
+        line = [ln for ln in m.group(1).splitlines() if ln.startswith("SMOE_RESULT ")] if m else []
+        if not line:  # the root cause sits above the engine's last words
+            log = r.stdout.splitlines()
+            first = next((k for k, ln in enumerate(log) if "Traceback" in ln
+                          and "Tokenizer" not in "".join(log[k:k + 12])), max(0, len(log) - 40))
+            pytest.fail(f"run {i} of {len(runs)} ({runs[i].get('extra')}) gave no result; vLLM exited with "
+                        f"{r.returncode}:\n" + "\n".join(log[first: first + 60]) + "\n...\n" + "\n".join(log[-20:]))
+        out.append((json.loads(line[0][len("SMOE_RESULT "):]), m.group(1)))
+    return out
+
+
+def serve_engine_config(*flags):
+    """What ``vllm serve MODEL *flags`` does before it starts an engine, in this process: vLLM's
+    plugins loaded (smoe's flags and hooks), the engine flags parsed, folded into EngineArgs and
+    the engine config built (smoe's checks run there). Returns the VllmConfig or raises."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.plugins import load_general_plugins
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm_smoe.testbed import FIXTURE_MODEL
+
+    load_general_plugins()
+    ns = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(["--model", str(FIXTURE_MODEL), *flags])
+    return EngineArgs.from_cli_args(ns).create_engine_config()

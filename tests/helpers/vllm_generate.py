@@ -1,12 +1,19 @@
 """Greedy generation with vLLM's offline LLM in its own process; prints JSON to stdout.
 
 usage: python vllm_generate.py MODEL_DIR PROMPTS_JSON MAX_TOKENS [ADDITIONAL_CONFIG_JSON]
+       python vllm_generate.py --runs RUNS_JSON_FILE
 PROMPTS_JSON: a list of token-id lists. Prints "SMOE_RESULT {"tokens": [...], "logprobs": [...]}".
+RUNS_JSON_FILE: a JSON list of runs, each {"model", "prompts", "max_tokens", "extra" (the
+additional config or null), "ep", "compiled"}, served one after another by engines of this one
+process (vLLM is imported once, ~16 s on this host, and each engine and its workers are shut
+down before the next starts). Each run's output lies between "SMOE_RUN_BEGIN i" and
+"SMOE_RUN_END i" and holds its "SMOE_RESULT" line.
 SMOE_TEST_COMPILED=1 keeps vLLM's default compilation instead of enforce_eager;
 SMOE_TEST_TP=2 runs tensor parallel on 2 ranks (set VLLM_CPU_OMP_THREADS_BIND="0|1" on CPU);
-SMOE_TEST_EP=1 turns on vLLM's expert parallelism.
+SMOE_TEST_EP=1 turns on vLLM's expert parallelism (a run's "compiled" and "ep" override both).
 """
 
+import gc
 import json
 import os
 import sys
@@ -18,20 +25,15 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
 
 
-def main() -> None:
+def generate(model, prompts, max_tokens, extra, ep, compiled):
     from vllm import LLM, SamplingParams
 
-    model, prompts_json, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else None
-    prompts = json.loads(prompts_json)
     kwargs = {"additional_config": extra} if extra else {}
     with open(os.path.join(model, "config.json")) as f:
         if json.load(f).get("kv_lora_rank"):  # MLA: vLLM's AMX MLA backend refuses fp32 (server_process)
             kwargs["attention_backend"] = "CPU_MLA"
-    eager = os.environ.get("SMOE_TEST_COMPILED") != "1"
     tp = int(os.environ.get("SMOE_TEST_TP", "1"))
-    ep = os.environ.get("SMOE_TEST_EP") == "1"
-    llm = LLM(model=model, dtype="float32", enforce_eager=eager, max_model_len=512, tensor_parallel_size=tp,
+    llm = LLM(model=model, dtype="float32", enforce_eager=not compiled, max_model_len=512, tensor_parallel_size=tp,
               enable_expert_parallel=ep,
               gpu_memory_utilization=0.15, max_num_seqs=8, skip_tokenizer_init=True, seed=0, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True,
@@ -40,6 +42,32 @@ def main() -> None:
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     logprobs = [[step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
     print("SMOE_RESULT " + json.dumps({"tokens": tokens, "logprobs": logprobs}), flush=True)
+    return llm
+
+
+def main() -> None:
+    compiled = os.environ.get("SMOE_TEST_COMPILED") == "1"
+    ep = os.environ.get("SMOE_TEST_EP") == "1"
+    if sys.argv[1] != "--runs":
+        extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else None
+        generate(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), extra, ep, compiled)
+        return
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    with open(sys.argv[2]) as f:
+        runs = json.load(f)
+    for i, run in enumerate(runs):
+        print(f"SMOE_RUN_BEGIN {i}", flush=True)
+        llm = generate(run["model"], run["prompts"], run["max_tokens"], run.get("extra"), run.get("ep", ep),
+                       run.get("compiled", compiled))
+        # the engine's workers stop (and log their last counters) before the next run begins
+        core = getattr(llm.llm_engine, "engine_core", None)
+        if core is not None:
+            core.shutdown()
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+        print(f"SMOE_RUN_END {i}", flush=True)
 
 
 if __name__ == "__main__":

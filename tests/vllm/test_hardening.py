@@ -6,22 +6,39 @@ import subprocess
 import sys
 
 import pytest
+from tests.support import serve_engine_config
 from tests.unit.test_hardening import _expect
 
-
-@pytest.mark.parametrize("args,words", [
+# vllm serve's flags as a user types them, and the refusal each gets
+CASES = [
     (["--smoe-log-interval", "-1"], "field 'log_interval' must be a positive number"),
     (["--smoe-record", ""], "field 'record' must be a path"),
     (["--additional-config", '{"smoe": 5}'], "field 'smoe' must be a mapping"),
     (["--smoe-record", "/proc/smoe-rec"], "field 'record': cannot write in /proc/smoe-rec"),
-])
-def test_vllm_serve_refuses_smoe_settings_in_one_line_with_exit_2(args, words):
+]
+
+
+def test_vllm_serve_refuses_smoe_settings_in_one_line_with_exit_2():
+    """The command line's own exit for a refused setting: code 2, one error line (every case
+    below takes the same path out; each starts vLLM's CLI for ~15 s, so one does here)."""
     pytest.importorskip("vllm")
     from vllm_smoe.testbed import FIXTURE_MODEL
 
+    args, words = CASES[-1]
     vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
     r = subprocess.run([vllm, "serve", str(FIXTURE_MODEL), "--plugin", "smoe", *args], capture_output=True,
                        text=True, timeout=300)
     _expect(r, words)
     assert [ln for ln in r.stderr.splitlines() if ln.startswith("error:")] == \
         [ln for ln in r.stderr.splitlines() if "error:" in ln.lower()]  # one error line, nothing else
+
+
+@pytest.mark.parametrize("args,words", CASES)
+def test_serve_flags_are_refused_by_name_before_any_engine(args, words):
+    """vllm serve's own steps in this process: its engine flags parsed, folded into the engine
+    args and checked while the engine config is built: smoe's settings error naming the field."""
+    pytest.importorskip("vllm")
+    from vllm_smoe.serving.config import SmoeSettingsError
+
+    with pytest.raises(SmoeSettingsError, match=words):
+        serve_engine_config("--plugin", "smoe", *args)

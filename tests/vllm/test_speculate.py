@@ -5,14 +5,12 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
-from tests.support import HELPER, REPO, heldout_prompts
+from tests.support import REPO, heldout_prompts, vllm_runs
 from tests.unit.test_speculate import EP2
 
 EP2_R4 = os.path.join(REPO, "configs", "tiny-4dom-ep2-r4.yaml")  # the same build with 4 copies per layer
@@ -21,24 +19,6 @@ EP2_R4 = os.path.join(REPO, "configs", "tiny-4dom-ep2-r4.yaml")  # the same buil
 def _prompts(n):
     """n held-out requests, prompt lengths 3..34 tokens."""
     return heldout_prompts(n)
-
-
-def _generate(prompts, extra, max_tokens=8, compiled=False, model=FIXTURE_MODEL, ep=False):
-    env = {**os.environ, "SMOE_TEST_TP": "2", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-           "SMOE_TEST_COMPILED": "1" if compiled else "0", "SMOE_TEST_EP": "1" if ep else "0"}
-    args = [sys.executable, HELPER, str(model), json.dumps(prompts), str(max_tokens)]
-    r = subprocess.run(args + ([json.dumps(extra)] if extra else []), capture_output=True, text=True, timeout=900,
-                       env=env)
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("SMOE_RESULT ")]
-    assert r.returncode == 0 and line, (r.stdout + r.stderr)[-4000:]
-    return json.loads(line[0][len("SMOE_RESULT "):]), r.stdout + r.stderr
-
-
-@pytest.fixture(scope="module")
-def plain_tp2():
-    pytest.importorskip("vllm")
-    prompts = _prompts(32)
-    return prompts, _generate(prompts, None)[0]
 
 
 @pytest.fixture(scope="module")
@@ -59,24 +39,49 @@ ATOL = 1e-4
 SPEC = {"mode": "speculate", "placement": EP2, "log_interval": 0.2, "reduce_scatter": "on"}
 
 
-@pytest.mark.parametrize("smoe,compiled,says", [
-    ({"all2all": "vllm", "log_interval": 0.2}, False, None),  # vLLM's own EP, experts fixed by the plugin (no SP at DP=1)
-    ({**SPEC, "predictor": "tables"}, False, "predictor tables"),
-    ({**SPEC, "predictor": "tables-markov"}, False, "predictor tables-markov"),
-    ({**SPEC, "predictor": "router"}, False, "predictor router"),  # vLLM's gate run ahead: exact ranks
-    ({**SPEC, "predictor": "random"}, False, "predictor random"),
-    ({**SPEC, "placement": "learned", "predictor": "learned"}, False, "predictor learned"),  # build --learned
-    ({**SPEC, "predictor": "tables", "all2all": "vllm"}, False, "predictor tables"),  # vLLM's allgather-RS
-    ({**SPEC, "predictor": "tables"}, True, "predictor tables"),  # torch.compile keeps smoe's ops opaque
-    ({**SPEC, "placement": EP2_R4, "predictor": "tables"}, False, "predictor tables"),  # each rank its own copies
-    ({**SPEC, "placement": EP2_R4, "predictor": "router"}, False, "predictor router"),  # counts the copies
-], ids=["vllm-ep", "tables", "tables-markov", "router", "random", "learned", "tables-agrs", "tables-compiled",
-        "replicas", "replicas-router"])
-def test_tp2_ep_gives_plain_tp2_tokens(plain_tp2, smoe, compiled, says, request):
-    prompts, plain = plain_tp2
-    if smoe.get("placement") == "learned":  # an EP 2 placement whose tables carry the learned predictor
-        smoe = {**smoe, "placement": request.getfixturevalue("learned_ep2")}
-    out, log = _generate(prompts, {"smoe": smoe}, compiled=compiled, ep=True)
+# id: (smoe settings, compiled, what the log says), each served at TP=2 + EP against plain TP=2
+CASES = {
+    "vllm-ep": ({"all2all": "vllm", "log_interval": 0.2}, False, None),  # vLLM's own EP, experts fixed by the plugin
+    "tables": ({**SPEC, "predictor": "tables"}, False, "predictor tables"),
+    "tables-markov": ({**SPEC, "predictor": "tables-markov"}, False, "predictor tables-markov"),
+    "router": ({**SPEC, "predictor": "router"}, False, "predictor router"),  # vLLM's gate run ahead: exact ranks
+    "random": ({**SPEC, "predictor": "random"}, False, "predictor random"),
+    "learned": ({**SPEC, "placement": "learned", "predictor": "learned"}, False, "predictor learned"),  # --learned
+    "tables-agrs": ({**SPEC, "predictor": "tables", "all2all": "vllm"}, False, "predictor tables"),  # allgather-RS
+    "tables-compiled": ({**SPEC, "predictor": "tables"}, True, "predictor tables"),  # smoe's ops stay opaque
+    "replicas": ({**SPEC, "placement": EP2_R4, "predictor": "tables"}, False, "predictor tables"),  # own copies
+    "replicas-router": ({**SPEC, "placement": EP2_R4, "predictor": "router"}, False, "predictor router"),
+}
+
+
+@pytest.fixture(scope="module")
+def served_tp2(tmp_path_factory, learned_ep2):
+    """Plain TP=2 and every case of CASES on 32 held-out prompts, the engines one after another in
+    one process: (prompts, plain result, {case id: (result, log)})."""
+    pytest.importorskip("vllm")
+    prompts = _prompts(32)
+    runs = [{"model": FIXTURE_MODEL, "prompts": prompts, "max_tokens": 8, "extra": None, "ep": False}]
+    for smoe, compiled, _ in CASES.values():
+        if smoe.get("placement") == "learned":  # an EP 2 placement whose tables carry the learned predictor
+            smoe = {**smoe, "placement": learned_ep2}
+        runs.append({"model": FIXTURE_MODEL, "prompts": prompts, "max_tokens": 8, "extra": {"smoe": smoe},
+                     "ep": True, "compiled": compiled})
+    results = vllm_runs(runs, tmp_path_factory.mktemp("tp2"), tp=2)
+    return prompts, results[0][0], dict(zip(CASES, results[1:]))
+
+
+@pytest.fixture(scope="module")
+def plain_tp2(served_tp2):
+    return served_tp2[:2]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp2_ep_gives_plain_tp2_tokens(served_tp2, learned_ep2, case):
+    _, plain, results = served_tp2
+    smoe, compiled, says = CASES[case]
+    if smoe.get("placement") == "learned":
+        smoe = {**smoe, "placement": learned_ep2}
+    out, log = results[case]
     if says:  # the token order really ran, around vLLM's own MoE blocks, and tokens moved
         assert f"token order over 2 ranks around 4 MoE blocks (Qwen3MoeSparseMoeBlock), one order per layer, {says}" in log
         assert "of its expert activations locally" in log
