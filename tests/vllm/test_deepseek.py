@@ -16,7 +16,7 @@ import yaml
 
 from vllm_smoe.testbed import FIXTURES
 from vllm_smoe.formats.trace import read_traces
-from tests.support import HELPER, heldout_prompts, transformers_greedy
+from tests.support import HELPER, heldout_prompts, transformers_greedy, vllm_runs
 from tests.unit.test_deepseek import ARCHS, _build, _config
 
 ATOL = 1e-4  # fp32 summation order: experts whole on one rank vs split over TP ranks
@@ -90,23 +90,53 @@ def test_vllm_serves_and_records_what_transformers_computes(arch, tmp_path):
     assert checked > 0 and mismatched == 0, f"{mismatched} of {checked} (token, layer) top-k sets differ"
 
 
+# the TP=2 runs below: predictors per architecture (the order's code is the same for both members
+# of the family, so each predictor runs on one)
+PREDICTORS = {"deepseek_v2": ("tables", "random"), "deepseek_v3": ("learned", "one-rank")}
+
+
+@pytest.fixture(scope="module")
+def tp2_runs(tmp_path_factory):
+    """Every TP=2 engine of this module, one after another in one process (vLLM imported once):
+    {(arch, name): (result, log)}; name "plain" (the CPU fixes alone, MLA's rope; no placement),
+    a predictor of PREDICTORS (speculate + EP over a placement built with groups kept and the
+    learned predictor), "plain-compiled" and "compiled" (V3, speculate with tables, vLLM's
+    default compilation)."""
+    pytest.importorskip("vllm")
+    work = tmp_path_factory.mktemp("tp2")
+    keys, runs = [], []
+    for arch in ARCHS:
+        placement = work / f"{arch}-ep2.yaml"
+        r = _build(arch, placement, 2, "--learned")
+        assert r.returncode == 0, r.stderr
+        prompts = _prompts(arch, 32)
+        run = {"model": FIXTURES[arch][0], "prompts": prompts, "max_tokens": 8}
+        keys.append((arch, "plain"))
+        runs.append({**run, "extra": {"smoe": {}}, "ep": False})
+        for predictor in PREDICTORS[arch]:
+            keys.append((arch, predictor))
+            runs.append({**run, "ep": True, "extra": {"smoe": {"mode": "speculate", "placement": str(placement),
+                                                               "predictor": predictor, "log_interval": 0.2}}})
+    placement = work / "v3-tables.yaml"
+    assert _build("deepseek_v3", placement, 2).returncode == 0
+    run = {"model": FIXTURES["deepseek_v3"][0], "prompts": _prompts("deepseek_v3", 8), "max_tokens": 6,
+           "compiled": True}
+    keys += [("deepseek_v3", "plain-compiled"), ("deepseek_v3", "compiled")]
+    runs += [{**run, "extra": {"smoe": {}}, "ep": False},
+             {**run, "extra": {"smoe": {"mode": "speculate", "placement": str(placement)}}, "ep": True}]
+    return dict(zip(keys, vllm_runs(runs, work, tp=2)))
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_tp2_placement_and_speculate_give_plain_tp2_tokens(arch, tmp_path):
+def test_tp2_placement_and_speculate_give_plain_tp2_tokens(arch, tp2_runs):
     """TP=2 + EP, speculate (one token order per step) over smoe's placement applied at load
     (built from the fixture's training routing, groups kept, with the learned predictor): plain
-    TP=2's greedy tokens on 32 held-out prompts. The order's code is the same for both members
-    of the family, so each predictor runs on one: V2 the trained tables and a random order, V3
-    the learned predictor and an all-to-rank-0 order (V3's tables run compiled, below)."""
-    pytest.importorskip("vllm")
-    placement = tmp_path / "ep2.yaml"
-    r = _build(arch, placement, 2, "--learned")
-    assert r.returncode == 0, r.stderr
-    prompts = _prompts(arch, 32)
-    plain, _ = _generate(arch, prompts, {"smoe": {}})  # the CPU fixes alone (MLA's rope), no placement
+    TP=2's greedy tokens on 32 held-out prompts. V2 runs the trained tables and a random order,
+    V3 the learned predictor and an all-to-rank-0 order (V3's tables run compiled, below)."""
+    plain, _ = tp2_runs[arch, "plain"]
     layers = _config(arch)["num_hidden_layers"] - 1
-    for predictor in ("tables", "random") if arch == "deepseek_v2" else ("learned", "one-rank"):
-        smoe = {"mode": "speculate", "placement": str(placement), "predictor": predictor, "log_interval": 0.2}
-        out, log = _generate(arch, prompts, {"smoe": smoe}, ep=True)
+    for predictor in PREDICTORS[arch]:
+        out, log = tp2_runs[arch, predictor]
         assert (f"token order over 2 ranks around {layers} MoE blocks (DeepseekV2MoE), one order per step, "
                 f"predictor {predictor}") in log
         assert "of its expert activations locally" in log
@@ -114,17 +144,12 @@ def test_tp2_placement_and_speculate_give_plain_tp2_tokens(arch, tmp_path):
         np.testing.assert_allclose(out["logprobs"], plain["logprobs"], rtol=0, atol=ATOL, err_msg=predictor)
 
 
-def test_v3_speculate_compiled_gives_plain_compiled_tokens(tmp_path):
+def test_v3_speculate_compiled_gives_plain_compiled_tokens(tp2_runs):
     """The stack order's hooks under vLLM's default compilation (smoe's ops stay opaque): the
     same tokens as plain TP=2 compiled (compiled and eager differ in fp32 rounding, so each is
     compared with its own kind)."""
-    pytest.importorskip("vllm")
-    placement = tmp_path / "ep2.yaml"
-    assert _build("deepseek_v3", placement, 2).returncode == 0
-    prompts = _prompts("deepseek_v3", 8)
-    plain, _ = _generate("deepseek_v3", prompts, {"smoe": {}}, max_tokens=6, compiled=True)
-    spec, log = _generate("deepseek_v3", prompts, {"smoe": {"mode": "speculate", "placement": str(placement)}},
-                          max_tokens=6, compiled=True, ep=True)
+    plain, _ = tp2_runs["deepseek_v3", "plain-compiled"]
+    spec, log = tp2_runs["deepseek_v3", "compiled"]
     assert "one order per step, predictor tables" in log
     assert spec["tokens"] == plain["tokens"]
     np.testing.assert_allclose(spec["logprobs"], plain["logprobs"], rtol=0, atol=ATOL)
