@@ -1,16 +1,13 @@
 """Record mode: routing captured live in vLLM equals transformers' own router on the same tokens."""
 
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from vllm_smoe.testbed import FIXTURE_MODEL
 from vllm_smoe.formats.trace import read_traces
-from tests.support import CONFIGS, HELPER, derangement_yaml, heldout_prompts
+from tests.support import CONFIGS, derangement_yaml, heldout_prompts, vllm_runs
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
@@ -20,26 +17,40 @@ def _prompts(n=5):
     return heldout_prompts(n, lambda i, r: 6 + 5 * i)
 
 
-@pytest.fixture(scope="module", params=["eager", "compiled", "speculate"])
-def recorded(tmp_path_factory, request):
-    """Record mode at one rank (eager, compiled), and recording left on while speculating at TP=2
-    + EP under vLLM's default compilation (each rank routes its chunk of reordered rows; the
-    recorder gathers them back)."""
+@pytest.fixture(scope="module")
+def record_runs(tmp_path_factory):
+    """Every engine of this module, in two processes (one per TP size, vLLM imported once in
+    each): record mode at one rank (eager, compiled) with every expert moved; at TP=2 + EP,
+    recording left on while speculating under vLLM's default compilation (each rank routes its
+    chunk of reordered rows; the recorder gathers them back), and plain TP=2 against a placement
+    that moves every expert, recorded. {name: (prompts, result, record directory or None)}."""
     d = tmp_path_factory.mktemp("rec")
     placement = derangement_yaml(d / "p.yaml", shift=3)  # every expert moved: recording must still report logical ids
-    extra = {"smoe": {"mode": "record", "record": str(d / "traces"), "placement": str(placement),
-                      "record_chunk_tokens": 40}}
     prompts = _prompts()
-    env = {**os.environ, "SMOE_TEST_COMPILED": "0" if request.param == "eager" else "1"}
-    if request.param == "speculate":
-        extra = {"smoe": {"mode": "speculate", "placement": os.path.join(CONFIGS, "tiny-4dom-ep2.yaml"),
-                          "record": str(d / "traces"), "record_chunk_tokens": 40, "record_max_mb": 64}}
-        env.update({"SMOE_TEST_TP": "2", "SMOE_TEST_EP": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
-    r = subprocess.run([sys.executable, HELPER, FIXTURE_MODEL, json.dumps(prompts), "6", json.dumps(extra)],
-                       capture_output=True, text=True, timeout=600, env=env)
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("SMOE_RESULT ")]
-    assert r.returncode == 0 and line, r.stderr[-4000:]
-    return prompts, json.loads(line[0][len("SMOE_RESULT "):]), str(d / "traces")
+
+    def record(name, **smoe):
+        return {"model": FIXTURE_MODEL, "prompts": prompts, "max_tokens": 6, "compiled": name != "eager",
+                "extra": {"smoe": {"record": str(d / name), "record_chunk_tokens": 40, **smoe}}}
+
+    one = {"eager": record("eager", mode="record", placement=str(placement)),
+           "compiled": record("compiled", mode="record", placement=str(placement))}
+    moved = derangement_yaml(d / "p5.yaml", shift=5, step=0)
+    tp2 = {"speculate": {**record("speculate", mode="speculate", placement=os.path.join(CONFIGS, "tiny-4dom-ep2.yaml"),
+                                  record_max_mb=64), "ep": True},
+           "tp2-plain": {"model": FIXTURE_MODEL, "prompts": prompts[:4], "max_tokens": 6, "extra": None},
+           "tp2-placed": {"model": FIXTURE_MODEL, "prompts": prompts[:4], "max_tokens": 6,
+                          "extra": {"smoe": {"placement": str(moved), "mode": "record", "record": str(d / "tp2")}}}}
+    out = {}
+    for tp, runs in ((1, one), (2, tp2)):
+        for (name, run), (res, _) in zip(runs.items(), vllm_runs(list(runs.values()), d, tp=tp)):
+            rec = (run["extra"] or {}).get("smoe", {}).get("record")
+            out[name] = (run["prompts"], res, rec)
+    return out
+
+
+@pytest.fixture(scope="module", params=["eager", "compiled", "speculate"])
+def recorded(record_runs, request):
+    return record_runs[request.param]
 
 
 def test_record_writes_valid_rotated_chunks(recorded):
@@ -86,24 +97,12 @@ def test_smoe_place_builds_from_the_record_directory(recorded, tmp_path):
     assert main(["build", "--trace", rec_dir, "--ep-size", "4", "-o", str(tmp_path / "p.yaml")]) == 0
 
 
-def test_tensor_parallel_2_placement_is_lossless_and_recorded_once(tmp_path):
+def test_tensor_parallel_2_placement_is_lossless_and_recorded_once(record_runs):
     """TP=2 on the CPU build: every expert moved gives the plain TP=2 tokens; only TP rank 0 writes."""
-    prompts = _prompts(4)
-    placement = derangement_yaml(tmp_path / "p.yaml", shift=5, step=0)
-    env = {**os.environ, "SMOE_TEST_TP": "2", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-
-    def run(extra):
-        args = [sys.executable, HELPER, FIXTURE_MODEL, json.dumps(prompts), "6"] + ([json.dumps(extra)] if extra else [])
-        r = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
-        line = [ln for ln in r.stdout.splitlines() if ln.startswith("SMOE_RESULT ")]
-        assert r.returncode == 0 and line, r.stderr[-4000:]
-        return json.loads(line[0][len("SMOE_RESULT "):])
-
-    plain = run(None)
-    rec = tmp_path / "traces"
-    placed = run({"smoe": {"placement": str(placement), "mode": "record", "record": str(rec)}})
+    prompts, plain, _ = record_runs["tp2-plain"]
+    _, placed, rec = record_runs["tp2-placed"]
     assert placed["tokens"] == plain["tokens"]
     np.testing.assert_allclose(placed["logprobs"], plain["logprobs"], rtol=0, atol=1e-4)
-    _, arr, files = read_traces([str(rec)])
+    _, arr, files = read_traces([rec])
     assert all("-dp0-" in f for f in files)
     assert arr["token_ids"].size == sum(len(p) for p in prompts) + sum(len(t) - 1 for t in plain["tokens"])
