@@ -5,18 +5,13 @@ serves them as transformers computes them and recording equals transformers' own
 smoe-place keeps V3's routing groups whole; a placement at load and speculate give the greedy
 tokens of vLLM at TP=2 with the CPU fixes alone (`--plugin smoe`; fp32, 32 held-out prompts)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import yaml
 
 from vllm_smoe.testbed import FIXTURES
 from vllm_smoe.formats.trace import read_traces
-from tests.support import HELPER, heldout_prompts, transformers_greedy, vllm_runs
+from tests.support import heldout_prompts, transformers_greedy, vllm_runs
 from tests.unit.test_deepseek import ARCHS, _build, _config
 
 ATOL = 1e-4  # fp32 summation order: experts whole on one rank vs split over TP ranks
@@ -25,22 +20,6 @@ ATOL = 1e-4  # fp32 summation order: experts whole on one rank vs split over TP 
 def _prompts(arch, n):
     """n held-out requests of the fixture's trace, prompt lengths 3..34 tokens."""
     return heldout_prompts(n, trace=FIXTURES[arch][1]["heldout"])
-
-
-def _generate(arch, prompts, extra=None, max_tokens=8, tp=2, ep=False, compiled=False):
-    env = {**os.environ, "SMOE_TEST_TP": str(tp), "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "0",
-           "SMOE_TEST_EP": "1" if ep else "0", "SMOE_TEST_COMPILED": "1" if compiled else "0"}
-    args = [sys.executable, HELPER, FIXTURES[arch][0], json.dumps(prompts), str(max_tokens)]
-    r = subprocess.run(args + ([json.dumps(extra)] if extra else []), capture_output=True, text=True, timeout=900,
-                       env=env)
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("SMOE_RESULT ")]
-    if r.returncode or not line:  # the root cause sits above the engine's last words
-        log = (r.stdout + r.stderr).splitlines()
-        first = next((i for i, ln in enumerate(log) if "Traceback" in ln and "Tokenizer" not in "".join(log[i:i + 12])),
-                     max(0, len(log) - 40))
-        pytest.fail(f"vLLM exited with {r.returncode}:\n" + "\n".join(log[first: first + 60]) + "\n...\n"
-                    + "\n".join(log[-20:]))
-    return json.loads(line[0][len("SMOE_RESULT "):]), r.stdout + r.stderr
 
 
 def _group_derangement(cfg, path):
@@ -70,8 +49,8 @@ def test_vllm_serves_and_records_what_transformers_computes(arch, tmp_path):
     cfg = _config(arch)
     prompts = _prompts(arch, 6)
     placement = _group_derangement(cfg, tmp_path / "moved.yaml")
-    out, _ = _generate(arch, prompts, {"smoe": {"mode": "record", "record": str(tmp_path / "rec"),
-                                                "placement": str(placement)}}, max_tokens=6, tp=1)
+    [(out, _)] = vllm_runs([{"model": FIXTURES[arch][0], "prompts": prompts, "max_tokens": 6, "extra": {
+        "smoe": {"mode": "record", "record": str(tmp_path / "rec"), "placement": str(placement)}}}], tmp_path)
     model = AutoModelForCausalLM.from_pretrained(FIXTURES[arch][0], dtype=torch.float32).eval()
     for p, got in zip(prompts, out["tokens"]):
         assert got == transformers_greedy(model, p, 6)
