@@ -580,7 +580,8 @@ def test_sparse_exchange_counts_served_rows_only():
     ex.combine(torch.zeros(3 + 0, H))
     # rows 0 and 2 count: 2 tokens, 2 remote pairs, local activations 1 of 4
     c = ex.counters()
-    assert c == {"tokens": 2, "pairs": 2, "bytes": 2 * (2 * H * 4 + 8 * 2), "local": 1, "activations": 4}
+    assert c == {"tokens": 2, "pairs": 2, "bytes": 2 * (2 * H * 4 + 8 * 2), "local": 1, "activations": 4,
+                 "node_bytes": 2 * (2 * H * 4 + 8 * 2)}  # each rank its own node by default
     ex.dispatch(x, w, ids, served=False)  # a dummy step: nothing counted
     ex.combine(torch.zeros(3, H))
     assert ex.counters() == c

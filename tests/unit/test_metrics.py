@@ -17,8 +17,10 @@ def test_collector_sums_ranks_golden(tmp_path):
     """Two ranks, two MoE layers: counters per rank and layer, ratios over ranks."""
     publish(str(tmp_path), "order", 0, {"layers": [[6, 8, 2, 2], [2, 8, 2, 1]]})
     publish(str(tmp_path), "order", 1, {"layers": [[2, 8, 2, 1], [0, 8, 2, 0]]})
-    publish(str(tmp_path), "a2a", 0, {"tokens": 4, "pairs": 3, "bytes": 300, "local": 8, "activations": 16})
-    publish(str(tmp_path), "a2a", 1, {"tokens": 4, "pairs": 1, "bytes": 100, "local": 2, "activations": 16})
+    publish(str(tmp_path), "a2a", 0, {"tokens": 4, "pairs": 3, "bytes": 300, "local": 8, "activations": 16,
+                                      "node_bytes": 200})
+    publish(str(tmp_path), "a2a", 1, {"tokens": 4, "pairs": 1, "bytes": 100, "local": 2, "activations": 16,
+                                      "node_bytes": 0})
     (tmp_path / "junk.json").write_text("{not json")  # a torn or foreign file is skipped
     (tmp_path / "odd.json").write_text(json.dumps({"source": "order", "rank": 2, "layers": "x"}))
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
@@ -31,7 +33,9 @@ def test_collector_sums_ranks_golden(tmp_path):
     assert v[("smoe:predictor_hit_rate", (("layer", "all"),))] == pytest.approx(4 / 8)
     assert v[("smoe:a2a_remote_pairs_total", (("rank", "1"),))] == 1
     assert v[("smoe:a2a_bytes_per_token", ())] == pytest.approx(400 / 8)
-    publish(str(tmp_path), "a2a", 1, {"tokens": 6, "pairs": 1, "bytes": 100, "local": 2, "activations": 16})
+    assert v[("smoe:a2a_node_bytes_total", (("rank", "0"),))] == 200
+    publish(str(tmp_path), "a2a", 1, {"tokens": 6, "pairs": 1, "bytes": 100, "local": 2, "activations": 16,
+                                      "node_bytes": 0})
     assert len(read_snapshots(str(tmp_path))) == 4  # replaced, not added
     assert list(families([])) == [] and read_snapshots(str(tmp_path / "gone")) == []
 

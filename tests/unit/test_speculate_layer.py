@@ -77,7 +77,8 @@ def _a2a(out, inp, out_splits, in_splits):
     dist.all_to_all_single(out, inp, out_splits, in_splits)
 
 
-def _layer(rank, x, ids, predictor, exchange_kind, router, w13, w2, owner, exact=False, pad_bytes=1 << 30):
+def _layer(rank, x, ids, predictor, exchange_kind, router, w13, w2, owner, exact=False, pad_bytes=1 << 30,
+           node_of=None):
     T = x.shape[0]
     pref, conf = (dp.predict_random(ids, 0, WORLD) if predictor == "random" else
                   dp.predict_one_rank(ids) if predictor == "one-rank" else
@@ -88,23 +89,43 @@ def _layer(rank, x, ids, predictor, exchange_kind, router, w13, w2, owner, exact
     chunk = torch.nn.functional.pad(xs, (0, 0, 0, c * WORLD - T))[rank * c:(rank + 1) * c]
     w, top = _route(chunk, router)
     keep = owner == rank
-    if exchange_kind in ("sparse", "p2p"):
+    if exchange_kind in ("sparse", "p2p", "hier"):
         ex = SparseExchange(rank, WORLD, owner, _gather, _reduce_scatter, exact,
-                            all_to_all=_a2a if exchange_kind == "p2p" else None, pad_bytes=pad_bytes)
+                            all_to_all=None if exchange_kind == "sparse" else _a2a, pad_bytes=pad_bytes,
+                            node_of=node_of, hierarchical=exchange_kind == "hier")
         hs, ws, ids_ = ex.dispatch(chunk, w, top)
         out = ex.combine(_experts(hs, ws, ids_, w13, w2, keep))
+        if exchange_kind == "hier":
+            _check_hier_bytes(rank, ex, top, owner, node_of, c, pad_bytes)
         if exchange_kind == "p2p":  # the counters say what crossed: row slots when padded, else the pairs
             pairs = int(ex.stats[1])
             W = H + 2 * K  # 4-byte words of a row with its ids and weights
             padded = (WORLD - 1) * c * (W + 1) * 4 + pairs * H * 4
             if int(ex.stats[2]) != (padded if c * (W + 1) * 4 <= pad_bytes else pairs * (2 * H * 4 + 8 * K)):
                 raise AssertionError(f"p2p bytes {int(ex.stats[2])} with {pairs} pairs, c={c}, pad={pad_bytes}")
+            if node_of is None and int(ex.stats[5]) != int(ex.stats[2]):  # every rank its own node
+                raise AssertionError(f"p2p node bytes {int(ex.stats[5])} != bytes {int(ex.stats[2])}")
     else:  # vLLM's allgather-reducescatter with equal chunks: static shapes end to end
         hs, ws, ids_ = _gather(chunk), _gather(w), _gather(top)
         full = _experts(hs, ws, ids_, w13, w2, keep)
         dist.all_reduce(full)
         out = full[rank * c:(rank + 1) * c]
     return _gather(out)[:T].index_select(0, inv)
+
+
+def _check_hier_bytes(rank, ex, top, owner, node_of, c, pad_bytes):
+    """The hierarchical exchange's node bytes against a count of its own: one row out (with ids,
+    weights and the mask word) and one partial row back per (token, other node holding one of its
+    experts), or the slots' padding when the sizes ride along."""
+    dest = owner[top]  # [c, K] rank of each activation
+    far_nodes = sum(len({int(node_of[q]) for q in row.tolist() if node_of[q] != node_of[rank]}) for row in dest)
+    W = H + 2 * K + 1
+    if c * (W + 1) * 4 <= pad_bytes:
+        want = int((node_of != node_of[rank]).sum()) * c * (W + 1) * 4 + far_nodes * H * 4
+    else:
+        want = far_nodes * (W * 4 + H * 4)
+    if int(ex.stats[5]) != want:
+        raise AssertionError(f"hier node bytes {int(ex.stats[5])}, want {want} ({far_nodes} token-node pairs, c={c})")
 
 
 def _norm(x):
@@ -187,10 +208,18 @@ def _worker(rank, port, results):
                 got = _layer(rank, x, ids, predictor, "p2p", router, w13, w2, owner, pad_bytes=pad)
                 if not torch.allclose(got, want, atol=1e-5):
                     failures.append(f"p2p T={T} {predictor} pad={pad}: {(got - want).abs().max():.2e}")
+            # over nodes: two of two ranks, and one of one rank with one of three
+            for node_of in (torch.tensor([0, 0, 1, 1]), torch.tensor([1, 0, 0, 0]), torch.tensor([0, 1, 0, 1])):
+                for pad in (0, 1 << 30):
+                    got = _layer(rank, x, ids, predictor, "hier", router, w13, w2, owner, pad_bytes=pad,
+                                 node_of=node_of)
+                    if not torch.allclose(got, want, atol=1e-5):
+                        failures.append(f"hier T={T} {predictor} nodes={node_of.tolist()} pad={pad}: "
+                                        f"{(got - want).abs().max():.2e}")
             # every expert on rank 0: ranks 1-3 receive nothing, rank 0 sends nothing
-            for kind, pad in (("sparse", 0), ("p2p", 0), ("p2p", 1 << 30)):
+            for kind, pad in (("sparse", 0), ("p2p", 0), ("p2p", 1 << 30), ("hier", 0), ("hier", 1 << 30)):
                 got = _layer(rank, x, ids, predictor, kind, router, w13, w2, torch.zeros(E, dtype=torch.long),
-                             pad_bytes=pad)
+                             pad_bytes=pad, node_of=torch.tensor([0, 0, 1, 1]))
                 if not torch.allclose(got, want, atol=1e-5):
                     failures.append(f"{kind} T={T} {predictor} pad={pad} all-on-0: {(got - want).abs().max():.2e}")
             with _NoHostSync():
@@ -428,3 +457,27 @@ def test_table_and_router_predictions_make_no_host_sync():
         vp, vc = dp.vote(pref, conf, N)
         for p, c in ((pref, conf), (one, c1), (rp, rc), (hp, hc), (vp, vc)):
             dp.permutation(dp.assign(p, c, dp.chunk_caps(T, N)))
+
+
+def test_ep_rank2node_golden():
+    from vllm_smoe.serving.topology import ep_rank2node
+
+    assert ep_rank2node(1, 2, 1) == [0, 1]  # DP across two nodes, one rank each
+    assert ep_rank2node(2, 2, 1) == [0, 0, 1, 1]  # TP inside a node, DP across nodes
+    assert ep_rank2node(2, 2, 2) == [0, 0, 0, 0]  # one node
+    assert ep_rank2node(4, 1, 1, nnodes_within_dp=2) == [0, 0, 1, 1]  # TP across two nodes
+    assert ep_rank2node(2, 4, 2) == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert ep_rank2node(2, 2, 0) == [0, 0, 0, 0]  # no local engines: no layout to split
+    with pytest.raises(ValueError, match="tensor parallel 3 over 2 nodes"):
+        ep_rank2node(3, 1, 1, nnodes_within_dp=2)
+
+
+def test_hierarchical_only_where_nodes_hold_several_ranks():
+    def hier(node_of):
+        return SparseExchange(0, len(node_of), torch.zeros(8, dtype=torch.long), None, None, all_to_all=_a2a,
+                              node_of=torch.tensor(node_of), hierarchical=True).hierarchical
+
+    assert hier([0, 0, 1, 1]) and hier([0, 1, 1])
+    assert not hier([0, 1, 2, 3]) and not hier([0, 0, 0, 0])
+    assert not SparseExchange(0, 4, torch.zeros(8, dtype=torch.long), None, None,
+                              node_of=torch.tensor([0, 0, 1, 1]), hierarchical=True).hierarchical  # no all_to_all

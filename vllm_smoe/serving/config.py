@@ -19,11 +19,12 @@ class SmoeSettingsError(ValueError):
     """A smoe setting (flag, additional_config field or a file it names) that cannot serve:
     ``vllm serve`` prints it as one line and exits 2 (:mod:`vllm_smoe.serving.plugin`)."""
 _KEYS = ("mode", "placement", "placement_dirs", "record", "log_interval", "record_chunk_tokens", "predictor", "all2all", "dp_routing",
-         "metrics_dir", "drift_threshold", "record_sample", "record_max_mb", "metrics", "reduce_scatter")
+         "metrics_dir", "drift_threshold", "record_sample", "record_max_mb", "metrics", "reduce_scatter", "hierarchical")
 PREDICTORS = ("tables", "tables-markov", "learned", "router", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.serving.token_order)
 TABLE_PREDICTORS = ("tables", "tables-markov", "learned")  # those that read the placement's tables file
 ALL2ALL = ("sparse", "vllm")
-REDUCE_SCATTER = ("auto", "on", "off")  # speculate's shuffled reduce-scatter (SmoeConfig.reduce_scatter)  # smoe's sparse de-duplicated manager, or vLLM's own choice
+REDUCE_SCATTER = ("auto", "on", "off")  # speculate's shuffled reduce-scatter (SmoeConfig.reduce_scatter)
+HIERARCHICAL = ("auto", "on", "off")  # the sparse all2all over nodes (SmoeConfig.hierarchical)
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,11 @@ class SmoeConfig:
     output's all-reduce becomes a reduce-scatter of its rows already in the token order (s-MoE's
     shuffled reduce-scatter, half the attention's bytes over a network): ``auto`` where the
     tensor-parallel group spans nodes (within one, shared memory and NVLink's one-shot
-    all-reduces cost no less), ``on`` wherever the seams allow, ``off`` never."""
+    all-reduces cost no less), ``on`` wherever the seams allow, ``off`` never. hierarchical: the
+    sparse all2all where a node holds more than one expert-parallel rank: a row crosses to another
+    node once per node and fans out inside it (:class:`vllm_smoe.serving.sparse_a2a.SparseExchange`);
+    ``auto`` where the exchange runs point to point (a network), ``on`` wherever a node holds more
+    than one rank, ``off`` never (each row to each rank that needs it)."""
 
     mode: str = "place"
     placement: str | None = None
@@ -72,6 +77,7 @@ class SmoeConfig:
     record_max_mb: float | None = None
     metrics: bool = True
     reduce_scatter: str = "auto"
+    hierarchical: str = "auto"
 
     @property
     def needs_loader(self) -> bool:
@@ -144,6 +150,10 @@ class SmoeConfig:
         if reduce_scatter not in REDUCE_SCATTER:
             raise ValueError(f"{where}: field 'reduce_scatter' must be one of {', '.join(REDUCE_SCATTER)}, got "
                              f"{reduce_scatter!r}")
+        hierarchical = d.get("hierarchical", "auto")
+        if hierarchical not in HIERARCHICAL:
+            raise ValueError(f"{where}: field 'hierarchical' must be one of {', '.join(HIERARCHICAL)}, got "
+                             f"{hierarchical!r}")
         metrics_dir = d.get("metrics_dir")
         if metrics_dir is not None and (not isinstance(metrics_dir, str) or not metrics_dir):
             raise ValueError(f"{where}: field 'metrics_dir' must be a path, got {metrics_dir!r}")
@@ -169,7 +179,7 @@ class SmoeConfig:
                    all2all=all2all, dp_routing=dp_routing,
                    metrics_dir=os.path.abspath(metrics_dir) if metrics_dir else None, drift_threshold=float(drift),
                    record_sample=float(sample), record_max_mb=None if budget is None else float(budget),
-                   metrics=metrics, reduce_scatter=reduce_scatter)
+                   metrics=metrics, reduce_scatter=reduce_scatter, hierarchical=hierarchical)
 
     @classmethod
     def from_additional_config(cls, additional_config: object) -> "SmoeConfig | None":

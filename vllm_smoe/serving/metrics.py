@@ -34,7 +34,7 @@ ENV = "SMOE_METRICS_DIR"
 
 # the device counters of each source, in the order the workers keep them
 ORDER_FIELDS = ("local", "activations", "tokens", "hits")  # per MoE layer
-A2A_FIELDS = ("tokens", "pairs", "bytes", "local", "activations")
+A2A_FIELDS = ("tokens", "pairs", "bytes", "local", "activations", "node_bytes")  # SparseExchange's COUNTERS
 RECORD_FIELDS = ("written", "behind", "failed", "unrecordable")  # tokens: written, lost (queue full, disk, no ids)
 
 
@@ -237,7 +237,8 @@ def families(snapshots: list[dict]):
                  "pairs": ("smoe:a2a_remote_pairs", "(token, remote rank) rows the sparse all2all sent"),
                  "bytes": ("smoe:a2a_bytes", "bytes a point-to-point transport carries for those rows, both ways"),
                  "local": ("smoe:a2a_local_expert_activations", "expert activations on the token's rank"),
-                 "activations": ("smoe:a2a_expert_activations", "expert activations")}
+                 "activations": ("smoe:a2a_expert_activations", "expert activations"),
+                 "node_bytes": ("smoe:a2a_node_bytes", "those bytes that cross between nodes")}
         counters = {k: CounterMetricFamily(n, h, labels=["rank"]) for k, (n, h) in names.items()}
         for s in a2a:
             for k in A2A_FIELDS:

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import os
 
-from .config import ALL2ALL, MODES, PREDICTORS, REDUCE_SCATTER
+from .config import ALL2ALL, HIERARCHICAL, MODES, PREDICTORS, REDUCE_SCATTER
 
 logger = logging.getLogger("vllm.smoe")  # under vLLM's logger: same handlers and level
 
@@ -39,6 +39,7 @@ _FLAGS = {  # CLI dest -> key in additional_config["smoe"]
     "smoe_record_max_mb": "record_max_mb",
     "smoe_metrics": "metrics",
     "smoe_reduce_scatter": "reduce_scatter",
+    "smoe_hierarchical": "hierarchical",
 }
 _done = False
 
@@ -80,6 +81,10 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
                         "there) or vLLM's allgather-reducescatter. On CUDA the transport is vLLM's --all2all-backend "
                         "(speculate needs one that honours token order, e.g. deepep_low_latency) and 'sparse' is "
                         "refused")
+    g.add_argument("--smoe-hierarchical", choices=HIERARCHICAL, default=None,
+                   help="smoe's sparse all2all where a node holds several expert-parallel ranks: a row crosses to "
+                        "another node once and fans out inside it (default auto: where the exchange runs over a "
+                        "network; on: wherever a node holds several ranks; off: each row to each rank)")
     g.add_argument("--smoe-dp-routing", choices=["on", "off"], default=None, type=str,
                    help="with --data-parallel-size > 1 and a placement with tables: send each request to the DP "
                         "engine its prompt's tokens score best under the placement (default on), or leave every "
