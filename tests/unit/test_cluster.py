@@ -131,6 +131,29 @@ def test_point_to_point_exchange_counters_equal_the_veth(tmp_path):
     assert res["smoe-p2p"]["wire"]["payload"] < res["vllm"]["wire"]["payload"]
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2")
+def test_hierarchical_exchange_crosses_nodes_once_per_node(tmp_path):
+    """Two namespaces of two gloo ranks each: the hierarchical exchange's node counters are what
+    crosses the veth, and fewer bytes cross than with each row sent to each rank."""
+    from vllm_smoe.tools.bench.cluster import Net, exchange_table, wire_check
+
+    net = Net()
+    try:
+        try:
+            net.up()
+        except RuntimeError as e:
+            pytest.skip(f"cannot make namespaces here: {e}")
+        res = wire_check(net, 256, str(tmp_path), tokens=96, steps=6, port=29000 + os.getpid() % 2000, per_node=2)
+    finally:
+        net.down()
+    for name, tol in (("smoe-p2p", 0.03), ("smoe-p2p-slots", 0.03), ("smoe-hier", 0.05)):
+        # the hierarchical exchange makes twice the messages (gloo frames each; rows of 1 KiB here)
+        assert abs(res[name]["agreement"]["ratio"] - 1) < tol, (name, res[name])
+    assert res["smoe-hier"]["wire"]["payload"] < 0.9 * res["smoe-p2p"]["wire"]["payload"]
+    assert res["smoe-p2p"]["wire"]["payload"] < res["vllm"]["wire"]["payload"]
+    assert "2 nodes x 2 gloo ranks" in "\n".join(exchange_table(res))
+
+
 def test_collectives_read_from_metrics_per_served_step():
     from vllm_smoe.tools.bench.cluster import collective_counts, collectives_per_step, collectives_table
 

@@ -121,9 +121,10 @@ class SparseExchange:
     destination node, to one gateway rank there that holds one of its experts (the one with this
     rank's local index if it does, else the lowest), which forwards it inside its node and sums
     what comes back before one partial row crosses back (DeepEP's and GRACE-MoE's internode
-    scheme). Ranks of this rank's own node get their rows directly. Two more all-to-alls a layer
-    (the forward's counts and rows, :meth:`_dispatch_hier`), all of exact size but the first.
-    Partial sums then add in another order than the flat transport's (gateway first)."""
+    scheme). Ranks of this rank's own node get their rows directly. It costs two more
+    all-to-alls a layer (the forward's counts and rows, :meth:`_dispatch_hier`), so it serves
+    only steps too large for row slots (prefill-sized, where bytes set the time); smaller steps go
+    flat. Partial sums then add in another order than the flat transport's (gateway first)."""
 
     def __init__(self, rank: int, world_size: int, owner: torch.Tensor, gather: Callable[[torch.Tensor], torch.Tensor],
                  reduce_scatter: Callable[[torch.Tensor], torch.Tensor], exact: bool = False,
@@ -161,7 +162,10 @@ class SparseExchange:
             self.owner, self.node_of = self.owner.to(dev), self.node_of.to(dev)
             self.stats = self.stats.to(dev)
         bits = destinations(topk_ids, self.owner, me, N)
-        if self.hierarchical:
+        # hierarchical for steps whose rows are too large for slots (prefill-sized: bytes bound);
+        # a small step's latency is set by its collectives, and forwarding adds two (the same
+        # split as DeepEP's normal and low-latency kernels). m is the same on every rank.
+        if self.hierarchical and m * (H * hidden_states.element_size() + 8 * K + 8) > self.pad_bytes:
             return self._dispatch_hier(hidden_states, topk_weights, topk_ids, bits, m, served)
         pairs = None
         if served is not False:
@@ -308,10 +312,9 @@ class SparseExchange:
         mask = mask | (flag[rows].to(torch.int64) << 30)  # bit 30: the row is served (counted)
         packed = self._pack(hidden_states, topk_weights, topk_ids)
         W = packed.shape[1] + 1
-        slots = m if m * (W + 1) * 4 <= self.pad_bytes else None
         recv1, sc1, rc1 = self._send_rows(torch.cat([packed.index_select(0, rows),
                                                      mask.to(torch.int32).view(torch.float32)[:, None]], 1),
-                                          to_rank, slots)
+                                          to_rank, None)
         got_mask = recv1[:, -1].contiguous().view(torch.int32).to(torch.int64)
         fwd = ((got_mask[None, :] >> peers[:, None]) & 1).bool() & (peers != me)[:, None]  # [N, r1], own node
         to2, rows2 = torch.nonzero(fwd, as_tuple=True)
@@ -323,10 +326,6 @@ class SparseExchange:
             served2 = (got_mask[rows2] >> 30) & 1
             out_bytes = (served1.sum() + served2.sum()) * hop
             far_bytes = (served1 * far[to_rank]).sum() * hop
-            if slots is not None:  # the slots' padding and flags cross too
-                pad = slots * (W + 1) * 4
-                out_bytes = out_bytes + (N - 1) * pad - served1.sum() * W * 4
-                far_bytes = far_bytes + far.sum() * pad - (served1 * far[to_rank]).sum() * W * 4
             self._count(bits, topk_ids, served, row, wire=False)
             self.stats[2] += out_bytes
             self.stats[5] += far_bytes

@@ -357,14 +357,18 @@ print(json.dumps({{"rtt_s": sorted(rtt)[10], "bulk_bytes": n, "bulk_s": s}}))
 # network before the point-to-point one), over its point-to-point transport, and vLLM's
 # allgather-reducescatter; smoe-p2p sends its sizes first (three all-to-alls), smoe-p2p-slots
 # pads every peer's rows to the step's row count with the sizes riding along (two), as served
-# steps do up to sparse_a2a.PAD_BYTES
+# steps do up to sparse_a2a.PAD_BYTES; with several ranks a node, smoe-hier is the hierarchical
+# exchange (a row crosses to another node once, then fans out inside it; as served past the slots)
 PIPELINES = ("smoe-gather", "smoe-p2p", "smoe-p2p-slots", "vllm")
+NODE_PIPELINES = ("smoe-p2p", "smoe-p2p-slots", "smoe-hier", "vllm")
+
 
 def _wire_worker(rank: int, spec_path: str) -> int:
-    """One gloo rank per namespace: the MoE layer's exchange alone on the veth, smoe's sparse one
-    and vLLM's allgather-reducescatter, each step as served over a network (exact sizes,
-    all_gather_into_tensor and reduce_scatter_tensor as smoe's CPU communicator uses on gloo).
-    Writes each pipeline's counted bytes and this rank's veth tx counters around it."""
+    """One gloo rank of ``spec["per_node"]`` in its node's namespace: the MoE layer's exchange
+    alone on the veth, smoe's sparse one and vLLM's allgather-reducescatter, each step as served
+    over a network (exact sizes, all_gather_into_tensor and reduce_scatter_tensor as smoe's CPU
+    communicator uses on gloo). Writes each pipeline's counted bytes between nodes and, on a
+    node's first rank, the node's veth tx counters around it."""
     import torch
     import torch.distributed as dist
 
@@ -372,11 +376,15 @@ def _wire_worker(rank: int, spec_path: str) -> int:
 
     with open(spec_path) as f:
         spec = json.load(f)
-    plan, dev, N = spec["plan"], spec["dev"][rank], 2
+    plan, per_node = spec["plan"], spec["per_node"]
+    N, dev = 2 * per_node, spec["dev"][rank // per_node]
+    node_of = torch.arange(N) // per_node
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{ADDR[0]}:{spec['port']}", rank=rank, world_size=N)
 
     def tx():
+        if rank % per_node:
+            return None
         vals = [int(open(f"/sys/class/net/{dev}/statistics/{k}").read()) for k in ("tx_bytes", "tx_packets")]
         return {"tx_bytes": vals[0], "tx_packets": vals[1]}
 
@@ -389,7 +397,7 @@ def _wire_worker(rank: int, spec_path: str) -> int:
 
     H, g = plan["hidden"], torch.Generator().manual_seed(rank)
     out = {}
-    for name in PIPELINES:
+    for name in spec["pipelines"]:
         owner = torch.as_tensor(plan["baseline" if name == "vllm" else "smoe"]["expert2rank"]).long()
         counted = 0
         dist.barrier()
@@ -404,16 +412,18 @@ def _wire_worker(rank: int, spec_path: str) -> int:
             x, w = torch.randn(len(rows), H, generator=g), torch.full((len(rows), K), 1.0 / K)
             if name != "vllm":
                 ex = SparseExchange(rank, N, owner, gather, reduce_scatter, exact=True,
-                                    all_to_all=all_to_all if name.startswith("smoe-p2p") else None,
-                                    pad_bytes=1 << 40 if name == "smoe-p2p-slots" else 0)
+                                    all_to_all=None if name == "smoe-gather" else all_to_all,
+                                    pad_bytes=1 << 40 if name.endswith("-slots") else 0,
+                                    node_of=node_of, hierarchical=name.startswith("smoe-hier"))
                 h, ww, ii = ex.dispatch(x, w, ids)
                 ex.combine(h * (ww * (owner[ii] == rank)).sum(1, keepdim=True))
-                counted += int(ex.stats[2])
-            else:  # vLLM's: every row to every rank (ids, weights too), full partial sums back
+                counted += int(ex.stats[5])  # the bytes that cross between nodes
+            else:  # vLLM's: every row to every rank (ids, weights too), full partial sums back;
+                # counted: what crosses to the other node's ranks, were each peer sent its share once
                 full = gather(x)
                 gather(w), gather(ids)
                 reduce_scatter(full.contiguous())
-                counted += (N - 1) * x.shape[0] * (2 * H * x.element_size() + 8 * K)
+                counted += (N - per_node) * x.shape[0] * (2 * H * x.element_size() + 8 * K)
         dist.barrier()
         out[name] = {"counted": counted, "before": before, "after": tx(), "seconds": time.perf_counter() - t0}
     with open(spec["out"].format(rank=rank), "w") as f:
@@ -422,34 +432,41 @@ def _wire_worker(rank: int, spec_path: str) -> int:
     return 0
 
 
-def wire_check(net: Net, hidden: int, work: str, tokens: int = 64, steps: int = 24, port: int = 29650) -> dict:
+def wire_check(net: Net, hidden: int, work: str, tokens: int = 64, steps: int = 24, port: int = 29650,
+               per_node: int = 1) -> dict:
     """smoe's byte counters (and the bytes vLLM's allgather-reducescatter is modelled to carry)
     against the veth, on the exchange alone: the fixture's held-out routing, its placement and
-    predictor (as ``smoe-bench comm``), ``steps`` steps of ``tokens`` tokens at ``hidden``."""
+    predictor (as ``smoe-bench comm``), ``steps`` steps of ``tokens`` tokens at ``hidden``, over
+    two nodes of ``per_node`` ranks each (the placement built for all of them)."""
     import argparse
 
     from .comm import comm_plan
 
-    plan = comm_plan(argparse.Namespace(routing="testbed", layer=1, tokens=tokens, steps=steps, ranks=2,
+    N = 2 * per_node
+    pipelines = PIPELINES if per_node == 1 else NODE_PIPELINES
+    plan = comm_plan(argparse.Namespace(routing="testbed", layer=1, tokens=tokens, steps=steps, ranks=N,
                                          hidden=hidden))
     plan = json.loads(json.dumps(plan, default=lambda o: o.tolist()))
-    spec = {"plan": plan, "dev": net.dev, "port": port, "out": os.path.join(work, "wire-{rank}.json")}
+    spec = {"plan": plan, "dev": net.dev, "port": port, "out": os.path.join(work, "wire-{rank}.json"),
+            "per_node": per_node, "pipelines": pipelines}
     path = os.path.join(work, "wire-spec.json")
     with open(path, "w") as f:
         json.dump(spec, f)
-    procs = [subprocess.Popen(["ip", "netns", "exec", net.ns[r], sys.executable, "-m", "vllm_smoe.tools.bench.cluster",
-                               "--wire-worker", str(r), path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env={**os.environ, "GLOO_SOCKET_IFNAME": net.dev[r]}) for r in (0, 1)]
+    procs = [subprocess.Popen(["ip", "netns", "exec", net.ns[r // per_node], sys.executable, "-m",
+                               "vllm_smoe.tools.bench.cluster", "--wire-worker", str(r), path],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "GLOO_SOCKET_IFNAME": net.dev[r // per_node]}) for r in range(N)]
     logs = [p.communicate(timeout=600)[0] for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError("wire check failed:\n" + "\n".join(log[-2000:] for log in logs))
-    ranks = [json.load(open(spec["out"].format(rank=r))) for r in (0, 1)]
-    res = {"tokens_per_step": tokens, "steps": steps, "hidden": hidden, "lar": {"smoe": plan["lar"],
-                                                                              "vllm": plan["base_lar"]}}
-    res["seconds"] = {name: max(ranks[r][name]["seconds"] for r in (0, 1)) for name in PIPELINES}
-    for name in PIPELINES:
-        w = wire_delta({r: ranks[r][name]["before"] for r in (0, 1)}, {r: ranks[r][name]["after"] for r in (0, 1)})
-        counted = sum(ranks[r][name]["counted"] for r in (0, 1))
+    ranks = [json.load(open(spec["out"].format(rank=r))) for r in range(N)]
+    heads = range(0, N, per_node)  # each node's first rank read its veth
+    res = {"tokens_per_step": tokens, "steps": steps, "hidden": hidden, "ranks_per_node": per_node,
+           "lar": {"smoe": plan["lar"], "vllm": plan["base_lar"]}}
+    res["seconds"] = {name: max(ranks[r][name]["seconds"] for r in range(N)) for name in pipelines}
+    for name in pipelines:
+        w = wire_delta({r: ranks[r][name]["before"] for r in heads}, {r: ranks[r][name]["after"] for r in heads})
+        counted = sum(ranks[r][name]["counted"] for r in range(N))
         res[name] = {"counted_bytes": counted, "wire": w, "agreement": counters_agree(w["payload"], counted)}
     return res
 
@@ -780,6 +797,8 @@ def run(a) -> int:
     work = a.work or tempfile.mkdtemp(prefix="smoe-cluster-")
     os.makedirs(work, exist_ok=True)
     print(f"logs in {work}", flush=True)
+    if a.exchange_only:
+        return run_exchange(a, work)
     if a.model is None:  # the trained fixture at production row sizes, its routing unchanged
         from ...testbed.inflate import inflate_checkpoint
 
@@ -888,6 +907,61 @@ def run(a) -> int:
     return rc or int(any("error" in r for res in results.values() for r in res.values()))
 
 
+def run_exchange(a, work: str) -> int:
+    """``--exchange-only``: the MoE exchange alone (:func:`wire_check`) over two nodes of
+    ``--ranks-per-node`` ranks, per target a decode-sized step on the link shaped to the target's
+    decode proportions and a prefill-sized one on its prefill link (``--exchange-tokens``): bytes
+    between nodes (counted and on the veth) and time, no vLLM."""
+    hidden = (json.load(open(os.path.join(a.model, "config.json")))["hidden_size"] if a.model
+              else DEFAULT_WIDTHS["hidden"])
+    host = host_speed() if any(t != "none" for t in a.target) else None
+    net, runs, rc = Net(), {}, 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        net.up()
+        for target in a.target:
+            for phase, tokens in zip(("decode", "prefill"), a.exchange_tokens):
+                link = None if target == "none" else link_settings(host, target, phase)
+                net.shape(link)
+                runs[f"{target} {phase}"] = wc = wire_check(net, hidden, work, tokens=tokens,
+                                                            per_node=a.ranks_per_node)
+                wc["link"] = link
+                for line in exchange_table(wc, f"{target}, {phase} link"):
+                    print(line, flush=True)
+    except (KeyboardInterrupt, SystemExit) as e:
+        print("interrupted: cleaning up", file=sys.stderr)
+        rc = 130 if isinstance(e, KeyboardInterrupt) else 143
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        net.down()
+    if a.json:
+        from .common import write_json
+
+        write_json(a.json, {"date": datetime.datetime.now().astimezone().isoformat(), "uname": " ".join(os.uname()),
+                            "host": host, "args": {k: v for k, v in vars(a).items() if k != "fn"}, "runs": runs})
+    return rc
+
+
+def exchange_table(wc: dict, target: str = "none") -> list[str]:
+    """A wire check's markdown table: per transport, bytes between nodes counted and on the veth,
+    and time."""
+    link = wc.get("link")
+    shaped = f"link {link['rate_bit'] / 1e6:.0f} Mbit/s" if link else "no shaping"
+    per = wc.get("ranks_per_node", 1)
+    lines = ["", f"exchange alone, {wc['steps']} steps x {wc['tokens_per_step']} tokens, hidden {wc['hidden']}, "
+                 f"2 nodes x {per} gloo rank{'s' * (per > 1)} over the veth ({target}: {shaped}):", "",
+             "| transport | counted MB between nodes | veth payload MB | counted / wire | time ms |",
+             "|---|---|---|---|---|"]
+    for name in [n for n in NODE_PIPELINES + PIPELINES if n in wc and isinstance(wc[n], dict) and "wire" in wc[n]]:
+        if any(line.startswith(f"| {name} |") for line in lines):
+            continue
+        w = wc[name]
+        lines.append(f"| {name} | {w['counted_bytes'] / 1e6:.2f} | {w['wire']['payload'] / 1e6:.2f} | "
+                     f"{w['agreement']['ratio']:.3f} | {1e3 * wc.get('seconds', {}).get(name, float('nan')):.0f} |")
+    return lines
+
+
 def _print(summary: dict) -> None:
     for target, rows in summary.items():
         print(f"\ntarget {target} (decode mix at concurrency 8; SLO: p90 TBT bound)")
@@ -913,14 +987,7 @@ def markdown(payload: dict) -> str:
     lines.append(f"host, one thread: {host['gemm_flops'] / 1e9:.0f} GFLOP/s fp32 GEMM, {host['read_bw'] / 1e9:.2f} GB/s "
                  "weight reads")
     if "wire_check" in payload:
-        wc = payload["wire_check"]
-        lines += ["", f"exchange alone, {wc['steps']} steps x {wc['tokens_per_step']} tokens, hidden {wc['hidden']}, "
-                      "2 gloo ranks over the veth (no shaping):", "",
-                  "| transport | counted MB | veth payload MB | counted / wire | time ms |", "|---|---|---|---|---|"]
-        for name in [n for n in PIPELINES if n in wc]:
-            w = wc[name]
-            lines.append(f"| {name} | {w['counted_bytes'] / 1e6:.2f} | {w['wire']['payload'] / 1e6:.2f} | "
-                         f"{w['agreement']['ratio']:.3f} | {1e3 * wc.get('seconds', {}).get(name, float('nan')):.0f} |")
+        lines += exchange_table(payload["wire_check"])
     for target, rows in payload["summary"].items():
         links = payload["links"].get(target) or {}
         m = payload["measured_link"].get(target, {})
@@ -1041,6 +1108,13 @@ def add_parser(sub) -> None:
                    help="p90 TBT bound = this x the best configuration's single-stream p90 TBT")
     p.add_argument("--wire-check", action=argparse.BooleanOptionalAction, default=True,
                    help="first run the MoE exchange alone across the veth: smoe's counters against the wire")
+    p.add_argument("--exchange-only", action="store_true",
+                   help="only the MoE exchange alone, once per --target with the decode link's shaping (no vLLM): "
+                        "smoe's flat and hierarchical exchange and vLLM's allgather-reducescatter")
+    p.add_argument("--ranks-per-node", type=number(int, 1, 15), default=1,
+                   help="with --exchange-only: gloo ranks in each of the two namespaces")
+    p.add_argument("--exchange-tokens", type=number(int, 1), nargs=2, default=[64, 512], metavar=("DECODE", "PREFILL"),
+                   help="with --exchange-only: tokens a step on the decode link and on the prefill link")
     p.add_argument("--memory-share", type=number(float, 0, 1, lo_open=True), default=0.3,
                    help="--gpu-memory-utilization of each node (on CPU: the share of RAM for weights and KV cache)")
     p.add_argument("--repeats", type=number(int, 1), default=1, help="starts of each configuration (spread)")
