@@ -125,3 +125,52 @@ def test_deepseek_v3_dp2_with_a_grouped_dp_placement_and_routing_gives_plain_tok
     np.testing.assert_allclose([lp for _, lp in dp2], [lp for _, lp in plain], rtol=0, atol=1e-4)
     assert sum(int(x) for x in _re_all(r"smoe dp routing: \d+ requests: (\d+) by the placement",
                                        open(tmp_path / "dp2.log").read())) > 0
+
+
+def test_two_nodes_of_dp_tp_ep_hierarchical_exchange_gives_plain_tokens(tmp_path):
+    """TP inside a node, EP across nodes: two vLLM nodes on this host (DP=2, one engine each,
+    node 1 headless) of TP=2, expert parallel over all 4 ranks, smoe's DP placement built over
+    nodes (one node per engine) with its request routing, and the sparse exchange hierarchical
+    across the nodes (prefill-sized steps; decode steps go flat). 8 held-out prompts of 150
+    tokens from 8 clients give single-rank vLLM's greedy tokens."""
+    pytest.importorskip("vllm")
+    import signal
+    import subprocess
+    import sys
+
+    from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
+    from vllm_smoe.tools.bench.common import mixed_prompts as _mixed_prompts
+    from vllm_smoe.tools.server_process import CPU_ARGS, VllmServer, free_port, vllm_executable
+
+    placement = tmp_path / "dp4-nodes2.yaml"
+    subprocess.run([sys.executable, "-m", "vllm_smoe.tools.place_cli", "build", "--trace", FIXTURE_TRACES["train"],
+                    "--ep-size", "4", "--mode", "dp", "--nodes", "2", "-o", str(placement)], check=True,
+                   capture_output=True, text=True)
+    prompts = [p[:150] for p in _mixed_prompts(FIXTURE_TRACES["heldout"], 8, 150)]
+    with VllmServer(FIXTURE_MODEL, log=tmp_path / "plain.log") as s:
+        plain = s.complete(prompts)
+    flags = ("--data-parallel-size", "2", "--data-parallel-size-local", "1", "--tensor-parallel-size", "2",
+             "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(free_port()),
+             "--enable-expert-parallel", "--plugin", "smoe", "--smoe-placement", str(placement),
+             "--smoe-log-interval", "0.2")
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_PLUGINS": "smoe"}
+    with open(tmp_path / "node1.log", "w") as log1:
+        node1 = subprocess.Popen([vllm_executable(), "serve", FIXTURE_MODEL, *CPU_ARGS, *flags,
+                                  "--data-parallel-start-rank", "1", "--headless"], stdout=log1,
+                                 stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True)
+    try:
+        with VllmServer(FIXTURE_MODEL, *flags, "--api-server-count", "1", log=tmp_path / "node0.log", env=env) as s:
+            out = _concurrent(s, prompts)
+            import time
+
+            time.sleep(0.5)
+            s.complete([prompts[0][:1]], max_tokens=1)  # one more step: the counters' lines cover the run
+    finally:
+        os.killpg(node1.pid, signal.SIGTERM)
+        node1.wait(60)
+    assert [t for t, _ in out] == [t for t, _ in plain]
+    np.testing.assert_allclose([lp for _, lp in out], [lp for _, lp in plain], rtol=0, atol=1e-4)
+    logs = open(tmp_path / "node0.log").read() + open(tmp_path / "node1.log").read()
+    assert "sparse all2all over 4 ranks on 2 node(s) (ranks' nodes [0, 0, 1, 1]): hierarchical" in logs
+    assert max(int(x) for x in _re_all(r"(\d+) layer steps hierarchical", logs)) > 0
+    assert sum(int(x) for x in _re_all(r"smoe dp routing: \d+ requests: (\d+) by the placement", logs)) > 0

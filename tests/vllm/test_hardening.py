@@ -42,3 +42,20 @@ def test_serve_flags_are_refused_by_name_before_any_engine(args, words):
 
     with pytest.raises(SmoeSettingsError, match=words):
         serve_engine_config("--plugin", "smoe", *args)
+
+
+def test_dp_placement_with_tp_needs_one_node_per_engine(tmp_path):
+    """DP=2 engines of TP=2: a --mode dp placement over 4 ranks is served only when its requests
+    were put on engines first (--nodes 2); a flat one is refused, naming the build that fits."""
+    pytest.importorskip("vllm")
+    from vllm_smoe.serving.config import SmoeSettingsError
+    from vllm_smoe.testbed import FIXTURE_TRACES
+
+    flags = ("--plugin", "smoe", "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--enable-expert-parallel")
+    for nodes in ("1", "2"):
+        subprocess.run([sys.executable, "-m", "vllm_smoe.tools.place_cli", "build", "--trace", FIXTURE_TRACES["train"],
+                        "--ep-size", "4", "--mode", "dp", "--nodes", nodes, "-o", str(tmp_path / f"n{nodes}.yaml")],
+                       check=True, capture_output=True, text=True)
+    with pytest.raises(SmoeSettingsError, match=r"field 'nodes' = 1: .* --mode dp --ep-size 4 --nodes 2"):
+        serve_engine_config(*flags, "--smoe-placement", str(tmp_path / "n1.yaml"))
+    assert serve_engine_config(*flags, "--smoe-placement", str(tmp_path / "n2.yaml")) is not None

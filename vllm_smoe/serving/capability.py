@@ -145,10 +145,14 @@ def check_served_placement(path: str, cfg, vllm_config, snapshot=None):
             raise ValueError(f"{placement.predictor}: these tables hold no learned predictor, which predictor "
                              f"'learned' needs (rebuild {path} with smoe-place build --learned)")
     pc = vllm_config.parallel_config
-    if placement.method == "dp-coclust" and pc.tensor_parallel_size > 1:
-        raise ValueError(f"{path}: field 'method' = dp-coclust: placements from smoe-place build --mode dp put one "
-                         f"expert-parallel rank on each DP rank (TP = 1), but --tensor-parallel-size is "
-                         f"{pc.tensor_parallel_size}")
+    tp, dp = pc.tensor_parallel_size, pc.data_parallel_size
+    # with TP > 1 a DP engine holds TP expert-parallel ranks, and the router scores engines: the
+    # co-clustering must have put requests on engines first (one placement node per engine)
+    if placement.method == "dp-coclust" and tp > 1 and placement.nodes != dp:
+        raise ValueError(f"{path}: field 'nodes' = {placement.nodes}: with --tensor-parallel-size {tp} each of the "
+                         f"{dp} DP engines holds {tp} expert-parallel ranks, and a --mode dp placement must put "
+                         f"requests on engines first: build it with smoe-place build --mode dp --ep-size {tp * dp} "
+                         f"--nodes {dp}")
     return served
 
 

@@ -145,6 +145,7 @@ class SparseExchange:
         self.stats = torch.zeros(6, dtype=torch.long)
         self._plan = None
         self._gw = None  # _dispatch_hier's static tables, on the rows' device
+        self.hier_steps = 0  # layer steps that went hierarchical (a host count: no device read)
 
     def dispatch(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  rows_per_rank: int | None = None, served: torch.Tensor | bool = True
@@ -289,6 +290,7 @@ class SparseExchange:
         partial rows back), for the rows of served steps."""
         N, me, (t, K), H = self.world_size, self.rank, topk_ids.shape, hidden_states.shape[1]
         dev, node = bits.device, self.node_of
+        self.hier_steps += 1
         row = H * hidden_states.element_size()
         peers = torch.arange(N, device=dev)
         member = ((bits[None, :] >> peers[:, None]) & 1).bool()  # [N, t]: rank q holds one of row's experts
@@ -466,9 +468,10 @@ def make_manager(cpu_group, comm):
             if self.log_dp and c["activations"]:
                 logger.info("smoe: dp rank %d served %.3f of its requests' expert activations locally (%d tokens, "
                             "served steps); sparse all2all: %.3f remote (token, rank) pairs and %.0f B per token and "
-                            "MoE layer", self.dp_rank, c["local"] / c["activations"],
-                            c["tokens"] // max(1, self.num_moe_layers), c["pairs"] / c["tokens"],
-                            c["bytes"] / c["tokens"])
+                            "MoE layer (%.0f B between nodes; %d layer steps hierarchical)", self.dp_rank,
+                            c["local"] / c["activations"], c["tokens"] // max(1, self.num_moe_layers),
+                            c["pairs"] / c["tokens"], c["bytes"] / c["tokens"], c["node_bytes"] / c["tokens"],
+                            self.exchange.hier_steps)
 
         def dispatch(self, hidden_states, topk_weights, topk_ids, is_sequence_parallel=False, extra_tensors=None):
             if extra_tensors:
