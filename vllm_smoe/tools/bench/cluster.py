@@ -473,14 +473,18 @@ def wire_check(net: Net, hidden: int, work: str, tokens: int = 64, steps: int = 
 
 # ----- configurations ---------------------------------------------------------------------------
 
-def configurations(tp_placement: str, dp_placement: str, metrics_dir: str, dp_uncapped: str | None = None) -> dict:
+def configurations(tp_placement: str, dp_placement: str, metrics_dir: str, dp_uncapped: str | None = None,
+                   dptp_placement: str | None = None) -> dict:
     """name -> {kind: tp|dp, smoe: whether smoe orders, routes or places anything, flags}.
     vLLM's peers run as vLLM's docs run them across nodes; every one loads the plugin with smoe's
     metrics (its communicator counts collectives per served step); the CPU build needs smoe's CPU
     fixes for expert parallelism (nothing placed or ordered, vLLM's all2all), and MLA models its
     rotary fix even for plain TP. ``dp-ep-smoe-uncapped`` serves ``dp_uncapped``, a DP placement
     built with ``--max-expert-load`` :data:`UNCAPPED`: neither the co-clustering nor its bytes
-    refinement bounds expert load."""
+    refinement bounds expert load. ``dptp-*``: TP = 2 inside each node, DP = 2 across the
+    nodes, expert parallel over all 4 ranks (``dptp_placement``: a DP placement over 4 ranks built
+    with ``--nodes 2``); ``dptp-ep-smoe`` sends prefill-sized steps hierarchically across the nodes,
+    ``dptp-ep-smoe-flat`` each row to each rank."""
     ep = ("--enable-expert-parallel", "--plugin", "smoe", "--smoe-log-interval", "0.5",
           "--additional-config", json.dumps({"smoe": {"metrics_dir": metrics_dir}}))
     # "counts": the configuration's all2all is smoe's sparse exchange, whose counters are read
@@ -502,6 +506,10 @@ def configurations(tp_placement: str, dp_placement: str, metrics_dir: str, dp_un
         "dp-ep-smoe-uncapped": {"kind": "dp", "smoe": True, "flags": ep + ("--smoe-placement", dp_uncapped or dp_placement)},
         "dp-ep-smoe-agrs": {"kind": "dp", "smoe": True,
                             "flags": ep + ("--smoe-placement", dp_placement, "--smoe-all2all", "vllm")},
+        "dptp-ep": {"kind": "dptp", "smoe": False, "flags": ep + ("--smoe-all2all", "vllm")},
+        "dptp-ep-smoe": {"kind": "dptp", "smoe": True, "flags": ep + ("--smoe-placement", dptp_placement or "")},
+        "dptp-ep-smoe-flat": {"kind": "dptp", "smoe": True, "flags": ep + ("--smoe-placement", dptp_placement or "",
+                                                                           "--smoe-hierarchical", "off")},
     }
     for c in cfgs.values():
         c["counts"] = "--enable-expert-parallel" in c["flags"] and "vllm" not in c["flags"]
@@ -521,13 +529,15 @@ def node_command(model: str, cfg: dict, node: int, api: int, port: int, max_seqs
         cmd += ["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", str(node), "--master-addr", ADDR[0],
                 "--master-port", str(port)]
     else:
+        if cfg["kind"] == "dptp":
+            cmd += ["--tensor-parallel-size", "2"]
         # one API server: with several, smoe's families reach /metrics only through its endpoint plugin
         # (VLLM_PLUGINS=smoe), which these nodes do not load
         cmd += ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-address", ADDR[0],
                 "--data-parallel-rpc-port", str(port)]
         if node:
             cmd += ["--data-parallel-start-rank", "1"]
-    if not node and cfg["kind"] == "dp":
+    if not node and cfg["kind"] in ("dp", "dptp"):
         cmd += ["--api-server-count", "1"]
     return cmd + (["--headless"] if node else ["--host", "127.0.0.1", "--port", str(api)])
 
@@ -675,7 +685,9 @@ def run_config(net: Net, name: str, cfg: dict, idx: int, work: str, a, phases: l
         os.makedirs(metrics)
     try:
         for node in (1, 0):
-            env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(node), "VLLM_HOST_IP": ADDR[node],
+            # a node's core for each of its ranks (TP = 2 inside a node shares it)
+            bind = f"{node}|{node}" if cfg["kind"] == "dptp" else str(node)
+            env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_HOST_IP": ADDR[node],
                    "GLOO_SOCKET_IFNAME": net.dev[node]}
             log = os.path.join(work, f"{idx:02d}-{name}-node{node}.log")
             cmd = ["ip", "netns", "exec", net.ns[node],
@@ -825,9 +837,16 @@ def run(a) -> int:
         dp_uncapped = os.path.join(work, "placement-dp-uncapped.yaml")
         sh(sys.executable, "-m", "vllm_smoe.tools.place_cli", "build", "--trace", *a.trace, "--ep-size", "2", "--model",
            a.model, "--mode", "dp", "--max-expert-load", str(UNCAPPED), "-o", dp_uncapped)
+    dptp_pl = None
+    if any(n.startswith("dptp-ep-smoe") for n in names):
+        if not a.trace:
+            raise ValueError("--configs dptp-ep-smoe*: --trace is needed to build its placement")
+        dptp_pl = os.path.join(work, "placement-dptp.yaml")
+        sh(sys.executable, "-m", "vllm_smoe.tools.place_cli", "build", "--trace", *a.trace, "--ep-size", "4", "--model",
+           a.model, "--mode", "dp", "--nodes", "2", "-o", dptp_pl)
     metrics_dir = os.path.join(work, "metrics")
     os.makedirs(metrics_dir, exist_ok=True)
-    all_cfgs = configurations(tp_pl, dp_pl, metrics_dir, dp_uncapped)
+    all_cfgs = configurations(tp_pl, dp_pl, metrics_dir, dp_uncapped, dptp_pl)
     if bad := [c for c in names if c not in all_cfgs]:
         raise ValueError(f"--configs: unknown {bad}; choose from {', '.join(all_cfgs)}")
     host = host_speed()
@@ -1093,7 +1112,8 @@ def add_parser(sub) -> None:
     p.add_argument("--configs", default="tp,tp-ep,tp-ep-speculate,dp-ep,dp-ep-smoe",
                    help="comma-separated, from: tp, tp-ep, tp-ep-place, tp-ep-speculate, tp-ep-speculate-ar (vLLM's "
                         "attention all-reduce, not smoe's shuffled reduce-scatter), tp-ep-speculate-agrs, "
-                        "dp-ep, dp-ep-sparse, dp-ep-smoe, dp-ep-smoe-agrs")
+                        "dp-ep, dp-ep-sparse, dp-ep-smoe, dp-ep-smoe-agrs, dptp-ep, dptp-ep-smoe, dptp-ep-smoe-flat "
+                        "(TP = 2 inside each node, DP = 2 across them)")
     p.add_argument("--concurrency", type=number(int, 1), nargs="+", default=[1, 8, 32])
     p.add_argument("--requests-per-level", type=number(int, 1), default=16)
     p.add_argument("--decode-prompt", type=number(int, 1), default=32)
