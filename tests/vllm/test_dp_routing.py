@@ -153,13 +153,20 @@ def test_two_nodes_of_dp_tp_ep_hierarchical_exchange_gives_plain_tokens(tmp_path
              "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(free_port()),
              "--enable-expert-parallel", "--plugin", "smoe", "--smoe-placement", str(placement),
              "--smoe-log-interval", "0.2")
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_PLUGINS": "smoe"}
+    # each node on a core of its own, as the emulated cluster runs them. With both nodes' TP
+    # ranks on "0|1" (a rank of each engine on each core) the first step that one engine served
+    # while the other ran its dummy batch hung in the exchange's all_to_all, two ranks sharing a
+    # core each waiting for the other's rows (9 starts of 9, splits checked equal on both sides;
+    # not reproduced by gloo alone); with a core per node it passes (3 starts of 3)
+    env = {"VLLM_PLUGINS": "smoe"}
     with open(tmp_path / "node1.log", "w") as log1:
         node1 = subprocess.Popen([vllm_executable(), "serve", FIXTURE_MODEL, *CPU_ARGS, *flags,
                                   "--data-parallel-start-rank", "1", "--headless"], stdout=log1,
-                                 stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True)
+                                 stderr=subprocess.STDOUT, start_new_session=True,
+                                 env={**os.environ, **env, "VLLM_CPU_OMP_THREADS_BIND": "1|1"})
     try:
-        with VllmServer(FIXTURE_MODEL, *flags, "--api-server-count", "1", log=tmp_path / "node0.log", env=env) as s:
+        with VllmServer(FIXTURE_MODEL, *flags, "--api-server-count", "1", log=tmp_path / "node0.log",
+                        env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0|0"}) as s:
             out = _concurrent(s, prompts)
             import time
 
