@@ -78,7 +78,7 @@ def _a2a(out, inp, out_splits, in_splits):
 
 
 def _layer(rank, x, ids, predictor, exchange_kind, router, w13, w2, owner, exact=False, pad_bytes=1 << 30,
-           node_of=None):
+           node_of=None, mark_pad=False):
     T = x.shape[0]
     pref, conf = (dp.predict_random(ids, 0, WORLD) if predictor == "random" else
                   dp.predict_one_rank(ids) if predictor == "one-rank" else
@@ -93,10 +93,16 @@ def _layer(rank, x, ids, predictor, exchange_kind, router, w13, w2, owner, exact
         ex = SparseExchange(rank, WORLD, owner, _gather, _reduce_scatter, exact,
                             all_to_all=None if exchange_kind == "sparse" else _a2a, pad_bytes=pad_bytes,
                             node_of=node_of, hierarchical=exchange_kind == "hier")
-        hs, ws, ids_ = ex.dispatch(chunk, w, top)
+        # mark_pad: the chunk's pad rows (past T) marked unserved, as vLLM's chunks are served:
+        # they must stay here (their output is dropped), and the counters must not see them
+        served = torch.arange(c) + rank * c < T if mark_pad else True
+        hs, ws, ids_ = ex.dispatch(chunk, w, top, served=served)
+        sent = sum(ex._plan[3]) if exchange_kind == "p2p" else None  # rows this rank sent
         out = ex.combine(_experts(hs, ws, ids_, w13, w2, keep))
+        if mark_pad and sent is not None and sent != int(ex.stats[1]):
+            raise AssertionError(f"p2p sent {sent} rows for {int(ex.stats[1])} served pairs, T={T}")
         if exchange_kind == "hier":
-            _check_hier_bytes(rank, ex, top, owner, node_of, c, pad_bytes)
+            _check_hier_bytes(rank, ex, top[served] if mark_pad else top, owner, node_of, c, pad_bytes)
         if exchange_kind == "p2p":  # the counters say what crossed: row slots when padded, else the pairs
             pairs = int(ex.stats[1])
             W = H + 2 * K  # 4-byte words of a row with its ids and weights
@@ -216,6 +222,14 @@ def _worker(rank, port, results):
                                  node_of=node_of)
                     if not torch.allclose(got, want, atol=1e-5):
                         failures.append(f"hier T={T} {predictor} nodes={node_of.tolist()} pad={pad}: "
+                                        f"{(got - want).abs().max():.2e}")
+            # pad rows marked (T = 1, 3: whole chunks of padding): sent nowhere, counted nowhere
+            if T < 8:
+                for kind, pad in (("sparse", 0), ("p2p", 0), ("p2p", 1 << 30), ("hier", 0), ("hier", 1 << 30)):
+                    got = _layer(rank, x, ids, predictor, kind, router, w13, w2, owner, pad_bytes=pad,
+                                 node_of=torch.tensor([0, 0, 1, 1]), mark_pad=True)
+                    if not torch.allclose(got, want, atol=1e-5):
+                        failures.append(f"{kind} T={T} {predictor} pad={pad} pad rows marked: "
                                         f"{(got - want).abs().max():.2e}")
             # every expert on rank 0: ranks 1-3 receive nothing, rank 0 sends nothing
             for kind, pad in (("sparse", 0), ("p2p", 0), ("p2p", 1 << 30), ("hier", 0), ("hier", 1 << 30)):

@@ -35,7 +35,8 @@ logger = logging.getLogger("vllm.smoe")
 
 def served_rows(forward_context, t: int, is_sequence_parallel: bool, sp_rank: int = 0,
                 dp_rank: int = 0) -> torch.Tensor | bool:
-    """Which of a step's ``t`` MoE rows are served tokens, for the counters: False in vLLM's
+    """Which of a step's ``t`` MoE rows are served tokens, the only ones the exchange sends and
+    counts: False in vLLM's
     profile and dummy runs (no attention metadata: the idle DP rank's lock-step batches,
     warm-up), else ``~is_padding`` (vLLM's mask of pad rows) when it covers exactly these rows.
     Under sequence parallelism the rows are chunk ``sp_rank`` of the step's T rows padded to a
@@ -153,8 +154,10 @@ class SparseExchange:
         """Own rows, then the rows other ranks sent here (source rank order, then source row
         order): (hidden [t + r, H], topk_weights [t + r, K], topk_ids [t + r, K]).
         rows_per_rank: the largest t of any rank (default: this rank's t, as under sequence
-        parallelism where every rank holds one equal chunk). served: which rows ``stats``
-        counts: True = all, False = none (a warm-up or dummy step), or [t] bool on the device."""
+        parallelism where every rank holds one equal chunk). served: which rows are tokens whose
+        output is used, sent and counted in ``stats``: True = all, False = none (a warm-up or
+        dummy step), or [t] bool; the others get only this rank's experts (their output is
+        discarded by the caller, so their bytes would buy nothing)."""
         N, me = self.world_size, self.rank
         (t, K), H = topk_ids.shape, hidden_states.shape[1]
         m = t if rows_per_rank is None else rows_per_rank
@@ -163,6 +166,12 @@ class SparseExchange:
             self.owner, self.node_of = self.owner.to(dev), self.node_of.to(dev)
             self.stats = self.stats.to(dev)
         bits = destinations(topk_ids, self.owner, me, N)
+        # rows that are no served token (a sequence-parallel chunk's pad rows, an idle DP rank's
+        # dummy batch) are dropped after the layer: they stay here and cost the wire nothing
+        if served is False:
+            bits = torch.zeros_like(bits)
+        elif isinstance(served, torch.Tensor):
+            bits = bits * served.to(device=dev, dtype=bits.dtype)
         # hierarchical for steps whose rows are too large for slots (prefill-sized: bytes bound);
         # a small step's latency is set by its collectives, and forwarding adds two (the same
         # split as DeepEP's normal and low-latency kernels). m is the same on every rank.
