@@ -183,3 +183,14 @@ def test_every_configuration_loads_the_plugin_and_only_ep_ones_turn_ep_on():
         assert ("--enable-expert-parallel" in f) == (name != "tp"), name
         assert all(not x.startswith("--") or x in ("--plugin", "--enable-expert-parallel", "--additional-config")
                    or x.startswith("--smoe-") for x in f), (name, f)
+
+
+def test_counters_beside_the_veth_are_the_bytes_it_can_carry():
+    """Where a node holds two ranks (dptp-*), bytes between them never reach the veth: the
+    counters set beside it are the bytes between nodes; elsewhere every rank is its own node."""
+    from vllm_smoe.tools.bench.cluster import configurations
+
+    cfgs = configurations("tp.yaml", "dp.yaml", "/m", None, "dptp.yaml")
+    for name, c in cfgs.items():
+        want = "smoe:a2a_node_bytes" if name.startswith("dptp") else "smoe:a2a_bytes"
+        assert c["counter"] == want, name

@@ -513,6 +513,9 @@ def configurations(tp_placement: str, dp_placement: str, metrics_dir: str, dp_un
     }
     for c in cfgs.values():
         c["counts"] = "--enable-expert-parallel" in c["flags"] and "vllm" not in c["flags"]
+        # the veth carries only what crosses between nodes: where a node holds two ranks, the
+        # bytes between the node's own ranks (shared memory, loopback) are not on it
+        c["counter"] = "smoe:a2a_node_bytes" if c["kind"] == "dptp" else "smoe:a2a_bytes"
         c["collectives"] = "--additional-config" in c["flags"]
     return cfgs
 
@@ -576,7 +579,8 @@ def run_phase(spec: dict, net_spec: dict, phase: dict, prompts: list) -> dict:
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{spec['api']}/v1", api_key="smoe", timeout=900)
     model = spec["model"]
     text0 = _scrape(spec["api"])
-    m0 = metric_sum(text0, "smoe:a2a_bytes") if spec["counts"] else None
+    counter = spec.get("counter", "smoe:a2a_bytes")
+    m0 = metric_sum(text0, counter) if spec["counts"] else None
     k0 = collective_counts(text0) if spec.get("collectives") else None
     w0, s0 = net.stats(), net.sockets()
     t0 = time.perf_counter()
@@ -599,7 +603,8 @@ def run_phase(spec: dict, net_spec: dict, phase: dict, prompts: list) -> dict:
         text1 = _scrape(spec["api"])
         wire = wire_delta(w0, net.stats())  # the flush request's own bytes on both sides
         if m0 is not None:
-            res["counter_bytes"] = metric_sum(text1, "smoe:a2a_bytes") - m0
+            res["counter_bytes"] = metric_sum(text1, counter) - m0
+            res["counter"] = counter
         # per served step and rank, the flush step among them (a one-token decode step)
         if k0 is not None:
             res["collectives_per_step"] = collectives_per_step(k0, collective_counts(text1))
@@ -697,7 +702,7 @@ def run_config(net: Net, name: str, cfg: dict, idx: int, work: str, a, phases: l
                                              start_new_session=True, env=env, cwd=work))
             logs.insert(0, log)
         spec = {"api": api, "model": a.model, "timeout": a.timeout, "prompts": prompts, "phases": phases,
-                "counts": cfg["counts"], "collectives": cfg["collectives"],
+                "counts": cfg["counts"], "counter": cfg["counter"], "collectives": cfg["collectives"],
                 "net": {"ns": net.ns, "dev": net.dev}, "out": os.path.join(work, f"{idx:02d}-{name}-client.json")}
         with open(spec["out"] + ".spec", "w") as f:
             json.dump(spec, f)
@@ -775,6 +780,7 @@ def summarise(results: dict, slo_scale: float) -> dict:
                           "slo_bound_ms": bound,
                           "wire_bytes_per_token": head["wire_bytes_per_token"],
                           "counter_bytes_per_token": head["counter_bytes_per_token"],
+                          "counter": head.get("counter"),
                           "counters_vs_wire": head["counters_vs_wire"],
                           "greedy_equal_tp": None if ref is None or not r.get("greedy") else r["greedy"] == ref,
                           "collectives_per_step": head.get("collectives_per_step"),
@@ -1033,6 +1039,10 @@ def markdown(payload: dict) -> str:
                          f"{f(r['wire_bytes_per_token'], ',.0f')} | {f(r['counter_bytes_per_token'], ',.0f')} | "
                          f"{f(c1.get('tpot_ms'), '.1f')} / {f(c32.get('tpot_ms'), '.1f')} | {f(pf.get('ttft_ms'), '.0f')} "
                          f"| {eq} |")
+        node = [n for n, r in rows.items() if r.get("counter") == "smoe:a2a_node_bytes"]
+        if node:
+            lines.append(f"\ncounters: the bytes between nodes (smoe:a2a_node_bytes) for {', '.join(node)}, "
+                         "as the veth carries nothing else of theirs")
         bound = next((r.get("slo_bound_ms") for r in rows.values() if r.get("slo_bound_ms")), None)
         if bound:
             lines.append(f"\nSLO: p90 TBT <= {bound:.0f} ms (the best single-stream p90 TBT x the run's --slo-scale); "
