@@ -110,10 +110,9 @@ ESTAB 0      0      [::ffff:10.213.0.1]:37425 [::ffff:10.213.0.1]:48608 users:((
     assert socket_delta(before, after) == {"VLLM::Worker_TP": 1000, "vllm": 10}
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2")
-def test_point_to_point_exchange_counters_equal_the_veth(tmp_path):
-    """The exchange alone across two namespaces: smoe's counters are what the wire carries for
-    its point-to-point transport (within 3% at these small rows: gloo frames each message); the all-gather transport carries more than they say."""
+def _wire_check_over_a_veth(tmp_path, **kw) -> dict:
+    """:func:`wire_check` at hidden 256 over two namespaces made for it (skips where they cannot
+    be made), the namespaces removed after."""
     from vllm_smoe.tools.bench.cluster import Net, wire_check
 
     net = Net()
@@ -122,9 +121,16 @@ def test_point_to_point_exchange_counters_equal_the_veth(tmp_path):
             net.up()
         except RuntimeError as e:
             pytest.skip(f"cannot make namespaces here: {e}")
-        res = wire_check(net, 256, str(tmp_path), tokens=48, steps=8, port=29000 + os.getpid() % 2000)
+        return wire_check(net, 256, str(tmp_path), port=29000 + os.getpid() % 2000, **kw)
     finally:
         net.down()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2")
+def test_point_to_point_exchange_counters_equal_the_veth(tmp_path):
+    """The exchange alone across two namespaces: smoe's counters are what the wire carries for
+    its point-to-point transport (within 3% at these small rows: gloo frames each message); the all-gather transport carries more than they say."""
+    res = _wire_check_over_a_veth(tmp_path, tokens=48, steps=8)
     for name in ("smoe-p2p", "smoe-p2p-slots"):  # sizes first, or riding in padded row slots
         assert abs(res[name]["agreement"]["ratio"] - 1) < 0.03, res[name]
     assert res["smoe-gather"]["wire"]["payload"] > 1.2 * res["smoe-gather"]["counted_bytes"]
@@ -135,17 +141,9 @@ def test_point_to_point_exchange_counters_equal_the_veth(tmp_path):
 def test_hierarchical_exchange_crosses_nodes_once_per_node(tmp_path):
     """Two namespaces of two gloo ranks each: the hierarchical exchange's node counters are what
     crosses the veth, and fewer bytes cross than with each row sent to each rank."""
-    from vllm_smoe.tools.bench.cluster import Net, exchange_table, wire_check
+    from vllm_smoe.tools.bench.cluster import exchange_table
 
-    net = Net()
-    try:
-        try:
-            net.up()
-        except RuntimeError as e:
-            pytest.skip(f"cannot make namespaces here: {e}")
-        res = wire_check(net, 256, str(tmp_path), tokens=96, steps=6, port=29000 + os.getpid() % 2000, per_node=2)
-    finally:
-        net.down()
+    res = _wire_check_over_a_veth(tmp_path, tokens=96, steps=6, per_node=2)
     for name, tol in (("smoe-p2p", 0.03), ("smoe-p2p-slots", 0.03), ("smoe-hier", 0.05)):
         # the hierarchical exchange makes twice the messages (gloo frames each; rows of 1 KiB here)
         assert abs(res[name]["agreement"]["ratio"] - 1) < tol, (name, res[name])

@@ -908,12 +908,9 @@ def run(a) -> int:
                         results[target][key] = {"error": str(e), "smoe": all_cfgs[name]["smoe"]}
                         print(f"FAILED {e}", file=sys.stderr, flush=True)
     except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C, or SIGTERM: what was measured is still written
-        print("interrupted: cleaning up", file=sys.stderr)
-        rc = 130 if isinstance(e, KeyboardInterrupt) else 143
+        rc = _interrupted(e)
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-        net.down()
+        _tear_down(net)
     summary = summarise(results, a.slo_scale)
     _print(summary)
     payload = {"date": datetime.datetime.now().astimezone().isoformat(), "uname": " ".join(os.uname()),
@@ -930,6 +927,19 @@ def run(a) -> int:
     if a.plot:
         _plot(summary, results, a.plot)
     return rc or int(any("error" in r for res in results.values() for r in res.values()))
+
+
+def _interrupted(e: BaseException) -> int:
+    """The exit status of a run stopped by Ctrl-C (130) or SIGTERM (143)."""
+    print("interrupted: cleaning up", file=sys.stderr)
+    return 130 if isinstance(e, KeyboardInterrupt) else 143
+
+
+def _tear_down(net: Net) -> None:
+    """Remove the namespaces, no signal taking the cleanup down half way."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    net.down()
 
 
 def run_exchange(a, work: str) -> int:
@@ -954,12 +964,9 @@ def run_exchange(a, work: str) -> int:
                 for line in exchange_table(wc, f"{target}, {phase} link"):
                     print(line, flush=True)
     except (KeyboardInterrupt, SystemExit) as e:
-        print("interrupted: cleaning up", file=sys.stderr)
-        rc = 130 if isinstance(e, KeyboardInterrupt) else 143
+        rc = _interrupted(e)
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-        net.down()
+        _tear_down(net)
     if a.json:
         from .common import write_json
 
