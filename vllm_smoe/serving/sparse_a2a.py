@@ -37,8 +37,8 @@ def served_rows(forward_context, t: int, is_sequence_parallel: bool, sp_rank: in
                 dp_rank: int = 0) -> torch.Tensor | bool:
     """Which of a step's ``t`` MoE rows are served tokens, the only ones the exchange sends and
     counts: False in vLLM's profile and dummy runs (no attention metadata: the idle DP rank's
-    lock-step batches, warm-up), else ``~is_padding`` (vLLM's mask of pad rows) when it covers exactly these rows.
-    Under sequence parallelism the rows are chunk ``sp_rank`` of the step's T rows padded to a
+    lock-step batches, warm-up), else ``~is_padding`` (vLLM's mask of pad rows) when it covers
+    exactly these rows. Under sequence parallelism the rows are chunk ``sp_rank`` of the step's T rows padded to a
     multiple of the ranks: rows past T are padding (one token at TP = 2 puts a pad row on rank 1
     every decode step). Else True (every row). On the CPU path only (T is read on the host)."""
     if forward_context.attn_metadata is None:
