@@ -3,8 +3,8 @@
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]        # OUT_DIR: default $OUT, else ./gpu-check
 #
-# Written on a machine without a GPU: it has NOT run on a GPU yet (only `bash -n` and
-# `python -m py_compile`). Expect the first run to find problems in the script as well as in smoe.
+# Ran on one H200 on 2026-12-04 with GPU_CHECK_PYTHON=python3 (that machine reached no package
+# registry, so no vLLM): (a), (b), (e) passed; (c) and the install path have not run on a GPU.
 #
 # Stages, each under a timeout: the venv (`make install SMOE_EXTRA=gpu`, skipped when its stamp
 # is there; a venv holding the CPU build is never reused: .venv-gpu then), `nvidia-smi -L`, then
@@ -26,9 +26,13 @@
 #      one GPU vLLM's own device-count check may come first: then retried with
 #      distributed_executor_backend="mp", both outcomes recorded).
 #  (d) vLLM / torch / triton / CUDA versions, the device, wall time per check.
+#  (e) the learned predictor on the device against its numpy twin; its per-step order as served,
+#      eager and as a graph replay under the sync debug mode.
 # Exit status: 0 every check passed; 1 a check failed or was skipped for time (the JSON names
 # it); 124 / other: a stage timed out or failed (its log is under OUT_DIR/logs/).
-# Knobs: GPU_CHECK_TOTAL_S (570: the whole run, install included; checks that would not end in
+# Knobs: GPU_CHECK_PYTHON (an interpreter holding torch and triton, e.g. python3: no venv and no
+# install, for a machine that reaches no package registry; (c) is then recorded as skipped),
+# GPU_CHECK_TOTAL_S (570: the whole run, install included; checks that would not end in
 # time are skipped and recorded), GPU_CHECK_UV (1: fill the venv with uv first, then make install
 # finds everything in place; 0: pip only), VENV (.venv), GPU_CHECK_ONLY (name prefixes, e.g.
 # "compiled place_vs_plain_bfloat16": a second run of what a first one skipped for time; the
@@ -74,6 +78,19 @@ left() { echo $(( TOTAL_S - ($(date +%s) - T0) )); }
 echo "== nvidia-smi -L"
 timeout 30 nvidia-smi -L 2>&1 | tee "$LOGS/nvidia-smi.txt" || echo "gpu_check: nvidia-smi failed (rc $?)"
 
+if [ -n "${GPU_CHECK_PYTHON:-}" ]; then
+    # a machine that reaches no package registry: the interpreter that holds torch and triton,
+    # smoe put on its path as the installed layout has it (kernels/ and placement/ under
+    # vllm_smoe/); (c) then records that vLLM is missing instead of running
+    echo "== no install: $GPU_CHECK_PYTHON, smoe from a copy on PYTHONPATH"
+    SHIM=$(mktemp -d)/site
+    mkdir -p "$SHIM"
+    cp -r vllm_smoe "$SHIM/vllm_smoe"
+    cp -r kernels "$SHIM/vllm_smoe/kernels"
+    cp -r placement "$SHIM/vllm_smoe/placement"
+    export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+    PY=$(command -v "$GPU_CHECK_PYTHON")
+else
 echo "== install ($VENV)"
 if [ -e "$VENV/.smoe-installed-gpu" ] && [ -x "$BIN/python" ]; then
     echo "gpu_check: already installed ($VENV/.smoe-installed-gpu)"
@@ -100,6 +117,8 @@ else
         timeout "$(( $(left) - 150 > 60 ? $(left) - 150 : 60 ))" make install SMOE_EXTRA=gpu VENV="$VENV"
     } 2>&1 | tee "$LOGS/install.log"
 fi
+PY=$BIN/python
+fi
 echo "gpu_check: install done at $(( $(date +%s) - T0 )) s"
 
 LEFT=$(left)
@@ -107,7 +126,7 @@ BUDGET=$(( LEFT - 40 > 60 ? LEFT - 40 : 60 ))
 echo "== benchmarks/gpu_check.py (budget ${BUDGET} s)"
 rc=0
 timeout --kill-after=20 "$(( BUDGET + 30 ))" \
-    "$BIN/python" benchmarks/gpu_check.py --out "$OUT_DIR" --budget-s "$BUDGET" ${GPU_CHECK_ONLY:+--only $GPU_CHECK_ONLY} \
+    "$PY" benchmarks/gpu_check.py --out "$OUT_DIR" --budget-s "$BUDGET" ${GPU_CHECK_ONLY:+--only $GPU_CHECK_ONLY} \
     2>&1 | tee "$LOGS/gpu_check.log" \
     || rc=$?
 echo "gpu_check: rc $rc after $(( $(date +%s) - T0 )) s; results in $OUT_DIR/gpu_check.json"
