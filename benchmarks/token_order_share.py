@@ -10,7 +10,10 @@ layers (the DeepSeek family, whose decoder layers keep rows split between layers
 predictor; when the tables carry a learned predictor (``smoe-place build --learned``), its order
 per layer (the network, or the token table where it is the more confident) and per step
 (expected local activations summed over layers) too. The bigram table is not used here. Prints the share of
-expert activations whose expert lives on the token's rank.
+expert activations whose expert lives on the token's rank, and two bounds that know the step's
+routing: ``oracle_per_layer`` (each layer's tokens to the ranks holding most of their experts
+there, same cap) and ``oracle_per_step`` (one order for the whole step, by activations summed
+over layers): what no predictor of one order per step can beat on this placement.
 """
 
 from __future__ import annotations
@@ -28,6 +31,13 @@ from vllm_smoe.serving import device_predict as dp
 from vllm_smoe.formats.trace import open_trace
 
 
+def _by_score(score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pref [L, T, 2], conf [L, T]) from score [L, T, N]: the two best ranks (lower rank on
+    ties) and the best one's share of the score."""
+    pref = torch.argsort(-score, dim=2, stable=True)[..., :2]
+    return pref, score.gather(2, pref[..., :1])[..., 0] / score.sum(2).clamp_min(1e-9)
+
+
 def shares(placement_path: str, trace_path: str, step: int) -> dict[str, float]:
     placement = load_placement(placement_path)
     tables = load_tables(placement)
@@ -41,7 +51,8 @@ def shares(placement_path: str, trace_path: str, step: int) -> dict[str, float]:
         learned = [torch.from_numpy(getattr(tables.learned, k)) for k in LEARNED_FIELDS]
         positions = torch.from_numpy(trace["positions"].astype(np.int64))
     local = {"per_layer": 0, "per_step": 0, "random": 0, **({"learned_per_layer": 0, "learned_per_step": 0}
-                                                             if learned else {})}
+                                                             if learned else {}), "oracle_per_layer": 0,
+             "oracle_per_step": 0}
     acts = 0
     for s in range(0, len(ids) - step + 1, step):
         i = torch.from_numpy(ids[s: s + step].astype(np.int64))
@@ -57,6 +68,10 @@ def shares(placement_path: str, trace_path: str, step: int) -> dict[str, float]:
             orders["learned_per_layer"] = dp.assign(*dp.learned_or_tables(pref, conf, *dp.learned_layers(z, N)),
                                                     caps)[..., None]
             orders["learned_per_step"] = dp.assign(*dp.learned_step(z, N), caps)[None, :, None]
+        held = torch.zeros((e2r.shape[0], step, N))  # [L, T, N]: the step's activations on each rank
+        held.scatter_add_(2, owner, torch.ones(owner.shape))
+        orders["oracle_per_layer"] = dp.assign(*_by_score(held), caps)[..., None]
+        orders["oracle_per_step"] = dp.assign(*_by_score(held.sum(0, keepdim=True)), caps)[..., None]
         for name, t2r in orders.items():
             local[name] += int((owner == t2r).sum())
         acts += owner.numel()
