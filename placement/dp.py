@@ -246,7 +246,8 @@ def place_requests(A: np.ndarray, tokens: np.ndarray, ep_size: int, capacity: fl
     as for the flat solve). Same seed, same result."""
     Q, L, E = A.shape
     if E % ep_size:
-        raise ValueError(f"{E} experts do not split evenly over ep_size {ep_size}")
+        raise ValueError(f"{E} experts do not split evenly over ep_size {ep_size}: placements for attention DP "
+                         f"need ep_size to divide the expert count (the token-level methods do not)")
     if iters < 1 or Q == 0:
         raise ValueError(f"place_requests needs iters >= 1 and at least one request (got {iters}, {Q})")
     if groups > 1 and (E % groups or (groups % ep_size and ep_size % groups)):

@@ -21,6 +21,7 @@ from .metrics import holds_from_expert2rank
 from .peers import place_linear, place_metis, place_round_robin
 from .predict import PredictorTables, empty_tables, fill_layer, local_counts, nearest_token_map
 from .routing_counts import RoutingCounts
+from .uneven import fit_rank_sizes, with_phantoms
 
 # name -> solver(A [V', E] csr, occ [V'], groups, capacity, theta, seed, max_expert_load) -> [E] int
 SOLVERS: dict[str, Callable[..., np.ndarray]] = {
@@ -37,6 +38,8 @@ SOLVERS: dict[str, Callable[..., np.ndarray]] = {
                                                                                  max_expert_load=mel, seed=seed),
 }
 NEEDS_INSTANCES = ("bytes",)
+# peers that follow vLLM's own split of E experts over N ranks, divisible or not
+EXACT_SIZES = ("linear", "round_robin")
 # methods whose tokens follow the predictor; the rest are plain EP (contiguous token slices)
 PREDICTED = ("coclust", "alternating", "ceo", "metis", "bytes")
 
@@ -156,9 +159,12 @@ def add_replicas(A: sp.csr_matrix, occ: np.ndarray, expert2rank: np.ndarray, ep_
 def _solve_layer(counts: RoutingCounts, layer: int, method: str, ep_size: int, nodes: int, capacity: float,
                  theta: float, seed: int, max_expert_load: float, groups: int = 1
                  ) -> tuple[np.ndarray, np.ndarray | None]:
-    """One layer's expert2rank [E] int32 and, for predicted methods, its rank scores [V', N] float64."""
+    """One layer's expert2rank [E] int32 and, for predicted methods, its rank scores [V', N] float64.
+    Where ep_size does not divide E, expert2rank has the phantoms too ([E + pad], see :mod:`.uneven`)."""
     _, occ = counts.seen()
     A = counts.layer_matrix(layer)
+    if method not in EXACT_SIZES:  # solvers place E / N per rank: phantoms make up the count
+        A = with_phantoms(A, ep_size)
     solver = SOLVERS[method]
     if method in NEEDS_INSTANCES:
         inst = counts.layer_instances(layer)
@@ -192,7 +198,16 @@ def place_model(method: str, counts: RoutingCounts, ep_size: int, nodes: int = 1
     if method not in SOLVERS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(SOLVERS)}")
     num_experts, L = counts.num_experts, counts.num_layers
-    check_ep_size(num_experts, ep_size)
+    if num_experts % ep_size:
+        if not 1 <= ep_size <= num_experts:
+            raise ValueError(f"ep_size {ep_size} must be in 1..num_experts ({num_experts})")
+        extra = [name for name, on in (("nodes > 1", nodes > 1), ("grouped routing", groups > 1),
+                                       ("replicas", replicas > 0)) if on]
+        if extra:
+            raise ValueError(f"ep_size {ep_size} does not divide num_experts {num_experts} (ranks hold vLLM's "
+                             f"uneven split): not supported with {', '.join(extra)} yet")
+    else:
+        check_ep_size(num_experts, ep_size)
     if nodes < 1 or ep_size % nodes or num_experts % nodes:
         raise ValueError(f"nodes {nodes} must divide ep_size {ep_size} and num_experts {num_experts}")
     if nodes > 1 and method in NEEDS_INSTANCES:
@@ -222,12 +237,17 @@ def place_model(method: str, counts: RoutingCounts, ep_size: int, nodes: int = 1
     if progress is not None:
         solved = progress(solved)
     agreed = np.zeros((ids.size, ep_size))  # aligned layers' rank scores per token
-    for layer, (e2r[layer], scores) in enumerate(solved):
-        if scores is not None:  # same token, same rank in every layer where possible
-            if layer:
-                new2old = align_ranks(agreed, scores, blocks, move)
-                e2r[layer] = np.argsort(new2old)[e2r[layer]]  # old rank -> new rank
-                scores = scores[:, new2old]
+    for layer, (placed, scores) in enumerate(solved):
+        if scores is not None and layer:  # same token, same rank in every layer where possible
+            new2old = align_ranks(agreed, scores, blocks, move)
+            placed = np.argsort(new2old)[placed]  # old rank -> new rank
+            scores = scores[:, new2old]
+        if placed.size > num_experts:  # phantoms onto the ranks vLLM gives one expert fewer, then dropped
+            A = counts.layer_matrix(layer)
+            placed = fit_rank_sizes(A, occ, placed, ep_size, capacity)
+            scores = None if scores is None else rank_scores(A, placed, ep_size)
+        e2r[layer] = placed
+        if scores is not None:
             agreed += scores
         # with one copy per expert the rank scores are the table's counts; else count them again
         A = counts.layer_matrix(layer) if replicas or (tables is not None and scores is None) else None

@@ -27,7 +27,8 @@ net of ``balance_weight`` x the activations the busiest rank holds past the cap,
 workload shift left unbalanced gets its load down (swaps of a heavy expert for a light one, or
 the fresh placement's cycles) where that pays more per slot than locality elsewhere.
 
-No torch, no I/O. Arrays: expert2rank [L, E] int (rank of each expert, E / N per rank).
+No torch, no I/O. Arrays: expert2rank [L, E] int (rank of each expert, E / N per rank, or
+vLLM's uneven split where N does not divide E: :func:`.uneven.rank_sizes`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from scipy.optimize import linear_sum_assignment
 
 from .counts import assign_token_ids, expert_gains, local_count, rank_scores
 from .groups import broken_group
+from .uneven import rank_sizes
 
 
 def rename_ranks(current: np.ndarray, fresh: np.ndarray, N: int) -> np.ndarray:
@@ -47,6 +49,9 @@ def rename_ranks(current: np.ndarray, fresh: np.ndarray, N: int) -> np.ndarray:
     on the most experts, one renaming for all layers (Hungarian on the rank overlap)."""
     overlap = np.zeros((N, N), dtype=np.int64)
     np.add.at(overlap, (current.reshape(-1), fresh.reshape(-1)), 1)
+    # where N does not divide E, a rank keeps vLLM's size: only ranks of one size trade names
+    sizes = rank_sizes(current.shape[-1], N)
+    overlap[sizes[:, None] != sizes[None, :]] = -current.size - 1
     rows, cols = linear_sum_assignment(overlap, maximize=True)
     name = np.empty(N, dtype=np.int64)
     name[cols] = rows
@@ -246,9 +251,11 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
     if not balance_weight >= 0:
         raise ValueError(f"balance_weight must be >= 0, got {balance_weight}")
     L, E = current.shape
+    sizes = rank_sizes(E, ep_size)
     for name, e2r in (("current", current), ("fresh", fresh)):
-        if (np.bincount(e2r.reshape(-1), minlength=ep_size) != L * E // ep_size).any() or e2r.max() >= ep_size:
-            raise ValueError(f"{name}: every rank must hold E / ep_size = {E // ep_size} experts per layer")
+        if e2r.max() >= ep_size or any((np.bincount(row, minlength=ep_size) != sizes).any() for row in e2r):
+            raise ValueError(f"{name}: every rank must hold its {sizes.tolist()} experts in every layer "
+                             f"(vLLM's split of {E} over {ep_size})")
     target = rename_ranks(current, fresh, ep_size)
     occ = np.asarray(occ, dtype=np.float64)
     layers = [_Layer(layer_counts[layer], occ, current[layer], ep_size, capacity, max_expert_load,

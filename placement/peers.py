@@ -1,6 +1,7 @@
 """Peer placements users run today: vLLM's static strategies and METIS graph partitioning.
 
-Each returns expert2rank: [E] int32 for one layer with E/N experts per rank.
+Each returns expert2rank: [E] int32 for one layer with E/N experts per rank (linear and
+round_robin also vLLM's uneven split where N does not divide E).
 (vLLM's EPLB policy needs torch and is called from :mod:`vllm_smoe.tools.peers`.)
 """
 
@@ -9,17 +10,18 @@ from __future__ import annotations
 import numpy as np
 
 from .counts import check_ep_size
+from .uneven import rank_sizes
 
 
 def place_linear(num_experts: int, ep_size: int) -> np.ndarray:
-    """vLLM's default ``linear``: contiguous blocks of experts per rank."""
-    check_ep_size(num_experts, ep_size)
-    return (np.arange(num_experts) // (num_experts // ep_size)).astype(np.int32)
+    """vLLM's default ``linear``: contiguous blocks of experts per rank (the first E mod N ranks
+    one expert more, :func:`.uneven.rank_sizes`)."""
+    return np.repeat(np.arange(ep_size), rank_sizes(num_experts, ep_size)).astype(np.int32)
 
 
 def place_round_robin(num_experts: int, ep_size: int) -> np.ndarray:
     """vLLM's ``round_robin``: expert e on rank e mod N."""
-    check_ep_size(num_experts, ep_size)
+    rank_sizes(num_experts, ep_size)  # the same bounds
     return (np.arange(num_experts) % ep_size).astype(np.int32)
 
 

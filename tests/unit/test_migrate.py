@@ -125,7 +125,7 @@ def test_the_budget_goes_to_the_move_that_pays_most():
 
 
 def test_refuses_unbalanced_input():
-    with pytest.raises(ValueError, match="E / ep_size"):
+    with pytest.raises(ValueError, match=r"every rank must hold its \[2, 2\] experts"):
         limit_moves(np.array([[0, 0, 0, 1]]), np.array([[0, 0, 1, 1]]), [np.ones((2, 4))], np.ones(2), 2, 2)
 
 

@@ -83,7 +83,8 @@ def _cli(*args):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["build", "--trace", TRAIN, "--ep-size", "3"], "ep_size 3"),
+    (["build", "--trace", TRAIN, "--ep-size", "33"], "ep_size 33 must be in 1..num_experts (32)"),
+    (["build", "--trace", TRAIN, "--ep-size", "3", "--replicas", "3"], "not supported with replicas"),
     (["build", "--trace", TRAIN, "--ep-size", "4", "--method", "magic"], "invalid choice"),
     (["build", "--trace", "/nonexistent/x.npz", "--ep-size", "4"], "no trace files"),
     (["build", "--trace", TRAIN, "--ep-size", "4", "--nodes", "3"], "nodes 3"),
@@ -121,7 +122,8 @@ def _doc(**over):
     (_doc(layers=[{"expert_to_rank": [0, 1, 0, 2]}]), "outside [0, ep_size=2)"),
     (_doc(layers=[{"expert_to_rank": [0, 0, 0, 1]}]), "rank 0 holds 3 experts"),
     (_doc(layers=[]), "'layers'"),
-    (_doc(ep_size=3), "'ep_size' = 3"),
+    (_doc(ep_size=3), "rank 1 holds 2 experts, it must hold 1 (vLLM's split of 4 over 3: 2 on rank 0, 1 on"),
+    (_doc(ep_size=5), "'ep_size' = 5 must be in 1..model.num_experts (4)"),
     (_doc(predictor="missing.npz"), "'predictor'"),
     (_doc(layers=[{"expert_to_rank": [0, 1, 0, 1], "replicas": [[9, 0]]}]), "replicas"),
 ])

@@ -30,6 +30,7 @@ import numpy as np
 
 from .bounded import short
 from ..placement.groups import broken_group
+from ..placement.uneven import rank_sizes
 
 SCHEMA_VERSION = 1
 
@@ -233,8 +234,12 @@ def load_placement(path: str, data: bytes | None = None) -> Placement:
     groups = _int(model, "groups", f"{path}: model") if "groups" in model else 1
     if E % groups:
         raise ValueError(f"{path}: field 'model.groups' = {groups} does not divide model.num_experts = {E}")
-    if E % N:
-        raise ValueError(f"{path}: field 'ep_size' = {N} does not divide model.num_experts = {E}")
+    if not 1 <= N <= E:
+        raise ValueError(f"{path}: field 'ep_size' = {N} must be in 1..model.num_experts ({E})")
+    sizes = rank_sizes(E, N)  # vLLM's split: E / N each, or the first E mod N ranks one more
+    if E % N and (nodes > 1 or groups > 1):
+        raise ValueError(f"{path}: field 'ep_size' = {N} does not divide model.num_experts = {E}, which is "
+                         f"supported only without nodes and routing groups")
     if N % nodes:
         raise ValueError(f"{path}: field 'nodes' = {nodes} does not divide ep_size = {N}")
     layers = doc.get("layers")
@@ -264,9 +269,12 @@ def load_placement(path: str, data: bytes | None = None) -> Placement:
         if bad.size:
             raise ValueError(f"{where}: expert {bad[0]} on rank {arr[bad[0]]}, outside [0, ep_size={N})")
         per = np.bincount(arr, minlength=N)
-        if (per != E // N).any():
-            r = int(np.flatnonzero(per != E // N)[0])
-            raise ValueError(f"{where}: rank {r} holds {per[r]} experts, every rank must hold {E // N}")
+        if (per != sizes).any():
+            r = int(np.flatnonzero(per != sizes)[0])
+            raise ValueError(f"{where}: rank {r} holds {per[r]} experts, it must hold {sizes[r]} "
+                             + (f"(every rank {E // N})" if E % N == 0 else
+                                f"(vLLM's split of {E} over {N}: {E // N + 1} on rank"
+                                + (f"s 0..{E % N - 1}" if E % N > 1 else " 0") + f", {E // N} on the others)"))
         if groups > 1 and broken_group(arr, groups) >= 0:
             raise ValueError(f"{where}: expert {broken_group(arr, groups)}'s routing group is split "
                              f"(model.groups = {groups}: a rank holds whole groups, or a block of ranks one group)")
@@ -282,6 +290,9 @@ def load_placement(path: str, data: bytes | None = None) -> Placement:
         if rep.size and (arr[rep[:, 0]] == rep[:, 1]).any():
             e = int(rep[arr[rep[:, 0]] == rep[:, 1]][0, 0])
             raise ValueError(f"{path}: field 'layers[{i}].replicas': expert {e} copied to its own home rank")
+        if rep.size and E % N:
+            raise ValueError(f"{path}: field 'layers[{i}].replicas': copies need ep_size to divide "
+                             f"model.num_experts ({N} does not divide {E})")
         if rep.size and np.unique(rep, axis=0).shape[0] != rep.shape[0]:
             raise ValueError(f"{path}: field 'layers[{i}].replicas' lists an (expert, rank) pair twice")
         reps.append(rep)

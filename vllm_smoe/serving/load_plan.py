@@ -3,7 +3,8 @@
 Two orders of experts. The *router order*: the router's rows are permuted so that its output i
 is logical expert slot2expert[l, i], rank 0's home experts first (ascending logical id), then
 rank 1's, ... Without replicas this is also the *physical order*, so vLLM's contiguous expert
-split (E/N slots per EP rank) puts on each rank exactly the experts the YAML gives it.
+split (E/N slots per EP rank; where N does not divide E, the first E mod N ranks one more, as
+the placement's ranks hold) puts on each rank exactly the experts the YAML gives it.
 
 With replicas (C extra copies per rank, C = the most any rank has in any layer) vLLM allocates
 P = E + N*C physical slots, S = E/N + C per rank: rank r's slots [r*S, (r+1)*S) hold its home
@@ -25,6 +26,7 @@ import numpy as np
 from ..formats.model_info import expert_groups, moe_layer_indices, num_experts, top_k
 from ..formats.placement_file import Placement, load_placement, model_fingerprint
 from ..placement.groups import broken_group
+from ..placement.uneven import rank_sizes
 
 # a router parameter of MoE layer ``layer`` as checkpoints and vLLM's models name it: the rows the
 # loader permutes into router order and a live swap permutes again
@@ -60,15 +62,21 @@ class LoadPlan:
         """Physical slots beyond the E logical experts (vLLM's num_redundant_experts)."""
         return self.physical2expert.shape[1] - self.slot2expert.shape[1]
 
+    @property
+    def slot2rank(self) -> np.ndarray:
+        """[P] int64: the rank holding each physical slot (vLLM's linear split: P / N each, or
+        the first P mod N ranks one more where N does not divide E, which has no replicas)."""
+        N, P = self.route2physical.shape[1], self.physical2expert.shape[1]
+        return np.repeat(np.arange(N), rank_sizes(P, N))
+
     def local_slots(self, rank: int) -> range:
         """Physical slots rank ``rank`` holds (vLLM's linear split)."""
-        N, P = self.route2physical.shape[1], self.physical2expert.shape[1]
-        return range(rank * (P // N), (rank + 1) * (P // N))
+        mine = np.flatnonzero(self.slot2rank == rank)
+        return range(int(mine[0]), int(mine[-1]) + 1)
 
     def held(self, rank: int) -> np.ndarray:
         """[L, E] bool: rank ``rank`` holds a copy (home or replica) of router output i."""
-        S = self.physical2expert.shape[1] // self.route2physical.shape[1]
-        return self.route2physical[:, rank] // S == rank
+        return self.slot2rank[self.route2physical[:, rank]] == rank
 
     def layer_of(self, decoder_layer: int) -> int | None:
         """MoE ordinal of a decoder layer index, None for dense layers."""
@@ -142,6 +150,9 @@ def _physical_layout(expert2rank: np.ndarray, replicas: np.ndarray, ep_size: int
     copies = [[sorted(int(e) for e, r in replicas[layer] if e >= 0 and r == rank) for rank in range(N)]
               for layer in range(L)]
     C = max((len(c) for per_rank in copies for c in per_rank), default=0)
+    if C == 0:  # the router order is the physical order (any split, even or not)
+        return (np.argsort(expert2slot, axis=1, kind="stable").astype(np.int64),
+                np.broadcast_to(np.arange(E, dtype=np.int64), (L, N, E)).copy())
     S = E // N + C
     physical2expert = np.empty((L, N * S), dtype=np.int64)
     route2physical = np.empty((L, N, E), dtype=np.int64)

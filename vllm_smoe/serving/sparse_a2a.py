@@ -75,10 +75,11 @@ COUNTERS = ("tokens", "pairs", "bytes", "local", "activations", "node_bytes")
 
 
 def owner_of(num_experts: int, world_size: int) -> torch.Tensor:
-    """[E] int64 rank holding each physical expert under vLLM's linear split (E / N per rank)."""
-    if num_experts % world_size:
-        raise ValueError(f"{num_experts} experts do not split evenly over {world_size} expert-parallel ranks")
-    return torch.arange(num_experts) // (num_experts // world_size)
+    """[E] int64 rank holding each physical expert under vLLM's linear split (E / N per rank, or
+    the first E mod N ranks one more: :func:`vllm_smoe.placement.uneven.rank_sizes`)."""
+    from ..placement.uneven import rank_sizes
+
+    return torch.repeat_interleave(torch.arange(world_size), torch.from_numpy(rank_sizes(num_experts, world_size)))
 
 
 def destinations(topk_ids: torch.Tensor, owner: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

@@ -28,6 +28,9 @@ def place_eplb(expert_load: np.ndarray, ep_size: int, nodes: int = 1, replicas: 
 
     L, E = expert_load.shape
     P = E + replicas
+    if P % ep_size:
+        raise ValueError(f"eplb: {E} experts + {replicas} replicas must split evenly over ep_size {ep_size} "
+                         f"(vLLM's EPLB needs as many slots on every rank)")
     groups = nodes if nodes > 1 else 1
     phy2log = DefaultEplbPolicy.rebalance_experts(torch.from_numpy(expert_load.astype(np.float32)), P, groups,
                                                   nodes, ep_size).numpy()

@@ -7,6 +7,8 @@ import os
 
 import numpy as np
 
+from ..placement.uneven import rank_sizes
+
 
 def _coactivation(topk_layer: np.ndarray, num_experts: int) -> np.ndarray:
     """[E, E] same-token co-activation counts of one layer (topk_layer: [T, K])."""
@@ -61,10 +63,9 @@ def write_report(out_dir: str, results: dict[str, dict], placement, topk_ids: np
     axes[0].imshow(np.log1p(C), cmap="viridis")
     axes[0].set_title("layer 0 co-activation, expert id order")
     axes[1].imshow(np.log1p(C[order][:, order]), cmap="viridis")
-    per = num_experts // placement.ep_size
-    for r in range(1, placement.ep_size):
-        axes[1].axhline(r * per - 0.5, color="w", lw=0.8)
-        axes[1].axvline(r * per - 0.5, color="w", lw=0.8)
+    for edge in np.cumsum(rank_sizes(num_experts, placement.ep_size))[:-1]:
+        axes[1].axhline(edge - 0.5, color="w", lw=0.8)
+        axes[1].axvline(edge - 0.5, color="w", lw=0.8)
     axes[1].set_title(f"grouped by rank ({placement.method})")
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "coactivation.png"), dpi=110)
