@@ -138,3 +138,11 @@ def balanced_assignment(score: np.ndarray) -> np.ndarray:
 def check_ep_size(num_experts: int, ep_size: int) -> None:
     if ep_size <= 0 or num_experts % ep_size:
         raise ValueError(f"ep_size {ep_size} must be positive and divide num_experts {num_experts}")
+
+
+def rank_sizes(num_experts: int, ep_size: int) -> np.ndarray:
+    """[N] int64: experts vLLM puts on each rank (the first E mod N ranks one more)."""
+    if ep_size < 1 or num_experts < ep_size:
+        raise ValueError(f"ep_size {ep_size} must be in 1..num_experts ({num_experts})")
+    base, rem = divmod(num_experts, ep_size)
+    return base + (np.arange(ep_size) < rem).astype(np.int64)

@@ -38,6 +38,8 @@ SOLVERS: dict[str, Callable[..., np.ndarray]] = {
                                                                                  max_expert_load=mel, seed=seed),
 }
 NEEDS_INSTANCES = ("bytes",)
+# methods that cap each rank's expert (compute) load at max_expert_load
+CAPPED = ("coclust", "bytes")
 # peers that follow vLLM's own split of E experts over N ranks, divisible or not
 EXACT_SIZES = ("linear", "round_robin")
 # methods whose tokens follow the predictor; the rest are plain EP (contiguous token slices)
@@ -244,7 +246,8 @@ def place_model(method: str, counts: RoutingCounts, ep_size: int, nodes: int = 1
             scores = scores[:, new2old]
         if placed.size > num_experts:  # phantoms onto the ranks vLLM gives one expert fewer, then dropped
             A = counts.layer_matrix(layer)
-            placed = fit_rank_sizes(A, occ, placed, ep_size, capacity)
+            placed = fit_rank_sizes(A, occ, placed, ep_size, capacity,
+                                    max_expert_load if method in CAPPED else None)
             scores = None if scores is None else rank_scores(A, placed, ep_size)
         e2r[layer] = placed
         if scores is not None:

@@ -28,7 +28,7 @@ workload shift left unbalanced gets its load down (swaps of a heavy expert for a
 the fresh placement's cycles) where that pays more per slot than locality elsewhere.
 
 No torch, no I/O. Arrays: expert2rank [L, E] int (rank of each expert, E / N per rank, or
-vLLM's uneven split where N does not divide E: :func:`.uneven.rank_sizes`).
+vLLM's uneven split where N does not divide E: :func:`.counts.rank_sizes`).
 """
 
 from __future__ import annotations
@@ -39,9 +39,8 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import linear_sum_assignment
 
-from .counts import assign_token_ids, expert_gains, local_count, rank_scores
+from .counts import assign_token_ids, expert_gains, local_count, rank_scores, rank_sizes
 from .groups import broken_group
-from .uneven import rank_sizes
 
 
 def rename_ranks(current: np.ndarray, fresh: np.ndarray, N: int) -> np.ndarray:

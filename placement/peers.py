@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .counts import check_ep_size
-from .uneven import rank_sizes
+from .counts import check_ep_size, rank_sizes
 
 
 def place_linear(num_experts: int, ep_size: int) -> np.ndarray:
     """vLLM's default ``linear``: contiguous blocks of experts per rank (the first E mod N ranks
-    one expert more, :func:`.uneven.rank_sizes`)."""
+    one expert more, :func:`.counts.rank_sizes`)."""
     return np.repeat(np.arange(ep_size), rank_sizes(num_experts, ep_size)).astype(np.int32)
 
 

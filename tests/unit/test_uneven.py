@@ -12,7 +12,8 @@ from vllm_smoe.placement.layout import SOLVERS, place_model
 from vllm_smoe.placement.migrate import limit_moves, rename_ranks
 from vllm_smoe.placement.peers import place_linear, place_round_robin
 from vllm_smoe.placement.routing_counts import RoutingCounts
-from vllm_smoe.placement.uneven import fit_rank_sizes, phantoms, rank_sizes, with_phantoms
+from vllm_smoe.placement.counts import rank_sizes
+from vllm_smoe.placement.uneven import fit_rank_sizes, phantoms, with_phantoms
 
 
 def _trace(E, L=2, K=3, T=400, V=24, seed=0):
@@ -87,6 +88,11 @@ def test_fit_rank_sizes_property(E, N, seed):
     assert int((got != padded[:E]).sum()) == misplaced
     if pad == 0:
         assert (got == padded).all()
+    # the load cap's swaps keep every rank's count and never raise the busiest rank
+    capped = fit_rank_sizes(A, occ, padded, N, max_expert_load=1.1)
+    assert (np.bincount(capped, minlength=N) == rank_sizes(E, N)).all()
+    act = np.asarray(A.sum(axis=0)).ravel()
+    assert np.bincount(capped, weights=act, minlength=N).max() <= np.bincount(got, weights=act, minlength=N).max() + 1e-9
 
 
 def test_place_model_uneven_every_solver_and_the_refusals():

@@ -30,7 +30,7 @@ import numpy as np
 
 from .bounded import short
 from ..placement.groups import broken_group
-from ..placement.uneven import rank_sizes
+from ..placement.counts import rank_sizes
 
 SCHEMA_VERSION = 1
 

@@ -76,8 +76,8 @@ COUNTERS = ("tokens", "pairs", "bytes", "local", "activations", "node_bytes")
 
 def owner_of(num_experts: int, world_size: int) -> torch.Tensor:
     """[E] int64 rank holding each physical expert under vLLM's linear split (E / N per rank, or
-    the first E mod N ranks one more: :func:`vllm_smoe.placement.uneven.rank_sizes`)."""
-    from ..placement.uneven import rank_sizes
+    the first E mod N ranks one more: :func:`vllm_smoe.placement.counts.rank_sizes`)."""
+    from ..placement.counts import rank_sizes
 
     return torch.repeat_interleave(torch.arange(world_size), torch.from_numpy(rank_sizes(num_experts, world_size)))
 

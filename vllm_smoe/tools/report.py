@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from ..placement.uneven import rank_sizes
+from ..placement.counts import rank_sizes
 
 
 def _coactivation(topk_layer: np.ndarray, num_experts: int) -> np.ndarray:
