@@ -2,7 +2,8 @@
 
 A layer's routing is summarised by A: [V', E] sparse float64, A[v, e] = activations of expert
 e by token id v (rows: the V' token ids seen), and occ: [V'] float64, occurrences of each id.
-A placement is expert2rank: [E] int (equal experts per rank). Tokens then go to the rank that
+A placement is expert2rank: [E] int (E / N experts per rank, or vLLM's uneven split:
+:func:`rank_sizes`). Tokens then go to the rank that
 holds most of their activations, capped so that no rank takes more than ``capacity`` times its
 share of tokens: :func:`assign_token_ids`. The objective is the local activation count.
 """

@@ -200,11 +200,11 @@ def place_model(method: str, counts: RoutingCounts, ep_size: int, nodes: int = 1
     if method not in SOLVERS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(SOLVERS)}")
     num_experts, L = counts.num_experts, counts.num_layers
+    if not 1 <= ep_size <= num_experts:
+        raise ValueError(f"ep_size {ep_size} must be in 1..num_experts ({num_experts})")
     if num_experts % ep_size:
-        if not 1 <= ep_size <= num_experts:
-            raise ValueError(f"ep_size {ep_size} must be in 1..num_experts ({num_experts})")
-        extra = [name for name, on in (("nodes > 1", nodes > 1), ("grouped routing", groups > 1),
-                                       ("replicas", replicas > 0)) if on]
+        extra = [name for name, on in ((f"nodes {nodes}", nodes > 1), (f"{groups} routing groups", groups > 1),
+                                       (f"replicas {replicas}", replicas > 0)) if on]
         if extra:
             raise ValueError(f"ep_size {ep_size} does not divide num_experts {num_experts} (ranks hold vLLM's "
                              f"uneven split): not supported with {', '.join(extra)} yet")

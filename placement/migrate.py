@@ -228,7 +228,8 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
     """The served placement with the fresh one's best exchange cycles applied, at most
     ``max_moves`` expert slots changed in all.
 
-    current, fresh: [L, E] int expert2rank, balanced (E / ep_size experts per rank);
+    current, fresh: [L, E] int expert2rank, balanced (E / ep_size experts per rank, or vLLM's
+    uneven split, :func:`.counts.rank_sizes`, in every layer);
     layer_counts: L token x expert count matrices ([V', E] float, scipy sparse or dense; rows
     the training trace's seen token ids); occ: [V'] float occurrences of each; max_moves: int >=
     0; capacity: the token-load cap of the objective; groups: grouped routing (a cycle that would

@@ -51,7 +51,9 @@ def fit_rank_sizes(A: sp.spmatrix, occ: np.ndarray, padded: np.ndarray, ep_size:
     pad = phantoms(E, N)
     padded = np.asarray(padded, dtype=np.int64)
     if padded.shape != (E + pad,) or (np.bincount(padded, minlength=N) != (E + pad) // N).any():
-        raise ValueError(f"padded must be [{E + pad}] with {(E + pad) // N} experts on each of {N} ranks")
+        got = np.bincount(padded, minlength=N).tolist() if padded.ndim == 1 and padded.size else padded.shape
+        raise ValueError(f"padded must be [{E + pad}] with {(E + pad) // N} experts on each of {N} ranks, got "
+                         f"shape {padded.shape}, ranks holding {got}")
     e2r = padded.copy()
     if pad == 0:
         return e2r.astype(np.int32)

@@ -291,3 +291,20 @@ def test_speculate_refuses_micro_batches_and_monolithic_kernels():
                                device_type="cuda") == (True, "")
     fused = types.SimpleNamespace(quant_method=types.SimpleNamespace(is_monolithic=True))
     assert monolithic(fused) and not monolithic(types.SimpleNamespace(quant_method=None))
+
+
+def test_speculate_with_an_uneven_split_serves_on_cpu_and_is_refused_on_cuda():
+    """vLLM's token-order all2all backends (DeepEP, ...) size every rank's experts as E / N; smoe's
+    own exchange on the CPU build follows vLLM's uneven split."""
+    from vllm_smoe.serving.capability import speculate_supported
+
+    hf = types.SimpleNamespace(shared_expert_intermediate_size=0, num_experts=15, vocab_size=100)
+    mc = types.SimpleNamespace(hf_text_config=hf)
+    pc = types.SimpleNamespace(enable_expert_parallel=True, tensor_parallel_size=2, pipeline_parallel_size=1,
+                               data_parallel_size=1, enable_eplb=False, all2all_backend="deepep_low_latency")
+    placement = types.SimpleNamespace(ep_size=2, vocab_size=None, predictor=object(), path="p.yaml")
+    cfg = types.SimpleNamespace(model_config=mc, parallel_config=pc)
+    ok, reason = speculate_supported(cfg, placement, "tables", device_type="cuda")
+    assert not ok and "15 experts do not split evenly over 2 ranks" in reason and "mode place" in reason
+    pc.all2all_backend = "allgather_reducescatter"
+    assert speculate_supported(cfg, placement, "tables", device_type="cpu") == (True, "")

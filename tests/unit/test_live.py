@@ -307,3 +307,26 @@ def test_placement_dirs_setting(tmp_path):
             SmoeConfig.from_dict(bad)
     args = SimpleNamespace(plugin="smoe", smoe_placement=p, smoe_placement_dirs=f"/srv/a{os.pathsep}/srv/b")
     assert _smoe_from_args(args)["placement_dirs"] == ["/srv/a", "/srv/b"]
+
+
+def test_a_live_swap_of_an_uneven_split_is_refused_before_anything_moves(monkeypatch):
+    """vLLM's EPLB transfer assumes P / N slots per rank: 7 experts over 2 ranks (4 + 3) must be
+    refused by the check (a 400), not fail half-way through the move."""
+    from vllm_smoe.serving import capability, live
+
+    def plan(e2r):
+        e2r = np.asarray(e2r)
+        s2e = np.argsort(e2r, axis=1, kind="stable").astype(np.int64)
+        e2s = np.argsort(s2e, axis=1, kind="stable").astype(np.int64)
+        p2e, route = _physical_layout(e2r, np.full((1, 0, 2), -1), 2, e2s)
+        return LoadPlan((1,), s2e, e2s, p2e, route)
+
+    old, new = plan([[0, 0, 0, 0, 1, 1, 1]]), plan([[1, 0, 0, 0, 1, 1, 0]])
+    assert [len(old.local_slots(r)) for r in range(2)] == [4, 3]
+    monkeypatch.setattr(capability, "check_served_placement",
+                        lambda path, cfg, vc, snap: ServedPlacement(path, None, None, new))
+    ep = SimpleNamespace(parallel_config=SimpleNamespace(enable_expert_parallel=True, tensor_parallel_size=2,
+                                                         data_parallel_size=1))
+    state = Worker(torch.nn.Module(), ep, SimpleNamespace(mode="place"), ServedPlacement("a.yaml", None, None, old))
+    with pytest.raises(ValueError, match="7 experts over ep_size 2 .*restart with the new placement"):
+        live.check_swap(state, SimpleNamespace(path="b.yaml"))

@@ -83,8 +83,11 @@ def _cli(*args):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["build", "--trace", TRAIN, "--ep-size", "33"], "ep_size 33 must be in 1..num_experts (32)"),
-    (["build", "--trace", TRAIN, "--ep-size", "3", "--replicas", "3"], "not supported with replicas"),
+    (["build", "--trace", TRAIN, "--ep-size", "33"], "--ep-size 33 must be in 1..32 (the trace's experts)"),
+    (["build", "--trace", TRAIN, "--ep-size", "3", "--replicas", "3"], "32 experts (vLLM's uneven split): not "
+                                                                        "supported with --replicas 3 yet"),
+    (["build", "--trace", TRAIN, "--ep-size", "3", "--mode", "dp"], "not supported with --mode dp yet"),
+    (["build", "--trace", TRAIN, "--ep-size", "6", "--method", "eplb"], "not supported with --method eplb yet"),
     (["build", "--trace", TRAIN, "--ep-size", "4", "--method", "magic"], "invalid choice"),
     (["build", "--trace", "/nonexistent/x.npz", "--ep-size", "4"], "no trace files"),
     (["build", "--trace", TRAIN, "--ep-size", "4", "--nodes", "3"], "nodes 3"),
@@ -735,3 +738,24 @@ def test_auto_keeps_coclust_where_bytes_cannot_place_and_trains_the_chosen_netwo
     assert doc["method"] == "coclust" and set(doc["built_from"]["auto"]["candidates"]) == {"coclust"}
     assert "bytes does not support --nodes 2" in capsys.readouterr().err
     assert load_tables(load_placement(str(out))).learned is not None
+
+
+def test_build_evaluate_and_advise_an_uneven_split(tmp_path, capsys):
+    """32 experts on 3 ranks: vLLM's 11 + 11 + 10 in every layer, evaluated against every peer
+    that can take it (EPLB skipped with its reason), and advise keeps the split."""
+    out = tmp_path / "p3.yaml"
+    assert main(["build", "--trace", TRAIN, "--ep-size", "3", "--model", FIXTURE_MODEL, "-o", str(out)]) == 0
+    doc = yaml.safe_load(open(out))
+    assert all(np.bincount(x["expert_to_rank"], minlength=3).tolist() == [11, 11, 10] for x in doc["layers"])
+    capsys.readouterr()
+    js = tmp_path / "e.json"
+    assert main(["evaluate", "--trace", HELDOUT, "--placement", str(out), "--compare", "all", "--json", str(js)]) == 0
+    err = capsys.readouterr().err
+    res = json.load(open(js))
+    assert "skipping eplb: vLLM's EPLB needs 32 experts + 0 copies to split evenly over ep_size 3" in err
+    assert "eplb" not in res and {"linear+pred", "metis+pred", "bytes+pred"} <= set(res)
+    assert res["placement (coclust)"]["lar"] > res["linear+pred"]["lar"]
+    limited = tmp_path / "lim.yaml"
+    assert main(["advise", "--trace", HELDOUT, "--placement", str(out), "--max-moves", "0.25", "-o", str(limited)]) == 0
+    doc = yaml.safe_load(open(limited))
+    assert all(np.bincount(x["expert_to_rank"], minlength=3).tolist() == [11, 11, 10] for x in doc["layers"])

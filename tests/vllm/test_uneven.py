@@ -40,3 +40,4 @@ def test_fifteen_experts_on_two_ranks_record_place_serve(tmp_path):
     moved = [int(m) for m in re.findall(r"placement applied: .*?, (\d+) of 30 expert slots changed", placed_log)]
     assert moved and all(m > 0 for m in moved), placed_log[-2000:]  # the placement did move experts
     assert "Local/global number of experts: 8/15" in placed_log  # vLLM's rank 0 holds the eighth
+    assert "mode speculate: token order over 2 ranks" in spec_log  # speculate did run

@@ -239,7 +239,8 @@ def load_placement(path: str, data: bytes | None = None) -> Placement:
     sizes = rank_sizes(E, N)  # vLLM's split: E / N each, or the first E mod N ranks one more
     if E % N and (nodes > 1 or groups > 1):
         raise ValueError(f"{path}: field 'ep_size' = {N} does not divide model.num_experts = {E}, which is "
-                         f"supported only without nodes and routing groups")
+                         f"supported only without nodes and routing groups (field "
+                         f"{'nodes' if nodes > 1 else 'model.groups'} = {nodes if nodes > 1 else groups})")
     if N % nodes:
         raise ValueError(f"{path}: field 'nodes' = {nodes} does not divide ep_size = {N}")
     layers = doc.get("layers")

@@ -78,6 +78,11 @@ def speculate_supported(vllm_config, placement, predictor: str = "tables", all2a
     if (getattr(hf, "shared_expert_intermediate_size", 0) or 0) > 0:
         return False, ("shared experts: vLLM's Qwen3-MoE-style blocks keep them tensor-parallel, and its "
                        "sequence-parallel MoE skips their all-reduce, which vLLM only runs with DP > 1")
+    E = num_experts(hf)
+    if E % tp and device_type != "cpu":
+        return False, (f"{E} experts do not split evenly over {tp} ranks, which vLLM's all2all backends (DeepEP "
+                       f"and the others that keep token order) need; use mode place, or smoe's exchange on the CPU "
+                       f"build")
     if placement.vocab_size is not None and placement.vocab_size < hf.vocab_size:
         return False, (f"{placement.path}: field 'model.vocab_size' = {placement.vocab_size} but the model has "
                        f"{hf.vocab_size} token ids")

@@ -82,6 +82,11 @@ def check_swap(state: Worker, snapshot) -> Swap:
     fresh = check_served_placement(path, state.cfg, state.vllm_config, snapshot)
     plan = fresh.plan
     old = state.placement.plan
+    P, N = plan.physical2expert.shape[1], plan.route2physical.shape[1]
+    if _ep_split(state.vllm_config) and P % N:
+        raise ValueError(f"{path}: {P} experts over ep_size {N} (vLLM's uneven split): a live swap moves experts "
+                         f"with vLLM's EPLB transfer, which needs ep_size to divide the expert slots; restart "
+                         f"with the new placement")
     if plan.physical2expert.shape != old.physical2expert.shape:
         raise ValueError(f"{path}: field 'layers[].replicas': needs {plan.physical2expert.shape[1]} physical expert "
                          f"slots per layer, but the server allocated {old.physical2expert.shape[1]} at load; a "

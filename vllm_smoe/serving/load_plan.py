@@ -16,6 +16,7 @@ token uses the copy on its own rank. No torch here.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -62,7 +63,7 @@ class LoadPlan:
         """Physical slots beyond the E logical experts (vLLM's num_redundant_experts)."""
         return self.physical2expert.shape[1] - self.slot2expert.shape[1]
 
-    @property
+    @functools.cached_property
     def slot2rank(self) -> np.ndarray:
         """[P] int64: the rank holding each physical slot (vLLM's linear split: P / N each, or
         the first P mod N ranks one more where N does not divide E, which has no replicas)."""
@@ -72,7 +73,7 @@ class LoadPlan:
     def local_slots(self, rank: int) -> range:
         """Physical slots rank ``rank`` holds (vLLM's linear split)."""
         mine = np.flatnonzero(self.slot2rank == rank)
-        return range(int(mine[0]), int(mine[-1]) + 1)
+        return range(int(mine[0]), int(mine[-1]) + 1) if mine.size else range(0)
 
     def held(self, rank: int) -> np.ndarray:
         """[L, E] bool: rank ``rank`` holds a copy (home or replica) of router output i."""
@@ -143,7 +144,8 @@ def make_load_plan(placement_path: str, hf_config, model_dir: str, ep_ranks: int
 def _physical_layout(expert2rank: np.ndarray, replicas: np.ndarray, ep_size: int, expert2slot: np.ndarray
                      ) -> tuple[np.ndarray, np.ndarray]:
     """(physical2expert [L, P] int64, route2physical [L, N, E] int64) of the module docstring.
-    expert2rank: [L, E] home ranks, E/N per rank (validated); replicas: [L, R, 2] (expert,
+    expert2rank: [L, E] home ranks, vLLM's split (validated: E/N per rank with replicas, which an
+    uneven split cannot have); replicas: [L, R, 2] (expert,
     rank), -1 = none; expert2slot: [L, E] router output of each expert."""
     L, E = expert2rank.shape
     N = ep_size

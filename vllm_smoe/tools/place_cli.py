@@ -361,6 +361,16 @@ def cmd_build(a) -> int:
             raise ValueError(f"--mode dp: {', '.join(bad)} not supported with request-level placement yet")
     if a.replicas and a.method not in PREDICTED + ("auto",):
         raise ValueError(f"--replicas needs a locality method ({', '.join(PREDICTED)}), not {a.method!r}")
+    E = open_traces(a.trace)[0].num_experts  # the headers alone: refuse before a long pass
+    if not 1 <= a.ep_size <= E:
+        raise ValueError(f"--ep-size {a.ep_size} must be in 1..{E} (the trace's experts)")
+    if E % a.ep_size:
+        bad = [f for f, on in (("--mode dp", a.mode == "dp"), ("--method eplb", a.method == "eplb"),
+                               (f"--nodes {a.nodes}", a.nodes > 1), (f"--replicas {a.replicas}", a.replicas > 0),
+                               (f"--groups {a.groups}", (a.groups or 1) > 1)) if on]
+        if bad:
+            raise ValueError(f"--ep-size {a.ep_size} does not divide the trace's {E} experts (vLLM's uneven split): "
+                             f"not supported with {', '.join(bad)} yet")
     t0 = time.perf_counter()
     # one pass: counts of every token, and the leading rows for the in-sample metrics
     # --mode dp learns from these rows' requests: evenly spaced windows, so a recording made one
@@ -581,6 +591,9 @@ def _evaluate_all(a):
                 from .peers import eplb_available
 
                 ok, why = eplb_available()
+                if ok and (tmeta.num_experts + a.replicas) % p.ep_size:
+                    ok, why = False, (f"vLLM's EPLB needs {tmeta.num_experts} experts + {a.replicas} copies to split "
+                                      f"evenly over ep_size {p.ep_size}")
                 if not ok:
                     print(f"skipping eplb: {why}", file=sys.stderr)
                     continue
