@@ -260,15 +260,20 @@ def test_a_step_without_token_ids_is_ordered_not_refused():
     assert o.prev[:3].tolist() == [-1, -1, -1]  # learned: no previous ids either
 
 
+def _speculate_setup(num_experts=8, backend="allgather_reducescatter", **model):
+    """(vllm_config, placement) stand-ins for capability.speculate_supported at TP=2 + EP."""
+    hf = types.SimpleNamespace(shared_expert_intermediate_size=0, num_experts=num_experts, vocab_size=100)
+    mc = types.SimpleNamespace(hf_text_config=hf, **model)
+    pc = types.SimpleNamespace(enable_expert_parallel=True, tensor_parallel_size=2, pipeline_parallel_size=1,
+                               data_parallel_size=1, enable_eplb=False, all2all_backend=backend)
+    placement = types.SimpleNamespace(ep_size=2, vocab_size=None, predictor=object(), path="p.yaml")
+    return types.SimpleNamespace(model_config=mc, parallel_config=pc), placement
+
+
 def test_speculate_refuses_id_predictors_when_rows_may_be_embeddings():
     from vllm_smoe.serving.capability import speculate_supported
 
-    hf = types.SimpleNamespace(shared_expert_intermediate_size=0, num_experts=8, vocab_size=100)
-    mc = types.SimpleNamespace(hf_text_config=hf, enable_prompt_embeds=True, is_multimodal_model=False)
-    pc = types.SimpleNamespace(enable_expert_parallel=True, tensor_parallel_size=2, pipeline_parallel_size=1,
-                               data_parallel_size=1, enable_eplb=False, all2all_backend="allgather_reducescatter")
-    placement = types.SimpleNamespace(ep_size=2, vocab_size=None, predictor=object(), path="p.yaml")
-    cfg = types.SimpleNamespace(model_config=mc, parallel_config=pc)
+    cfg, placement = _speculate_setup(enable_prompt_embeds=True, is_multimodal_model=False)
     ok, reason = speculate_supported(cfg, placement, "tables", device_type="cpu")
     assert not ok and "--enable-prompt-embeds" in reason and "predictor 'router'" in reason
     assert speculate_supported(cfg, placement, "router", device_type="cpu") == (True, "")
@@ -277,18 +282,12 @@ def test_speculate_refuses_id_predictors_when_rows_may_be_embeddings():
 def test_speculate_refuses_micro_batches_and_monolithic_kernels():
     from vllm_smoe.serving.capability import monolithic, speculate_supported
 
-    hf = types.SimpleNamespace(shared_expert_intermediate_size=0, num_experts=8, vocab_size=100)
-    mc = types.SimpleNamespace(hf_text_config=hf)
-    pc = types.SimpleNamespace(enable_expert_parallel=True, tensor_parallel_size=2, pipeline_parallel_size=1,
-                               data_parallel_size=1, enable_eplb=False, use_ubatching=True,
-                               all2all_backend="deepep_low_latency")
-    placement = types.SimpleNamespace(ep_size=2, vocab_size=None, predictor=object(), path="p.yaml")
-    ok, reason = speculate_supported(types.SimpleNamespace(model_config=mc, parallel_config=pc), placement, "tables",
-                                     device_type="cuda")
+    cfg, placement = _speculate_setup(backend="deepep_low_latency")
+    cfg.parallel_config.use_ubatching = True
+    ok, reason = speculate_supported(cfg, placement, "tables", device_type="cuda")
     assert not ok and "micro-batching" in reason
-    pc.use_ubatching = False
-    assert speculate_supported(types.SimpleNamespace(model_config=mc, parallel_config=pc), placement, "tables",
-                               device_type="cuda") == (True, "")
+    cfg.parallel_config.use_ubatching = False
+    assert speculate_supported(cfg, placement, "tables", device_type="cuda") == (True, "")
     fused = types.SimpleNamespace(quant_method=types.SimpleNamespace(is_monolithic=True))
     assert monolithic(fused) and not monolithic(types.SimpleNamespace(quant_method=None))
 
@@ -298,13 +297,8 @@ def test_speculate_with_an_uneven_split_serves_on_cpu_and_is_refused_on_cuda():
     own exchange on the CPU build follows vLLM's uneven split."""
     from vllm_smoe.serving.capability import speculate_supported
 
-    hf = types.SimpleNamespace(shared_expert_intermediate_size=0, num_experts=15, vocab_size=100)
-    mc = types.SimpleNamespace(hf_text_config=hf)
-    pc = types.SimpleNamespace(enable_expert_parallel=True, tensor_parallel_size=2, pipeline_parallel_size=1,
-                               data_parallel_size=1, enable_eplb=False, all2all_backend="deepep_low_latency")
-    placement = types.SimpleNamespace(ep_size=2, vocab_size=None, predictor=object(), path="p.yaml")
-    cfg = types.SimpleNamespace(model_config=mc, parallel_config=pc)
+    cfg, placement = _speculate_setup(num_experts=15, backend="deepep_low_latency")
     ok, reason = speculate_supported(cfg, placement, "tables", device_type="cuda")
     assert not ok and "15 experts do not split evenly over 2 ranks" in reason and "mode place" in reason
-    pc.all2all_backend = "allgather_reducescatter"
+    cfg.parallel_config.all2all_backend = "allgather_reducescatter"
     assert speculate_supported(cfg, placement, "tables", device_type="cpu") == (True, "")
