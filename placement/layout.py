@@ -15,7 +15,7 @@ from .alternating import place_alternating
 from .bytes import place_bytes
 from .ceo import place_ceo
 from .coclust import place_coclust
-from .counts import assign_token_ids, check_ep_size, coactivation, expert_gains, rank_scores
+from .counts import assign_token_ids, coactivation, expert_gains, rank_scores
 from .groups import check_groups
 from .metrics import holds_from_expert2rank
 from .peers import place_linear, place_metis, place_round_robin
@@ -208,8 +208,6 @@ def place_model(method: str, counts: RoutingCounts, ep_size: int, nodes: int = 1
         if extra:
             raise ValueError(f"ep_size {ep_size} does not divide num_experts {num_experts} (ranks hold vLLM's "
                              f"uneven split): not supported with {', '.join(extra)} yet")
-    else:
-        check_ep_size(num_experts, ep_size)
     if nodes < 1 or ep_size % nodes or num_experts % nodes:
         raise ValueError(f"nodes {nodes} must divide ep_size {ep_size} and num_experts {num_experts}")
     if nodes > 1 and method in NEEDS_INSTANCES:
