@@ -20,6 +20,11 @@ fresh one that pay most per moved slot, within a budget:
    token ids' ranks held fixed, the best few scored exactly): a budget too small for the fresh
    placement's cycles may still buy its best pairs, and a swap that moves an expert back home
    costs nothing.
+5. with ``resolve``, the greedy result is bettered where a 0-1 program finds more: from the
+   greedy placement, and from the fresh one, each id's capped assignment is held fixed and the
+   experts placed to serve most of it within the budget and the balance terms (one HiGHS program
+   over all layers), then the ids re-assigned, while the objective rises; kept only where it
+   beats the greedy result. A unit above pays alone; the program finds moves that pay together.
 
 Compute balance, as :mod:`.coclust` keeps it: no unit raises a layer's expert load (its busiest
 rank's training activations over the mean) past the cap or past what it is, and every gain is
@@ -222,9 +227,90 @@ def _best_swap(layer: "_Layer", current: np.ndarray, groups: int, top: int = 16)
     return best
 
 
+# Variables one HiGHS program of the re-solve (step 5) may hold: the fixture's layers solve jointly
+# in well under a second; a model past it re-solves layer by layer within the greedy search's
+# moves per layer, and a layer past it keeps the greedy result
+MILP_MAX_VARIABLES = 1 << 16
+MILP_ROUNDS = 4  # re-solves per starting assignment; the fixture's settle in 2-3
+
+
+def _budgeted_assignment(G: list[np.ndarray], act: list[np.ndarray], cap: np.ndarray, ceiling: np.ndarray,
+                         current: np.ndarray, sizes: np.ndarray, budget: int, weight: float) -> np.ndarray | None:
+    """Experts to ranks for the given layers, at most ``budget`` slots moved from ``current``:
+    max sum_l sum_e G[l][e, rank] - weight * sum_l excess_l, each rank holding ``sizes`` experts,
+    excess_l >= a rank's activations - cap[l], no rank past ceiling[l] (a 0-1 program, HiGHS).
+
+    G: L arrays [E, N] float, activations of expert e by the ids assigned to rank r (fixed);
+    act: L arrays [E] float; cap, ceiling: [L] float; current: [L, E] int; sizes: [N] int.
+    Returns expert2rank [L, E] int64, or None when HiGHS returns no solution."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    L, E = current.shape
+    N = sizes.size
+    nx = L * E * N
+    n = nx + L  # x[l, e, r] at (l * E + e) * N + r, then excess_l
+    c = np.r_[-np.concatenate([g.reshape(-1) for g in G]), np.full(L, weight)]
+    xl = np.arange(nx) // (E * N)
+    xe = np.arange(nx) // N  # l * E + e
+    xr = np.arange(nx) % N
+    one = sp.csr_matrix((np.ones(nx), (xe, np.arange(nx))), shape=(L * E, n))  # each expert once
+    count = sp.csr_matrix((np.ones(nx), (xl * N + xr, np.arange(nx))), shape=(L * N, n))  # sizes per rank
+    acts = np.concatenate(act)[xe]
+    load = sp.csr_matrix((np.r_[acts, -np.ones(L * N)],
+                          (np.r_[xl * N + xr, np.arange(L * N)], np.r_[np.arange(nx), nx + np.repeat(np.arange(L), N)])),
+                         shape=(L * N, n))  # a rank's activations - excess_l <= cap_l
+    stay = sp.csr_matrix((np.ones(L * E), (np.zeros(L * E, dtype=np.int64),
+                                           np.arange(L * E) * N + current.reshape(-1))), shape=(1, n))
+    cons = [LinearConstraint(one, 1, 1), LinearConstraint(count, np.tile(sizes, L), np.tile(sizes, L)),
+            LinearConstraint(load, -np.inf, np.repeat(cap, N)), LinearConstraint(stay, L * E - budget, np.inf)]
+    # the ceiling as excess_l's upper bound: every rank's activations <= cap_l + excess_l <= ceiling_l
+    ub = np.r_[np.ones(nx), np.maximum(ceiling - cap, 0.0)]
+    res = milp(c, constraints=cons, integrality=np.r_[np.ones(nx), np.zeros(L)], bounds=Bounds(0, ub),
+               options={"disp": False, "time_limit": 60.0})
+    if res.x is None:
+        return None
+    return res.x[:nx].reshape(L, E, N).argmax(axis=2)
+
+
+def _resolve(layers: list["_Layer"], current: np.ndarray, start: np.ndarray, seeds: list[np.ndarray],
+             budget: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, int]:
+    """Step 5: from each seed placement ([L', E]: its ids' capped assignment is the first one), alternate
+    :func:`_budgeted_assignment` and the capped token assignment while the objective rises, the
+    programs solved jointly over the layers (``budget`` [1]: moves in all) or layer by layer
+    (``budget`` [L']: moves each). Returns (the best placement met, ``start`` (within budget) if
+    none beats it, [L', E] int64; programs solved)."""
+    L = len(layers)
+    occ, N, capacity = layers[0].occ, layers[0].N, layers[0].capacity
+    act = [x.act for x in layers]
+    cap = np.array([x.cap for x in layers])
+    ceiling = np.array([max(x.cap, x.loads(current[i]).max()) for i, x in enumerate(layers)]) + 1e-9
+    value = lambda e2r: sum(x.score(e2r[i]) for i, x in enumerate(layers))  # noqa: E731
+    best, best_value, solved = start, value(start), 0
+    parts = [np.arange(L)] if budget.size == 1 else [np.array([i]) for i in range(L)]
+    for seed in seeds:
+        e2r, last = seed, -np.inf
+        for _ in range(MILP_ROUNDS):
+            G = [expert_gains(x.A, assign_token_ids(rank_scores(x.A, e2r[i], N), occ, capacity), N)
+                 for i, x in enumerate(layers)]
+            new = e2r.copy()
+            for k, idx in enumerate(parts):
+                got = _budgeted_assignment([G[i] for i in idx], [act[i] for i in idx], cap[idx], ceiling[idx],
+                                           current[idx], sizes, int(budget[k]), layers[0].weight)
+                solved += 1
+                new[idx] = current[idx] if got is None else got
+            v = value(new)
+            if v > best_value + 1e-9:
+                best, best_value = new, v
+            if v <= last + 1e-9 or np.array_equal(new, e2r):
+                break
+            e2r, last = new, v
+    return best, solved
+
+
 def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.ndarray, max_moves: int,
                 ep_size: int, capacity: float = 1.10, groups: int = 1, swaps: bool = False,
-                max_expert_load: float = 1.10, balance_weight: float = BALANCE_WEIGHT) -> tuple[np.ndarray, dict]:
+                max_expert_load: float = 1.10, balance_weight: float = BALANCE_WEIGHT,
+                resolve: bool = False) -> tuple[np.ndarray, dict]:
     """The served placement with the fresh one's best exchange cycles applied, at most
     ``max_moves`` expert slots changed in all.
 
@@ -237,9 +323,11 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
     (step 4 above); max_expert_load: no cycle or swap raises a layer's expert load (its busiest
     rank's training activations over the mean) past it or past what it is; balance_weight: local
     activations one activation of the busiest rank's excess over that cap is worth (0: the cap
-    only guards). When the budget covers every move and the fresh placement scores more, within
+    only guards); resolve: step 5 of the module's search after the greedy one (needs no
+    routing groups). When the budget covers every move and the fresh placement scores more, within
     the same guard, it is the fresh placement (renamed). Returns (expert2rank [L, E] int32, info) with info: ``moved``
-    slots, ``cycles`` (units) applied, ``swaps`` applied, ``fresh_moves`` (slots the renamed
+    slots, ``cycles`` (units) applied, ``swaps`` applied (by the greedy search), ``resolved``
+    (whether step 5 bettered it), ``programs`` (0-1 programs step 5 solved), ``fresh_moves`` (slots the renamed
     fresh placement moves), ``score`` of current, result and fresh (the capped objective summed
     over layers, without the balance term), ``expert_load`` of each (the most over layers)."""
     current = np.asarray(current, dtype=np.int64)
@@ -323,6 +411,17 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
             applied += 1
         swap[layer] = None
         budget = max_moves - sum(int((x.e2r != current[i]).sum()) for i, x in enumerate(layers))
+    resolved, programs = False, 0
+    if resolve and groups <= 1 and max_moves > 0:
+        greedy = np.stack([x.e2r for x in layers])
+        joint = L * E * ep_size <= MILP_MAX_VARIABLES
+        if joint or E * ep_size <= MILP_MAX_VARIABLES:
+            budget_of = np.array([max_moves]) if joint else (greedy != current).sum(axis=1)
+            best, programs = _resolve(layers, current, greedy, [greedy, target], budget_of, sizes)
+            resolved = not np.array_equal(best, greedy)
+            for layer, x in enumerate(layers):
+                x.e2r = best[layer].copy()
+                x.value = x.score(x.e2r)
     value = sum(x.value for x in layers)
     # every move fits: the fresh placement, whole, where it scores more and its layers keep the guard
     whole = max_moves >= int((target != current).sum()) and all(
@@ -335,6 +434,7 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
     load["result"] = max(x.load_ratio(x.e2r) for x in layers)
     load["fresh"] = max(x.load_ratio(target[layer]) for layer, x in enumerate(layers))
     out = np.stack([x.e2r for x in layers]).astype(np.int32)
-    info = {"moved": int((out != current).sum()), "cycles": applied, "swaps": swapped,
+    info = {"moved": int((out != current).sum()), "cycles": applied, "swaps": swapped, "resolved": resolved,
+            "programs": programs,
             "fresh_moves": int((target != current).sum()), "score": score, "expert_load": load}
     return out, info

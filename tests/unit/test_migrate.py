@@ -6,7 +6,8 @@ import scipy.sparse as sp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_smoe.placement.migrate import _cycles, busiest_after_swaps, limit_moves, rename_ranks
+from vllm_smoe.placement.counts import rank_sizes
+from vllm_smoe.placement.migrate import _budgeted_assignment, _cycles, busiest_after_swaps, limit_moves, rename_ranks
 
 
 def _balanced(rng, L, E, N):
@@ -42,8 +43,8 @@ def _penalised(counts, occ, e2r, N, max_load, weight):
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10**6), N=st.sampled_from([2, 3, 4]), per=st.integers(1, 4), L=st.integers(1, 3),
        share=st.floats(0, 1), swaps=st.booleans(), weight=st.sampled_from([0.0, 1.0, 4.0]),
-       max_load=st.sampled_from([1.0, 1.1, 1.5, 3.0]))
-def test_within_budget_balanced_and_never_worse(seed, N, per, L, share, swaps, weight, max_load):
+       max_load=st.sampled_from([1.0, 1.1, 1.5, 3.0]), resolve=st.booleans())
+def test_within_budget_balanced_and_never_worse(seed, N, per, L, share, swaps, weight, max_load, resolve):
     rng = np.random.default_rng(seed)
     E = N * per
     cur, fresh = _balanced(rng, L, E, N), _balanced(rng, L, E, N)
@@ -51,12 +52,12 @@ def test_within_budget_balanced_and_never_worse(seed, N, per, L, share, swaps, w
     occ = rng.integers(1, 5, 30).astype(float)
     budget = int(share * L * E)
     out, info = limit_moves(cur, fresh, counts, occ, budget, N, swaps=swaps, max_expert_load=max_load,
-                            balance_weight=weight)
+                            balance_weight=weight, resolve=resolve)
     assert out.shape == cur.shape and info["moved"] == int((out != cur).sum()) <= budget
     for layer in range(L):
         assert (np.bincount(out[layer], minlength=N) == per).all()
     target = rename_ranks(cur, fresh, N)
-    if not swaps:
+    if not swaps and not resolve:
         assert (out[out != cur] == target[out != cur]).all()  # only the fresh placement's moves
         assert info["swaps"] == 0
     assert info["score"]["result"] == pytest.approx(_score(counts, occ, out, N))
@@ -181,3 +182,65 @@ def test_busiest_after_swaps_against_each_swap_made(seed, N, per):
             trial = e2r.copy()
             trial[e], trial[f] = e2r[f], e2r[e]
             assert got[e, f] == pytest.approx(np.bincount(trial, weights=act, minlength=N).max())
+
+
+def test_the_program_reaches_the_best_placement_the_greedy_search_misses():
+    # 8 experts on 2 ranks, four token ids (one fires nothing), 4 slots to move, no balance in the
+    # way: of every placement within 4 moves (enumerated) the best serves 8 activations locally;
+    # the greedy search (one exchange at a time, each paying alone) stops at 7, the program gets 8
+    cur = np.array([[0, 0, 0, 0, 1, 1, 1, 1]])
+    C = sp.csr_matrix(np.array([[0.0, 0, 0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0, 0, 0],
+                                [0, 1, 0, 0, 1, 0, 0, 1], [0, 0, 1, 0, 1, 1, 0, 1]]))
+    occ = np.ones(4)
+    best = max(_score([C], occ, p[None], 2) for p in _enumerate(8, 2) if (p != cur[0]).sum() <= 4)
+    assert best == 8
+    out, info = limit_moves(cur, cur, [C], occ, 4, 2, swaps=True, max_expert_load=3.0)
+    assert info["score"]["result"] == 7 and not info["resolved"] and info["programs"] == 0
+    out, info = limit_moves(cur, cur, [C], occ, 4, 2, swaps=True, max_expert_load=3.0, resolve=True)
+    assert info["resolved"] and info["moved"] <= 4 and info["score"]["result"] == 8 == _score([C], occ, out, 2)
+    out, info = limit_moves(cur, cur, [C], occ, 0, 2, swaps=True, max_expert_load=3.0, resolve=True)
+    assert (out == cur).all() and not info["resolved"]
+
+
+def _enumerate(E, N):
+    """Every expert2rank [E] with vLLM's rank sizes, as an [M, E] array (small E only)."""
+    import itertools
+
+    sizes = rank_sizes(E, N)
+    return np.array([p for p in itertools.product(range(N), repeat=E)
+                     if (np.bincount(p, minlength=N) == sizes).all()])
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10**6), N=st.sampled_from([2, 3]), E=st.integers(3, 7), L=st.integers(1, 2),
+       budget=st.integers(0, 8), weight=st.sampled_from([0.0, 1.0, 4.0]), cap=st.sampled_from([1.0, 1.2]))
+def test_budgeted_assignment_against_enumeration(seed, N, E, L, budget, weight, cap):
+    # the 0-1 program against every placement of a tiny instance: same optimum, within its budget,
+    # its ceilings and vLLM's rank sizes (uneven where N does not divide E)
+    rng = np.random.default_rng(seed)
+    G = [rng.integers(0, 6, (E, N)).astype(float) for _ in range(L)]
+    act = [rng.integers(0, 5, E).astype(float) for _ in range(L)]
+    every = _enumerate(E, N)
+    cur = np.stack([every[rng.integers(len(every))] for _ in range(L)])
+    caps = np.array([cap * a.sum() / N for a in act])
+    ceilings = np.array([max(caps[i], np.bincount(cur[i], weights=act[i], minlength=N).max()) + 1e-9 for i in range(L)])
+
+    def value(layer, p):
+        loads = np.bincount(p, weights=act[layer], minlength=N)
+        if loads.max() > ceilings[layer]:
+            return None
+        return G[layer][np.arange(E), p].sum() - weight * max(0.0, loads.max() - caps[layer])
+    per = [[(value(i, p), int((p != cur[i]).sum())) for p in every] for i in range(L)]
+    best = -np.inf  # over pairs of layers' placements within the budget together
+    for combo in np.ndindex(*(len(every),) * L):
+        vals = [per[i][k] for i, k in enumerate(combo)]
+        if all(v is not None for v, _ in vals) and sum(m for _, m in vals) <= budget:
+            best = max(best, sum(v for v, _ in vals))
+    got = _budgeted_assignment(G, act, caps, ceilings, cur, rank_sizes(E, N), budget, weight)
+    assert got is not None and got.shape == (L, E)
+    assert int((got != cur).sum()) <= budget
+    vals = [value(i, got[i]) for i in range(L)]
+    assert all(v is not None for v in vals)
+    for i in range(L):
+        assert (np.bincount(got[i], minlength=N) == rank_sizes(E, N)).all()
+    assert sum(vals) == pytest.approx(best, abs=1e-6)

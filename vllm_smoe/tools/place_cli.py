@@ -798,7 +798,7 @@ def cmd_advise(a) -> int:
         budget = int(a.max_moves * p.expert2rank.size)
         e2r, info = limit_moves(p.expert2rank, e2r, [counts.layer_matrix(layer) for layer in range(meta.num_layers)],
                                 counts.seen()[1], budget, p.ep_size, capacity=p.capacity, groups=p.groups,
-                                swaps=True, max_expert_load=a.max_expert_load,  # measured: BENCHMARKS.md
+                                swaps=True, resolve=True, max_expert_load=a.max_expert_load,  # BENCHMARKS.md
                                 balance_weight=BALANCE_WEIGHT if a.balance_weight is None else a.balance_weight)
         holds = holds_from_expert2rank(e2r, p.ep_size)
         tables = _with_bigrams(tables_for_placement(counts, holds, meta.vocab_size, emb), train, holds,
@@ -817,8 +817,9 @@ def cmd_advise(a) -> int:
               f"{(lim['lar'] / cur['lar'] - 1) * 100 if cur['lar'] else 0.0:+9.1f}%")
         kept = f"; it keeps {(lim['lar'] - cur['lar']) / gain:.0%} of the candidate's LAR gain" if gain > 0 else ""
         print(f"moves: the candidate changes {new['moved_slots']} of {p.expert2rank.size} expert slots (its ranks "
-              f"renamed to agree with the served ones), the limited one {info['moved']} ({info['cycles']} of its "
-              f"exchange cycles, {info['swaps']} swaps of two experts){kept}")
+              f"renamed to agree with the served ones), the limited one {info['moved']} (" + (
+                  f"placed by a 0-1 program, {info['programs']} solved, bettering the greedy search" if info["resolved"]
+                  else f"{info['cycles']} of its exchange cycles, {info['swaps']} swaps of two experts") + f"){kept}")
         load = info["expert_load"]
         print(f"expert load on the training half (the most over layers; cap {a.max_expert_load:g}): served "
               f"{load['current']:.2f}, candidate {load['fresh']:.2f}, limited {load['result']:.2f}")
