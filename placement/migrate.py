@@ -256,8 +256,9 @@ def _budgeted_assignment(G: list[np.ndarray], act: list[np.ndarray], cap: np.nda
     one = sp.csr_matrix((np.ones(nx), (xe, np.arange(nx))), shape=(L * E, n))  # each expert once
     count = sp.csr_matrix((np.ones(nx), (xl * N + xr, np.arange(nx))), shape=(L * N, n))  # sizes per rank
     acts = np.concatenate(act)[xe]
+    excess = nx + np.repeat(np.arange(L), N)  # [L * N]: excess_l's column for each (layer, rank) row
     load = sp.csr_matrix((np.r_[acts, -np.ones(L * N)],
-                          (np.r_[xl * N + xr, np.arange(L * N)], np.r_[np.arange(nx), nx + np.repeat(np.arange(L), N)])),
+                          (np.r_[xl * N + xr, np.arange(L * N)], np.r_[np.arange(nx), excess])),
                          shape=(L * N, n))  # a rank's activations - excess_l <= cap_l
     stay = sp.csr_matrix((np.ones(L * E), (np.zeros(L * E, dtype=np.int64),
                                            np.arange(L * E) * N + current.reshape(-1))), shape=(1, n))

@@ -11,30 +11,49 @@ def _get(cfg, key, default=None):
 
 
 def moe_layer_indices(cfg) -> list[int]:
-    """Decoder layer indices holding a routed MoE block, in order."""
+    """Decoder layer indices holding a routed MoE block, in order, by the config keys vLLM's
+    models read (not by ``model_type``, so kin architectures that share a key are counted alike):
+    ``moe_layer_start_index`` / ``_end_index`` / ``_interval`` (ERNIE 4.5),
+    ``interleave_moe_layer_step`` (Llama 4; vLLM reads it, not the config's ``moe_layers``),
+    ``first_k_dense_replace`` with ``moe_layer_freq`` (DeepSeek, GLM-4.5, dots.llm1, Ling),
+    ``decoder_sparse_step`` with ``mlp_only_layers`` (Qwen2/3-MoE); every layer otherwise
+    (Mixtral, OLMoE)."""
     n = int(_get(cfg, "num_hidden_layers"))
-    mt = _get(cfg, "model_type", "")
-    if mt in ("qwen3_moe", "qwen2_moe"):
-        step = int(_get(cfg, "decoder_sparse_step", 1) or 1)
-        dense = set(_get(cfg, "mlp_only_layers", []) or [])
-        return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
-    if mt in ("deepseek_v2", "deepseek_v3"):
+    if any(_get(cfg, k) is not None for k in ("moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval")):
+        start = int(_get(cfg, "moe_layer_start_index", 0) or 0)
+        end = _get(cfg, "moe_layer_end_index", n - 1)
+        end = n - 1 if end is None or int(end) < 0 else int(end)
+        every = int(_get(cfg, "moe_layer_interval", 1) or 1)
+        return [i for i in range(n) if start <= i <= end and (i + 1) % every == 0]
+    step = _get(cfg, "interleave_moe_layer_step")
+    if step is not None:
+        return [i for i in range(n) if int(step) > 0 and (i + 1) % int(step) == 0]
+    if _get(cfg, "first_k_dense_replace") is not None:
         first = int(_get(cfg, "first_k_dense_replace", 0) or 0)
         freq = int(_get(cfg, "moe_layer_freq", 1) or 1)
         return [i for i in range(n) if i >= first and i % freq == 0]
+    if _get(cfg, "decoder_sparse_step") is not None or _get(cfg, "mlp_only_layers") is not None:
+        step = int(_get(cfg, "decoder_sparse_step", 1) or 1)
+        dense = set(_get(cfg, "mlp_only_layers", []) or [])
+        return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
     return list(range(n))
 
 
 def num_experts(cfg) -> int:
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+    for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
         v = _get(cfg, key)
         if v:
             return int(v)
-    raise ValueError("config names no expert count (num_experts / num_local_experts / n_routed_experts)")
+    raise ValueError("config names no expert count (num_experts / num_local_experts / n_routed_experts / "
+                     "moe_num_experts)")
 
 
 def top_k(cfg) -> int:
-    return int(_get(cfg, "num_experts_per_tok"))
+    for key in ("num_experts_per_tok", "moe_k", "moe_topk"):
+        v = _get(cfg, key)
+        if v:
+            return int(v)
+    raise ValueError("config names no routed experts per token (num_experts_per_tok / moe_k / moe_topk)")
 
 
 def expert_groups(cfg) -> int:

@@ -9,7 +9,7 @@ import os
 
 from ..formats.model_info import moe_layer_indices, num_experts, top_k
 
-ARCHS = ("qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
+ARCHS = ("qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "qwen2_moe", "olmoe", "glm4_moe")
 TRAINABLE = ("qwen3_moe", "deepseek_v2", "deepseek_v3")
 
 # The trained multi-domain fixture and the random fixtures share these sizes.
@@ -71,6 +71,38 @@ def make_config(arch: str, vocab_size: int, hidden_size: int = 128, num_layers: 
             n_group=max(1, num_experts // 8), topk_group=min(2, max(1, num_experts // 8)),
             routed_scaling_factor=2.5, norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
             num_mtp_layers=0,
+        )
+    if arch == "qwen2_moe":
+        from transformers import Qwen2MoeConfig
+
+        # a shared expert behind a sigmoid gate beside the routed ones; softmax top-k, not renormalised
+        return Qwen2MoeConfig(
+            **common, num_key_value_heads=max(1, hidden_size // 64), intermediate_size=4 * hidden_size,
+            moe_intermediate_size=moe_intermediate_size, shared_expert_intermediate_size=2 * moe_intermediate_size,
+            num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=False, decoder_sparse_step=1,
+            mlp_only_layers=[], router_aux_loss_coef=0.01, output_router_logits=False,
+        )
+    if arch == "olmoe":
+        from transformers import OlmoeConfig
+
+        # query / key norms over the whole projection; softmax top-k, not renormalised
+        return OlmoeConfig(
+            **common, num_key_value_heads=hidden_size // 32, intermediate_size=moe_intermediate_size,
+            num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=False,
+            router_aux_loss_coef=0.01, output_router_logits=False,
+        )
+    if arch == "glm4_moe":
+        from transformers import Glm4MoeConfig
+
+        # GLM-4.5's shape: dense first layer(s), a shared expert, DeepSeek-V3's sigmoid grouped
+        # top-k with the correction bias, half-rotary GQA attention with query / key norms
+        return Glm4MoeConfig(
+            **common, num_key_value_heads=max(1, hidden_size // 64), head_dim=32,
+            intermediate_size=4 * hidden_size, moe_intermediate_size=moe_intermediate_size,
+            n_routed_experts=num_experts, n_shared_experts=1, num_experts_per_tok=top_k,
+            first_k_dense_replace=1, n_group=max(1, num_experts // 8),
+            topk_group=min(2, max(1, num_experts // 8)), routed_scaling_factor=2.5, norm_topk_prob=True,
+            use_qk_norm=True,
         )
     raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
 

@@ -1,8 +1,11 @@
-"""Mixtral (vLLM's MixtralForCausalLM, softmax top-2 over 8 experts, no shared expert) through the
-plugin at one rank: a placement at load that moves every expert and record mode. vLLM's greedy
-tokens equal transformers' own generation, and the recorded top-k sets equal transformers'
-router, so recording and placement work for an architecture smoe has no fixture for. Speculate
-is refused for it (no sequence-parallel MoE in vLLM): see tests/unit."""
+"""Architectures smoe has no trained fixture for, through the plugin at one rank: a placement at
+load that moves every expert, and record mode. vLLM's greedy tokens equal transformers' own
+generation, and the recorded top-k sets equal transformers' router, so recording and placement
+work for them. Random checkpoints built in the test (8 experts, top-2, 3 decoder layers):
+Mixtral (softmax top-2, no shared expert), Qwen2-MoE (a gated shared expert, top-k not
+renormalised), OLMoE (query / key norms), GLM-4.5 (a dense first layer, a shared expert,
+sigmoid grouped top-k with the correction bias: 2 MoE layers of 3). Speculate is refused for
+them where vLLM runs the block without sequence parallelism: see tests/unit."""
 
 import json
 import os
@@ -16,10 +19,12 @@ import yaml
 from vllm_smoe.formats.trace import read_traces
 from tests.support import HELPER, heldout_prompts, transformers_greedy
 
-LAYERS, EXPERTS, TOP_K = 2, 8, 2
+DECODER_LAYERS, EXPERTS, TOP_K = 3, 8, 2
+ARCHS = {"mixtral": 3, "qwen2_moe": 3, "olmoe": 3, "glm4_moe": 2}  # -> MoE layers
 
 
-def test_mixtral_placement_at_load_and_recording_equal_transformers(tmp_path):
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_placement_at_load_and_recording_equal_transformers(tmp_path, arch):
     torch = pytest.importorskip("torch")
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM
@@ -28,8 +33,9 @@ def test_mixtral_placement_at_load_and_recording_equal_transformers(tmp_path):
     from vllm_smoe.testbed.models import build_random
     from vllm_smoe.testbed.record import router_topk
 
-    model_dir = str(tmp_path / "mixtral")  # random weights, the fixture's tokenizer (as smoe-testbed build)
-    build_random("mixtral", model_dir, FIXTURE_MODEL, num_layers=LAYERS, num_experts=EXPERTS, top_k=TOP_K)
+    LAYERS = ARCHS[arch]
+    model_dir = str(tmp_path / arch)  # random weights, the fixture's tokenizer (as smoe-testbed build)
+    build_random(arch, model_dir, FIXTURE_MODEL, num_layers=DECODER_LAYERS, num_experts=EXPERTS, top_k=TOP_K)
     moved = tmp_path / "moved.yaml"  # one expert per rank, every expert moved, differently per layer
     moved.write_text(yaml.safe_dump({
         "smoe_placement": 1, "model": {"num_layers": LAYERS, "num_experts": EXPERTS, "top_k": TOP_K},

@@ -1,0 +1,54 @@
+"""model_info: which decoder layers route to experts, by the config keys vLLM's models read."""
+
+import pytest
+
+from vllm_smoe.formats.model_info import moe_layer_indices, num_experts, top_k
+
+
+@pytest.mark.parametrize("cfg, layers", [
+    # Mixtral, OLMoE: every layer
+    ({"model_type": "mixtral", "num_hidden_layers": 4, "num_local_experts": 8}, [0, 1, 2, 3]),
+    # Qwen2/3-MoE: dense layers listed, a sparse step
+    ({"model_type": "qwen3_moe", "num_hidden_layers": 6, "decoder_sparse_step": 1, "mlp_only_layers": [0, 4]},
+     [1, 2, 3, 5]),
+    ({"model_type": "qwen2_moe", "num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": []}, [1, 3, 5]),
+    # DeepSeek-V2/V3: dense first layers, a frequency
+    ({"model_type": "deepseek_v3", "num_hidden_layers": 6, "first_k_dense_replace": 3, "moe_layer_freq": 1}, [3, 4, 5]),
+    ({"model_type": "deepseek_v2", "num_hidden_layers": 6, "first_k_dense_replace": 1, "moe_layer_freq": 2}, [2, 4]),
+    # GLM-4.5 (glm4_moe) and dots.llm1 read first_k_dense_replace under another model_type
+    ({"model_type": "glm4_moe", "num_hidden_layers": 46, "first_k_dense_replace": 3},
+     list(range(3, 46))),
+    ({"model_type": "dots1", "num_hidden_layers": 4, "first_k_dense_replace": 1}, [1, 2, 3]),
+    # Llama 4: every step-th layer (vLLM's Llama4 reads the step, not the config's moe_layers list)
+    ({"model_type": "llama4_text", "num_hidden_layers": 6, "interleave_moe_layer_step": 2}, [1, 3, 5]),
+    ({"model_type": "llama4_text", "num_hidden_layers": 6, "interleave_moe_layer_step": 1, "moe_layers": [1, 3]},
+     [0, 1, 2, 3, 4, 5]),
+    # ERNIE 4.5: a first MoE layer, an interval, a last one
+    ({"model_type": "ernie4_5_moe", "num_hidden_layers": 6, "moe_layer_start_index": 1, "moe_layer_end_index": 4,
+      "moe_layer_interval": 1}, [1, 2, 3, 4]),
+    ({"model_type": "ernie4_5_moe", "num_hidden_layers": 6, "moe_layer_start_index": 0, "moe_layer_end_index": -1,
+      "moe_layer_interval": 2}, [1, 3, 5]),
+])
+def test_moe_layers_by_config_keys(cfg, layers):
+    assert moe_layer_indices(cfg) == layers
+
+
+def test_the_transformers_configs_of_the_testbed_agree_with_vllm_models():
+    # the testbed's GLM-4.5 checkpoint: one dense layer first (vLLM's Glm4MoeModel counts
+    # num_hidden_layers - first_k_dense_replace MoE layers)
+    pytest.importorskip("transformers")
+    from vllm_smoe.testbed.models import make_config, moe_shape
+
+    assert moe_shape(make_config("glm4_moe", 4096, num_layers=3, num_experts=8, top_k=2)) == dict(
+        num_layers=2, num_experts=8, top_k=2)
+    for arch in ("mixtral", "qwen2_moe", "olmoe", "qwen3_moe"):
+        assert moe_shape(make_config(arch, 4096, num_layers=3, num_experts=8, top_k=2))["num_layers"] == 3, arch
+
+
+def test_expert_and_top_k_keys():
+    assert num_experts({"moe_num_experts": 64}) == 64 and top_k({"moe_k": 6}) == 6
+    assert num_experts({"n_routed_experts": 256, "num_experts": None}) == 256
+    with pytest.raises(ValueError, match="expert count"):
+        num_experts({"hidden_size": 8})
+    with pytest.raises(ValueError, match="routed experts per token"):
+        top_k({"num_experts": 8})
