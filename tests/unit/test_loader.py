@@ -49,6 +49,95 @@ def test_permuted_checkpoint_is_the_same_function(tmp_path):
         np.testing.assert_array_equal(ib, plan.expert2slot[layer][ia])
 
 
+def _random_moe(arch, out_dir):
+    """A random checkpoint of ``arch`` (3 decoder layers, 8 experts, top-2) whose routers are
+    random too: transformers starts some at zero (ERNIE's gate and score bias), where every expert
+    ties and a reorder would change the routing by tie-breaks alone. Returns its config."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from vllm_smoe.testbed.models import build_random
+
+    if arch == "ernie4_5_moe":  # not a testbed architecture: its score bias is stored [1, E]
+        from transformers import Ernie4_5_MoeConfig
+
+        tok = PreTrainedTokenizerFast.from_pretrained(FIXTURE_MODEL)
+        cfg = Ernie4_5_MoeConfig(vocab_size=len(tok), hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=256, moe_intermediate_size=64,
+                                 moe_num_experts=8, moe_k=2, moe_layer_start_index=1, moe_layer_interval=1,
+                                 moe_num_shared_experts=1, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out_dir)
+    else:
+        build_random(arch, out_dir, FIXTURE_MODEL, num_layers=3, num_experts=8, top_k=2)
+    path = os.path.join(out_dir, "model.safetensors")
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(1)
+    for k in tensors:
+        if k.endswith(("mlp.gate.weight", "e_score_correction_bias")):
+            tensors[k] = torch.randn(tensors[k].shape, generator=g) * 0.5
+    save_file(tensors, path, metadata={"format": "pt"})
+    return AutoConfig.from_pretrained(out_dir)
+
+
+@pytest.mark.parametrize("arch, moe_layers, reordered", [
+    ("glm4_moe", 2, 4),  # router weight and score bias [E] per MoE layer; layer 0 dense
+    ("ernie4_5_moe", 2, 4),  # the score bias in moe_statics, [1, E]
+    ("qwen2_moe", 3, 3),  # the shared expert's gate has one row: left alone
+])
+def test_permuted_checkpoint_of_other_architectures_is_the_same_function(tmp_path, arch, moe_layers, reordered):
+    """As above, for architectures with a score bias or a shared expert beside the router."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from vllm_smoe.formats.model_info import moe_layer_indices
+    from vllm_smoe.serving.loader import permute_weights
+
+    src = str(tmp_path / "src")
+    cfg = _random_moe(arch, src)
+    assert len(moe_layer_indices(cfg)) == moe_layers
+    plan = make_load_plan(derangement_yaml(tmp_path / "p.yaml", ep=8, layers=moe_layers, experts=8, step=3,
+                                           top_k=2), cfg, src, None)
+    counts = {}
+    permuted = dict(permute_weights(load_file(os.path.join(src, "model.safetensors")).items(), plan, counts=counts))
+    assert counts == {"renamed": moe_layers * 8 * 3, "reordered": reordered}
+    out = tmp_path / "m"
+    os.makedirs(out)
+    save_file(permuted, str(out / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(os.path.join(src, "config.json"), out / "config.json")
+    a = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    b = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    x = torch.tensor([[5, 77, 300, 12, 9, 1000, 42, 7, 8, 2000]])
+    with torch.no_grad():
+        la, lb = a(x).logits, b(x).logits
+    torch.testing.assert_close(lb, la, rtol=0, atol=1e-5)
+    c = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()  # the bias left in checkpoint order
+    c.load_state_dict({k: v for k, v in b.state_dict().items() if "correction_bias" not in k}, strict=False)
+    if arch != "qwen2_moe":
+        with torch.no_grad():
+            assert not torch.allclose(c(x).logits, la, atol=1e-5)  # so the bias's order is what the test checks
+
+
+def test_an_unknown_per_expert_tensor_is_refused_not_left_in_order(tmp_path):
+    """A tensor of an MoE layer's block with an extent of E that is neither an expert's, the
+    router's nor a shared expert's is refused by name (it would keep checkpoint order)."""
+    from vllm_smoe.serving.loader import permute_weights
+
+    plan = make_load_plan(derangement_yaml(tmp_path / "p.yaml", ep=4, layers=1, experts=4, top_k=2), _TINY,
+                          str(tmp_path), None)
+    fine = [("model.layers.0.mlp.gate.weight", torch.zeros(4, 8)), ("model.layers.0.mlp.router.bias", torch.zeros(4)),
+            ("model.layers.0.mlp.moe_statics.e_score_correction_bias", torch.arange(4.0)[None]),
+            ("model.layers.0.mlp.shared_expert.up_proj.weight", torch.zeros(4, 8)),
+            ("model.layers.0.mlp.shared_expert_gate.weight", torch.zeros(1, 8)),
+            ("model.layers.1.mlp.gate_proj.weight", torch.zeros(4, 8)),  # no MoE layer 1 in this plan
+            ("model.layers.0.self_attn.q_proj.weight", torch.zeros(4, 8))]
+    got = dict(permute_weights(fine, plan))
+    assert got["model.layers.0.mlp.moe_statics.e_score_correction_bias"][0].tolist() == \
+        plan.slot2expert[0].astype(float).tolist()
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj_bias \(shape \(4, 16\)\)"):
+        list(permute_weights([("model.layers.0.mlp.experts.gate_up_proj_bias", torch.zeros(4, 16))], plan))
+
+
 @pytest.mark.parametrize("edit, words", [
     (dict(layers=3), "model.num_layers"),
     (dict(experts=16, ep=16), "model.num_experts"),

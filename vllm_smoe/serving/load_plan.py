@@ -30,9 +30,13 @@ from ..placement.groups import broken_group
 from ..placement.counts import rank_sizes
 
 # a router parameter of MoE layer ``layer`` as checkpoints and vLLM's models name it: the rows the
-# loader permutes into router order and a live swap permutes again
-ROUTER_PARAM = re.compile(r"^.*\.layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.gate\."
-                          r"(?:weight|e_score_correction_bias)$")
+# loader permutes into router order and a live swap permutes again (``router``: Llama 4;
+# ``moe_statics``: ERNIE 4.5's checkpoints keep the score bias there, [1, E])
+ROUTER_PARAM = re.compile(r"^.*\.layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe|feed_forward)\."
+                          r"(?:gate|router|moe_statics)\.(?:weight|bias|e_score_correction_bias)$")
+# any tensor of a decoder layer's feed-forward block: one with an extent of E that smoe does not
+# know is refused at load rather than left in checkpoint order (a silent change of routing)
+MOE_BLOCK_PARAM = re.compile(r"^.*\.layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.(?P<rest>.+)$")
 
 
 def initial_physical_names(num_experts: int, num_physical: int) -> np.ndarray:

@@ -29,7 +29,7 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from .config import SmoeConfig
-from .load_plan import ROUTER_PARAM, LoadPlan, initial_physical_names
+from .load_plan import MOE_BLOCK_PARAM, ROUTER_PARAM, LoadPlan, initial_physical_names
 from .served import Worker, placement_for, start_worker
 
 logger = logging.getLogger("vllm.smoe")  # under vLLM's logger: same handlers and level
@@ -82,12 +82,32 @@ def permute_weights(weights: Iterable[tuple[str, torch.Tensor]], plan: LoadPlan,
                 raise ValueError(f"{name}: experts stored stacked in one tensor cannot take replicas yet; build the "
                                  f"placement without --replicas")
             if layer is not None:
-                if gate_rows is not None and name.endswith("gate.weight"):
+                if gate_rows is not None and name.endswith(("gate.weight", "router.weight")):
                     gate_rows[layer] = tensor
                 idx = torch.as_tensor(plan.slot2expert[layer], device=tensor.device)
-                tensor = tensor.index_select(0, idx)
+                tensor = tensor.index_select(_expert_dim(name, tensor, idx.numel()), idx)
                 counts["reordered"] = counts.get("reordered", 0) + 1
+            yield name, tensor
+            continue
+        m = MOE_BLOCK_PARAM.match(name)
+        E = plan.slot2expert.shape[1]
+        if (m is not None and plan.layer_of(int(m["layer"])) is not None and E in tuple(tensor.shape)
+                and "shared_expert" not in m["rest"]):
+            raise ValueError(f"smoe placement: {name} (shape {tuple(tensor.shape)}) has an extent of {E}, the "
+                             f"expert count, in an MoE layer, and smoe does not know how to put it in the "
+                             f"placement's order; serving it unchanged could change the routing. Serve this "
+                             f"model without a placement (mode record), or report the tensor name")
         yield name, tensor
+
+
+def _expert_dim(name: str, tensor: torch.Tensor, num_experts: int) -> int:
+    """The dimension of a router or stacked expert tensor that runs over experts: the first of
+    extent E (router weights [E, hidden], score biases [E] or ERNIE's [1, E], stacked experts [E, ...])."""
+    for dim, n in enumerate(tensor.shape):
+        if n == num_experts:
+            return dim
+    raise ValueError(f"smoe placement: {name} (shape {tuple(tensor.shape)}) has no extent of {num_experts}, "
+                     f"the expert count: not a router or stacked expert tensor smoe can order")
 
 
 class SmoeModelLoader(DefaultModelLoader):
