@@ -428,6 +428,7 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
     whole = max_moves >= int((target != current).sum()) and all(
         x.loads(target[i]).max() <= max(x.cap, x.loads(current[i]).max()) + 1e-9 for i, x in enumerate(layers))
     if whole and sum(x.score(target[i]) for i, x in enumerate(layers)) > value:
+        resolved = False
         for layer, x in enumerate(layers):
             x.e2r = target[layer].copy()
     score["result"] = sum(x.local(x.e2r) for x in layers)
@@ -436,6 +437,5 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
     load["fresh"] = max(x.load_ratio(target[layer]) for layer, x in enumerate(layers))
     out = np.stack([x.e2r for x in layers]).astype(np.int32)
     info = {"moved": int((out != current).sum()), "cycles": applied, "swaps": swapped, "resolved": resolved,
-            "programs": programs,
-            "fresh_moves": int((target != current).sum()), "score": score, "expert_load": load}
+            "programs": programs, "fresh_moves": int((target != current).sum()), "score": score, "expert_load": load}
     return out, info
