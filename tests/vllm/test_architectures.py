@@ -4,8 +4,10 @@ generation, and the recorded top-k sets equal transformers' router, so recording
 work for them. Random checkpoints built in the test (8 experts, top-2, 3 decoder layers):
 Mixtral (softmax top-2, no shared expert), Qwen2-MoE (a gated shared expert, top-k not
 renormalised), OLMoE (query / key norms), GLM-4.5 (a dense first layer, a shared expert,
-sigmoid grouped top-k with the correction bias: 2 MoE layers of 3). Speculate is refused for
-them where vLLM runs the block without sequence parallelism: see tests/unit."""
+sigmoid grouped top-k with the correction bias: 2 MoE layers of 3), Llama 4's text model (top-1,
+experts every second layer, stacked expert tensors, a sigmoid router named ``router``: 1 MoE
+layer of 3). Speculate is refused for them where vLLM runs the block without sequence
+parallelism: see tests/unit."""
 
 import json
 import os
@@ -19,8 +21,9 @@ import yaml
 from vllm_smoe.formats.trace import read_traces
 from tests.support import HELPER, heldout_prompts, transformers_greedy
 
-DECODER_LAYERS, EXPERTS, TOP_K = 3, 8, 2
-ARCHS = {"mixtral": 3, "qwen2_moe": 3, "olmoe": 3, "glm4_moe": 2}  # -> MoE layers
+DECODER_LAYERS, EXPERTS = 3, 8
+# -> (MoE layers, top-k): vLLM runs Llama 4 with top-1 only (its router weight applied on the input)
+ARCHS = {"mixtral": (3, 2), "qwen2_moe": (3, 2), "olmoe": (3, 2), "glm4_moe": (2, 2), "llama4": (1, 1)}
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -33,7 +36,7 @@ def test_placement_at_load_and_recording_equal_transformers(tmp_path, arch):
     from vllm_smoe.testbed.models import build_random
     from vllm_smoe.testbed.record import router_topk
 
-    LAYERS = ARCHS[arch]
+    LAYERS, TOP_K = ARCHS[arch]
     model_dir = str(tmp_path / arch)  # random weights, the fixture's tokenizer (as smoe-testbed build)
     build_random(arch, model_dir, FIXTURE_MODEL, num_layers=DECODER_LAYERS, num_experts=EXPERTS, top_k=TOP_K)
     moved = tmp_path / "moved.yaml"  # one expert per rank, every expert moved, differently per layer

@@ -9,7 +9,7 @@ import os
 
 from ..formats.model_info import moe_layer_indices, num_experts, top_k
 
-ARCHS = ("qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "qwen2_moe", "olmoe", "glm4_moe")
+ARCHS = ("qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "qwen2_moe", "olmoe", "glm4_moe", "llama4")
 TRAINABLE = ("qwen3_moe", "deepseek_v2", "deepseek_v3")
 
 # The trained multi-domain fixture and the random fixtures share these sizes.
@@ -103,6 +103,16 @@ def make_config(arch: str, vocab_size: int, hidden_size: int = 128, num_layers: 
             first_k_dense_replace=1, n_group=max(1, num_experts // 8),
             topk_group=min(2, max(1, num_experts // 8)), routed_scaling_factor=2.5, norm_topk_prob=True,
             use_qk_norm=True,
+        )
+    if arch == "llama4":
+        from transformers import Llama4TextConfig
+
+        # Llama 4's text model: experts every second layer (interleave_moe_layer_step), a shared
+        # expert, a sigmoid router over stacked expert tensors; top-k as given (Llama 4 uses 1)
+        return Llama4TextConfig(
+            **common, num_key_value_heads=max(1, hidden_size // 64), head_dim=32,
+            intermediate_size=moe_intermediate_size, intermediate_size_mlp=4 * hidden_size,
+            num_local_experts=num_experts, num_experts_per_tok=top_k, interleave_moe_layer_step=2,
         )
     raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
 
