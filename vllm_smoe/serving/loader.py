@@ -64,6 +64,7 @@ def permute_weights(weights: Iterable[tuple[str, torch.Tensor]], plan: LoadPlan,
     ordinal (for a live re-placement where vLLM drops the loaded weight, see :mod:`.live`)."""
     counts = counts if counts is not None else {}
     targets = _slot_names(plan, slots)
+    E = plan.slot2expert.shape[1]
     for name, tensor in weights:
         m = _EXPERT.match(name)
         if m is not None:
@@ -85,12 +86,11 @@ def permute_weights(weights: Iterable[tuple[str, torch.Tensor]], plan: LoadPlan,
                 if gate_rows is not None and name.endswith(("gate.weight", "router.weight")):
                     gate_rows[layer] = tensor
                 idx = torch.as_tensor(plan.slot2expert[layer], device=tensor.device)
-                tensor = tensor.index_select(_expert_dim(name, tensor, idx.numel()), idx)
+                tensor = tensor.index_select(_expert_dim(name, tensor, E), idx)
                 counts["reordered"] = counts.get("reordered", 0) + 1
             yield name, tensor
             continue
         m = MOE_BLOCK_PARAM.match(name)
-        E = plan.slot2expert.shape[1]
         if (m is not None and plan.layer_of(int(m["layer"])) is not None and E in tuple(tensor.shape)
                 and "shared_expert" not in m["rest"]):
             raise ValueError(f"smoe placement: {name} (shape {tuple(tensor.shape)}) has an extent of {E}, the "
