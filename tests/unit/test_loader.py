@@ -74,18 +74,23 @@ def _random_moe(arch, out_dir):
     tensors = load_file(path)
     g = torch.Generator().manual_seed(1)
     for k in tensors:
-        if k.endswith(("mlp.gate.weight", "e_score_correction_bias")):
+        if k.endswith(("mlp.gate.weight", "e_score_correction_bias", "router.weight", "router.bias",
+                       "router.layer.weight")):
             tensors[k] = torch.randn(tensors[k].shape, generator=g) * 0.5
     save_file(tensors, path, metadata={"format": "pt"})
     return AutoConfig.from_pretrained(out_dir)
 
 
-@pytest.mark.parametrize("arch, moe_layers, reordered", [
-    ("glm4_moe", 2, 4),  # router weight and score bias [E] per MoE layer; layer 0 dense
-    ("ernie4_5_moe", 2, 4),  # the score bias in moe_statics, [1, E]
-    ("qwen2_moe", 3, 3),  # the shared expert's gate has one row: left alone
+@pytest.mark.parametrize("arch, moe_layers, renamed, reordered", [
+    ("glm4_moe", 2, 2 * 8 * 3, 4),  # router weight and score bias [E] per MoE layer; layer 0 dense
+    ("ernie4_5_moe", 2, 2 * 8 * 3, 4),  # the score bias in moe_statics, [1, E]
+    ("qwen2_moe", 3, 3 * 8 * 3, 3),  # the shared expert's gate has one row: left alone
+    ("exaone_moe", 2, 2 * 8 * 3, 4),  # the score bias straight under the block; layer 0 dense (a kind list)
+    ("gpt_oss", 3, 0, 3 * 6),  # router weight and bias, stacked experts and their biases
+    ("granitemoe", 3, 0, 3 * 3),  # router.layer, input_linear / output_linear stacked
 ])
-def test_permuted_checkpoint_of_other_architectures_is_the_same_function(tmp_path, arch, moe_layers, reordered):
+def test_permuted_checkpoint_of_other_architectures_is_the_same_function(tmp_path, arch, moe_layers, renamed,
+                                                                         reordered):
     """As above, for architectures with a score bias or a shared expert beside the router."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
@@ -100,7 +105,7 @@ def test_permuted_checkpoint_of_other_architectures_is_the_same_function(tmp_pat
                                            top_k=2), cfg, src, None)
     counts = {}
     permuted = dict(permute_weights(load_file(os.path.join(src, "model.safetensors")).items(), plan, counts=counts))
-    assert counts == {"renamed": moe_layers * 8 * 3, "reordered": reordered}
+    assert counts == ({"renamed": renamed} if renamed else {}) | {"reordered": reordered}
     out = tmp_path / "m"
     os.makedirs(out)
     save_file(permuted, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -112,8 +117,9 @@ def test_permuted_checkpoint_of_other_architectures_is_the_same_function(tmp_pat
         la, lb = a(x).logits, b(x).logits
     torch.testing.assert_close(lb, la, rtol=0, atol=1e-5)
     c = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()  # the bias left in checkpoint order
-    c.load_state_dict({k: v for k, v in b.state_dict().items() if "correction_bias" not in k}, strict=False)
-    if arch != "qwen2_moe":
+    c.load_state_dict({k: v for k, v in b.state_dict().items() if not k.endswith(("correction_bias", "router.bias"))},
+                      strict=False)
+    if arch not in ("qwen2_moe", "granitemoe"):
         with torch.no_grad():
             assert not torch.allclose(c(x).logits, la, atol=1e-5)  # so the bias's order is what the test checks
 
@@ -134,8 +140,29 @@ def test_an_unknown_per_expert_tensor_is_refused_not_left_in_order(tmp_path):
     got = dict(permute_weights(fine, plan))
     assert got["model.layers.0.mlp.moe_statics.e_score_correction_bias"][0].tolist() == \
         plan.slot2expert[0].astype(float).tolist()
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj_bias \(shape \(4, 16\)\)"):
-        list(permute_weights([("model.layers.0.mlp.experts.gate_up_proj_bias", torch.zeros(4, 16))], plan))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.expert_scale \(shape \(4, 16\)\)"):
+        list(permute_weights([("model.layers.0.mlp.expert_scale", torch.zeros(4, 16))], plan))
+
+
+def test_a_checkpoint_naming_its_router_or_experts_otherwise_is_refused(tmp_path):
+    """Every MoE layer must have had its router weight and its experts put in order; a checkpoint
+    that names them in a way smoe does not know (DBRX's ``transformer.blocks.<i>.ffn``) is refused
+    at the end of the stream, naming the layer, rather than served half placed."""
+    from vllm_smoe.serving.loader import check_covered, permute_weights
+
+    plan = make_load_plan(derangement_yaml(tmp_path / "p.yaml", ep=4, layers=1, experts=4, top_k=2), _TINY,
+                          str(tmp_path), None)
+    router = ("model.layers.0.mlp.gate.weight", torch.zeros(4, 8))
+    experts = [(f"model.layers.0.mlp.experts.{e}.down_proj.weight", torch.zeros(2, 2)) for e in range(4)]
+    for stream, missing in (([router] + experts, None), (experts, "router weight"), ([router], "experts"),
+                            ([("transformer.blocks.0.ffn.router.layer.weight", torch.zeros(4, 8))], "router weight")):
+        covered = np.zeros((1, 2), dtype=bool)
+        list(permute_weights(stream, plan, covered=covered))
+        if missing is None:
+            check_covered(plan, covered)
+        else:
+            with pytest.raises(ValueError, match=f"no {missing} of decoder layer 0"):
+                check_covered(plan, covered)
 
 
 @pytest.mark.parametrize("edit, words", [

@@ -28,6 +28,18 @@ from vllm_smoe.formats.model_info import moe_layer_indices, num_experts, top_k
       "moe_layer_interval": 1}, [1, 2, 3, 4]),
     ({"model_type": "ernie4_5_moe", "num_hidden_layers": 6, "moe_layer_start_index": 0, "moe_layer_end_index": -1,
       "moe_layer_interval": 2}, [1, 3, 5]),
+    # EXAONE-MoE, Cohere2-MoE: a kind per layer (EXAONE also has first_k_dense_replace; the list wins)
+    ({"model_type": "exaone_moe", "num_hidden_layers": 4, "first_k_dense_replace": 1,
+      "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}, [1, 3]),
+    ({"model_type": "cohere2_moe", "num_hidden_layers": 3, "mlp_layer_types": ["sparse"] * 3}, [0, 1, 2]),
+    # Jamba: a period and an offset
+    ({"model_type": "jamba", "num_hidden_layers": 8, "expert_layer_period": 2, "expert_layer_offset": 1},
+     [1, 3, 5, 7]),
+    # LFM2-MoE, AFMoE: dense first layers under another key
+    ({"model_type": "lfm2_moe", "num_hidden_layers": 5, "num_dense_layers": 2}, [2, 3, 4]),
+    # GPT-OSS, Granite-MoE: every layer; DBRX names its layer count n_layers
+    ({"model_type": "gpt_oss", "num_hidden_layers": 3, "num_local_experts": 8}, [0, 1, 2]),
+    ({"model_type": "dbrx", "n_layers": 2, "ffn_config": {"moe_num_experts": 16, "moe_top_k": 4}}, [0, 1]),
 ])
 def test_moe_layers_by_config_keys(cfg, layers):
     assert moe_layer_indices(cfg) == layers
@@ -48,7 +60,18 @@ def test_the_transformers_configs_of_the_testbed_agree_with_vllm_models():
 def test_expert_and_top_k_keys():
     assert num_experts({"moe_num_experts": 64}) == 64 and top_k({"moe_k": 6}) == 6
     assert num_experts({"n_routed_experts": 256, "num_experts": None}) == 256
+    dbrx = {"n_layers": 2, "ffn_config": {"moe_num_experts": 16, "moe_top_k": 4}}
+    assert (num_experts(dbrx), top_k(dbrx)) == (16, 4)
     with pytest.raises(ValueError, match="expert count"):
         num_experts({"hidden_size": 8})
     with pytest.raises(ValueError, match="routed experts per token"):
         top_k({"num_experts": 8})
+
+
+def test_a_layer_kind_list_smoe_cannot_read_is_refused_by_field():
+    with pytest.raises(ValueError, match="'mlp_layer_types'"):
+        moe_layer_indices({"num_hidden_layers": 3, "mlp_layer_types": ["dense", "moe", "moe"]})
+    with pytest.raises(ValueError, match="'mlp_layer_types'"):
+        moe_layer_indices({"num_hidden_layers": 3, "mlp_layer_types": ["sparse"]})
+    with pytest.raises(ValueError, match="decoder layer count"):
+        moe_layer_indices({"num_experts": 8})

@@ -6,8 +6,12 @@ Mixtral (softmax top-2, no shared expert), Qwen2-MoE (a gated shared expert, top
 renormalised), OLMoE (query / key norms), GLM-4.5 (a dense first layer, a shared expert,
 sigmoid grouped top-k with the correction bias: 2 MoE layers of 3), Llama 4's text model (top-1,
 experts every second layer, stacked expert tensors, a sigmoid router named ``router``: 1 MoE
-layer of 3). Speculate is refused for them where vLLM runs the block without sequence
-parallelism: see tests/unit."""
+layer of 3), GPT-OSS (stacked experts with per-expert biases, a router with a bias, attention
+sinks), Granite-MoE (stacked ``input_linear`` / ``output_linear``, a router named
+``router.layer``), EXAONE-MoE (layer kinds listed, a dense first layer, a score bias straight
+under the block: 2 MoE layers of 3). Speculate is refused for them where vLLM runs the block
+without sequence parallelism (see tests/unit); GPT-OSS runs it so, and is served at TP=2 + EP
+the README's way below."""
 
 import json
 import os
@@ -23,7 +27,8 @@ from tests.support import HELPER, heldout_prompts, transformers_greedy
 
 DECODER_LAYERS, EXPERTS = 3, 8
 # -> (MoE layers, top-k): vLLM runs Llama 4 with top-1 only (its router weight applied on the input)
-ARCHS = {"mixtral": (3, 2), "qwen2_moe": (3, 2), "olmoe": (3, 2), "glm4_moe": (2, 2), "llama4": (1, 1)}
+ARCHS = {"mixtral": (3, 2), "qwen2_moe": (3, 2), "olmoe": (3, 2), "glm4_moe": (2, 2), "llama4": (1, 1),
+         "gpt_oss": (3, 2), "granitemoe": (3, 2), "exaone_moe": (2, 2)}
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -69,3 +74,29 @@ def test_placement_at_load_and_recording_equal_transformers(tmp_path, arch):
         mismatched += int((got != np.sort(ids, -1)).any(-1).sum())
     assert checked == LAYERS * (sum(map(len, prompts)) + 5 * len(prompts)) and mismatched == 0, \
         f"{mismatched} of {checked} (token, layer) top-k sets differ"
+
+
+def test_gpt_oss_taken_the_readme_way_at_tp2_ep_gives_plain_tokens(tmp_path):
+    """GPT-OSS runs its MoE block sequence parallel, so speculate serves it: recorded routing,
+    ``smoe-place build``, then TP=2 + EP with the tables' token order and with the router run
+    ahead (its gate is the block's ``router``, with a bias). Greedy tokens equal plain TP=2."""
+    from tests.vllm.test_uneven import _run
+    from tests.support import vllm_runs
+
+    model, trace, placement = tmp_path / "gpt_oss", tmp_path / "rec.npz", tmp_path / "p.yaml"
+    _run("vllm_smoe.tools.testbed_cli", "build", "--arch", "gpt_oss", "--experts", "8", "--top-k", "2",
+         "--layers", "2", "-o", str(model))
+    _run("vllm_smoe.tools.testbed_cli", "record", "--model", str(model), "--requests", "8", "--seq-len", "64",
+         "-o", str(trace))
+    _run("vllm_smoe.tools.place_cli", "build", "--trace", str(trace), "--ep-size", "2", "--model", str(model),
+         "-o", str(placement))
+    prompts = heldout_prompts(6, length=lambda i, r: 5 + 3 * i)
+    base = {"model": str(model), "prompts": prompts, "max_tokens": 10}
+    spec = {"placement": str(placement), "mode": "speculate", "log_interval": 0.2}
+    runs = [dict(base, ep=False), dict(base, ep=True, extra={"smoe": spec}),
+            dict(base, ep=True, extra={"smoe": dict(spec, predictor="router")})]
+    (plain, _), (tables, tables_log), (router, router_log) = vllm_runs(runs, tmp_path, tp=2)
+    assert tables["tokens"] == plain["tokens"]
+    assert router["tokens"] == plain["tokens"]
+    for log, predictor in ((tables_log, "tables"), (router_log, "router")):
+        assert f"smoe: speculate (predictor {predictor}): rank 0 served" in log, log[-2000:]

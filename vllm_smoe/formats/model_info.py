@@ -13,12 +13,23 @@ def _get(cfg, key, default=None):
 def moe_layer_indices(cfg) -> list[int]:
     """Decoder layer indices holding a routed MoE block, in order, by the config keys vLLM's
     models read (not by ``model_type``, so kin architectures that share a key are counted alike):
+    ``mlp_layer_types`` ("sparse" / "dense" per layer: EXAONE-MoE, Cohere2-MoE),
     ``moe_layer_start_index`` / ``_end_index`` / ``_interval`` (ERNIE 4.5),
     ``interleave_moe_layer_step`` (Llama 4; vLLM reads it, not the config's ``moe_layers``),
+    ``expert_layer_period`` / ``_offset`` (Jamba), ``num_dense_layers`` (LFM2-MoE, AFMoE),
     ``first_k_dense_replace`` with ``moe_layer_freq`` (DeepSeek, GLM-4.5, dots.llm1, Ling),
     ``decoder_sparse_step`` with ``mlp_only_layers`` (Qwen2/3-MoE); every layer otherwise
-    (Mixtral, OLMoE)."""
-    n = int(_get(cfg, "num_hidden_layers"))
+    (Mixtral, OLMoE, GPT-OSS, Granite-MoE, MiniMax)."""
+    n = _get(cfg, "num_hidden_layers", _get(cfg, "n_layers"))  # n_layers: DBRX
+    if n is None:
+        raise ValueError("config names no decoder layer count (num_hidden_layers / n_layers)")
+    n = int(n)
+    kinds = _get(cfg, "mlp_layer_types")
+    if kinds:
+        if len(kinds) < n or any(k not in ("sparse", "dense") for k in kinds[:n]):
+            raise ValueError(f"config field 'mlp_layer_types' = {kinds!r}: expected 'sparse' or 'dense' for each "
+                             f"of the {n} decoder layers")
+        return [i for i in range(n) if kinds[i] == "sparse"]
     if any(_get(cfg, k) is not None for k in ("moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval")):
         start = int(_get(cfg, "moe_layer_start_index", 0) or 0)
         end = _get(cfg, "moe_layer_end_index", n - 1)
@@ -28,6 +39,12 @@ def moe_layer_indices(cfg) -> list[int]:
     step = _get(cfg, "interleave_moe_layer_step")
     if step is not None:
         return [i for i in range(n) if int(step) > 0 and (i + 1) % int(step) == 0]
+    period = _get(cfg, "expert_layer_period")
+    if period is not None:
+        offset = int(_get(cfg, "expert_layer_offset", 0) or 0)
+        return [i for i in range(n) if int(period) > 0 and i % int(period) == offset]
+    if _get(cfg, "num_dense_layers") is not None:
+        return list(range(int(_get(cfg, "num_dense_layers") or 0), n))
     if _get(cfg, "first_k_dense_replace") is not None:
         first = int(_get(cfg, "first_k_dense_replace", 0) or 0)
         freq = int(_get(cfg, "moe_layer_freq", 1) or 1)
@@ -39,13 +56,21 @@ def moe_layer_indices(cfg) -> list[int]:
     return list(range(n))
 
 
+def _ffn(cfg):
+    """DBRX keeps its expert count and top-k in a nested ``ffn_config``."""
+    ffn = _get(cfg, "ffn_config")
+    return ffn if ffn is not None else {}
+
+
 def num_experts(cfg) -> int:
     for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
         v = _get(cfg, key)
         if v:
             return int(v)
+    if _get(_ffn(cfg), "moe_num_experts"):
+        return int(_get(_ffn(cfg), "moe_num_experts"))
     raise ValueError("config names no expert count (num_experts / num_local_experts / n_routed_experts / "
-                     "moe_num_experts)")
+                     "moe_num_experts / ffn_config.moe_num_experts)")
 
 
 def top_k(cfg) -> int:
@@ -53,7 +78,10 @@ def top_k(cfg) -> int:
         v = _get(cfg, key)
         if v:
             return int(v)
-    raise ValueError("config names no routed experts per token (num_experts_per_tok / moe_k / moe_topk)")
+    if _get(_ffn(cfg), "moe_top_k"):
+        return int(_get(_ffn(cfg), "moe_top_k"))
+    raise ValueError("config names no routed experts per token (num_experts_per_tok / moe_k / moe_topk / "
+                     "ffn_config.moe_top_k)")
 
 
 def expert_groups(cfg) -> int:

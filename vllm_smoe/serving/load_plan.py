@@ -30,10 +30,13 @@ from ..placement.groups import broken_group
 from ..placement.counts import rank_sizes
 
 # a router parameter of MoE layer ``layer`` as checkpoints and vLLM's models name it: the rows the
-# loader permutes into router order and a live swap permutes again (``router``: Llama 4;
-# ``moe_statics``: ERNIE 4.5's checkpoints keep the score bias there, [1, E])
+# loader permutes into router order and a live swap permutes again. ``router``: Llama 4 and
+# GPT-OSS (with a bias); ``router.layer``: Granite-MoE; ``router.gate``: AFMoE's checkpoints;
+# ``moe_statics``: ERNIE 4.5 keeps the score bias there, [1, E]; a score bias straight under the
+# block: EXAONE-MoE, MiniMax-M2 (``e_score_correction_bias``), LFM2-MoE and AFMoE (``expert_bias``)
 ROUTER_PARAM = re.compile(r"^.*\.layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe|feed_forward)\."
-                          r"(?:gate|router|moe_statics)\.(?:weight|bias|e_score_correction_bias)$")
+                          r"(?:(?:gate|router|router\.layer|router\.gate|moe_statics)\."
+                          r"(?:weight|bias|e_score_correction_bias)|e_score_correction_bias|expert_bias)$")
 # any tensor of a decoder layer's feed-forward block: one with an extent of E that smoe does not
 # know is refused at load rather than left in checkpoint order (a silent change of routing)
 MOE_BLOCK_PARAM = re.compile(r"^.*\.layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.(?P<rest>.+)$")

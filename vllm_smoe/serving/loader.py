@@ -35,7 +35,11 @@ from .served import Worker, placement_for, start_worker
 logger = logging.getLogger("vllm.smoe")  # under vLLM's logger: same handlers and level
 
 _EXPERT = re.compile(r"^(?P<pre>.*\.layers\.(?P<layer>\d+)\.(?:[^.]+\.)*?)experts\.(?P<e>\d+)\.(?P<rest>.+)$")
-_FUSED = re.compile(r"^.*\.layers\.(?P<layer>\d+)\..*\.experts\.(?:gate_up_proj|down_proj)(?:\.weight)?$")
+# experts stacked in one tensor per projection, [E, ...]: Llama 4 and GPT-OSS (``experts.gate_up_proj``,
+# with GPT-OSS's per-expert biases and its MXFP4 ``_blocks`` / ``_scales``), Granite-MoE
+# (``input_linear`` / ``output_linear`` straight under the block)
+_FUSED = re.compile(r"^.*\.layers\.(?P<layer>\d+)\.(?:.*\.experts\.(?:gate_up_proj|down_proj)(?:_bias|_blocks|_scales)?"
+                    r"|block_sparse_moe\.(?:input_linear|output_linear))(?:\.weight)?$")
 
 
 def _slot_names(plan: LoadPlan, slots: range | None) -> list[list[list[int]]]:
@@ -55,16 +59,19 @@ def _slot_names(plan: LoadPlan, slots: range | None) -> list[list[list[int]]]:
 
 
 def permute_weights(weights: Iterable[tuple[str, torch.Tensor]], plan: LoadPlan, slots: range | None = None,
-                    counts: dict | None = None, gate_rows: dict | None = None
+                    counts: dict | None = None, gate_rows: dict | None = None, covered: np.ndarray | None = None
                     ) -> Generator[tuple[str, torch.Tensor], None, None]:
     """Rename per-expert tensors to their slots (a tensor once per slot of ``slots`` holding its
     expert: this rank's slots with replicas, None = every slot); reorder router rows and fused
     expert tensors. ``counts`` (optional) tallies "renamed" and "reordered" tensors;
     ``gate_rows`` (optional) keeps each MoE layer's router weight in checkpoint order, by MoE
-    ordinal (for a live re-placement where vLLM drops the loaded weight, see :mod:`.live`)."""
+    ordinal (for a live re-placement where vLLM drops the loaded weight, see :mod:`.live`);
+    ``covered`` (optional, [L, 2] bool, updated in place): MoE layer l had its router weight
+    reordered (column 0) and its experts renamed or reordered (column 1), for :func:`check_covered`."""
     counts = counts if counts is not None else {}
     targets = _slot_names(plan, slots)
     E = plan.slot2expert.shape[1]
+    covered = covered if covered is not None else np.zeros((len(plan.moe_layers), 2), dtype=bool)
     for name, tensor in weights:
         m = _EXPERT.match(name)
         if m is not None:
@@ -72,6 +79,7 @@ def permute_weights(weights: Iterable[tuple[str, torch.Tensor]], plan: LoadPlan,
             if layer is None:
                 yield name, tensor
                 continue
+            covered[layer, 1] = True
             for slot in targets[layer][int(m["e"])]:
                 counts["renamed"] = counts.get("renamed", 0) + 1
                 yield f"{m['pre']}experts.{slot}.{m['rest']}", tensor
@@ -83,8 +91,12 @@ def permute_weights(weights: Iterable[tuple[str, torch.Tensor]], plan: LoadPlan,
                 raise ValueError(f"{name}: experts stored stacked in one tensor cannot take replicas yet; build the "
                                  f"placement without --replicas")
             if layer is not None:
-                if gate_rows is not None and name.endswith(("gate.weight", "router.weight")):
-                    gate_rows[layer] = tensor
+                is_router = ROUTER_PARAM.match(name) is not None
+                if is_router and name.endswith(".weight"):
+                    covered[layer, 0] = True
+                    if gate_rows is not None:
+                        gate_rows[layer] = tensor
+                covered[layer, 1] |= not is_router
                 idx = torch.as_tensor(plan.slot2expert[layer], device=tensor.device)
                 tensor = tensor.index_select(_expert_dim(name, tensor, E), idx)
                 counts["reordered"] = counts.get("reordered", 0) + 1
@@ -98,6 +110,20 @@ def permute_weights(weights: Iterable[tuple[str, torch.Tensor]], plan: LoadPlan,
                              f"placement's order; serving it unchanged could change the routing. Serve this "
                              f"model without a placement (mode record), or report the tensor name")
         yield name, tensor
+
+
+def check_covered(plan: LoadPlan, covered: np.ndarray) -> None:
+    """After the whole checkpoint streamed through :func:`permute_weights`: every MoE layer had its
+    router weight and its experts put in placement order. A checkpoint naming them otherwise would
+    be served half placed (routing silently changed, recorded ids mislabelled): refused, by layer."""
+    missing = [(plan.moe_layers[i], what) for i in range(covered.shape[0])
+               for what, seen in (("router weight", covered[i, 0]), ("experts", covered[i, 1])) if not seen]
+    if missing:
+        layer, what = missing[0]
+        raise ValueError(f"smoe placement: no {what} of decoder layer {layer} (an MoE layer) was found in the "
+                         f"checkpoint under a name smoe reorders (...layers.<i>.<mlp|block_sparse_moe|feed_forward>."
+                         f"<gate|router>.weight, experts.<e>.*, stacked experts); {len(missing)} such gaps in all. "
+                         f"Serve this model without a placement (mode record), or report its tensor names")
 
 
 def _expert_dim(name: str, tensor: torch.Tensor, num_experts: int) -> int:
@@ -162,7 +188,9 @@ class SmoeModelLoader(DefaultModelLoader):
             return
         counts: dict = {}
         slots = self.plan.local_slots(self._ep_rank()) if self.plan.num_redundant else None
-        yield from permute_weights(weights, self.plan, slots, counts, self.gate_rows)
+        covered = np.zeros((len(self.plan.moe_layers), 2), dtype=bool)
+        yield from permute_weights(weights, self.plan, slots, counts, self.gate_rows, covered)
+        check_covered(self.plan, covered)
         L, P = self.plan.physical2expert.shape
         start = initial_physical_names(self.plan.slot2expert.shape[1], P)
         moved = int(np.count_nonzero(self.plan.physical2expert != start))

@@ -78,10 +78,13 @@ def find_moe_experts(model: torch.nn.Module, moe_layers: tuple[int, ...]
 def gate_ahead(block: torch.nn.Module, experts: torch.nn.Module) -> tuple[bool, str, torch.nn.Module | None]:
     """``(ok, reason, gate)`` for predictor ``router``: the gate vLLM applies to this block's rows,
     held either by the FusedMoE runner (``router_logits`` is then the rows themselves) or by the
-    block, and a router whose pure routing step (``_compute_routing``) smoe can call on them."""
-    gate = getattr(experts, "gate", None) or getattr(block, "gate", None)
-    if not isinstance(gate, torch.nn.Module):
-        return False, f"{type(block).__name__} has no gate module (neither the block nor its FusedMoE holds one)", None
+    block (``gate``; GPT-OSS and Llama 4 name it ``router``), and a router whose pure routing step
+    (``_compute_routing``) smoe can call on them."""
+    held = (getattr(experts, "gate", None), getattr(block, "gate", None), getattr(block, "router", None))
+    gate = next((g for g in held if isinstance(g, torch.nn.Module)), None)
+    if gate is None:
+        return False, (f"{type(block).__name__} has no gate module (neither the block's gate or router nor its "
+                       f"FusedMoE's gate)"), None
     if not callable(getattr(experts.router, "_compute_routing", None)):
         return False, f"{type(experts.router).__name__} has no _compute_routing (vLLM's BaseRouter API changed)", None
     return True, "", gate

@@ -9,7 +9,8 @@ import os
 
 from ..formats.model_info import moe_layer_indices, num_experts, top_k
 
-ARCHS = ("qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "qwen2_moe", "olmoe", "glm4_moe", "llama4")
+ARCHS = ("qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "qwen2_moe", "olmoe", "glm4_moe", "llama4", "gpt_oss",
+         "granitemoe", "exaone_moe")
 TRAINABLE = ("qwen3_moe", "deepseek_v2", "deepseek_v3")
 
 # The trained multi-domain fixture and the random fixtures share these sizes.
@@ -113,6 +114,37 @@ def make_config(arch: str, vocab_size: int, hidden_size: int = 128, num_layers: 
             **common, num_key_value_heads=max(1, hidden_size // 64), head_dim=32,
             intermediate_size=moe_intermediate_size, intermediate_size_mlp=4 * hidden_size,
             num_local_experts=num_experts, num_experts_per_tok=top_k, interleave_moe_layer_step=2,
+        )
+    if arch == "gpt_oss":
+        from transformers import GptOssConfig
+
+        # GPT-OSS's shape: stacked experts with per-expert biases, a router with a bias, attention
+        # sinks, sliding and full attention layers alternating (unquantized here, not MXFP4)
+        return GptOssConfig(
+            **common, num_key_value_heads=max(1, hidden_size // 64), head_dim=32,
+            intermediate_size=moe_intermediate_size, num_local_experts=num_experts, num_experts_per_tok=top_k,
+            sliding_window=64, layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                                            for i in range(num_layers)],
+        )
+    if arch == "granitemoe":
+        from transformers import GraniteMoeConfig
+
+        # Granite-MoE: stacked experts (input_linear / output_linear), a router named router.layer
+        return GraniteMoeConfig(
+            **common, num_key_value_heads=max(1, hidden_size // 64), intermediate_size=moe_intermediate_size,
+            num_local_experts=num_experts, num_experts_per_tok=top_k,
+        )
+    if arch == "exaone_moe":
+        from transformers import AutoConfig
+
+        # EXAONE-MoE: layer kinds listed (mlp_layer_types, a dense first layer), sigmoid routing with
+        # a score bias straight under the block (mlp.e_score_correction_bias), a shared expert
+        return AutoConfig.for_model(
+            "exaone_moe", **common, num_key_value_heads=max(1, hidden_size // 64), head_dim=32,
+            intermediate_size=4 * hidden_size, moe_intermediate_size=moe_intermediate_size,
+            num_experts=num_experts, num_experts_per_tok=top_k, num_shared_experts=1, first_k_dense_replace=1,
+            mlp_layer_types=["dense"] + ["sparse"] * (num_layers - 1),
+            layer_types=["sliding_attention"] * num_layers,
         )
     raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
 

@@ -196,7 +196,7 @@ PATCHES: tuple[Patch, ...] = (
         kind='method',
         params=('self', 'positions', 'query', 'key'),
         where='patches/cpu.py (fix_cpu_rope)',
-        why='The CPU rotary_embedding op rotates [T, heads*dim] rows but not [T, heads, dim] ones (3-D query left as is, strided 3-D key rotated wrongly), which DeepSeek MLA passes; smoe hands the op contiguous rows and copies back, only for modules built under smoe and 1-D positions.',
+        why='The CPU rotary_embedding op rotates [T, heads*dim] rows but not [T, heads, dim] ones (3-D query left as is, strided 3-D key rotated wrongly), which DeepSeek MLA and LFM2-MoE pass; smoe hands the op contiguous rows and copies back, only for modules built under smoe and 1-D positions.',
         upstream='none filed for CPU; the CUDA op got this fix in vllm-project/vllm#12777 https://github.com/vllm-project/vllm/pull/12777 (and slices in #18046 https://github.com/vllm-project/vllm/pull/18046)',
         remove="vLLM's CPU rotary_embedding op accepts 3-D and strided query/key (as the CUDA op does)",
     ),
