@@ -68,6 +68,20 @@ def _random_moe(arch, out_dir):
                                  moe_num_shared_experts=1, tie_word_embeddings=False)
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out_dir)
+    elif arch == "qwen3_vl_moe":  # a vision-language checkpoint: the language model under text_config
+        from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+        tok = PreTrainedTokenizerFast.from_pretrained(FIXTURE_MODEL)
+        text = dict(vocab_size=len(tok), hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, intermediate_size=256, moe_intermediate_size=64,
+                    num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6],
+                                     "mrope_interleaved": True})
+        vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
+                      deepstack_visual_indexes=[])
+        cfg = Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        Qwen3VLMoeForConditionalGeneration._from_config(cfg, dtype=torch.float32).save_pretrained(out_dir)
     else:
         build_random(arch, out_dir, FIXTURE_MODEL, num_layers=3, num_experts=8, top_k=2)
     path = os.path.join(out_dir, "model.safetensors")
@@ -88,6 +102,7 @@ def _random_moe(arch, out_dir):
     ("exaone_moe", 2, 2 * 8 * 3, 4),  # the score bias straight under the block; layer 0 dense (a kind list)
     ("gpt_oss", 3, 0, 3 * 6),  # router weight and bias, stacked experts and their biases
     ("granitemoe", 3, 0, 3 * 3),  # router.layer, input_linear / output_linear stacked
+    ("qwen3_vl_moe", 3, 0, 3 * 3),  # stacked experts under model.language_model, the config under text_config
 ])
 def test_permuted_checkpoint_of_other_architectures_is_the_same_function(tmp_path, arch, moe_layers, renamed,
                                                                          reordered):
@@ -110,16 +125,19 @@ def test_permuted_checkpoint_of_other_architectures_is_the_same_function(tmp_pat
     os.makedirs(out)
     save_file(permuted, str(out / "model.safetensors"), metadata={"format": "pt"})
     shutil.copy(os.path.join(src, "config.json"), out / "config.json")
-    a = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    b = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    auto = AutoModelForCausalLM
+    if arch == "qwen3_vl_moe":
+        from transformers import AutoModelForImageTextToText as auto
+    a = auto.from_pretrained(src, dtype=torch.float32).eval()
+    b = auto.from_pretrained(str(out), dtype=torch.float32).eval()
     x = torch.tensor([[5, 77, 300, 12, 9, 1000, 42, 7, 8, 2000]])
     with torch.no_grad():
         la, lb = a(x).logits, b(x).logits
     torch.testing.assert_close(lb, la, rtol=0, atol=1e-5)
-    c = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()  # the bias left in checkpoint order
+    c = auto.from_pretrained(src, dtype=torch.float32).eval()  # the bias left in checkpoint order
     c.load_state_dict({k: v for k, v in b.state_dict().items() if not k.endswith(("correction_bias", "router.bias"))},
                       strict=False)
-    if arch not in ("qwen2_moe", "granitemoe"):
+    if arch not in ("qwen2_moe", "granitemoe", "qwen3_vl_moe"):
         with torch.no_grad():
             assert not torch.allclose(c(x).logits, la, atol=1e-5)  # so the bias's order is what the test checks
 
@@ -136,7 +154,8 @@ def test_an_unknown_per_expert_tensor_is_refused_not_left_in_order(tmp_path):
             ("model.layers.0.mlp.shared_expert.up_proj.weight", torch.zeros(4, 8)),
             ("model.layers.0.mlp.shared_expert_gate.weight", torch.zeros(1, 8)),
             ("model.layers.1.mlp.gate_proj.weight", torch.zeros(4, 8)),  # no MoE layer 1 in this plan
-            ("model.layers.0.self_attn.q_proj.weight", torch.zeros(4, 8))]
+            ("model.layers.0.self_attn.q_proj.weight", torch.zeros(4, 8)),
+            ("vision_model.model.layers.0.mlp.fc1.weight", torch.zeros(4, 8))]  # Llama 4's vision tower
     got = dict(permute_weights(fine, plan))
     assert got["model.layers.0.mlp.moe_statics.e_score_correction_bias"][0].tolist() == \
         plan.slot2expert[0].astype(float).tolist()

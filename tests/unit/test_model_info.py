@@ -75,3 +75,22 @@ def test_a_layer_kind_list_smoe_cannot_read_is_refused_by_field():
         moe_layer_indices({"num_hidden_layers": 3, "mlp_layer_types": ["sparse"]})
     with pytest.raises(ValueError, match="decoder layer count"):
         moe_layer_indices({"num_experts": 8})
+
+
+def test_a_vision_language_config_is_read_at_its_language_model():
+    """Llama 4's and Qwen3-VL-MoE's released checkpoints nest the language model's config under
+    ``text_config`` (vLLM serves them by ``hf_text_config``); the fingerprint reads it there too."""
+    from vllm_smoe.formats.placement_file import model_fingerprint
+
+    llama4 = {"model_type": "llama4", "vision_config": {"num_hidden_layers": 34},
+              "text_config": {"model_type": "llama4_text", "num_hidden_layers": 4, "interleave_moe_layer_step": 2,
+                              "num_local_experts": 16, "num_experts_per_tok": 1, "hidden_size": 64}}
+    assert (moe_layer_indices(llama4), num_experts(llama4), top_k(llama4)) == ([1, 3], 16, 1)
+    vl = {"model_type": "qwen3_vl_moe", "text_config": {"num_hidden_layers": 3, "decoder_sparse_step": 1,
+                                                         "mlp_only_layers": [0], "num_experts": 8,
+                                                         "num_experts_per_tok": 2}}
+    assert (moe_layer_indices(vl), num_experts(vl), top_k(vl)) == ([1, 2], 8, 2)
+    wider = {**llama4, "text_config": {**llama4["text_config"], "num_local_experts": 128}}
+    assert model_fingerprint(wider) != model_fingerprint(llama4)
+    flat = {"model_type": "qwen3_moe", "num_hidden_layers": 3, "num_experts": 8}  # unchanged for flat configs
+    assert model_fingerprint(flat) == model_fingerprint({**flat, "text_config": {"num_hidden_layers": 9}})

@@ -10,6 +10,18 @@ def _get(cfg, key, default=None):
     return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
 
 
+def text_config(cfg):
+    """The language model's config of a composite (vision-language) config: its ``text_config``
+    (Llama 4, Qwen3-VL-MoE, Qwen3.5-MoE, GLM-4.5V) or ``language_config`` (DeepSeek-VL2), where
+    the top level names no decoder layers itself (vLLM's ``hf_text_config``); else ``cfg``."""
+    if _get(cfg, "num_hidden_layers") is None and _get(cfg, "n_layers") is None:
+        for key in ("text_config", "language_config"):
+            sub = _get(cfg, key)
+            if sub is not None:
+                return sub
+    return cfg
+
+
 def moe_layer_indices(cfg) -> list[int]:
     """Decoder layer indices holding a routed MoE block, in order, by the config keys vLLM's
     models read (not by ``model_type``, so kin architectures that share a key are counted alike):
@@ -19,7 +31,9 @@ def moe_layer_indices(cfg) -> list[int]:
     ``expert_layer_period`` / ``_offset`` (Jamba), ``num_dense_layers`` (LFM2-MoE, AFMoE),
     ``first_k_dense_replace`` with ``moe_layer_freq`` (DeepSeek, GLM-4.5, dots.llm1, Ling),
     ``decoder_sparse_step`` with ``mlp_only_layers`` (Qwen2/3-MoE); every layer otherwise
-    (Mixtral, OLMoE, GPT-OSS, Granite-MoE, MiniMax)."""
+    (Mixtral, OLMoE, GPT-OSS, Granite-MoE, MiniMax). A composite config is read at its
+    :func:`text_config`."""
+    cfg = text_config(cfg)
     n = _get(cfg, "num_hidden_layers", _get(cfg, "n_layers"))  # n_layers: DBRX
     if n is None:
         raise ValueError("config names no decoder layer count (num_hidden_layers / n_layers)")
@@ -63,6 +77,7 @@ def _ffn(cfg):
 
 
 def num_experts(cfg) -> int:
+    cfg = text_config(cfg)
     for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
         v = _get(cfg, key)
         if v:
@@ -74,6 +89,7 @@ def num_experts(cfg) -> int:
 
 
 def top_k(cfg) -> int:
+    cfg = text_config(cfg)
     for key in ("num_experts_per_tok", "moe_k", "moe_topk"):
         v = _get(cfg, key)
         if v:
@@ -86,4 +102,5 @@ def top_k(cfg) -> int:
 
 def expert_groups(cfg) -> int:
     """Groups of grouped top-k routing (DeepSeek-V3 style); 1 when routing is not grouped."""
+    cfg = text_config(cfg)
     return int(_get(cfg, "n_group", 1) or 1)

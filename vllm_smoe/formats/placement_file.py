@@ -63,7 +63,13 @@ class Placement:
 
 def model_fingerprint(config: dict) -> str:
     """Stable id of a model's routing-relevant shape: sha256 over the fields that decide
-    which expert ids exist where (16 hex digits)."""
+    which expert ids exist where (16 hex digits); a composite (vision-language) config's are
+    read in its language model's config, beside its own ``model_type``."""
+    from .model_info import text_config
+
+    text = text_config(config)
+    if text is not config and isinstance(text, dict):
+        config = {**text, "model_type": config.get("model_type")}
     keys = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size", "num_experts", "num_local_experts",
             "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "first_k_dense_replace",
             "decoder_sparse_step", "mlp_only_layers", "n_group", "topk_group")

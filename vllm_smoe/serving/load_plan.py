@@ -38,8 +38,10 @@ ROUTER_PARAM = re.compile(r"^.*\.layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe
                           r"(?:(?:gate|router|router\.layer|router\.gate|moe_statics)\."
                           r"(?:weight|bias|e_score_correction_bias)|e_score_correction_bias|expert_bias)$")
 # any tensor of a decoder layer's feed-forward block: one with an extent of E that smoe does not
-# know is refused at load rather than left in checkpoint order (a silent change of routing)
-MOE_BLOCK_PARAM = re.compile(r"^.*\.layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.(?P<rest>.+)$")
+# know is refused at load rather than left in checkpoint order (a silent change of routing); a
+# vision tower's layers (Llama 4's ``vision_model.model.layers.<i>.mlp``) are not the decoder's
+MOE_BLOCK_PARAM = re.compile(r"^(?!.*vis(?:ion|ual))"
+                             r".*\.layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.(?P<rest>.+)$")
 
 
 def initial_physical_names(num_experts: int, num_physical: int) -> np.ndarray:
@@ -185,4 +187,4 @@ def plan_for(placement_path: str, vllm_config, placement: Placement | None = Non
     pc = vllm_config.parallel_config
     ep = pc.tensor_parallel_size * pc.data_parallel_size if pc.enable_expert_parallel else None
     mc = vllm_config.model_config
-    return make_load_plan(placement_path, mc.hf_config, mc.model, ep, placement)
+    return make_load_plan(placement_path, mc.hf_text_config, mc.model, ep, placement)

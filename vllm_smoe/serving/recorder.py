@@ -73,7 +73,7 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
 
 class Recorder:
     def __init__(self, model: torch.nn.Module, vllm_config, cfg: SmoeConfig, plan, order=None):
-        hf = vllm_config.model_config.hf_config
+        hf = vllm_config.model_config.hf_text_config  # a vision-language model's language model
         self.cfg = cfg
         self.layers = moe_layer_indices(hf)
         self.E, self.K, self.L = num_experts(hf), top_k(hf), len(self.layers)
