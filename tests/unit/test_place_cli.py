@@ -738,6 +738,12 @@ def test_auto_keeps_coclust_where_bytes_cannot_place_and_trains_the_chosen_netwo
     assert doc["method"] == "coclust" and set(doc["built_from"]["auto"]["candidates"]) == {"coclust"}
     assert "bytes does not support --nodes 2" in capsys.readouterr().err
     assert load_tables(load_placement(str(out))).learned is not None
+    # evaluate --compare skips the peer that cannot place over nodes, with its reason, and scores the rest
+    js = tmp_path / "e.json"
+    assert main(["evaluate", "--trace", HELDOUT, "--placement", str(out), "--compare", "bytes,linear",
+                 "--json", str(js)]) == 0
+    assert "skipping bytes: it does not support placements over nodes" in capsys.readouterr().err
+    assert {"linear", "linear+pred"} <= set(json.load(open(js)))
 
 
 def test_build_evaluate_and_advise_an_uneven_split(tmp_path, capsys):

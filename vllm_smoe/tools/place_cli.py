@@ -587,6 +587,9 @@ def _evaluate_all(a):
             if p.groups > 1 and method in NEEDS_INSTANCES:
                 print(f"skipping {method}: it does not support grouped routing yet", file=sys.stderr)
                 continue
+            if p.nodes > 1 and method in NEEDS_INSTANCES:
+                print(f"skipping {method}: it does not support placements over nodes (--nodes) yet", file=sys.stderr)
+                continue
             if method == "eplb":
                 from .peers import eplb_available
 
