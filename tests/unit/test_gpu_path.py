@@ -292,6 +292,76 @@ def test_speculate_refuses_micro_batches_and_monolithic_kernels():
     assert monolithic(fused) and not monolithic(types.SimpleNamespace(quant_method=None))
 
 
+class _Kernel:
+    """A monolithic kernel as vLLM 0.32 holds it (quant_method.moe_kernel.impl.fused_experts)."""
+
+    def __init__(self, replay):
+        self.replay = replay
+        self.moe_config = types.SimpleNamespace(ep_size=1, use_ep=False, dp_size=1, max_num_tokens=8,
+                                                experts_per_token=2, device="cpu")
+
+    def supports_routing_replay_capture(self):
+        return self.replay
+
+
+class _CaptureRouter:
+    capture_fn = None
+
+    def set_capture_fn(self, fn):
+        self.capture_fn = fn
+
+
+class _MoELayer:
+    """vLLM 0.32's FusedMoE (MoERunner): the quant method on routed_experts, not on the layer."""
+
+    def __init__(self, mono, replay=True):
+        quant = types.SimpleNamespace(is_monolithic=mono, moe_kernel=types.SimpleNamespace(
+            impl=types.SimpleNamespace(fused_experts=_Kernel(replay))))
+        self.routed_experts = types.SimpleNamespace(quant_method=quant, routing_sink=None)
+        self.router = _CaptureRouter()
+
+    @property
+    def is_monolithic(self):
+        return self.routed_experts.quant_method.is_monolithic
+
+
+def test_routing_is_captured_where_vllm_routes_modular_or_monolithic():
+    """smoe's counters and recorder see the ids each MoE layer routes to: through the router's
+    capture function on modular kernels, through vLLM's routing sink on monolithic kernels that
+    fill it (FlashInfer TRT-LLM on Blackwell), and refuse, naming the kernel, on those that do not
+    (vLLM 0.32's OAI Triton MXFP4 on Hopper). Before, smoe looked for ``quant_method`` on the
+    layer itself, which vLLM 0.32 keeps on ``routed_experts``: every kernel read as modular, and a
+    monolithic one would have recorded nothing but zeros."""
+    import inspect
+
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsSink
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    from vllm_smoe.serving.capability import current_capture, monolithic, set_capture
+
+    assert isinstance(inspect.getattr_static(MoERunner, "is_monolithic"), property)  # what smoe reads
+    assert "quant_method" not in dir(MoERunner)  # the attribute smoe read before is not on the layer
+    seen = []
+    modular = _MoELayer(mono=False)
+    assert not monolithic(modular)
+    set_capture(modular, seen.append, "test")
+    assert modular.router.capture_fn == seen.append and current_capture(modular) == seen.append
+
+    mono = _MoELayer(mono=True)
+    assert monolithic(mono)
+    set_capture(mono, lambda ids: seen.append(("first", ids.tolist())), "test")
+    prev = current_capture(mono)
+    set_capture(mono, lambda ids: (prev(ids), seen.append(("second", ids.tolist()))), "test")  # chained
+    sink = mono.routed_experts.routing_sink
+    assert isinstance(sink, RoutedExpertsSink) and sink.buffer.shape == (8, 2) and mono.router.capture_fn is None
+    sink.buffer[:3] = torch.tensor([[0, 5], [7, 1], [2, 3]], dtype=torch.int16)  # what the kernel writes
+    sink.capture_fn(sink.buffer[:3])  # what vLLM calls after the kernel
+    assert seen == [("first", [[0, 5], [7, 1], [2, 3]]), ("second", [[0, 5], [7, 1], [2, 3]])]
+
+    with pytest.raises(ValueError, match=r"smoe record: the MoE kernel _Kernel routes inside itself"):
+        set_capture(_MoELayer(mono=True, replay=False), seen.append, "smoe record")
+
+
 def test_speculate_with_an_uneven_split_serves_on_cpu_and_is_refused_on_cuda():
     """vLLM's token-order all2all backends (DeepEP, ...) size every rank's experts as E / N; smoe's
     own exchange on the CPU build follows vLLM's uneven split."""

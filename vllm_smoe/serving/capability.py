@@ -100,9 +100,57 @@ def speculate_supported(vllm_config, placement, predictor: str = "tables", all2a
 
 def monolithic(experts) -> bool:
     """Does this FusedMoE route inside its fused kernel? Then vLLM's router never runs its
-    capture function, so smoe would see no routing (a recording of zeros, a stale Markov top-1,
-    counters at 0)."""
-    return bool(getattr(getattr(experts, "quant_method", None), "is_monolithic", False))
+    capture function (see :func:`set_capture`). vLLM 0.32's FusedMoE (``MoERunner``) says so in
+    ``is_monolithic`` and keeps its quant method on ``routed_experts``; earlier layers held
+    ``quant_method`` themselves."""
+    flag = getattr(experts, "is_monolithic", None)
+    if isinstance(flag, bool):
+        return flag
+    routed = getattr(experts, "routed_experts", experts)
+    return bool(getattr(getattr(routed, "quant_method", None), "is_monolithic", False))
+
+
+def _replay_kernel(experts):
+    """The monolithic kernel of ``experts`` when it writes the ids it routes to into vLLM's
+    routing sink (``supports_routing_replay_capture``: FlashInfer's TRT-LLM kernels), else None.
+    Found the way vLLM's own routed-experts capturer finds it (``bind_routed_experts_capturer``)."""
+    quant = getattr(getattr(experts, "routed_experts", experts), "quant_method", None)
+    fused = getattr(getattr(getattr(quant, "moe_kernel", None), "impl", None), "fused_experts", None)
+    supports = getattr(fused, "supports_routing_replay_capture", None)
+    return fused if callable(supports) and supports() else None
+
+
+def current_capture(experts):
+    """The function :func:`set_capture` would replace (to chain it), None when there is none."""
+    if not monolithic(experts):
+        return getattr(experts.router, "capture_fn", None)
+    sink = getattr(experts.routed_experts, "routing_sink", None)
+    return None if sink is None else sink.capture_fn
+
+
+def set_capture(experts, fn, who: str) -> None:
+    """Have ``fn(topk_ids)`` called with the router outputs ([n, K] int) each forward of this
+    FusedMoE routes its rows to. A modular kernel: vLLM's router capture function. A monolithic
+    one: vLLM's routing sink, which the kernel fills (vLLM's routed-experts capture takes the same
+    seam), where the kernel supports it; ValueError naming the kernel otherwise (vLLM 0.32's OAI
+    Triton MXFP4 kernel, GPT-OSS's default on Hopper), rather than count or record nothing."""
+    if not monolithic(experts):
+        experts.router.set_capture_fn(fn)
+        return
+    fused = _replay_kernel(experts)
+    if fused is None:
+        quant = getattr(getattr(experts, "routed_experts", experts), "quant_method", None)
+        kernel = getattr(getattr(getattr(quant, "moe_kernel", None), "impl", None), "fused_experts", quant)
+        raise ValueError(f"{who}: the MoE kernel {type(kernel).__name__} routes inside itself and reports no "
+                         f"routing (vLLM's routing replay), so smoe would see none; serve with a modular MoE "
+                         f"backend (--moe-backend) for this mode")
+    routed = experts.routed_experts
+    if routed.routing_sink is None:
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsSink
+
+        routed.routing_sink = RoutedExpertsSink(fused.moe_config, fn)
+    else:
+        routed.routing_sink.capture_fn = fn
 
 
 def _check_replicas(placement: str, vllm_config) -> None:

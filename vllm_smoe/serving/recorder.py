@@ -90,13 +90,10 @@ class Recorder:
             m = _LAYER.search("." + name + ".")
             if m is None or int(m.group(1)) not in self.layers:
                 continue
-            from .capability import monolithic
+            from .capability import current_capture, set_capture
 
-            if monolithic(module):
-                raise ValueError(f"smoe record: {name} uses a monolithic MoE kernel (routing inside the kernel), "
-                                 f"whose router never calls vLLM's capture function: nothing could be recorded")
-            prev = getattr(router, "capture_fn", None)  # the token order's, when speculating
-            router.set_capture_fn(partial(self._capture, self.layers.index(int(m.group(1))), prev))
+            prev = current_capture(module)  # the token order's, when speculating
+            set_capture(module, partial(self._capture, self.layers.index(int(m.group(1))), prev), f"smoe record: {name}")
             hooked += 1
         if hooked != self.L:
             raise RuntimeError(f"smoe record: found {hooked} MoE routers, expected {self.L} MoE layers")

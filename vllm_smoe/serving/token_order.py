@@ -221,13 +221,7 @@ class TokenOrder:
         self.blocks = [(layer, block, e.router) for layer, block, e in experts]
         if len(self.blocks) != len(plan.moe_layers):
             raise RuntimeError(f"smoe speculate: found {len(self.blocks)} MoE blocks, expected {len(plan.moe_layers)}")
-        from .capability import monolithic
-
-        for _, block, e in experts:
-            if monolithic(e):
-                raise ValueError(f"smoe mode speculate: {type(block).__name__}'s experts use a monolithic MoE kernel "
-                                 f"(routing inside the kernel), so vLLM's router capture that smoe counts and "
-                                 f"records with never runs; serve with a modular MoE backend or mode place")
+        self.experts = [e for _, _, e in experts]  # where the counters' capture is bound
         kinds = set()
         for _, block, _ in self.blocks:
             ok, reason, kind = block_supported(block, model)
@@ -336,11 +330,14 @@ class TokenOrder:
         from vllm.platforms import current_platform
 
         runner_hooks.check_attached(vllm_config, current_platform.device_type)  # else counters would read 0
+        from .capability import set_capture
+
+        for (layer, block, _), experts in zip(self.blocks, self.experts):
+            set_capture(experts, functools.partial(self._capture, layer), "smoe mode speculate")
         for layer, block, router in self.blocks:
             if not self.stack:
                 block.register_forward_pre_hook(self._pre(layer, predict=not self.shuffled), with_kwargs=True)
                 block.register_forward_hook(self._post(layer))
-            router.set_capture_fn(functools.partial(self._capture, layer))
         for layer, o_proj, norm, fused in self.shuffled:
             o_proj.reduce_results = False  # its partial sums: the reduce-scatter below sums them
             o_proj.register_forward_hook(self._attn_partial(layer))
