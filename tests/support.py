@@ -49,6 +49,24 @@ def derangement_yaml(path, shift=1, ep=32, layers=4, experts=32, step=1, **model
     return str(path)
 
 
+def random_model_placed(tmp_dir, arch, experts, top_k, layers=2, ep=2):
+    """The README's way, offline: ``smoe-testbed build`` a random checkpoint of ``arch``, record
+    its routing (transformers), ``smoe-place build --ep-size ep``. Returns (model dir, placement)."""
+    import subprocess
+    import sys
+
+    model, trace, placement = (os.path.join(str(tmp_dir), n) for n in (arch, "rec.npz", "p.yaml"))
+    for args in (("vllm_smoe.tools.testbed_cli", "build", "--arch", arch, "--experts", str(experts), "--top-k",
+                  str(top_k), "--layers", str(layers), "-o", model),
+                 ("vllm_smoe.tools.testbed_cli", "record", "--model", model, "--requests", "8", "--seq-len", "64",
+                  "-o", trace),
+                 ("vllm_smoe.tools.place_cli", "build", "--trace", trace, "--ep-size", str(ep), "--model", model,
+                  "-o", placement)):
+        r = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+    return model, placement
+
+
 def vllm_runs(runs, tmp_dir, tp=1, timeout=1800):
     """Greedy generations of several engines in one child process (vLLM imported once; each
     engine and its workers stopped before the next). runs: dicts with "model", "prompts",

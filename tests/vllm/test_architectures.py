@@ -80,19 +80,12 @@ def test_gpt_oss_taken_the_readme_way_at_tp2_ep_gives_plain_tokens(tmp_path):
     """GPT-OSS runs its MoE block sequence parallel, so speculate serves it: recorded routing,
     ``smoe-place build``, then TP=2 + EP with the tables' token order and with the router run
     ahead (its gate is the block's ``router``, with a bias). Greedy tokens equal plain TP=2."""
-    from tests.vllm.test_uneven import _run
-    from tests.support import vllm_runs
+    from tests.support import random_model_placed, vllm_runs
 
-    model, trace, placement = tmp_path / "gpt_oss", tmp_path / "rec.npz", tmp_path / "p.yaml"
-    _run("vllm_smoe.tools.testbed_cli", "build", "--arch", "gpt_oss", "--experts", "8", "--top-k", "2",
-         "--layers", "2", "-o", str(model))
-    _run("vllm_smoe.tools.testbed_cli", "record", "--model", str(model), "--requests", "8", "--seq-len", "64",
-         "-o", str(trace))
-    _run("vllm_smoe.tools.place_cli", "build", "--trace", str(trace), "--ep-size", "2", "--model", str(model),
-         "-o", str(placement))
+    model, placement = random_model_placed(tmp_path, "gpt_oss", experts=8, top_k=2)
     prompts = heldout_prompts(6, length=lambda i, r: 5 + 3 * i)
-    base = {"model": str(model), "prompts": prompts, "max_tokens": 10}
-    spec = {"placement": str(placement), "mode": "speculate", "log_interval": 0.2}
+    base = {"model": model, "prompts": prompts, "max_tokens": 10}
+    spec = {"placement": placement, "mode": "speculate", "log_interval": 0.2}
     runs = [dict(base, ep=False), dict(base, ep=True, extra={"smoe": spec}),
             dict(base, ep=True, extra={"smoe": dict(spec, predictor="router")})]
     (plain, _), (tables, tables_log), (router, router_log) = vllm_runs(runs, tmp_path, tp=2)
