@@ -328,8 +328,9 @@ class _MoELayer:
 def test_routing_is_captured_where_vllm_routes_modular_or_monolithic():
     """smoe's counters and recorder see the ids each MoE layer routes to: through the router's
     capture function on modular kernels, through vLLM's routing sink on monolithic kernels that
-    fill it (FlashInfer TRT-LLM on Blackwell), and refuse, naming the kernel, on those that do not
-    (vLLM 0.32's OAI Triton MXFP4 on Hopper). Before, smoe looked for ``quant_method`` on the
+    fill it (FlashInfer TRT-LLM on Blackwell), through a hook on the block's gate where the kernel
+    reports nothing (vLLM 0.32's OAI Triton MXFP4 on Hopper), and refuse, naming the kernel, where
+    there is neither. Before, smoe looked for ``quant_method`` on the
     layer itself, which vLLM 0.32 keeps on ``routed_experts``: every kernel read as modular, and a
     monolithic one would have recorded nothing but zeros."""
     import inspect
@@ -358,6 +359,17 @@ def test_routing_is_captured_where_vllm_routes_modular_or_monolithic():
     sink.capture_fn(sink.buffer[:3])  # what vLLM calls after the kernel
     assert seen == [("first", [[0, 5], [7, 1], [2, 3]]), ("second", [[0, 5], [7, 1], [2, 3]])]
 
+    # a monolithic kernel that reports nothing (the OAI Triton MXFP4 one): the block's gate is
+    # hooked and the router's pure routing step picks the ids again from its rows and logits
+    silent = _MoELayer(mono=True, replay=False)
+    silent.router._compute_routing = lambda x, logits, dtype: tuple(torch.topk(logits, 2, dim=-1))  # (weights, ids)
+    gate = torch.nn.Linear(16, 6, bias=False)
+    got = []
+    set_capture(silent, got.append, "smoe record", gate)
+    x = torch.randn(5, 16)
+    logits = gate(x)
+    assert len(got) == 1 and torch.equal(got[0], torch.topk(logits, 2, dim=-1).indices)
+    assert silent.routed_experts.routing_sink is None
     with pytest.raises(ValueError, match=r"smoe record: the MoE kernel _Kernel routes inside itself"):
         set_capture(_MoELayer(mono=True, replay=False), seen.append, "smoe record")
 

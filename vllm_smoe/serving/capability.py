@@ -128,29 +128,41 @@ def current_capture(experts):
     return None if sink is None else sink.capture_fn
 
 
-def set_capture(experts, fn, who: str) -> None:
+def set_capture(experts, fn, who: str, gate=None) -> None:
     """Have ``fn(topk_ids)`` called with the router outputs ([n, K] int) each forward of this
     FusedMoE routes its rows to. A modular kernel: vLLM's router capture function. A monolithic
     one: vLLM's routing sink, which the kernel fills (vLLM's routed-experts capture takes the same
-    seam), where the kernel supports it; ValueError naming the kernel otherwise (vLLM 0.32's OAI
-    Triton MXFP4 kernel, GPT-OSS's default on Hopper), rather than count or record nothing."""
+    seam), where the kernel supports it; else, given the block's ``gate`` module, a forward hook
+    on it that runs the router's pure routing step on the gate's rows and logits (one more top-k
+    per layer: vLLM 0.32's OAI Triton MXFP4 kernel, GPT-OSS's default on Hopper, routes inside
+    and reports nothing); ValueError naming the kernel otherwise, rather than count or record
+    nothing."""
     if not monolithic(experts):
         experts.router.set_capture_fn(fn)
         return
     fused = _replay_kernel(experts)
-    if fused is None:
-        quant = getattr(getattr(experts, "routed_experts", experts), "quant_method", None)
-        kernel = getattr(getattr(getattr(quant, "moe_kernel", None), "impl", None), "fused_experts", quant)
-        raise ValueError(f"{who}: the MoE kernel {type(kernel).__name__} routes inside itself and reports no "
-                         f"routing (vLLM's routing replay), so smoe would see none; serve with a modular MoE "
-                         f"backend (--moe-backend) for this mode")
-    routed = experts.routed_experts
-    if routed.routing_sink is None:
-        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsSink
+    if fused is not None:
+        routed = experts.routed_experts
+        if routed.routing_sink is None:
+            from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsSink
 
-        routed.routing_sink = RoutedExpertsSink(fused.moe_config, fn)
-    else:
-        routed.routing_sink.capture_fn = fn
+            routed.routing_sink = RoutedExpertsSink(fused.moe_config, fn)
+        else:
+            routed.routing_sink.capture_fn = fn
+        return
+    router = getattr(experts, "router", None)
+    if gate is not None and callable(getattr(router, "_compute_routing", None)):
+        def routed_ids(module, args, out):
+            logits = out[0] if isinstance(out, tuple) else out  # vLLM's linear layers: (output, bias)
+            fn(router._compute_routing(args[0], logits, None)[1])
+
+        gate.register_forward_hook(routed_ids)
+        return
+    quant = getattr(getattr(experts, "routed_experts", experts), "quant_method", None)
+    kernel = getattr(getattr(getattr(quant, "moe_kernel", None), "impl", None), "fused_experts", quant)
+    raise ValueError(f"{who}: the MoE kernel {type(kernel).__name__} routes inside itself and reports no "
+                     f"routing (vLLM's routing replay), and no gate module was found to route its rows again; "
+                     f"serve with a modular MoE backend (--moe-backend) for this mode")
 
 
 def _check_replicas(placement: str, vllm_config) -> None:

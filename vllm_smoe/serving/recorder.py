@@ -38,7 +38,6 @@ import logging
 import multiprocessing.util
 import os
 import queue
-import re
 import threading
 import time
 import zlib
@@ -52,7 +51,6 @@ from ..formats.model_info import moe_layer_indices, num_experts, top_k
 from ..formats.trace import TraceMeta, TraceWriter, recover_dead_spills
 
 logger = logging.getLogger("vllm.smoe")
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
 IDLE_CLOSE_S = 2.0
 QUEUE_STEPS = 64  # steps waiting for the writer thread before new ones are dropped
 
@@ -82,21 +80,17 @@ class Recorder:
         device = next(model.parameters()).device
         self.buf = torch.zeros((max_tokens, self.L, self.K), dtype=torch.int32, device=device)
         self.order = order  # speculate's TokenOrder: each rank's router sees its chunk of reordered rows
-        hooked = 0
-        for name, module in model.named_modules():
-            router = getattr(module, "router", None)
-            if router is None or not hasattr(router, "set_capture_fn"):
-                continue
-            m = _LAYER.search("." + name + ".")
-            if m is None or int(m.group(1)) not in self.layers:
-                continue
-            from .capability import current_capture, set_capture
+        from .capability import current_capture, set_capture
+        from .token_order import find_moe_experts, gate_ahead
 
-            prev = current_capture(module)  # the token order's, when speculating
-            set_capture(module, partial(self._capture, self.layers.index(int(m.group(1))), prev), f"smoe record: {name}")
-            hooked += 1
-        if hooked != self.L:
-            raise RuntimeError(f"smoe record: found {hooked} MoE routers, expected {self.L} MoE layers")
+        found = find_moe_experts(model, tuple(self.layers))
+        if len(found) != self.L:
+            raise RuntimeError(f"smoe record: found {len(found)} MoE routers, expected {self.L} MoE layers")
+        for layer, block, experts in found:
+            prev = current_capture(experts)  # the token order's, when speculating
+            gate = gate_ahead(block, experts)[2]  # routes a monolithic kernel's rows again, if it must
+            set_capture(experts, partial(self._capture, layer, prev),
+                        f"smoe record: MoE layer {layer} ({type(block).__name__})", gate)
         pc = vllm_config.parallel_config
         from vllm.distributed import get_tensor_model_parallel_rank
 

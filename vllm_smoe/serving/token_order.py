@@ -333,7 +333,8 @@ class TokenOrder:
         from .capability import set_capture
 
         for (layer, block, _), experts in zip(self.blocks, self.experts):
-            set_capture(experts, functools.partial(self._capture, layer), "smoe mode speculate")
+            set_capture(experts, functools.partial(self._capture, layer), "smoe mode speculate",
+                        gate_ahead(block, experts)[2])
         for layer, block, router in self.blocks:
             if not self.stack:
                 block.register_forward_pre_hook(self._pre(layer, predict=not self.shuffled), with_kwargs=True)
