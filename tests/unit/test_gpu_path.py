@@ -372,6 +372,30 @@ def test_routing_is_captured_where_vllm_routes_modular_or_monolithic():
     assert silent.routed_experts.routing_sink is None
     with pytest.raises(ValueError, match=r"smoe record: the MoE kernel _Kernel routes inside itself"):
         set_capture(_MoELayer(mono=True, replay=False), seen.append, "smoe record")
+    # under EP (or DP) the kernel's input, and so the sink, holds every rank's gathered rows: not taken
+    gathered = _MoELayer(mono=True)
+    gathered.routed_experts.quant_method.moe_kernel.impl.fused_experts.moe_config.use_ep = True
+    with pytest.raises(ValueError, match="this rank's rows only"):
+        set_capture(gathered, seen.append, "smoe record")
+    assert gathered.routed_experts.routing_sink is None
+
+
+def test_the_gate_is_hooked_only_in_an_eager_model_off_rocm(monkeypatch):
+    """A compiled model would trace the gate's hook (freezing the host values the capture reads);
+    on ROCm GPT-OSS calls its gate's weights without the module."""
+    from vllm.platforms import current_platform
+
+    from vllm_smoe.serving.capability import hookable_gate
+
+    block = types.SimpleNamespace(router=torch.nn.Linear(4, 3))
+    layer = _MoELayer(mono=True, replay=False)
+    layer.router._compute_routing = lambda *a, **k: None
+    eager = types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=True))
+    compiled = types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=False))
+    assert hookable_gate(block, layer, eager) is block.router
+    assert hookable_gate(block, layer, compiled) is None
+    monkeypatch.setattr(current_platform, "is_rocm", lambda: True)
+    assert hookable_gate(block, layer, eager) is None
 
 
 def test_speculate_with_an_uneven_split_serves_on_cpu_and_is_refused_on_cuda():

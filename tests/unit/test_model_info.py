@@ -68,11 +68,21 @@ def test_expert_and_top_k_keys():
         top_k({"num_experts": 8})
 
 
+def test_a_layer_kind_list_counts_first_only_where_vllm_reads_it_first():
+    # transformers fills mlp_layer_types in for configs whose vLLM class reads other keys (with
+    # kinds such as "moe"): there the other keys decide
+    filled = {"model_type": "deepseek_v4", "num_hidden_layers": 4, "first_k_dense_replace": 1,
+              "mlp_layer_types": ["dense", "hash_moe", "moe", "moe"]}
+    assert moe_layer_indices(filled) == [1, 2, 3]
+    assert moe_layer_indices({"model_type": "other", "num_hidden_layers": 3,
+                              "mlp_layer_types": ["dense", "sparse", "sparse"]}) == [1, 2]
+
+
 def test_a_layer_kind_list_smoe_cannot_read_is_refused_by_field():
     with pytest.raises(ValueError, match="'mlp_layer_types'"):
         moe_layer_indices({"num_hidden_layers": 3, "mlp_layer_types": ["dense", "moe", "moe"]})
     with pytest.raises(ValueError, match="'mlp_layer_types'"):
-        moe_layer_indices({"num_hidden_layers": 3, "mlp_layer_types": ["sparse"]})
+        moe_layer_indices({"model_type": "exaone_moe", "num_hidden_layers": 3, "mlp_layer_types": ["sparse"]})
     with pytest.raises(ValueError, match="decoder layer count"):
         moe_layer_indices({"num_experts": 8})
 

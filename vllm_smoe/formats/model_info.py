@@ -25,7 +25,8 @@ def text_config(cfg):
 def moe_layer_indices(cfg) -> list[int]:
     """Decoder layer indices holding a routed MoE block, in order, by the config keys vLLM's
     models read (not by ``model_type``, so kin architectures that share a key are counted alike):
-    ``mlp_layer_types`` ("sparse" / "dense" per layer: EXAONE-MoE, Cohere2-MoE),
+    ``mlp_layer_types`` ("sparse" / "dense" per layer: EXAONE-MoE, Cohere2-MoE; for other models
+    only where no key below is given),
     ``moe_layer_start_index`` / ``_end_index`` / ``_interval`` (ERNIE 4.5),
     ``interleave_moe_layer_step`` (Llama 4; vLLM reads it, not the config's ``moe_layers``),
     ``expert_layer_period`` / ``_offset`` (Jamba), ``num_dense_layers`` (LFM2-MoE, AFMoE),
@@ -39,11 +40,8 @@ def moe_layer_indices(cfg) -> list[int]:
         raise ValueError("config names no decoder layer count (num_hidden_layers / n_layers)")
     n = int(n)
     kinds = _get(cfg, "mlp_layer_types")
-    if kinds:
-        if len(kinds) < n or any(k not in ("sparse", "dense") for k in kinds[:n]):
-            raise ValueError(f"config field 'mlp_layer_types' = {kinds!r}: expected 'sparse' or 'dense' for each "
-                             f"of the {n} decoder layers")
-        return [i for i in range(n) if kinds[i] == "sparse"]
+    if kinds and _get(cfg, "model_type") in LAYER_KIND_MODELS:
+        return _layer_kinds(kinds, n)
     if any(_get(cfg, k) is not None for k in ("moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval")):
         start = int(_get(cfg, "moe_layer_start_index", 0) or 0)
         end = _get(cfg, "moe_layer_end_index", n - 1)
@@ -67,7 +65,22 @@ def moe_layer_indices(cfg) -> list[int]:
         step = int(_get(cfg, "decoder_sparse_step", 1) or 1)
         dense = set(_get(cfg, "mlp_only_layers", []) or [])
         return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+    if kinds:
+        return _layer_kinds(kinds, n)
     return list(range(n))
+
+
+# models whose vLLM class reads ``mlp_layer_types`` before any other key; transformers also fills
+# that list in for configs whose vLLM class reads other keys (and with other kinds), so elsewhere
+# it counts only where no other key does
+LAYER_KIND_MODELS = ("exaone_moe", "cohere2_moe", "laguna")
+
+
+def _layer_kinds(kinds, n: int) -> list[int]:
+    if len(kinds) < n or any(k not in ("sparse", "dense") for k in kinds[:n]):
+        raise ValueError(f"config field 'mlp_layer_types' = {kinds!r}: expected 'sparse' or 'dense' for each of "
+                         f"the {n} decoder layers")
+    return [i for i in range(n) if kinds[i] == "sparse"]
 
 
 def _ffn(cfg):

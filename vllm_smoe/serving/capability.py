@@ -117,7 +117,25 @@ def _replay_kernel(experts):
     quant = getattr(getattr(experts, "routed_experts", experts), "quant_method", None)
     fused = getattr(getattr(getattr(quant, "moe_kernel", None), "impl", None), "fused_experts", None)
     supports = getattr(fused, "supports_routing_replay_capture", None)
-    return fused if callable(supports) and supports() else None
+    if not (callable(supports) and supports()):
+        return None
+    cfg = fused.moe_config
+    # under EP or DP the kernel's input (and so the sink) holds every rank's rows, gathered before it
+    return None if getattr(cfg, "use_ep", False) or getattr(cfg, "dp_size", 1) > 1 else fused
+
+
+def hookable_gate(block, experts, vllm_config):
+    """The gate module of an MoE block whose forward hook sees each step's rows and logits as
+    they are (:func:`set_capture`'s last resort), or None: only in an eager model (a compiled one
+    would trace the hook and freeze the host values it reads), and not on ROCm (GPT-OSS calls its
+    gate's weights directly there)."""
+    from vllm.platforms import current_platform
+
+    from .token_order import gate_ahead
+
+    if not vllm_config.model_config.enforce_eager or current_platform.is_rocm():
+        return None
+    return gate_ahead(block, experts)[2]
 
 
 def current_capture(experts):
@@ -132,11 +150,11 @@ def set_capture(experts, fn, who: str, gate=None) -> None:
     """Have ``fn(topk_ids)`` called with the router outputs ([n, K] int) each forward of this
     FusedMoE routes its rows to. A modular kernel: vLLM's router capture function. A monolithic
     one: vLLM's routing sink, which the kernel fills (vLLM's routed-experts capture takes the same
-    seam), where the kernel supports it; else, given the block's ``gate`` module, a forward hook
-    on it that runs the router's pure routing step on the gate's rows and logits (one more top-k
-    per layer: vLLM 0.32's OAI Triton MXFP4 kernel, GPT-OSS's default on Hopper, routes inside
-    and reports nothing); ValueError naming the kernel otherwise, rather than count or record
-    nothing."""
+    seam), where the kernel supports it and holds only this rank's rows (no EP, DP = 1); else,
+    given the block's ``gate`` module (:func:`hookable_gate`), a forward hook on it that runs the
+    router's pure routing step on the gate's rows and logits (one more top-k per layer: vLLM
+    0.32's OAI Triton MXFP4 kernel, GPT-OSS's default on Hopper, routes inside and reports
+    nothing); ValueError naming the kernel otherwise, rather than count or record nothing."""
     if not monolithic(experts):
         experts.router.set_capture_fn(fn)
         return
@@ -161,8 +179,9 @@ def set_capture(experts, fn, who: str, gate=None) -> None:
     quant = getattr(getattr(experts, "routed_experts", experts), "quant_method", None)
     kernel = getattr(getattr(getattr(quant, "moe_kernel", None), "impl", None), "fused_experts", quant)
     raise ValueError(f"{who}: the MoE kernel {type(kernel).__name__} routes inside itself and reports no "
-                     f"routing (vLLM's routing replay), and no gate module was found to route its rows again; "
-                     f"serve with a modular MoE backend (--moe-backend) for this mode")
+                     f"routing smoe can read here (vLLM's routing replay, with this rank's rows only); serve with "
+                     f"a modular MoE backend (--moe-backend) for this mode, or with --enforce-eager, where smoe "
+                     f"routes the block's gate output again")
 
 
 def _check_replicas(placement: str, vllm_config) -> None:

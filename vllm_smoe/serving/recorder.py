@@ -80,15 +80,15 @@ class Recorder:
         device = next(model.parameters()).device
         self.buf = torch.zeros((max_tokens, self.L, self.K), dtype=torch.int32, device=device)
         self.order = order  # speculate's TokenOrder: each rank's router sees its chunk of reordered rows
-        from .capability import current_capture, set_capture
-        from .token_order import find_moe_experts, gate_ahead
+        from .capability import current_capture, hookable_gate, set_capture
+        from .token_order import find_moe_experts
 
         found = find_moe_experts(model, tuple(self.layers))
         if len(found) != self.L:
             raise RuntimeError(f"smoe record: found {len(found)} MoE routers, expected {self.L} MoE layers")
         for layer, block, experts in found:
             prev = current_capture(experts)  # the token order's, when speculating
-            gate = gate_ahead(block, experts)[2]  # routes a monolithic kernel's rows again, if it must
+            gate = hookable_gate(block, experts, vllm_config)  # routes a monolithic kernel's rows again
             set_capture(experts, partial(self._capture, layer, prev),
                         f"smoe record: MoE layer {layer} ({type(block).__name__})", gate)
         pc = vllm_config.parallel_config

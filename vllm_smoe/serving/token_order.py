@@ -330,11 +330,11 @@ class TokenOrder:
         from vllm.platforms import current_platform
 
         runner_hooks.check_attached(vllm_config, current_platform.device_type)  # else counters would read 0
-        from .capability import set_capture
+        from .capability import hookable_gate, set_capture
 
         for (layer, block, _), experts in zip(self.blocks, self.experts):
             set_capture(experts, functools.partial(self._capture, layer), "smoe mode speculate",
-                        gate_ahead(block, experts)[2])
+                        hookable_gate(block, experts, vllm_config))
         for layer, block, router in self.blocks:
             if not self.stack:
                 block.register_forward_pre_hook(self._pre(layer, predict=not self.shuffled), with_kwargs=True)
