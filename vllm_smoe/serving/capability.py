@@ -110,12 +110,19 @@ def monolithic(experts) -> bool:
     return bool(getattr(getattr(routed, "quant_method", None), "is_monolithic", False))
 
 
-def _replay_kernel(experts):
-    """The monolithic kernel of ``experts`` when it writes the ids it routes to into vLLM's
-    routing sink (``supports_routing_replay_capture``: FlashInfer's TRT-LLM kernels), else None.
-    Found the way vLLM's own routed-experts capturer finds it (``bind_routed_experts_capturer``)."""
+def _kernel(experts):
+    """The fused-experts kernel of a FusedMoE, found the way vLLM's own routed-experts capturer
+    finds it (``bind_routed_experts_capturer``), else its quant method (to name it)."""
     quant = getattr(getattr(experts, "routed_experts", experts), "quant_method", None)
     fused = getattr(getattr(getattr(quant, "moe_kernel", None), "impl", None), "fused_experts", None)
+    return quant if fused is None else fused
+
+
+def _replay_kernel(experts):
+    """The monolithic kernel of ``experts`` when it writes the ids it routes to into vLLM's
+    routing sink (``supports_routing_replay_capture``: FlashInfer's TRT-LLM kernels) and that
+    sink holds this rank's rows only, else None."""
+    fused = _kernel(experts)
     supports = getattr(fused, "supports_routing_replay_capture", None)
     if not (callable(supports) and supports()):
         return None
@@ -168,17 +175,16 @@ def set_capture(experts, fn, who: str, gate=None) -> None:
         else:
             routed.routing_sink.capture_fn = fn
         return
-    router = getattr(experts, "router", None)
-    if gate is not None and callable(getattr(router, "_compute_routing", None)):
+    if gate is not None:  # hookable_gate's: the router has a pure routing step
+        router = experts.router
+
         def routed_ids(module, args, out):
             logits = out[0] if isinstance(out, tuple) else out  # vLLM's linear layers: (output, bias)
             fn(router._compute_routing(args[0], logits, None)[1])
 
         gate.register_forward_hook(routed_ids)
         return
-    quant = getattr(getattr(experts, "routed_experts", experts), "quant_method", None)
-    kernel = getattr(getattr(getattr(quant, "moe_kernel", None), "impl", None), "fused_experts", quant)
-    raise ValueError(f"{who}: the MoE kernel {type(kernel).__name__} routes inside itself and reports no "
+    raise ValueError(f"{who}: the MoE kernel {type(_kernel(experts)).__name__} routes inside itself and reports no "
                      f"routing smoe can read here (vLLM's routing replay, with this rank's rows only); serve with "
                      f"a modular MoE backend (--moe-backend) for this mode, or with --enforce-eager, where smoe "
                      f"routes the block's gate output again")
