@@ -385,7 +385,7 @@ def test_the_gate_is_hooked_only_in_an_eager_model_off_rocm(monkeypatch):
     on ROCm GPT-OSS calls its gate's weights without the module."""
     from vllm.platforms import current_platform
 
-    from vllm_smoe.serving.capability import hookable_gate
+    from vllm_smoe.serving.token_order import hookable_gate
 
     block = types.SimpleNamespace(router=torch.nn.Linear(4, 3))
     layer = _MoELayer(mono=True, replay=False)

@@ -131,20 +131,6 @@ def _replay_kernel(experts):
     return None if getattr(cfg, "use_ep", False) or getattr(cfg, "dp_size", 1) > 1 else fused
 
 
-def hookable_gate(block, experts, vllm_config):
-    """The gate module of an MoE block whose forward hook sees each step's rows and logits as
-    they are (:func:`set_capture`'s last resort), or None: only in an eager model (a compiled one
-    would trace the hook and freeze the host values it reads), and not on ROCm (GPT-OSS calls its
-    gate's weights directly there)."""
-    from vllm.platforms import current_platform
-
-    from .token_order import gate_ahead
-
-    if not vllm_config.model_config.enforce_eager or current_platform.is_rocm():
-        return None
-    return gate_ahead(block, experts)[2]
-
-
 def current_capture(experts):
     """The function :func:`set_capture` would replace (to chain it), None when there is none."""
     if not monolithic(experts):
@@ -158,7 +144,7 @@ def set_capture(experts, fn, who: str, gate=None) -> None:
     FusedMoE routes its rows to. A modular kernel: vLLM's router capture function. A monolithic
     one: vLLM's routing sink, which the kernel fills (vLLM's routed-experts capture takes the same
     seam), where the kernel supports it and holds only this rank's rows (no EP, DP = 1); else,
-    given the block's ``gate`` module (:func:`hookable_gate`), a forward hook on it that runs the
+    given the block's ``gate`` module (:func:`.token_order.hookable_gate`), a forward hook on it that runs the
     router's pure routing step on the gate's rows and logits (one more top-k per layer: vLLM
     0.32's OAI Triton MXFP4 kernel, GPT-OSS's default on Hopper, routes inside and reports
     nothing); ValueError naming the kernel otherwise, rather than count or record nothing."""

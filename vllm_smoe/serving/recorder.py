@@ -80,8 +80,8 @@ class Recorder:
         device = next(model.parameters()).device
         self.buf = torch.zeros((max_tokens, self.L, self.K), dtype=torch.int32, device=device)
         self.order = order  # speculate's TokenOrder: each rank's router sees its chunk of reordered rows
-        from .capability import current_capture, hookable_gate, set_capture
-        from .token_order import find_moe_experts
+        from .capability import current_capture, set_capture
+        from .token_order import find_moe_experts, hookable_gate
 
         found = find_moe_experts(model, tuple(self.layers))
         if len(found) != self.L:

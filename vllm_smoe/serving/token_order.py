@@ -90,6 +90,18 @@ def gate_ahead(block: torch.nn.Module, experts: torch.nn.Module) -> tuple[bool, 
     return True, "", gate
 
 
+def hookable_gate(block, experts, vllm_config):
+    """The gate module of an MoE block whose forward hook sees each step's rows and logits as
+    they are (:func:`.capability.set_capture`'s last resort), or None: only in an eager model (a compiled one
+    would trace the hook and freeze the host values it reads), and not on ROCm (GPT-OSS calls its
+    gate's weights directly there)."""
+    from vllm.platforms import current_platform
+
+    if not vllm_config.model_config.enforce_eager or current_platform.is_rocm():
+        return None
+    return gate_ahead(block, experts)[2]
+
+
 # the children a decoder layer may have for the stack order: one attention, whose rows smoe
 # restores and orders again, and row-wise modules that do not care about the order
 _STACK_LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -330,7 +342,7 @@ class TokenOrder:
         from vllm.platforms import current_platform
 
         runner_hooks.check_attached(vllm_config, current_platform.device_type)  # else counters would read 0
-        from .capability import hookable_gate, set_capture
+        from .capability import set_capture
 
         for (layer, block, _), experts in zip(self.blocks, self.experts):
             set_capture(experts, functools.partial(self._capture, layer), "smoe mode speculate",
