@@ -92,9 +92,9 @@ def gate_ahead(block: torch.nn.Module, experts: torch.nn.Module) -> tuple[bool, 
 
 def hookable_gate(block, experts, vllm_config):
     """The gate module of an MoE block whose forward hook sees each step's rows and logits as
-    they are (:func:`.capability.set_capture`'s last resort), or None: only in an eager model (a compiled one
-    would trace the hook and freeze the host values it reads), and not on ROCm (GPT-OSS calls its
-    gate's weights directly there)."""
+    they are (:func:`.capability.set_capture`'s last resort), or None: only in an eager model (a
+    compiled one would trace the hook and freeze the host values it reads), and not on ROCm
+    (GPT-OSS calls its gate's weights directly there)."""
     from vllm.platforms import current_platform
 
     if not vllm_config.model_config.enforce_eager or current_platform.is_rocm():
