@@ -13,7 +13,11 @@ per layer (the network, or the token table where it is the more confident) and p
 expert activations whose expert lives on the token's rank, and two bounds that know the step's
 routing: ``oracle_per_layer`` (each layer's tokens to the ranks holding most of their experts
 there, same cap) and ``oracle_per_step`` (one order for the whole step, by activations summed
-over layers): what no predictor of one order per step can beat on this placement.
+over layers): what no predictor of one order per step can beat on this placement. And two
+ceilings of predictors that see token ids only, fitted on the very trace they are scored on (so
+no held-out loss): ``ceiling_token_*`` ranks each id by the activations it had on each rank over
+the whole trace, ``ceiling_bigram_*`` each (previous id, id) pair, per layer and per step, same
+cap: what any table or network of those inputs could reach at best on this trace.
 """
 
 from __future__ import annotations
@@ -38,6 +42,26 @@ def _by_score(score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pref, score.gather(2, pref[..., :1])[..., 0] / score.sum(2).clamp_min(1e-9)
 
 
+def _id_ceilings(ids: np.ndarray, prev: np.ndarray, topk: np.ndarray, expert2rank: np.ndarray,
+                 N: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per kind ("token": the id, "bigram": the (previous id, id) pair): (table float32 [L, U, N],
+    key int64 [T] in [0, U)), where table[l, u, r] counts the activations that rows with key u
+    had on rank r at layer l over the whole trace. ids, prev: int [T] (prev -1 at a request's
+    first row); topk: int64 [T, L, K]; expert2rank: int64 [L, E]."""
+    L = expert2rank.shape[0]
+    owner = np.take_along_axis(expert2rank[None], topk.transpose(1, 0, 2).reshape(1, L, -1), 2)
+    owner = owner.reshape(L, len(ids), -1)  # [L, T, K]
+    out = {}
+    for kind, raw in (("token", ids.astype(np.int64)),
+                      ("bigram", (prev.astype(np.int64) + 1) * (int(ids.max()) + 1) + ids)):
+        _, key = np.unique(raw, return_inverse=True)
+        table = np.zeros((L, int(key.max()) + 1, N), np.float32)
+        for layer in range(L):
+            np.add.at(table[layer], (np.repeat(key, owner.shape[2]), owner[layer].reshape(-1)), 1.0)
+        out[kind] = (table, key.reshape(-1))
+    return out
+
+
 def shares(placement_path: str, trace_path: str, step: int) -> dict[str, float]:
     placement = load_placement(placement_path)
     tables = load_tables(placement)
@@ -49,10 +73,12 @@ def shares(placement_path: str, trace_path: str, step: int) -> dict[str, float]:
     learned = None
     if tables.learned is not None:
         learned = [torch.from_numpy(getattr(tables.learned, k)) for k in LEARNED_FIELDS]
-        positions = torch.from_numpy(trace["positions"].astype(np.int64))
+    positions = torch.from_numpy(trace["positions"].astype(np.int64))
+    ceilings = _id_ceilings(ids, dp.previous_ids(torch.from_numpy(ids.astype(np.int64)), positions).numpy(),
+                            topk, placement.expert2rank.astype(np.int64), N)
     local = {"per_layer": 0, "per_step": 0, "random": 0, **({"learned_per_layer": 0, "learned_per_step": 0}
                                                              if learned else {}), "oracle_per_layer": 0,
-             "oracle_per_step": 0}
+             "oracle_per_step": 0, **{f"ceiling_{k}_{o}": 0 for k in ceilings for o in ("per_layer", "per_step")}}
     acts = 0
     for s in range(0, len(ids) - step + 1, step):
         i = torch.from_numpy(ids[s: s + step].astype(np.int64))
@@ -72,6 +98,10 @@ def shares(placement_path: str, trace_path: str, step: int) -> dict[str, float]:
         held.scatter_add_(2, owner, torch.ones(owner.shape))
         orders["oracle_per_layer"] = dp.assign(*_by_score(held), caps)[..., None]
         orders["oracle_per_step"] = dp.assign(*_by_score(held.sum(0, keepdim=True)), caps)[..., None]
+        for kind, (table, key) in ceilings.items():
+            score = torch.from_numpy(table[:, key[s: s + step]])  # [L, T, N]
+            orders[f"ceiling_{kind}_per_layer"] = dp.assign(*_by_score(score), caps)[..., None]
+            orders[f"ceiling_{kind}_per_step"] = dp.assign(*_by_score(score.sum(0, keepdim=True)), caps)[..., None]
         for name, t2r in orders.items():
             local[name] += int((owner == t2r).sum())
         acts += owner.numel()
