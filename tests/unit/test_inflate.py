@@ -20,8 +20,12 @@ from vllm_smoe.formats.trace import open_trace
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 # (hidden, expert FFN, heads, kv heads): irregular multiples, a new GQA group size for Qwen3
+# (other architectures: random checkpoints; None where the default is the only choice: heads that
+# grow with the hidden size where vLLM derives head_dim from it)
 WIDE = {"qwen3_moe": (224, 96, 12, 4), "deepseek_v2": (192, 80, 6, None), "deepseek_v3": (160, 72, 5, None),
-        "mixtral": (160, 96, 8, 4)}
+        "mixtral": (160, 96, 8, 4), "qwen2_moe": (192, 80, None, None), "olmoe": (224, 72, None, None),
+        "granitemoe": (192, 96, None, None), "gpt_oss": (224, 96, 6, 3), "llama4": (192, 72, 8, 4),
+        "glm4_moe": (160, 96, 6, 3), "exaone_moe": (224, 80, 8, 4)}
 
 
 def _ids(arch, n=2, length=40):
@@ -49,7 +53,10 @@ def test_widened_model_computes_the_same(tmp_path, arch):
     s = inflate_checkpoint(src, dst, hidden, inter, heads=heads, kv_heads=kv)
     assert s["parameters"]["new"] > s["parameters"]["old"]
     cfg = json.load(open(os.path.join(dst, "config.json")))
-    assert (cfg["hidden_size"], cfg["num_attention_heads"]) == (hidden, heads)
+    was = json.load(open(os.path.join(src, "config.json")))
+    # heads not given: they grow with the hidden size, keeping head_dim = hidden / heads
+    want = heads or hidden * was["num_attention_heads"] // was["hidden_size"]
+    assert (cfg["hidden_size"], cfg["num_attention_heads"]) == (hidden, want)
     ids = torch.from_numpy(_ids(arch))
     a = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     b = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
@@ -99,9 +106,9 @@ def test_unknown_tensor_refused(tmp_path):
         widen_tensor("model.layers.0.mlp.gate.weight", torch.zeros(32, 100), old, new)
     bad = tmp_path / "bad"
     os.makedirs(bad)
-    json.dump(dict(cfg, model_type="gpt_oss"), open(bad / "config.json", "w"))
+    json.dump(dict(cfg, model_type="dbrx"), open(bad / "config.json", "w"))
     save_file({"x": torch.zeros(1)}, str(bad / "model.safetensors"))
-    with pytest.raises(ValueError, match="model_type 'gpt_oss' cannot be widened"):
+    with pytest.raises(ValueError, match="model_type 'dbrx' cannot be widened"):
         inflate_checkpoint(str(bad), str(tmp_path / "o"), 256, 64)
 
 
@@ -111,3 +118,70 @@ def test_head_positions_keep_each_query_heads_kv_head(nkv, g, grow_g, grow_kv):
     pos = head_positions(nh, nkv, nkv2 * g2, nkv2)
     assert len(set(pos.tolist())) == nh and pos.max() < nkv2 * g2
     np.testing.assert_array_equal(pos // g2, np.arange(nh) // g)
+
+
+def test_heads_follow_the_hidden_size_where_vllm_derives_head_dim():
+    cfg = {"model_type": "olmoe", "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "intermediate_size": 64, "rms_norm_eps": 1e-5}
+    out, _, new = widen_config(cfg, 192, 64)
+    assert (out["num_attention_heads"], out["num_key_value_heads"], new["nh"], new["nkv"]) == (6, 3, 6, 3)
+    assert "head_dim" not in out  # vLLM's OLMoE ignores it: hidden / heads is the head dim
+    with pytest.raises(ValueError, match="--hidden 144: olmoe keeps head_dim = hidden / heads"):
+        widen_config(cfg, 144, 64)
+    with pytest.raises(ValueError, match="--heads 8: olmoe takes head_dim = hidden / heads.*needs 6 heads"):
+        widen_config(cfg, 192, 64, heads=8, kv_heads=4)
+    # a shared expert sized by its own key grows with the routed FFN (Qwen2-MoE)
+    q2 = dict(cfg, model_type="qwen2_moe", moe_intermediate_size=64, shared_expert_intermediate_size=96,
+              intermediate_size=512)
+    out, _, new = widen_config(q2, 192, 100)
+    assert out["shared_expert_intermediate_size"] == new["S"] == 150 and out["moe_intermediate_size"] == 100
+
+
+def test_stacked_gate_up_layouts():
+    from vllm_smoe.testbed.inflate import widen_tensor
+
+    cfg = {"model_type": "gpt_oss", "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
+           "head_dim": 32, "intermediate_size": 2}
+    with pytest.raises(ValueError, match="--moe-intermediate 3: vLLM's CPU MoE kernel takes gpt_oss's expert FFN"):
+        widen_config(cfg, 96, 3)
+    _, old, new = widen_config(dict(cfg, model_type="llama4_text", intermediate_size_mlp=8), 96, 3)
+    t = torch.arange(1, 2 * 64 * 4 + 1, dtype=torch.float32).view(2, 64, 4)  # [E, H, 2I]: gate, up interleaved
+    # GPT-OSS's pairs: the rule is the model type's (checked on the sizes above, which its CPU kernel refuses)
+    w = widen_tensor("model.layers.0.mlp.experts.gate_up_proj", t, dict(old, mt="gpt_oss", spec={"stacked": "i"}),
+                     new)
+    assert w.shape == (2, 96, 6) and torch.equal(w[:, :64, :4], t) and not w[:, 64:].any() and not w[..., 4:].any()
+    w = widen_tensor("model.layers.1.feed_forward.experts.gate_up_proj", t, old, new)
+    # [gate | up] concatenated: gate keeps columns 0-1, up moves from 2-3 to 3-4 behind the wider gate
+    assert torch.equal(w[:, :64, :2], t[..., :2]) and torch.equal(w[:, :64, 3:5], t[..., 2:])
+    assert not w[..., 2].any() and not w[..., 5].any()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "granitemoe"])
+def test_tied_embeddings_widen_exactly(tmp_path, arch):
+    """An embedding that is also the output layer cannot carry the residual stream's scale:
+    Granite's embedding multiplier carries it, elsewhere the norms' weights and eps do."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from vllm_smoe.testbed.models import build_random
+
+    src = build_random(arch, str(tmp_path / "src"), FIXTURES["qwen3_moe"][0], num_layers=2, num_experts=8, top_k=2)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    json.dump(dict(cfg, tie_word_embeddings=True), open(os.path.join(src, "config.json"), "w"))
+    dst = str(tmp_path / "wide")
+    inflate_checkpoint(src, dst, 192, 96)
+    wide = json.load(open(os.path.join(dst, "config.json")))
+    if arch == "granitemoe":
+        assert wide["embedding_multiplier"] == pytest.approx(cfg["embedding_multiplier"] * (192 / 128) ** 0.5)
+        assert wide["rms_norm_eps"] == cfg["rms_norm_eps"]
+    else:
+        assert wide["rms_norm_eps"] == pytest.approx(cfg["rms_norm_eps"] * 128 / 192)
+    ids = torch.from_numpy(_ids("qwen3_moe"))
+    a = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    b = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+    with torch.no_grad():
+        la, lb = a(ids).logits, b(ids).logits
+    assert (la - lb).abs().max().item() < 1e-4 * max(1.0, la.abs().max().item())

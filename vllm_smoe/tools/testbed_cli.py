@@ -202,13 +202,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("inflate", help="widen a checkpoint losslessly to production row sizes (same routing, "
                                        "same tokens)")
-    w.add_argument("source", help="save_pretrained directory (Qwen3-MoE, Mixtral, DeepSeek-V2/V3)")
+    w.add_argument("source", help="save_pretrained directory (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite-MoE, GPT-OSS, "
+                                     "Llama 4 text, GLM-4.5, EXAONE-MoE, DeepSeek-V2/V3)")
     w.add_argument("-o", "--output", required=True, help="output directory")
     w.add_argument("--hidden", type=number(int, 1), required=True, help="new hidden size (a multiple of 32)")
     w.add_argument("--moe-intermediate", type=number(int, 1), required=True,
                    help="new FFN size of each routed expert (shared experts widen in proportion)")
-    w.add_argument("--heads", type=number(int, 1), help="new attention heads (default: unchanged)")
-    w.add_argument("--kv-heads", type=number(int, 1), help="new kv heads for GQA models (default: unchanged)")
+    w.add_argument("--heads", type=number(int, 1), help="new attention heads (default: unchanged; where vLLM takes head_dim = hidden / "
+                                                          "heads (Qwen2-MoE, OLMoE, Granite-MoE): grown with the hidden size)")
+    w.add_argument("--kv-heads", type=number(int, 1), help="new kv heads for GQA models (default: unchanged, or grown with the heads where "
+                                                             "those follow the hidden size)")
     w.add_argument("--intermediate", type=number(int, 1),
                    help="new dense-MLP size (default: widened in proportion to the hidden size)")
     w.add_argument("--force", action="store_true", help="write into a non-empty output directory")
