@@ -186,7 +186,7 @@ def widen_config(cfg: dict, hidden: int, moe_intermediate: int, heads: int | Non
         raise ValueError(f"--hidden {hidden}: vLLM's CPU kernels need a multiple of 32")
     if spec.get("unpadded_ffn") and moe_intermediate % 32:
         raise ValueError(f"--moe-intermediate {moe_intermediate}: vLLM's CPU MoE kernel takes {old['mt']}'s expert FFN "
-                         f"unpadded, so it must be a multiple of 32")
+                         f"unpadded, so it must be a multiple of 32 (of 32 x TP to serve it at tensor parallel size TP)")
     if not old["mla"] and (heads % kv_heads or heads // kv_heads < old["nh"] // old["nkv"]):
         raise ValueError(f"--heads {heads} / --kv-heads {kv_heads}: need a whole group size of at least the "
                          f"model's {old['nh'] // old['nkv']} query heads per kv head")
