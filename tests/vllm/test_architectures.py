@@ -93,3 +93,22 @@ def test_gpt_oss_taken_the_readme_way_at_tp2_ep_gives_plain_tokens(tmp_path):
     assert router["tokens"] == plain["tokens"]
     for log, predictor in ((tables_log, "tables"), (router_log, "router")):
         assert f"smoe: speculate (predictor {predictor}): rank 0 served" in log, log[-2000:]
+
+
+def test_shared_expert_and_mixtral_placed_at_tp2_ep_give_plain_tokens(tmp_path):
+    """The README's way (record, ``smoe-place build --ep-size 2``, serve with the placement) at
+    TP=2 + EP for two blocks vLLM runs without sequence parallelism: Mixtral's, and Qwen2-MoE's
+    with its gated shared expert (which every rank computes whole). Greedy tokens equal plain TP=2."""
+    from tests.support import random_model_placed, vllm_runs
+
+    prompts = heldout_prompts(4, length=lambda i, r: 5 + 3 * i)
+    runs = []
+    for arch, experts, k in (("mixtral", 8, 2), ("qwen2_moe", 12, 3)):
+        model, placement = random_model_placed(tmp_path / arch, arch, experts=experts, top_k=k)
+        base = {"model": model, "prompts": prompts, "max_tokens": 8}
+        runs += [dict(base, ep=False), dict(base, ep=True, extra={"smoe": {"placement": placement}})]
+    out = vllm_runs(runs, tmp_path, tp=2)
+    for i, arch in enumerate(("mixtral", "qwen2_moe")):
+        (plain, _), (placed, log) = out[2 * i], out[2 * i + 1]
+        assert placed["tokens"] == plain["tokens"], arch
+        assert "smoe: placement applied" in log, log[-2000:]
