@@ -128,6 +128,9 @@ def test_heads_follow_the_hidden_size_where_vllm_derives_head_dim():
     assert "head_dim" not in out  # vLLM's OLMoE ignores it: hidden / heads is the head dim
     with pytest.raises(ValueError, match="--hidden 144: olmoe keeps head_dim = hidden / heads"):
         widen_config(cfg, 144, 64)
+    with pytest.raises(ValueError, match="--hidden 160: olmoe takes head_dim = hidden / heads, so this size gives 5 "
+                                         "heads, which 2 query heads per kv head do not divide: choose a multiple of 64"):
+        widen_config(cfg, 160, 64)
     with pytest.raises(ValueError, match="--heads 8: olmoe takes head_dim = hidden / heads.*needs 6 heads"):
         widen_config(cfg, 192, 64, heads=8, kv_heads=4)
     # a shared expert sized by its own key grows with the routed FFN (Qwen2-MoE)
@@ -157,9 +160,10 @@ def test_stacked_gate_up_layouts():
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "granitemoe"])
-def test_tied_embeddings_widen_exactly(tmp_path, arch):
-    """An embedding that is also the output layer cannot carry the residual stream's scale:
-    Granite's embedding multiplier carries it, elsewhere the norms' weights and eps do."""
+def test_tied_embeddings_are_untied_and_widen_exactly(tmp_path, arch):
+    """An embedding that is also the output layer cannot carry the residual stream's scale: the
+    widened checkpoint gets its own lm_head (the embedding's old values), eps untouched."""
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
@@ -171,17 +175,21 @@ def test_tied_embeddings_widen_exactly(tmp_path, arch):
     save_file(tensors, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
     cfg = json.load(open(os.path.join(src, "config.json")))
     json.dump(dict(cfg, tie_word_embeddings=True), open(os.path.join(src, "config.json"), "w"))
-    dst = str(tmp_path / "wide")
-    inflate_checkpoint(src, dst, 192, 96)
-    wide = json.load(open(os.path.join(dst, "config.json")))
-    if arch == "granitemoe":
-        assert wide["embedding_multiplier"] == pytest.approx(cfg["embedding_multiplier"] * (192 / 128) ** 0.5)
-        assert wide["rms_norm_eps"] == cfg["rms_norm_eps"]
-    else:
-        assert wide["rms_norm_eps"] == pytest.approx(cfg["rms_norm_eps"] * 128 / 192)
+    dst = tmp_path / "wide"
+    os.makedirs(dst)
+    (dst / "model-00001-of-00002.safetensors").write_bytes(b"stale")  # an earlier run's shard (--force)
+    s = inflate_checkpoint(src, str(dst), 192, 96)
+    wide = json.load(open(dst / "config.json"))
+    assert wide["tie_word_embeddings"] is False and wide["rms_norm_eps"] == cfg["rms_norm_eps"]
+    assert sorted(n for n in os.listdir(dst) if n.endswith(".safetensors")) == ["model.safetensors"]
+    with safe_open(str(dst / "model.safetensors"), "pt") as f:
+        head, emb = f.get_tensor("lm_head.weight"), f.get_tensor("model.embed_tokens.weight")
+    assert torch.equal(head[:, :128], tensors["model.embed_tokens.weight"]) and not head[:, 128:].any()
+    assert torch.allclose(emb[:, :128], tensors["model.embed_tokens.weight"] * 1.5 ** 0.5)
     ids = torch.from_numpy(_ids("qwen3_moe"))
     a = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    b = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+    b = AutoModelForCausalLM.from_pretrained(str(dst), dtype=torch.float32).eval()
+    assert sum(p.numel() for p in b.state_dict().values()) == s["parameters"]["new"]
     with torch.no_grad():
         la, lb = a(ids).logits, b(ids).logits
     assert (la - lb).abs().max().item() < 1e-4 * max(1.0, la.abs().max().item())

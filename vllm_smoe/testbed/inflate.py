@@ -11,10 +11,10 @@ the sizes that make a serving step cost what it costs in production:
   times c = sqrt(H'/H) followed by zeros: the writers' rows are scaled by c, so that every hidden
   RMSNorm sees the old mean(x^2) over its wider row and the eps keeps its weight (exact whatever
   the eps, including models whose eps vLLM fixes, OLMoE and GPT-OSS), and each norm's weight by
-  1 / c. Where the embedding is also the output layer it cannot carry c: Granite's embedding
-  multiplier does; elsewhere the norms' weights are scaled by 1 / c and ``rms_norm_eps`` by H/H'
-  (exact only where the model reads the eps from its config, and the eps shared with per-head
-  norms, whose inputs are unchanged, is then ~eps relative off).
+  1 / c. An embedding that is also the output layer is untied: the widened checkpoint gets its
+  own ``lm_head.weight`` (the embedding unscaled) and ``tie_word_embeddings: false``. c is a power
+  of two when H'/H is a power of four; otherwise a bf16 / fp16 checkpoint's scaled tensors are
+  rounded once (exact to fp32 rounding for fp32 checkpoints).
 - expert FFN I -> I' (routed and shared experts, and the dense MLP): new rows of gate and up
   are zero, so silu(gate) * up is 0 there, and down_proj's new columns are zero.
 - attention heads nh -> nh' (and kv heads for GQA): new heads have zero q/k/v rows and zero
@@ -158,11 +158,9 @@ def _shared(cfg: dict, spec: dict, routed: int) -> int | None:
 
 
 def widen_config(cfg: dict, hidden: int, moe_intermediate: int, heads: int | None = None,
-                 kv_heads: int | None = None, intermediate: int | None = None,
-                 tied: bool | None = None) -> tuple[dict, dict, dict]:
-    """The widened config.json dict, and the old and new sizes. Raises ValueError naming the
-    option when a size would shrink or does not fit vLLM's CPU kernels. tied: whether lm_head is
-    the embedding (default: the config's ``tie_word_embeddings``)."""
+                 kv_heads: int | None = None, intermediate: int | None = None) -> tuple[dict, dict, dict]:
+    """The widened config.json dict (embeddings untied), and the old and new sizes. Raises
+    ValueError naming the option when a size would shrink or does not fit vLLM's CPU kernels."""
     old = _sizes(cfg)
     spec = old["spec"]
     if spec.get("derived_head_dim") and heads is None:  # vLLM takes head_dim = hidden / heads
@@ -171,7 +169,12 @@ def widen_config(cfg: dict, hidden: int, moe_intermediate: int, heads: int | Non
                              f"be a multiple of its head_dim {old['hd']}")
         heads = hidden // old["hd"]
         if kv_heads is None and old["nkv"] != old["nh"]:
-            kv_heads = old["nkv"] * heads // old["nh"] if (old["nkv"] * heads) % old["nh"] == 0 else old["nkv"]
+            g = old["nh"] // old["nkv"]
+            if heads % g:
+                raise ValueError(f"--hidden {hidden}: {old['mt']} takes head_dim = hidden / heads, so this size gives "
+                                 f"{heads} heads, which {g} query heads per kv head do not divide: choose a "
+                                 f"multiple of {old['hd'] * g}, or name --kv-heads")
+            kv_heads = heads // g
     heads = heads or old["nh"]
     kv_heads = heads if old["mla"] else (kv_heads or (heads if old["nkv"] == old["nh"] else old["nkv"]))
     if intermediate is None:  # dense MLP: widen in the proportion of the hidden size
@@ -197,22 +200,13 @@ def widen_config(cfg: dict, hidden: int, moe_intermediate: int, heads: int | Non
                          f"{old['hd']} at --hidden {hidden} needs {hidden // old['hd']} heads"
                          + ("" if hidden % old["hd"] == 0 else f" (and a hidden size that is a multiple of {old['hd']})"))
     new = dict(old, H=hidden, I=moe_intermediate, D=intermediate, nh=heads, nkv=kv_heads)
-    # How every hidden RMSNorm keeps its mean square over the wider row: scale the residual stream
-    # by sqrt(H'/H) (its writers; eps untouched, so exact even where vLLM fixes a model's eps), unless
-    # the embedding is also the output layer and no multiplier can carry the scale: then scale the
-    # norms' weights and the eps instead (exact only where the eps is read from the config).
-    tied = bool(cfg.get("tie_word_embeddings", False)) if tied is None else tied
-    new["mode"] = "norm" if tied and "embedding_multiplier" not in cfg else "residual"
-    new["scale_embedding"] = not tied
     shared = _shared(cfg, spec, moe_intermediate)
     if spec.get("S") and not spec["S"].startswith("I"):  # its own key: grown as the routed FFN grows
         shared = max(old["S"], -(-old["S"] * moe_intermediate // old["I"]))
     new["S"] = shared or 0
-    out = dict(cfg, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads)
-    if new["mode"] == "norm":
-        out["rms_norm_eps"] = cfg.get("rms_norm_eps", 1e-6) * old["H"] / hidden
-    elif tied:  # Granite: the embedding stays the output layer, its multiplier carries the scale
-        out["embedding_multiplier"] = cfg["embedding_multiplier"] * math.sqrt(hidden / old["H"])
+    # the embedding carries the residual stream's scale, so it can no longer be the output layer
+    out = dict(cfg, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+               tie_word_embeddings=False)
     out[spec["I"]] = moe_intermediate
     if spec.get("D"):
         out[spec["D"]] = intermediate
@@ -275,15 +269,14 @@ def widen_tensor(name: str, t, old: dict, new: dict):
 
 def _scale(kinds: tuple, role: str | None, old: dict, new: dict) -> float:
     """What a tensor's old entries are multiplied by. An RMSNorm over a row with zeros appended
-    sees a smaller mean square: "residual" mode scales the residual stream's writers by
-    c = sqrt(H'/H), so the mean square over H' is the old one over H and the eps keeps its weight
-    (exact whatever the eps, also where vLLM fixes a model's eps), and each hidden norm's weight by
-    1 / c, since its output carries the c of its input; "norm" mode scales only the norms' weights
-    by 1 / c and the eps by H/H' in the config. OLMoE's q / k (read only by their norms over all
-    heads) are scaled the same way by sqrt(heads'/heads), their norms' weights by the inverse."""
+    would see a smaller mean square: the residual stream's writers are scaled by c = sqrt(H'/H),
+    so the mean square over H' is the old one over H and the eps keeps its weight (exact whatever
+    the eps, also where vLLM fixes a model's eps), and each hidden norm's weight by 1 / c, since
+    its output carries the c of its input. OLMoE's q / k (read only by their norms over all heads)
+    the same way with sqrt(heads'/heads), their norms' weights with the inverse."""
     if kinds[0] == "N":
         return math.sqrt(old["H"] / new["H"])
-    if new["mode"] == "residual" and (role == "w" or (role == "e" and new["scale_embedding"])):
+    if role in ("w", "e"):
         return math.sqrt(new["H"] / old["H"])
     if role in ("q", "k", "qn", "kn"):
         n = "nh" if role[0] == "q" else "nkv"
@@ -307,8 +300,11 @@ def inflate_checkpoint(src: str, dst: str, hidden: int, moe_intermediate: int, h
     for shard in shards:
         with safe_open(os.path.join(src, shard), framework="pt") as f:
             names.update(f.keys())
-    tied = bool(cfg.get("tie_word_embeddings", False)) or not any(n.endswith("lm_head.weight") for n in names)
-    new_cfg, old, new = widen_config(cfg, hidden, moe_intermediate, heads, kv_heads, intermediate, tied=tied)
+    new_cfg, old, new = widen_config(cfg, hidden, moe_intermediate, heads, kv_heads, intermediate)
+    embed = [n for n in names if n.endswith("embed_tokens.weight")]
+    untie = not any(n.endswith("lm_head.weight") for n in names)
+    if untie and len(embed) != 1:
+        raise ValueError(f"{src}: no lm_head.weight and {len(embed)} embed_tokens.weight tensors: cannot untie them")
     tensors, params = {}, [0, 0]
     for shard in shards:
         with safe_open(os.path.join(src, shard), framework="pt") as f:
@@ -317,7 +313,13 @@ def inflate_checkpoint(src: str, dst: str, hidden: int, moe_intermediate: int, h
                 tensors[name] = widen_tensor(name, t, old, new)
                 params[0] += t.numel()
                 params[1] += tensors[name].numel()
+                if untie and name == embed[0]:  # the output layer keeps the embedding's old values
+                    tensors["lm_head.weight"] = widen_tensor("lm_head.weight", t, old, new)
+                    params[1] += tensors["lm_head.weight"].numel()
     os.makedirs(dst, exist_ok=True)
+    for n in os.listdir(dst):  # an earlier checkpoint's shards (--force) would shadow this one
+        if n.endswith(".safetensors") or n == "model.safetensors.index.json":
+            os.remove(os.path.join(dst, n))
     for n in os.listdir(src):  # tokenizer, generation config, ...
         if not n.endswith(".safetensors") and n not in ("config.json", "model.safetensors.index.json") \
                 and os.path.isfile(os.path.join(src, n)):
