@@ -140,7 +140,8 @@ def _sizes(cfg: dict) -> dict:
         nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
         s["blocks"] = {"q": nope + rope, "v": v, "kv_b": nope + v, "one": 1}
     else:
-        hd = cfg["hidden_size"] // nh if spec.get("derived_head_dim") else (cfg.get("head_dim") or cfg["hidden_size"] // nh)
+        hd = cfg.get("head_dim") if not spec.get("derived_head_dim") else None
+        hd = hd or cfg["hidden_size"] // nh
         s.update(blocks={"q": hd, "v": hd, "one": 1}, hd=hd)
     return s
 
@@ -200,17 +201,16 @@ def widen_config(cfg: dict, hidden: int, moe_intermediate: int, heads: int | Non
                          f"{old['hd']} at --hidden {hidden} needs {hidden // old['hd']} heads"
                          + ("" if hidden % old["hd"] == 0 else f" (and a hidden size that is a multiple of {old['hd']})"))
     new = dict(old, H=hidden, I=moe_intermediate, D=intermediate, nh=heads, nkv=kv_heads)
-    shared = _shared(cfg, spec, moe_intermediate)
-    if spec.get("S") and not spec["S"].startswith("I"):  # its own key: grown as the routed FFN grows
-        shared = max(old["S"], -(-old["S"] * moe_intermediate // old["I"]))
-    new["S"] = shared or 0
+    own_key = spec.get("S") is not None and not spec["S"].startswith("I")
+    new["S"] = (max(old["S"], -(-old["S"] * moe_intermediate // old["I"])) if own_key  # grown as the routed FFN
+                else _shared(cfg, spec, moe_intermediate) or 0)
     # the embedding carries the residual stream's scale, so it can no longer be the output layer
     out = dict(cfg, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
                tie_word_embeddings=False)
     out[spec["I"]] = moe_intermediate
     if spec.get("D"):
         out[spec["D"]] = intermediate
-    if spec.get("S") and not spec["S"].startswith("I"):
+    if own_key:
         out[spec["S"]] = new["S"]
     if not old["mla"] and not spec.get("derived_head_dim"):
         out["head_dim"] = old["hd"]
