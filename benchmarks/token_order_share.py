@@ -42,15 +42,21 @@ def _by_score(score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pref, score.gather(2, pref[..., :1])[..., 0] / score.sum(2).clamp_min(1e-9)
 
 
-def _id_ceilings(ids: np.ndarray, prev: np.ndarray, topk: np.ndarray, expert2rank: np.ndarray,
+def _owners(topk: np.ndarray, expert2rank: np.ndarray) -> np.ndarray:
+    """int64 [L, T, K]: the rank holding each activation. topk: int64 [T, L, K]; expert2rank:
+    int64 [L, E]."""
+    L = expert2rank.shape[0]
+    owner = np.take_along_axis(expert2rank[None], topk.transpose(1, 0, 2).reshape(1, L, -1), 2)
+    return owner.reshape(L, topk.shape[0], -1)
+
+
+def _id_ceilings(ids: np.ndarray, prev: np.ndarray, owner: np.ndarray,
                  N: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Per kind ("token": the id, "bigram": the (previous id, id) pair): (table float32 [L, U, N],
     key int64 [T] in [0, U)), where table[l, u, r] counts the activations that rows with key u
     had on rank r at layer l over the whole trace. ids, prev: int [T] (prev -1 at a request's
-    first row); topk: int64 [T, L, K]; expert2rank: int64 [L, E]."""
-    L = expert2rank.shape[0]
-    owner = np.take_along_axis(expert2rank[None], topk.transpose(1, 0, 2).reshape(1, L, -1), 2)
-    owner = owner.reshape(L, len(ids), -1)  # [L, T, K]
+    first row); owner: int64 [L, T, K] (:func:`_owners`)."""
+    L = owner.shape[0]
     out = {}
     for kind, raw in (("token", ids.astype(np.int64)),
                       ("bigram", (prev.astype(np.int64) + 1) * (int(ids.max()) + 1) + ids)):
@@ -68,22 +74,21 @@ def shares(placement_path: str, trace_path: str, step: int) -> dict[str, float]:
     trace = open_trace(trace_path)
     ids, topk = trace["token_ids"], trace["topk_ids"].astype(np.int64)  # [T], [T, L, K]
     N = placement.ep_size
-    e2r = torch.from_numpy(placement.expert2rank.astype(np.int64))  # [L, E]
+    owners = _owners(topk, placement.expert2rank.astype(np.int64))  # [L, T, K]
     arrays = [torch.from_numpy(getattr(tables, k)) for k in ("token2rank", "token_conf", "prior2rank")]
     learned = None
     if tables.learned is not None:
         learned = [torch.from_numpy(getattr(tables.learned, k)) for k in LEARNED_FIELDS]
     positions = torch.from_numpy(trace["positions"].astype(np.int64))
     ceilings = _id_ceilings(ids, dp.previous_ids(torch.from_numpy(ids.astype(np.int64)), positions).numpy(),
-                            topk, placement.expert2rank.astype(np.int64), N)
+                            owners, N)
     local = {"per_layer": 0, "per_step": 0, "random": 0, **({"learned_per_layer": 0, "learned_per_step": 0}
                                                              if learned else {}), "oracle_per_layer": 0,
              "oracle_per_step": 0, **{f"ceiling_{k}_{o}": 0 for k in ceilings for o in ("per_layer", "per_step")}}
     acts = 0
     for s in range(0, len(ids) - step + 1, step):
         i = torch.from_numpy(ids[s: s + step].astype(np.int64))
-        owner = e2r.gather(1, torch.from_numpy(topk[s: s + step]).permute(1, 0, 2).reshape(e2r.shape[0], -1))
-        owner = owner.view(e2r.shape[0], step, -1)  # [L, T, K] home rank of each activation
+        owner = torch.from_numpy(np.ascontiguousarray(owners[:, s: s + step]))  # [L, T, K] activation ranks
         caps = dp.chunk_caps(step, N)
         pref, conf = dp.predict_token_tables(*arrays, i)
         orders = {"per_layer": dp.assign(pref, conf, caps)[..., None],
@@ -94,7 +99,7 @@ def shares(placement_path: str, trace_path: str, step: int) -> dict[str, float]:
             orders["learned_per_layer"] = dp.assign(*dp.learned_or_tables(pref, conf, *dp.learned_layers(z, N)),
                                                     caps)[..., None]
             orders["learned_per_step"] = dp.assign(*dp.learned_step(z, N), caps)[None, :, None]
-        held = torch.zeros((e2r.shape[0], step, N))  # [L, T, N]: the step's activations on each rank
+        held = torch.zeros((owners.shape[0], step, N))  # [L, T, N]: the step's activations on each rank
         held.scatter_add_(2, owner, torch.ones(owner.shape))
         orders["oracle_per_layer"] = dp.assign(*_by_score(held), caps)[..., None]
         orders["oracle_per_step"] = dp.assign(*_by_score(held.sum(0, keepdim=True)), caps)[..., None]

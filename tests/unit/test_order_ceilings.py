@@ -21,7 +21,8 @@ def test_id_ceilings_count_each_key_on_each_rank():
     prev = np.array([-1, 5, 5, -1])  # the last row starts another request
     topk = np.array([[[0, 1], [2, 3]], [[0, 2], [1, 3]], [[3, 1], [0, 0]], [[1, 1], [3, 2]]])  # [T=4, L=2, K=2]
     e2r = np.array([[0, 0, 1, 1], [1, 0, 1, 0]])  # [L, E]
-    out = _script()._id_ceilings(ids, prev, topk, e2r, 2)
+    mod = _script()
+    out = mod._id_ceilings(ids, prev, mod._owners(topk, e2r), 2)
     table, key = out["token"]
     assert key.tolist() == [0, 0, 1, 0]
     # id 5 at layer 0: experts 0,1 | 0,2 | 1,1 -> ranks 0,0 | 0,1 | 0,0
