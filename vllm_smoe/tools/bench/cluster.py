@@ -401,7 +401,12 @@ def _wire_worker(rank: int, spec_path: str) -> int:
         owner = torch.as_tensor(plan["baseline" if name == "vllm" else "smoe"]["expert2rank"]).long()
         counted = 0
         dist.barrier()
-        before, t0 = tx(), time.perf_counter()
+        before = tx()
+        # no rank sends before every node's first rank has read its counter: a rank leaving the
+        # first barrier early put a step's rows on the veth before its node's reading (counted /
+        # wire 1.02-1.03 on some runs)
+        dist.barrier()
+        t0 = time.perf_counter()
         for step in plan["steps"]:
             ids_all = torch.as_tensor(step["ids"]).long()
             T, K = ids_all.shape
