@@ -3,6 +3,8 @@ per step can reach at all"); kept so that their numbers can be reproduced.
 
     python benchmarks/predictor_probes.py layer0 --placement P.yaml --train TRAIN.npz --heldout HELDOUT.npz
     python benchmarks/predictor_probes.py context --placement P.yaml --model MODEL_DIR
+    python benchmarks/predictor_probes.py hidden --placement P2.yaml P4.yaml P8.yaml --model MODEL_DIR \
+        --train TRAIN.npz --heldout HELDOUT.npz [--leave-out-domains]
 
 ``layer0``: one order per step, scored on the held-out trace in 64-token steps at vLLM's chunk
 caps, from (a) the learned predictor's summed softmax (as served), (b) the first MoE layer's
@@ -12,6 +14,16 @@ The placement must carry a learned predictor (``smoe-place build --learned``).
 ``context``: the learned network (same width rule, 6 epochs, Adam 3e-3, soft cross-entropy) with
 and without a third input, the mean input embedding of the earlier rows of the same request in
 the 64-row step; prints the held-out share of activations local per layer (network alone).
+``hidden``: per-layer predictors that see the hidden state at the MoE layer's *input* (before its
+attention, the rows every rank holds whole before the attention's reduce-scatter): ``ahead``, the
+layer's own gate on that input after the layer's post-attention norm (no training); ``mlp``, that
+gate plus a two-layer network (width 256, SiLU, 8 epochs, AdamW 2e-3, soft cross-entropy on the
+router's top-k) trained on the training trace's rows; ``mix``, the mean of ``ahead``'s and a
+token-id count table's expert distributions. Each rank score sums its experts' probabilities.
+Against the served token tables, an id count table from the same training rows, and the capped
+oracle; with ``--leave-out-domains``, each workload's held-out rows scored by predictors trained
+on the other workloads' training rows. Runs the checkpoint in transformers over every recorded
+request (Qwen3-MoE-style softmax routers with ``mlp.gate``).
 CPU torch; no vLLM.
 """
 
@@ -151,14 +163,153 @@ def context(a) -> None:
         print(f"{'with' if use_ctx else 'without'} the step's context: held-out share per layer {loc / acts:.4f}")
 
 
+def _hidden_inputs(model_dir: str, trace) -> tuple[np.ndarray, np.ndarray]:
+    """(X float32 [T, L, H]: each MoE layer's input rows after that layer's post-attention norm,
+    gates float32 [L, E, H]) from the checkpoint run in transformers over each recorded request."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    layers = m.model.layers
+    moe = [i for i, layer in enumerate(layers) if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")]
+    if not moe or not hasattr(layers[moe[0]].mlp.gate, "weight"):
+        raise ValueError(f"{model_dir}: no MoE layer with a linear mlp.gate (Qwen3-MoE-style blocks only)")
+    H = m.config.hidden_size
+    seen = {}
+    for j, i in enumerate(moe):
+        layers[i].register_forward_pre_hook(
+            lambda mod, args, kwargs, j=j: seen.__setitem__(j, args[0] if args else kwargs["hidden_states"]),
+            with_kwargs=True)
+    ids, req, pos = trace["token_ids"], trace["request_ids"], trace["positions"]
+    X = np.zeros((len(ids), len(moe), H), np.float32)
+    with torch.no_grad():
+        for r in np.unique(req):
+            rows = np.nonzero(req == r)[0]
+            rows = rows[np.argsort(pos[rows], kind="stable")]
+            m(torch.from_numpy(ids[rows].astype(np.int64))[None])
+            for j, i in enumerate(moe):
+                X[rows, j] = layers[i].post_attention_layernorm(seen[j].reshape(-1, H)).numpy()
+        gates = np.stack([layers[i].mlp.gate.weight.numpy() for i in moe])
+    return X, gates
+
+
+def _train_hidden(X: torch.Tensor, topk: torch.Tensor, gate: torch.Tensor, width: int = 256,
+                  epochs: int = 8) -> torch.nn.Module:
+    """One layer's network: logits = X @ gate.T + net(X), fitted to the router's top-k."""
+    torch.manual_seed(0)
+    E, K = gate.shape[0], topk.shape[1]
+    net = torch.nn.Sequential(torch.nn.Linear(X.shape[1], width), torch.nn.SiLU(), torch.nn.Linear(width, E))
+    opt = torch.optim.AdamW(net.parameters(), 2e-3, weight_decay=1e-4)
+    target = torch.zeros(X.shape[0], E).scatter_(1, topk, 1.0 / K)
+    base = X @ gate.T
+    for _ in range(epochs):
+        order = torch.randperm(X.shape[0])
+        for s in range(0, order.numel(), 512):
+            r = order[s: s + 512]
+            loss = -(target[r] * torch.log_softmax(base[r] + net(X[r]), -1)).sum(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return net
+
+
+def _id_table(ids: np.ndarray, topk: np.ndarray, V: int, E: int) -> np.ndarray:
+    """float32 [V, L, E]: each id's expert distribution on the rows given, smoothed by the prior."""
+    L, K = topk.shape[1], topk.shape[2]
+    tab = np.zeros((V, L, E))
+    for j in range(L):
+        for k in range(K):
+            np.add.at(tab[:, j], (ids, topk[:, j, k]), 1)
+    prior = tab.sum(0, keepdims=True)
+    tab += prior / prior.sum(-1, keepdims=True)
+    return (tab / tab.sum(-1, keepdims=True)).astype(np.float32)
+
+
+def _shares(probs: dict, topk: torch.Tensor, e2r: torch.Tensor, N: int, step: int = STEP) -> dict[str, int]:
+    """Local activations of each predictor's per-layer order (expert distributions [T, L, E])
+    and of the oracle, in steps of ``step`` rows at vLLM's chunk caps; "acts" the activations."""
+    T, L, K = topk.shape
+    E = e2r.shape[1]
+    from vllm_smoe.serving import device_predict as dp
+
+    local = dict.fromkeys(["oracle", *probs, "acts"], 0)
+    for s in range(0, T - step + 1, step):
+        t = topk[s: s + step]
+        owner = torch.stack([e2r[j][t[:, j]] for j in range(L)])  # [L, step, K]
+        caps = dp.chunk_caps(step, N)
+        for name in ["oracle", *probs]:
+            pe = (torch.zeros(step, L, E).scatter_(2, t, 1.0 / K) if name == "oracle" else probs[name][s: s + step])
+            score = torch.stack([torch.zeros(step, N).index_add_(1, e2r[j], pe[:, j]) for j in range(L)])
+            local[name] += int((owner == dp.assign(*_by_score(score), caps)[..., None]).sum())
+        local["acts"] += owner.numel()
+    return local
+
+
+def hidden(a) -> None:
+    from vllm_smoe.formats.placement_file import load_placement, load_tables
+    from vllm_smoe.formats.trace import open_trace
+    from vllm_smoe.serving import device_predict as dp
+
+    train, held = open_trace(a.train), open_trace(a.heldout)
+    Xtr, gates = _hidden_inputs(a.model, train)
+    Xte, _ = _hidden_inputs(a.model, held)
+    Xtr, Xte, gates = torch.from_numpy(Xtr), torch.from_numpy(Xte), torch.from_numpy(gates)
+    ktr = torch.from_numpy(train["topk_ids"].astype(np.int64))
+    kte = torch.from_numpy(held["topk_ids"].astype(np.int64))
+    ids_tr, ids_te = train["token_ids"].astype(np.int64), held["token_ids"].astype(np.int64)
+    L, E = gates.shape[:2]
+    V = int(max(ids_tr.max(), ids_te.max())) + 1
+    ahead = torch.stack([torch.softmax(Xte[:, j] @ gates[j].T, -1) for j in range(L)], 1)  # [T, L, E]
+
+    def fitted(rows_tr: np.ndarray, rows_te: np.ndarray) -> dict[str, torch.Tensor]:
+        nets = [_train_hidden(Xtr[rows_tr, j], ktr[rows_tr, j], gates[j]) for j in range(L)]
+        with torch.no_grad():
+            mlp = torch.stack([torch.softmax(Xte[rows_te, j] @ gates[j].T + nets[j](Xte[rows_te, j]), -1)
+                               for j in range(L)], 1)
+        table = torch.from_numpy(_id_table(ids_tr[rows_tr], ktr[rows_tr].numpy(), V, E)[ids_te[rows_te]])
+        return {"id_table": table, "ahead": ahead[rows_te], "mix": (ahead[rows_te] + table) / 2, "mlp": mlp}
+
+    placements = [load_placement(p) for p in a.placement]
+    if not a.leave_out_domains:
+        probs = fitted(np.arange(len(ids_tr)), np.arange(len(ids_te)))
+        for path, p in zip(a.placement, placements):
+            N, tables = p.ep_size, load_tables(p)
+            pref = [torch.from_numpy(getattr(tables, k)) for k in ("token2rank", "token_conf", "prior2rank")]
+            served = 0
+            for s in range(0, len(ids_te) - STEP + 1, STEP):  # the served token tables, as in token_order_share
+                i = torch.from_numpy(ids_te[s: s + STEP])
+                t2r = dp.assign(*dp.predict_token_tables(*pref, i), dp.chunk_caps(STEP, N))
+                owner = torch.stack([torch.from_numpy(p.expert2rank.astype(np.int64))[j][kte[s: s + STEP, j]]
+                                     for j in range(L)])
+                served += int((owner == t2r[..., None]).sum())
+            local = _shares(probs, kte, torch.from_numpy(p.expert2rank.astype(np.int64)), N)
+            local["served_tables"] = served
+            print(f"{path} (EP {N}): " + ", ".join(
+                f"{k} {v / local['acts']:.3f} ({v / local['oracle']:.3f})" for k, v in local.items() if k != "acts"))
+        return
+    dom_tr, dom_te = train["domain"], held["domain"]
+    totals = [dict() for _ in placements]
+    for d in np.unique(dom_te):
+        probs = fitted(np.nonzero(dom_tr != d)[0], np.nonzero(dom_te == d)[0])
+        for tot, p in zip(totals, placements):
+            local = _shares(probs, kte[dom_te == d], torch.from_numpy(p.expert2rank.astype(np.int64)), p.ep_size)
+            for k, v in local.items():
+                tot[k] = tot.get(k, 0) + v
+    for path, p, tot in zip(a.placement, placements, totals):
+        print(f"{path} (EP {p.ep_size}), each workload left out: " + ", ".join(
+            f"{k} {v / tot['acts']:.3f} ({v / tot['oracle']:.3f})" for k, v in tot.items() if k != "acts"))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name, fn in (("layer0", layer0), ("context", context)):
+    for name, fn in (("layer0", layer0), ("context", context), ("hidden", hidden)):
         s = sub.add_parser(name)
-        s.add_argument("--placement", required=True)
-        s.add_argument("--train", required=name == "layer0")
-        s.add_argument("--heldout", required=name == "layer0")
+        s.add_argument("--placement", required=True, nargs="+" if name == "hidden" else None)
+        s.add_argument("--train", required=name in ("layer0", "hidden"))
+        s.add_argument("--heldout", required=name in ("layer0", "hidden"))
+        if name == "hidden":
+            s.add_argument("--model", required=True, help="checkpoint directory, run in transformers")
+            s.add_argument("--leave-out-domains", action="store_true")
         if name == "context":
             s.add_argument("--model", required=True, help="checkpoint directory (input embeddings)")
         s.set_defaults(fn=fn)
