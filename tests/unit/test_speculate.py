@@ -88,6 +88,35 @@ def test_router_predictor_uses_vllms_own_routing(grouped):
     np.testing.assert_allclose(conf.numpy(), want_conf)
 
 
+def test_input_gate_routes_the_layer_input_through_the_post_attention_norm():
+    """Predictor input-gate: the ranks of the experts vLLM's router would pick for the normed
+    input rows, with the norm's and gate's own hooks (smoe's, on the real pass) not run."""
+    pytest.importorskip("vllm")
+    import torch
+
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+    from vllm_smoe.placement.predict import prefer_ranks
+    from vllm_smoe.serving.token_order import gate_ranks
+
+    torch.manual_seed(1)
+    E, K, H, T, N = 12, 3, 20, 29, 3
+    norm, gate = torch.nn.RMSNorm(H, eps=1e-6), torch.nn.Linear(H, E, bias=False)
+    torch.nn.init.uniform_(norm.weight, 0.5, 2.0)
+    for m in (norm, gate):
+        m.register_forward_hook(lambda *a: (_ for _ in ()).throw(AssertionError("a hook ran")))
+    router = CPURouter(top_k=K, global_num_experts=E)
+    x = 5 * torch.randn(T, H)
+    owner = torch.randperm(E) % N
+    held = torch.zeros((N, E), dtype=torch.bool)
+    held[owner, torch.arange(E)] = True
+    pref, conf = gate_ranks(norm, gate, router, x, held)
+    xn = x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + 1e-6) * norm.weight
+    _, ids = router.select_experts(xn, xn @ gate.weight.T)
+    want_pref, want_conf = prefer_ranks(owner[ids.long()].numpy(), N)
+    np.testing.assert_array_equal(pref.numpy(), want_pref)
+    np.testing.assert_allclose(conf.numpy(), want_conf)
+
+
 def _vc(tp=2, dp=1, ep=True, nnodes=1, dp_local=None, seqs=256):
     import types
 

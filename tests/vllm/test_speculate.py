@@ -45,6 +45,9 @@ CASES = {
     "tables": ({**SPEC, "predictor": "tables"}, False, "predictor tables"),
     "tables-markov": ({**SPEC, "predictor": "tables-markov"}, False, "predictor tables-markov"),
     "router": ({**SPEC, "predictor": "router"}, False, "predictor router"),  # vLLM's gate run ahead: exact ranks
+    # the gate on each layer's input, its ranks in the previous block's all-gather: no collective more
+    "input-gate": ({**SPEC, "predictor": "input-gate"}, False, "predictor input-gate"),
+    "input-gate-compiled": ({**SPEC, "predictor": "input-gate"}, True, "predictor input-gate"),
     "random": ({**SPEC, "predictor": "random"}, False, "predictor random"),
     "learned": ({**SPEC, "placement": "learned", "predictor": "learned"}, False, "predictor learned"),  # --learned
     "tables-agrs": ({**SPEC, "predictor": "tables", "all2all": "vllm"}, False, "predictor tables"),  # allgather-RS
@@ -155,6 +158,8 @@ def test_router_order_is_more_local_than_every_prediction():
     assert _LOCAL["router"] > max(_LOCAL["tables"], _LOCAL["tables-markov"]) > _LOCAL["random"], _LOCAL
     if "learned" in _LOCAL:  # its own placement (built the same way): far above a random order
         assert _LOCAL["learned"] > _LOCAL["random"] + 0.05, _LOCAL
+    if "input-gate" in _LOCAL:  # the gate on the layer's input: as far above it
+        assert _LOCAL["input-gate"] > _LOCAL["random"] + 0.05, _LOCAL
 
 
 @pytest.mark.parametrize("smoe,ep,words", [

@@ -20,8 +20,8 @@ class SmoeSettingsError(ValueError):
     ``vllm serve`` prints it as one line and exits 2 (:mod:`vllm_smoe.serving.plugin`)."""
 _KEYS = ("mode", "placement", "placement_dirs", "record", "log_interval", "record_chunk_tokens", "predictor", "all2all", "dp_routing",
          "metrics_dir", "drift_threshold", "record_sample", "record_max_mb", "metrics", "reduce_scatter", "hierarchical")
-PREDICTORS = ("tables", "tables-markov", "learned", "router", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.serving.token_order)
-TABLE_PREDICTORS = ("tables", "tables-markov", "learned")  # those that read the placement's tables file
+PREDICTORS = ("tables", "tables-markov", "learned", "router", "input-gate", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.serving.token_order)
+TABLE_PREDICTORS = ("tables", "tables-markov", "learned", "input-gate")  # those that read the placement's tables file
 ALL2ALL = ("sparse", "vllm")
 REDUCE_SCATTER = ("auto", "on", "off")  # speculate's shuffled reduce-scatter (SmoeConfig.reduce_scatter)
 HIERARCHICAL = ("auto", "on", "off")  # the sparse all2all over nodes (SmoeConfig.hierarchical)

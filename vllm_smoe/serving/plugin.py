@@ -70,7 +70,8 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
                    help="seconds between smoe's log lines (recorder, speculate, DP routing and locality)")
     g.add_argument("--smoe-predictor", choices=PREDICTORS, default=None,
                    help="speculate: token -> rank predictor (default tables: the placement's trained tables; "
-                        "learned: the small network smoe-place build --learned trains)")
+                        "learned: the small network smoe-place build --learned trains; router: the block's gate on "
+                        "its rows, exact; input-gate: the gate on the layer's input, for the shuffled reduce-scatter)")
     g.add_argument("--smoe-reduce-scatter", choices=REDUCE_SCATTER, default=None,
                    help="speculate: reduce-scatter the attention output's rows already in the token order where "
                         "the decoder layer allows it, half the bytes of vLLM's all-reduce over a network (default "

@@ -218,6 +218,21 @@ def route_ahead(gate: torch.nn.Module, router, x: torch.Tensor, held: torch.Tens
     return dp.prefer_held(ids, held)
 
 
+def gate_ranks(norm: torch.nn.Module, gate: torch.nn.Module, router, x: torch.Tensor, held: torch.Tensor,
+               input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Predictor input-gate on rows x [n, H] of a layer's input (the residual stream before its
+    attention): the layer's post-attention ``norm``, its ``gate`` and the router's pure routing
+    step, as :func:`route_ahead` on the rows the block will see. Modules are called through
+    ``forward``: their hooks (smoe's own on the norm and gate) belong to the layer's real pass.
+    Returns (pref [n, 2] int64, conf [n] float32) as :func:`device_predict.prefer_held`."""
+    xn = norm.forward(x)
+    logits = gate.forward(xn)
+    if isinstance(logits, tuple):  # vLLM's linear layers return (output, bias)
+        logits = logits[0]
+    _, ids = router._compute_routing(xn, logits, None, input_ids=input_ids)
+    return dp.prefer_held(ids, held)
+
+
 class TokenOrder:
     """Per-worker state: device tables, the step's token ids, per-layer inverse permutations,
     the previous layer's top-1, and device-side counters read only when logging."""
@@ -252,20 +267,21 @@ class TokenOrder:
                              f"one, but {type(self.blocks[0][1]).__name__}'s decoder layers keep their rows split "
                              f"between layers, so one order holds for the whole step; use predictor 'tables' or "
                              f"'learned'")
-        if self.stack and cfg.predictor == "router":
-            raise ValueError(f"smoe mode speculate: predictor 'router' runs each MoE layer's gate on its input rows, "
-                             f"but {type(self.blocks[0][1]).__name__}'s decoder layers keep their rows split between "
-                             f"layers, so one order holds for the whole step; use predictor 'tables' or 'learned'")
+        if self.stack and cfg.predictor in ("router", "input-gate"):
+            raise ValueError(f"smoe mode speculate: predictor {cfg.predictor!r} runs each MoE layer's gate on rows "
+                             f"of that layer, but {type(self.blocks[0][1]).__name__}'s decoder layers keep their rows "
+                             f"split between layers, so one order holds for the whole step; use predictor 'tables' or "
+                             f"'learned'")
         # the TP group's broadcast on the device communicator (pynccl on the current stream on
         # CUDA, capturable like vLLM's other collectives; torch.distributed's elsewhere)
         comm = getattr(self.tp, "device_communicator", None)
         self.broadcast = comm.broadcast if comm is not None and hasattr(comm, "broadcast") else self.tp.broadcast
-        self.gates = []  # predictor router: (gate, router) per MoE layer
-        if cfg.predictor == "router":
+        self.gates = []  # predictors router, input-gate: (gate, router) per MoE layer
+        if cfg.predictor in ("router", "input-gate"):
             for _, block, e in experts:
                 ok, reason, gate = gate_ahead(block, e)
                 if not ok:
-                    raise ValueError(f"smoe mode speculate: predictor 'router': {reason}")
+                    raise ValueError(f"smoe mode speculate: predictor {cfg.predictor!r}: {reason}")
                 self.gates.append((gate, e.router))
         L, E = plan.slot2expert.shape
         self.learned = cfg.predictor == "learned"
@@ -326,6 +342,22 @@ class TokenOrder:
             else:
                 self.shuffled, why = shuffle_seams(model, plan.moe_layers, experts, self.N)
         self.shuffle_reason = why if not self.shuffled else ""
+        # predictor input-gate: with the shuffled reduce-scatter, layer l's order is needed before
+        # its attention output is reduced, so its gate runs on the layer's input instead (after the
+        # layer's post-attention norm): each rank on its own chunk rows at the end of the previous
+        # MoE block (their output plus the kept residual), the ranks and confidence riding as three
+        # more columns in that block's all-gather, so every rank assigns from the same bytes (no
+        # collective more, none of rank 0's broadcast); the first MoE layer takes the tables. Where
+        # the rows are whole before the block (no shuffled reduce-scatter) the gate sees the exact
+        # rows: it is predictor router there.
+        self.ahead = cfg.predictor == "input-gate" and bool(self.shuffled)
+        if self.ahead:
+            if self.tables is None:
+                raise ValueError("smoe mode speculate: predictor 'input-gate' takes the first MoE layer's order from "
+                                 "the placement's tables, and it has none")
+            self.next_norm = {layer: norm for layer, _, norm, _ in self.shuffled}
+            self.next_pref = torch.full((T, 2), -1, dtype=torch.long, device=device)
+            self.next_conf = torch.zeros(T, dtype=torch.float32, device=device)
         if self.shuffled:
             hidden = vllm_config.model_config.get_hidden_size()
             # the residual of this rank's chunk rows, between the norm and the experts' output
@@ -333,7 +365,7 @@ class TokenOrder:
         # tables-markov: each layer waits for the previous one's top-1 (one extra all-gather per
         # layer); the others predict every layer at the first MoE layer of the step
         self.markov = cfg.predictor == "tables-markov"
-        self.per_layer = self.markov or cfg.predictor == "router"
+        self.per_layer = self.markov or cfg.predictor == "router" or (cfg.predictor == "input-gate" and not self.ahead)
         self._last_log = time.monotonic()
         model.register_forward_pre_hook(self._step_ids, with_kwargs=True)
         from . import runner_hooks
@@ -347,15 +379,16 @@ class TokenOrder:
         for (layer, block, _), experts in zip(self.blocks, self.experts):
             set_capture(experts, functools.partial(self._capture, layer), "smoe mode speculate",
                         hookable_gate(block, experts, vllm_config))
+        last = len(self.blocks) - 1
         for layer, block, router in self.blocks:
             if not self.stack:
                 block.register_forward_pre_hook(self._pre(layer, predict=not self.shuffled), with_kwargs=True)
-                block.register_forward_hook(self._post(layer))
+                block.register_forward_hook(self._post(layer, ahead=self.ahead and layer < last))
         for layer, o_proj, norm, fused in self.shuffled:
             o_proj.reduce_results = False  # its partial sums: the reduce-scatter below sums them
             o_proj.register_forward_hook(self._attn_partial(layer))
             norm.register_forward_hook(self._norm_out(layer))
-            fused.register_forward_hook(self._experts_out(layer))
+            fused.register_forward_hook(self._experts_out(layer, ahead=self.ahead and layer < last))
         if self.stack:
             stack = find_stack(model)
             # on the first layer's input, not on embed_tokens: drafters may share the embedding
@@ -463,11 +496,13 @@ class TokenOrder:
         return hook
 
     @staticmethod
-    def _experts_out(layer: int):
+    def _experts_out(layer: int, ahead: bool = False):
         def hook(module, args, output):
             if not isinstance(output, torch.Tensor):
                 raise RuntimeError(f"smoe speculate: {type(module).__name__} returned {type(output).__name__}, not "
                                    f"one tensor; set additional_config smoe.reduce_scatter to false")
+            if ahead:  # plus the next MoE layer's ranks of these rows, as columns for the all-gather
+                return torch.ops.smoe.add_residual_ahead(output, layer)
             return torch.ops.smoe.add_residual(output, layer)
         return hook
 
@@ -523,8 +558,10 @@ class TokenOrder:
         return self._final(module, args)
 
     @staticmethod
-    def _post(layer: int):
+    def _post(layer: int, ahead: bool = False):
         def hook(module, args, output):
+            if ahead:  # the columns _experts_out added come off here, kept for the next layer
+                return torch.ops.smoe.restore_tokens_ahead(output, layer)
             return torch.ops.smoe.restore_tokens(output, layer)
         return hook
 
@@ -579,9 +616,11 @@ class TokenOrder:
             tables = dp.predict_token_tables(t["token2rank"], t["token_conf"], t["prior2rank"], ids,
                                              self._bigram(ids.shape[0]))
             return dp.learned_or_tables(*tables, *dp.learned_layers(self._learned_logits(ids), self.N))
-        if not self.markov:  # always every layer: whole tables, no index copies
-            return dp.predict_token_tables(t["token2rank"], t["token_conf"], t["prior2rank"], ids,
-                                           self._bigram(ids.shape[0]))
+        if not self.markov:  # every layer's at once: whole tables, no index copies
+            pref, conf = dp.predict_token_tables(t["token2rank"], t["token_conf"], t["prior2rank"], ids,
+                                                 self._bigram(ids.shape[0]))
+            rows = slice(layers[0], layers[-1] + 1)  # input-gate: the first layer's only
+            return (pref, conf) if len(layers) == pref.shape[0] else (pref[rows], conf[rows])
         (layer,) = layers
         prev = self.slot2expert[layer - 1][self.prev_top1[: ids.shape[0]]] if layer > 0 else None
         pref, conf = dp.predict_tables(*(t[k][layer] for k in ("token2rank", "token_conf", "markov2rank",
@@ -604,9 +643,12 @@ class TokenOrder:
     def reduce_scatter(self, partial: torch.Tensor, layer: int) -> torch.Tensor:
         """:func:`shuffled_reduce_scatter` on the TP group, predicting the order first where
         the block would have (the first MoE layer, or every layer for a per-layer predictor)."""
-        if self.per_layer or layer == 0:
-            self._predict(partial, layer)
         T = partial.shape[0]
+        if self.ahead and layer > 0:  # the ranks the previous block's all-gather brought, equal on every rank
+            dp.assign_permute(self.next_pref[:T][None], self.next_conf[:T][None], dp.chunk_caps(T, self.N, partial.device),
+                              self.perm[layer: layer + 1], self.inv[layer: layer + 1])
+        elif self.per_layer or layer == 0:
+            self._predict(partial, layer)
         return shuffled_reduce_scatter(partial, self.perm[layer, :T], self.rank, self.N,
                                        lambda x: self.tp.reduce_scatter(x, 0))
 
@@ -618,6 +660,29 @@ class TokenOrder:
     def add_residual(self, y: torch.Tensor, layer: int) -> torch.Tensor:
         """y: [c, H] the experts' output of this rank's chunk: plus its kept residual rows."""
         return y + self.kept[: y.shape[0]].to(y.dtype)
+
+    def add_residual_ahead(self, y: torch.Tensor, layer: int) -> torch.Tensor:
+        """:meth:`add_residual`, then three columns more: [c, H + 3], the next MoE layer's two
+        preferred ranks (-1 = none) and confidence for these rows (:func:`gate_ranks` on the
+        rows, which are that layer's input), in y's dtype (small integers stay exact; every rank
+        reads the same bytes after the all-gather, so the confidence need not be exact)."""
+        x = self.add_residual(y, layer)
+        c, T = x.shape[0], self.rows
+        nxt = layer + 1
+        # the step rows of this chunk (the chunk's padding past T reads the last row: dropped later)
+        src = self.perm[layer].index_select(0, (torch.arange(c, device=x.device) + self.rank * c).clamp(max=T - 1))
+        gate, router = self.gates[nxt]
+        pref, conf = gate_ranks(self.next_norm[nxt], gate, router, x, self.holds[nxt], self.ids.index_select(0, src))
+        return torch.cat([x, pref.to(x.dtype), conf.to(x.dtype)[:, None]], dim=1)
+
+    def restore_ahead(self, y: torch.Tensor, layer: int) -> torch.Tensor:
+        """y: [T, H + 3] the all-gathered rows of :meth:`add_residual_ahead`, in the token
+        order. Returns [T, H] in the step's order; keeps the columns for the next layer's order."""
+        z = self.restore(y, layer)
+        T, H = z.shape[0], z.shape[1] - 3
+        self.next_pref[:T].copy_(z[:, H: H + 2].round().long())
+        self.next_conf[:T].copy_(z[:, H + 2].float())
+        return z[:, :H].contiguous()
 
     def order(self, x: torch.Tensor, layer: int, predict: bool) -> torch.Tensor:
         T = x.shape[0]
@@ -637,10 +702,11 @@ class TokenOrder:
         ``perm`` / ``inv`` written in place. x: [T, H] the rows (read by predictor router only)."""
         T = x.shape[0]
         self.rows = T
-        layers = [layer] if self.per_layer or self.stack else list(range(self.perm.shape[0]))
+        # input-gate: the tables order the first MoE layer only, the gates the others (reduce_scatter)
+        layers = [layer] if self.per_layer or self.stack or self.ahead else list(range(self.perm.shape[0]))
         rows = slice(layers[0], layers[-1] + 1)
         caps = dp.chunk_caps(T, self.N, x.device)
-        if self.gates or self.learned:
+        if (self.gates and not self.ahead) or self.learned:
             # floats each rank computes itself: the gate's rows are equal across ranks only if
             # the attention all-reduce is bitwise deterministic (vLLM's FlashInfer one is not),
             # and the network's GEMM need not round alike on every rank (thread counts,
@@ -779,6 +845,26 @@ def add_residual(y: torch.Tensor, layer: int) -> torch.Tensor:
 @add_residual.register_fake
 def _(y, layer):
     return torch.empty_like(y)
+
+
+@torch.library.custom_op("smoe::add_residual_ahead", mutates_args=())
+def add_residual_ahead(y: torch.Tensor, layer: int) -> torch.Tensor:
+    return worker().order.add_residual_ahead(y, layer)
+
+
+@add_residual_ahead.register_fake
+def _(y, layer):
+    return y.new_empty((y.shape[0], y.shape[1] + 3))
+
+
+@torch.library.custom_op("smoe::restore_tokens_ahead", mutates_args=())
+def restore_tokens_ahead(y: torch.Tensor, layer: int) -> torch.Tensor:
+    return worker().order.restore_ahead(y, layer)
+
+
+@restore_tokens_ahead.register_fake
+def _(y, layer):
+    return y.new_empty((y.shape[0], y.shape[1] - 3))
 
 
 def chunk_rows(T: int, rank: int, N: int) -> tuple[int, int]:
