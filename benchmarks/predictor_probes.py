@@ -18,8 +18,9 @@ the 64-row step; prints the held-out share of activations local per layer (netwo
 attention, the rows every rank holds whole before the attention's reduce-scatter): ``ahead``, the
 layer's own gate on that input after the layer's post-attention norm (no training); ``mlp``, that
 gate plus a two-layer network (width 256, SiLU, 8 epochs, AdamW 2e-3, soft cross-entropy on the
-router's top-k) trained on the training trace's rows; ``mix``, the mean of ``ahead``'s and a
-token-id count table's expert distributions. Each rank score sums its experts' probabilities.
+router's top-k) trained on the training trace's rows; ``input_gate``, the served predictor of that name:
+the first MoE layer from the id count table, the others ``ahead``'s top-k; ``mix``, the mean of
+``ahead``'s and a token-id count table's expert distributions. Each rank score sums its experts' probabilities.
 Against the served token tables, an id count table from the same training rows, and the capped
 oracle; with ``--leave-out-domains``, each workload's held-out rows scored by predictors trained
 on the other workloads' training rows. Runs the checkpoint in transformers over every recorded
@@ -257,6 +258,7 @@ def hidden(a) -> None:
     kte = torch.from_numpy(held["topk_ids"].astype(np.int64))
     ids_tr, ids_te = train["token_ids"].astype(np.int64), held["token_ids"].astype(np.int64)
     L, E = gates.shape[:2]
+    K = ktr.shape[2]
     V = int(max(ids_tr.max(), ids_te.max())) + 1
     ahead = torch.stack([torch.softmax(Xte[:, j] @ gates[j].T, -1) for j in range(L)], 1)  # [T, L, E]
 
@@ -266,7 +268,13 @@ def hidden(a) -> None:
             mlp = torch.stack([torch.softmax(Xte[rows_te, j] @ gates[j].T + nets[j](Xte[rows_te, j]), -1)
                                for j in range(L)], 1)
         table = torch.from_numpy(_id_table(ids_tr[rows_tr], ktr[rows_tr].numpy(), V, E)[ids_te[rows_te]])
-        return {"id_table": table, "ahead": ahead[rows_te], "mix": (ahead[rows_te] + table) / 2, "mlp": mlp}
+        # as served (predictor input-gate): the first layer from the id table, the others the gate's
+        # top-k on the layer's input, each rank scored by its count of them
+        top = ahead[rows_te].topk(K, dim=2).indices
+        served = torch.zeros_like(table).scatter_(2, top, 1.0 / K)
+        served[:, 0] = table[:, 0]
+        return {"id_table": table, "ahead": ahead[rows_te], "input_gate": served, "mix": (ahead[rows_te] + table) / 2,
+                "mlp": mlp}
 
     placements = [load_placement(p) for p in a.placement]
     if not a.leave_out_domains:

@@ -14,6 +14,7 @@ from .predict import (SOURCES, PredictorTables, bigram_keys, known_preferences, 
                       request_prefill_candidates)
 
 # offline twins of the served predictors (vllm_smoe.serving.config.PREDICTORS) that learn from a trace
+# (input-gate has none: it reads hidden states a trace does not hold; benchmarks/predictor_probes.py hidden)
 PREDICTORS = ("tables-markov", "tables", "learned", "router")
 LEARNED_BLOCK = 1 << 16  # rows the learned predictor scores at a time
 

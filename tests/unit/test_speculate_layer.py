@@ -497,3 +497,65 @@ def test_hierarchical_only_where_nodes_hold_several_ranks():
     assert not hier([0, 1, 2, 3]) and not hier([0, 0, 0, 0])
     assert not SparseExchange(0, 4, torch.zeros(8, dtype=torch.long), None, None,
                               node_of=torch.tensor([0, 0, 1, 1]), hierarchical=True).hierarchical  # no all_to_all
+
+
+class _TopK:
+    """A router's pure routing step: top-k of the logits, the token id's expert (id mod E) first,
+    as a hash-routed layer reads the ids."""
+
+    def __init__(self, k):
+        self.k = k
+
+    def _compute_routing(self, x, logits, _, input_ids=None):
+        E = logits.shape[1]
+        return torch.topk(logits.float() + 100.0 * torch.nn.functional.one_hot(input_ids % E, E), self.k, dim=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,T", [(2, 1), (2, 7), (3, 2), (3, 13), (4, 3), (4, 17)])
+def test_input_gate_columns_reach_every_rank_alike(dtype, N, T):
+    """Predictor input-gate: each rank predicts the next layer's ranks for its own chunk rows and
+    appends them as columns; after the block's all-gather (here: the ranks' outputs concatenated)
+    and the restore, every rank holds the rows unchanged and the same predictions, equal to the
+    gate run on every row, and assigns the same next order; no host read on the way."""
+    import types
+
+    from vllm_smoe.serving.token_order import TokenOrder, gate_ranks
+
+    torch.manual_seed(N * 100 + T)
+    H, E, K, L, rows_max = 16, 8, 2, 2, 32
+    norm, gate = torch.nn.RMSNorm(H, eps=1e-6).to(dtype), torch.nn.Linear(H, E, bias=False).to(dtype)
+    holds = torch.rand(L, N, E) < 0.5
+    stream = torch.randn(T, H).to(dtype)  # the next layer's input, in step order
+    perm0 = torch.randperm(T)
+    c = -(-T // N)
+
+    def rank_state(r):
+        s = types.SimpleNamespace(
+            rows=T, rank=r, N=N, markov=False, gates=[(gate, _TopK(K))] * L, next_norm={1: norm}, holds=holds,
+            ids=torch.arange(rows_max), kept=torch.zeros(c, H, dtype=dtype),
+            perm=torch.zeros(L, rows_max, dtype=torch.long), inv=torch.zeros(L, rows_max, dtype=torch.long),
+            next_pref=torch.full((rows_max, 2), -1), next_conf=torch.zeros(rows_max))
+        s.perm[0, :T], s.inv[0, :T] = perm0, torch.argsort(perm0)
+        for name in ("add_residual", "restore"):
+            setattr(s, name, types.MethodType(getattr(TokenOrder, name), s))
+        return s
+
+    states = [rank_state(r) for r in range(N)]
+    outs = []
+    with torch.no_grad(), _NoHostSync():
+        for r, s in enumerate(states):
+            start, stop = chunk_rows(T, r, N)
+            y = torch.zeros(c, H, dtype=dtype)  # the experts' output of the chunk; its kept residual is zero here
+            y[: stop - start] = stream[perm0[start:stop]]
+            outs.append(TokenOrder.add_residual_ahead(s, y, 0))
+        gathered = torch.cat(outs)[:T]
+        back = [TokenOrder.restore_ahead(s, gathered, 0) for s in states]
+        orders = [dp.permutation(dp.assign(s.next_pref[:T][None], s.next_conf[:T][None], dp.chunk_caps(T, N)))[0]
+                  for s in states]
+    want_pref, want_conf = gate_ranks(norm, gate, _TopK(K), stream, holds[1], torch.arange(T))  # ids: the rows
+    for s, rows, order in zip(states, back, orders):
+        assert torch.equal(rows, stream)
+        assert torch.equal(s.next_pref[:T], want_pref)
+        torch.testing.assert_close(s.next_conf[:T], want_conf.to(dtype).float(), rtol=0, atol=0)
+        assert torch.equal(order, orders[0])

@@ -936,7 +936,9 @@ def install_token_order(model, vllm_config, cfg, served) -> TokenOrder:
     order = TokenOrder(model, vllm_config, cfg, tables, served.plan, expected=served.placement.metrics.get("lar"))
     logger.info("smoe: mode speculate: token order over %d ranks around %d MoE blocks (%s), %s, predictor %s; "
                 "attention output: %s", order.N, len(order.blocks), type(order.blocks[0][1]).__name__,
-                "one order per step" if order.stack else "one order per layer", cfg.predictor,
+                "one order per step" if order.stack else "one order per layer",
+                cfg.predictor + (" (as router: the rows are whole before each block)"
+                                 if cfg.predictor == "input-gate" and not order.ahead else ""),
                 f"reduce-scattered in the token order at {len(order.shuffled)} MoE layers" if order.shuffled
                 else "reduce-scattered by the decoder layer" if order.stack
                 else f"vLLM's all-reduce ({order.shuffle_reason})")
