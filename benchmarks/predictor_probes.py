@@ -19,7 +19,8 @@ attention, the rows every rank holds whole before the attention's reduce-scatter
 layer's own gate on that input after the layer's post-attention norm (no training); ``mlp``, that
 gate plus a two-layer network (width 256, SiLU, 8 epochs, AdamW 2e-3, soft cross-entropy on the
 router's top-k) trained on the training trace's rows; ``input_gate``, the served predictor of that name:
-the first MoE layer from the id count table, the others ``ahead``'s top-k; ``mix``, the mean of
+the first MoE layer from the id count table, the others ``ahead``'s top-k or the table where it is
+the more confident; ``mix``, the mean of
 ``ahead``'s and a token-id count table's expert distributions. Each rank score sums its experts' probabilities.
 Against the served token tables, an id count table from the same training rows, and the capped
 oracle; with ``--leave-out-domains``, each workload's held-out rows scored by predictors trained
@@ -237,10 +238,18 @@ def _shares(probs: dict, topk: torch.Tensor, e2r: torch.Tensor, N: int, step: in
         t = topk[s: s + step]
         owner = torch.stack([e2r[j][t[:, j]] for j in range(L)])  # [L, step, K]
         caps = dp.chunk_caps(step, N)
+        def scored(pe):  # [step, L, E] expert distribution -> (pref, conf) per layer
+            return _by_score(torch.stack([torch.zeros(step, N).index_add_(1, e2r[j], pe[:, j]) for j in range(L)]))
+
         for name in ["oracle", *probs]:
-            pe = (torch.zeros(step, L, E).scatter_(2, t, 1.0 / K) if name == "oracle" else probs[name][s: s + step])
-            score = torch.stack([torch.zeros(step, N).index_add_(1, e2r[j], pe[:, j]) for j in range(L)])
-            local[name] += int((owner == dp.assign(*_by_score(score), caps)[..., None]).sum())
+            if name == "oracle":
+                pref, conf = scored(torch.zeros(step, L, E).scatter_(2, t, 1.0 / K))
+            elif isinstance(probs[name], tuple):  # (table, predictor): the table where it is the surer
+                pref, conf = dp.learned_or_tables(*scored(probs[name][0][s: s + step]),
+                                                  *scored(probs[name][1][s: s + step]))
+            else:
+                pref, conf = scored(probs[name][s: s + step])
+            local[name] += int((owner == dp.assign(pref, conf, caps)[..., None]).sum())
         local["acts"] += owner.numel()
     return local
 
@@ -269,12 +278,13 @@ def hidden(a) -> None:
                                for j in range(L)], 1)
         table = torch.from_numpy(_id_table(ids_tr[rows_tr], ktr[rows_tr].numpy(), V, E)[ids_te[rows_te]])
         # as served (predictor input-gate): the first layer from the id table, the others the gate's
-        # top-k on the layer's input, each rank scored by its count of them
+        # top-k on the layer's input (each rank scored by its count of them), or the table where
+        # its best rank's share is the larger (_shares decides, per placement)
         top = ahead[rows_te].topk(K, dim=2).indices
-        served = torch.zeros_like(table).scatter_(2, top, 1.0 / K)
-        served[:, 0] = table[:, 0]
-        return {"id_table": table, "ahead": ahead[rows_te], "input_gate": served, "mix": (ahead[rows_te] + table) / 2,
-                "mlp": mlp}
+        gate_topk = torch.zeros_like(table).scatter_(2, top, 1.0 / K)
+        gate_topk[:, 0] = table[:, 0]
+        return {"id_table": table, "ahead": ahead[rows_te], "input_gate": (table, gate_topk),
+                "mix": (ahead[rows_te] + table) / 2, "mlp": mlp}
 
     placements = [load_placement(p) for p in a.placement]
     if not a.leave_out_domains:

@@ -347,7 +347,8 @@ class TokenOrder:
         # layer's post-attention norm): each rank on its own chunk rows at the end of the previous
         # MoE block (their output plus the kept residual), the ranks and confidence riding as three
         # more columns in that block's all-gather, so every rank assigns from the same bytes (no
-        # collective more, none of rank 0's broadcast); the first MoE layer takes the tables. Where
+        # collective more, none of rank 0's broadcast); the first MoE layer takes the tables, the
+        # others the tables' guess where it is the more confident (measured: BENCHMARKS.md). Where
         # the rows are whole before the block (no shuffled reduce-scatter) the gate sees the exact
         # rows: it is predictor router there.
         self.ahead = cfg.predictor == "input-gate" and bool(self.shuffled)
@@ -358,6 +359,8 @@ class TokenOrder:
             self.next_norm = {layer: norm for layer, _, norm, _ in self.shuffled}
             self.next_pref = torch.full((T, 2), -1, dtype=torch.long, device=device)
             self.next_conf = torch.zeros(T, dtype=torch.float32, device=device)
+            self.table_pref = torch.full((L, T, 2), -1, dtype=torch.long, device=device)
+            self.table_conf = torch.zeros((L, T), dtype=torch.float32, device=device)
         if self.shuffled:
             hidden = vllm_config.model_config.get_hidden_size()
             # the residual of this rank's chunk rows, between the norm and the experts' output
@@ -616,11 +619,9 @@ class TokenOrder:
             tables = dp.predict_token_tables(t["token2rank"], t["token_conf"], t["prior2rank"], ids,
                                              self._bigram(ids.shape[0]))
             return dp.learned_or_tables(*tables, *dp.learned_layers(self._learned_logits(ids), self.N))
-        if not self.markov:  # every layer's at once: whole tables, no index copies
-            pref, conf = dp.predict_token_tables(t["token2rank"], t["token_conf"], t["prior2rank"], ids,
-                                                 self._bigram(ids.shape[0]))
-            rows = slice(layers[0], layers[-1] + 1)  # input-gate: the first layer's only
-            return (pref, conf) if len(layers) == pref.shape[0] else (pref[rows], conf[rows])
+        if not self.markov:  # always every layer: whole tables, no index copies
+            return dp.predict_token_tables(t["token2rank"], t["token_conf"], t["prior2rank"], ids,
+                                           self._bigram(ids.shape[0]))
         (layer,) = layers
         prev = self.slot2expert[layer - 1][self.prev_top1[: ids.shape[0]]] if layer > 0 else None
         pref, conf = dp.predict_tables(*(t[k][layer] for k in ("token2rank", "token_conf", "markov2rank",
@@ -644,9 +645,13 @@ class TokenOrder:
         """:func:`shuffled_reduce_scatter` on the TP group, predicting the order first where
         the block would have (the first MoE layer, or every layer for a per-layer predictor)."""
         T = partial.shape[0]
-        if self.ahead and layer > 0:  # the ranks the previous block's all-gather brought, equal on every rank
-            dp.assign_permute(self.next_pref[:T][None], self.next_conf[:T][None], dp.chunk_caps(T, self.N, partial.device),
-                              self.perm[layer: layer + 1], self.inv[layer: layer + 1])
+        if self.ahead and layer > 0:
+            # the ranks the previous block's all-gather brought (equal on every rank), or the
+            # tables' where they are the more confident
+            pref, conf = dp.learned_or_tables(self.table_pref[layer: layer + 1, :T], self.table_conf[layer: layer + 1, :T],
+                                              self.next_pref[:T][None], self.next_conf[:T][None])
+            dp.assign_permute(pref, conf, dp.chunk_caps(T, self.N, partial.device), self.perm[layer: layer + 1],
+                              self.inv[layer: layer + 1])
         elif self.per_layer or layer == 0:
             self._predict(partial, layer)
         return shuffled_reduce_scatter(partial, self.perm[layer, :T], self.rank, self.N,
@@ -702,8 +707,7 @@ class TokenOrder:
         ``perm`` / ``inv`` written in place. x: [T, H] the rows (read by predictor router only)."""
         T = x.shape[0]
         self.rows = T
-        # input-gate: the tables order the first MoE layer only, the gates the others (reduce_scatter)
-        layers = [layer] if self.per_layer or self.stack or self.ahead else list(range(self.perm.shape[0]))
+        layers = [layer] if self.per_layer or self.stack else list(range(self.perm.shape[0]))
         rows = slice(layers[0], layers[-1] + 1)
         caps = dp.chunk_caps(T, self.N, x.device)
         if (self.gates and not self.ahead) or self.learned:
@@ -722,6 +726,10 @@ class TokenOrder:
             self.inv[rows, :T].copy_(inv)
         else:
             pref, conf = self.preferences(layers, self.ids[:T])
+            if self.ahead:  # the first layer's order now; the tables' guesses for the others kept
+                self.table_pref[:, :T].copy_(pref)
+                self.table_conf[:, :T].copy_(conf)
+                pref, conf, rows = pref[:1], conf[:1], slice(0, 1)
             dp.assign_permute(pref, conf, caps, self.perm[rows], self.inv[rows])
 
     def restore(self, y: torch.Tensor, layer: int) -> torch.Tensor:
