@@ -210,8 +210,10 @@ def route_ahead(gate: torch.nn.Module, router, x: torch.Tensor, held: torch.Tens
     replica). Returns (pref [T, 2] int64, conf [T] float32) as :func:`device_predict.prefer_held`.
     Costs one more
     gate GEMM over T rows per layer (vLLM's own runs on the T / N rows of the chunk); the routing
-    step is the pure one (no capture, no EPLB bookkeeping)."""
-    logits = gate(x)
+    step is the pure one (no capture, no EPLB bookkeeping). The gate is called through
+    ``forward``: its hooks (smoe's capture on a monolithic kernel's gate) belong to the block's
+    own pass over its chunk."""
+    logits = gate.forward(x)
     if isinstance(logits, tuple):  # vLLM's linear layers return (output, bias)
         logits = logits[0]
     _, ids = router._compute_routing(x, logits, None, input_ids=input_ids)
@@ -221,16 +223,10 @@ def route_ahead(gate: torch.nn.Module, router, x: torch.Tensor, held: torch.Tens
 def gate_ranks(norm: torch.nn.Module, gate: torch.nn.Module, router, x: torch.Tensor, held: torch.Tensor,
                input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Predictor input-gate on rows x [n, H] of a layer's input (the residual stream before its
-    attention): the layer's post-attention ``norm``, its ``gate`` and the router's pure routing
-    step, as :func:`route_ahead` on the rows the block will see. Modules are called through
-    ``forward``: their hooks (smoe's own on the norm and gate) belong to the layer's real pass.
-    Returns (pref [n, 2] int64, conf [n] float32) as :func:`device_predict.prefer_held`."""
-    xn = norm.forward(x)
-    logits = gate.forward(xn)
-    if isinstance(logits, tuple):  # vLLM's linear layers return (output, bias)
-        logits = logits[0]
-    _, ids = router._compute_routing(xn, logits, None, input_ids=input_ids)
-    return dp.prefer_held(ids, held)
+    attention): :func:`route_ahead` on them after the layer's post-attention ``norm``, called
+    through ``forward`` (its hook, smoe's shuffled reduce-scatter seam, belongs to the layer's own
+    pass). Returns (pref [n, 2] int64, conf [n] float32) as :func:`device_predict.prefer_held`."""
+    return route_ahead(gate, router, norm.forward(x), held, input_ids)
 
 
 class TokenOrder:
