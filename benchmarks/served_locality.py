@@ -1,13 +1,14 @@
 """Served locality of speculate's predictors, in domain and on a workload the placement never saw.
 
-    python benchmarks/served_locality.py [--leave-out math] [--predictors tables input-gate router] \
+    python benchmarks/served_locality.py [--leave-out math] [--predictors tables input-gate router router:off] \
         [--requests 32] [--max-tokens 16] [--json out.json]
 
 Builds an EP 2 placement with ``smoe-place build`` from the fixture's training trace (without
 the ``--leave-out`` workload's rows when given), then serves the held-out trace's requests (only
 that workload's when given) at TP=2 + EP under mode speculate with the shuffled reduce-scatter
 (``--smoe-reduce-scatter on``, so ``input-gate`` runs as itself rather than as ``router``), one
-``vllm serve`` per predictor, and reads every rank's served share of activations local from the
+``vllm serve`` per predictor (``NAME:off``: with ``--smoe-reduce-scatter off``, vLLM's
+all-reduce), and reads every rank's served share of activations local from the
 speculate log lines. Each predictor's greedy completions are compared with the first one's
 (the order never changes tokens). Needs the CPU build and 2 cores; about 40 s per predictor.
 """
@@ -63,10 +64,11 @@ def main(argv=None) -> int:
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     res, first = {}, None
     for p in a.predictors:
+        name, _, rs = p.partition(":")
         flags = ("--tensor-parallel-size", "2", "--enable-expert-parallel", "--plugin", "smoe", "--smoe-mode",
-                 "speculate", "--smoe-placement", placement, "--smoe-predictor", p, "--smoe-reduce-scatter", "on",
-                 "--smoe-log-interval", "0.2")
-        log = os.path.join(work, f"{p}.log")
+                 "speculate", "--smoe-placement", placement, "--smoe-predictor", name, "--smoe-reduce-scatter",
+                 rs or "on", "--smoe-log-interval", "0.2")
+        log = os.path.join(work, f"{name}-{rs or 'on'}.log")
         with VllmServer(FIXTURE_MODEL, *flags, log=log, env=env) as s:
             out = s.complete(prompts, max_tokens=a.max_tokens)
         with open(log) as f:

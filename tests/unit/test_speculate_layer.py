@@ -559,3 +559,117 @@ def test_input_gate_columns_reach_every_rank_alike(dtype, N, T):
         assert torch.equal(s.next_pref[:T], want_pref)
         torch.testing.assert_close(s.next_conf[:T], want_conf.to(dtype).float(), rtol=0, atol=0)
         assert torch.equal(order, orders[0])
+
+
+class _SoftmaxTopK:
+    """A router's pure routing step as Qwen3-MoE's: top-k of the softmax of the logits."""
+
+    def __init__(self, k):
+        self.k = k
+
+    def _compute_routing(self, x, logits, _, input_ids=None):
+        return torch.topk(logits.float().softmax(dim=1), self.k, dim=1)
+
+
+class _BiasedSigmoidTopK(_SoftmaxTopK):
+    """DeepSeek-V3's kind: sigmoid scores plus a correction bias, whose top-k depends on the scale."""
+
+    def _compute_routing(self, x, logits, _, input_ids=None):
+        bias = torch.linspace(-0.5, 0.5, logits.shape[1])
+        return torch.topk(logits.float().sigmoid() + bias, self.k, dim=1)
+
+
+def _exact_router_worker(rank, port, results):
+    """Predictor router under the shuffled reduce-scatter on ``world`` gloo ranks: the gate's
+    logits summed from each rank's partial rows and its share of the layer input's, then the
+    capped assignment, against vLLM's order over the reduced rows (the gate on their norm)."""
+    import types
+
+    from vllm_smoe.serving.token_order import TokenOrder, exact_gate_scale
+
+    world = 3
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+
+    def all_gather(x, dim):
+        out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous())
+        return out
+
+    failures = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for T in (1, 2, 7, 40):
+            g = torch.Generator().manual_seed(T)  # the same modules and rows on every rank
+            H, E, K, L = 24, 10, 3, 2
+            norm = torch.nn.RMSNorm(H, eps=1e-6)
+            with torch.no_grad():
+                norm.weight.copy_(torch.rand(H, generator=g) * 2 - 0.5)  # signs and sizes of a trained norm
+            gate = torch.nn.Linear(H, E, bias=False)
+            with torch.no_grad():
+                gate.weight.copy_(torch.randn(E, H, generator=g))
+            norm, gate, router = norm.to(dtype), gate.to(dtype), _SoftmaxTopK(K)
+            holds = torch.rand(L, world, E, generator=g) < 0.4
+            x_in = torch.randn(T, H, generator=g).to(dtype)  # the layer's input, whole on every rank
+            partials = (torch.randn(world, T, H, generator=g) * 0.5).to(dtype)  # o_proj's partial sums
+            w, why = exact_gate_scale(norm, gate, router, H, dtype, "cpu")
+            if w is None:
+                failures.append(f"{dtype} refused: {why}")
+                continue
+            s = types.SimpleNamespace(
+                rank=rank, N=world, rows=0, tp=types.SimpleNamespace(all_gather=all_gather),
+                gates=[(gate, router)] * L, exact=[(None, w)] * L, holds=holds, ids=torch.arange(64),
+                base=torch.full((64, E), 7.0), perm=torch.zeros(L, 64, dtype=torch.long),
+                inv=torch.zeros(L, 64, dtype=torch.long))
+            normed = torch.randn(T, H).to(dtype)
+            with torch.no_grad(), _NoHostSync():
+                out = TokenOrder.note_layer_input(s, normed, x_in, 1)
+                TokenOrder._exact_order(s, partials[rank], 1)
+            if not torch.equal(out, normed) or out.data_ptr() == normed.data_ptr():
+                failures.append(f"{dtype} T={T}: note_layer_input does not return a copy of the normed rows")
+            perm = s.perm[1, :T].clone()
+            every = all_gather(perm[None], 0)
+            if not all(torch.equal(p, perm) for p in every):
+                failures.append(f"{dtype} T={T}: ranks built different orders")
+            if not torch.equal(s.inv[1, :T], torch.argsort(perm)):
+                failures.append(f"{dtype} T={T}: inv is not perm's inverse")
+            # vLLM's order: the gate on the norm of the reduced rows, in float64
+            x = (x_in.double() + partials.double().sum(0))
+            ref = torch.nn.functional.linear(norm.double()(x), gate.weight.double())
+            top = torch.topk(ref, K + 1, dim=1).values
+            clear = top[:, K - 1] - top[:, K] > 1e-3 * top.abs().amax(dim=1)  # no near-tie at the k-th
+            want_ids = router._compute_routing(x, ref, None)[1]
+            got_ids = router._compute_routing(x, torch.nn.functional.linear(x * w.double(), gate.weight.double()),
+                                              None)[1]
+            if not torch.equal(want_ids.sort(1).values, got_ids.sort(1).values):  # the identity itself
+                failures.append(f"{dtype} T={T}: the scaled logits pick other experts")
+            if dtype == torch.float32 and bool(clear.all()):
+                want = dp.permutation(dp.assign(*[a[None] for a in dp.prefer_held(want_ids, holds[1])],
+                                                dp.chunk_caps(T, world)))[0][0]
+                if not torch.equal(perm, want):
+                    failures.append(f"{dtype} T={T}: the order is not vLLM's exact one")
+    results[rank] = failures
+    dist.destroy_process_group()
+
+
+def test_router_logits_summed_before_the_reduce_give_the_exact_order(gloo_spawn):
+    """Predictor router under the shuffled reduce-scatter: every rank builds the same order, and
+    in fp32 (no near-tie at the k-th expert) the order of the experts vLLM's gate picks on the
+    reduced rows; no host read on the way."""
+    assert gloo_spawn(_exact_router_worker, 3) == {r: [] for r in range(3)}
+
+
+def test_exact_gate_scale_refuses_what_a_sum_of_partial_logits_cannot_give():
+    from vllm_smoe.serving.token_order import exact_gate_scale
+
+    H, E = 16, 8
+    rms, gate = torch.nn.RMSNorm(H), torch.nn.Linear(H, E, bias=False)
+    w, why = exact_gate_scale(rms, gate, _SoftmaxTopK(2), H, torch.float32, "cpu")
+    assert w is not None and why == ""
+    assert bool((w > 0).all()) and float(w.max() - w.min()) < 1e-6  # the norm's weight (ones), up to a factor
+    w, why = exact_gate_scale(torch.nn.LayerNorm(H), gate, _SoftmaxTopK(2), H, torch.float32, "cpu")
+    assert w is None and "LayerNorm is not a per-row scale" in why
+    w, why = exact_gate_scale(rms, torch.nn.Linear(H, E, bias=True), _SoftmaxTopK(2), H, torch.float32, "cpu")
+    assert w is None and "Linear adds a bias" in why
+    w, why = exact_gate_scale(rms, gate, _BiasedSigmoidTopK(2), H, torch.float32, "cpu")
+    assert w is None and "_BiasedSigmoidTopK's experts change when the logits are scaled" in why

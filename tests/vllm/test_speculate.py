@@ -44,7 +44,11 @@ CASES = {
     "vllm-ep": ({"all2all": "vllm", "log_interval": 0.2}, False, None),  # vLLM's own EP, experts fixed by the plugin
     "tables": ({**SPEC, "predictor": "tables"}, False, "predictor tables"),
     "tables-markov": ({**SPEC, "predictor": "tables-markov"}, False, "predictor tables-markov"),
-    "router": ({**SPEC, "predictor": "router"}, False, "predictor router"),  # vLLM's gate run ahead: exact ranks
+    # vLLM's gate run ahead: exact ranks; under the shuffled reduce-scatter its logits summed from
+    # each rank's partial rows before the reduce, else on the all-reduced rows
+    "router": ({**SPEC, "predictor": "router"}, False, "predictor router"),
+    "router-compiled": ({**SPEC, "predictor": "router"}, True, "predictor router"),
+    "router-allreduce": ({**SPEC, "predictor": "router", "reduce_scatter": "off"}, False, "predictor router"),
     # the gate on each layer's input, its ranks in the previous block's all-gather: no collective more
     "input-gate": ({**SPEC, "predictor": "input-gate"}, False, "predictor input-gate"),
     "input-gate-compiled": ({**SPEC, "predictor": "input-gate"}, True, "predictor input-gate"),
@@ -88,19 +92,23 @@ def test_tp2_ep_gives_plain_tp2_tokens(served_tp2, learned_ep2, case):
     if says:  # the token order really ran, around vLLM's own MoE blocks, and tokens moved
         assert f"token order over 2 ranks around 4 MoE blocks (Qwen3MoeSparseMoeBlock), one order per layer, {says}" in log
         assert "of its expert activations locally" in log
-        # s-MoE's shuffled reduce-scatter wherever the predictor does not need the reduced rows
-        assert ("attention output: vLLM's all-reduce (predictor 'router'" if smoe["predictor"] == "router" else
+        # s-MoE's shuffled reduce-scatter wherever asked for (router: its gate's logits summed first)
+        assert ("attention output: vLLM's all-reduce (reduce_scatter: off)" if smoe["reduce_scatter"] == "off" else
                 "attention output: reduce-scattered in the token order at 4 MoE layers") in log
+        if smoe["predictor"] == "router" and smoe["reduce_scatter"] == "on":
+            assert "predictor router (exact before the reduce" in log
     if smoe.get("all2all", "sparse") == "sparse" and "mode" in smoe:
         assert "sparse de-duplicated all2all manager on group ep" in log
     per = _collectives(log)  # counted by smoe's communicator in served steps, 4 MoE layers
     if "mode" not in smoe:  # vLLM's EP at DP = 1: TP's all-reduce twice a layer, the embedding's, the logits'
         assert per == {"tp all_reduce": 9.0, "tp all_gather": 1.0}, per
-    elif not compiled and smoe["predictor"] != "router" and smoe.get("all2all", "sparse") == "sparse":
+    elif not compiled and smoe["reduce_scatter"] == "on" and smoe.get("all2all", "sparse") == "sparse":
         # the shuffled reduce-scatter in the all-reduce's place, the block's chunk all-gather (the
-        # markov predictor gathers the previous layer's chunk experts too, at layers 1..3; the
-        # learned one broadcasts rank 0's assignment once a step)
-        want = {"tp reduce_scatter": 4.0, "tp all_gather": 5.0 + 3.0 * (smoe["predictor"] == "tables-markov"),
+        # markov predictor gathers the previous layer's chunk experts too, at layers 1..3; router
+        # the gate's partial logits before each reduce; the learned one broadcasts rank 0's
+        # assignment once a step)
+        want = {"tp reduce_scatter": 4.0, "tp all_gather": 5.0 + 3.0 * (smoe["predictor"] == "tables-markov")
+                + 4.0 * (smoe["predictor"] == "router"),
                 "tp all_reduce": 1.0, **({"tp broadcast": 1.0} if smoe["predictor"] == "learned" else {})}
         assert {k: v for k, v in per.items() if not k.startswith("ep ")} == want, per
         # the exchange, in the form the EP group's transport takes: over vLLM's shared-memory
@@ -122,7 +130,8 @@ def test_tp2_ep_gives_plain_tp2_tokens(served_tp2, learned_ep2, case):
 
         served = _rank_numbers(log.splitlines(), _SPEC_LINE)
         assert set(served["tokens_per_rank"]) == {0, 1}  # every rank reports its own counters
-        key = smoe["predictor"] + ("-replicas" if smoe["placement"] == EP2_R4 else "")
+        key = smoe["predictor"] + ("-replicas" if smoe["placement"] == EP2_R4 else "") + \
+            ("-allreduce" if smoe["reduce_scatter"] == "off" else "")
         _LOCAL[key], _PAIRS[key] = served["local_share"], served["remote_pairs_per_token"]
 
 
@@ -156,6 +165,8 @@ def test_router_order_is_more_local_than_every_prediction():
     if not {"router", "tables", "tables-markov", "random"} <= set(_LOCAL):
         pytest.skip("needs the served runs of test_tp2_ep_gives_plain_tp2_tokens")
     assert _LOCAL["router"] > max(_LOCAL["tables"], _LOCAL["tables-markov"]) > _LOCAL["random"], _LOCAL
+    if "router-allreduce" in _LOCAL:  # exact both ways: the logits summed before the reduce pick vLLM's experts
+        assert abs(_LOCAL["router"] - _LOCAL["router-allreduce"]) < 0.005, _LOCAL
     if "learned" in _LOCAL:  # its own placement (built the same way): far above a random order
         assert _LOCAL["learned"] > _LOCAL["random"] + 0.05, _LOCAL
     if "input-gate" in _LOCAL:  # the gate on the layer's input: as far above it

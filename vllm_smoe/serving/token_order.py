@@ -19,7 +19,9 @@ norm then runs exact on this rank's chunk rows, ``split_residual`` keeps the chu
 and passes a zero one on, and ``add_residual`` adds it to the experts' output before the block's
 own all-gather, which so carries every row's whole residual stream (the next layer adds zero).
 Per MoE layer: a reduce-scatter where vLLM all-reduces, the same number of collectives and half
-the attention's bytes.
+the attention's bytes. Predictor router orders a layer before its reduce from the gate's logits
+of each rank's partial rows, all-gathered and summed (``note_layer_input`` at the layer's
+input_layernorm, :func:`exact_router_seams`): one [T, E] all-gather more.
 
 Everything runs on the device from device-resident tables with static shapes: no host
 synchronisation, capturable by torch.compile and CUDA graphs. A misprediction only means the
@@ -213,10 +215,7 @@ def route_ahead(gate: torch.nn.Module, router, x: torch.Tensor, held: torch.Tens
     step is the pure one (no capture, no EPLB bookkeeping). The gate is called through
     ``forward``: its hooks (smoe's capture on a monolithic kernel's gate) belong to the block's
     own pass over its chunk."""
-    logits = gate.forward(x)
-    if isinstance(logits, tuple):  # vLLM's linear layers return (output, bias)
-        logits = logits[0]
-    _, ids = router._compute_routing(x, logits, None, input_ids=input_ids)
+    _, ids = router._compute_routing(x, gate_logits(gate, x), None, input_ids=input_ids)
     return dp.prefer_held(ids, held)
 
 
@@ -227,6 +226,82 @@ def gate_ranks(norm: torch.nn.Module, gate: torch.nn.Module, router, x: torch.Te
     through ``forward`` (its hook, smoe's shuffled reduce-scatter seam, belongs to the layer's own
     pass). Returns (pref [n, 2] int64, conf [n] float32) as :func:`device_predict.prefer_held`."""
     return route_ahead(gate, router, norm.forward(x), held, input_ids)
+
+
+def gate_logits(gate: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The gate's logits [n, E] of rows x [n, H], called through ``forward`` (its hooks belong to
+    the block's own pass)."""
+    logits = gate.forward(x)
+    return logits[0] if isinstance(logits, tuple) else logits  # vLLM's linear layers: (output, bias)
+
+
+def exact_gate_scale(norm: torch.nn.Module, gate: torch.nn.Module, router, hidden: int, dtype: torch.dtype,
+                     device) -> tuple[torch.Tensor | None, str]:
+    """``(w, reason)`` for predictor ``router`` under the shuffled reduce-scatter: the routed
+    experts of a row x = residual + sum_r partial_r are the top-k of ``gate(norm(x))``; when the
+    norm is a per-row positive scale times a per-channel weight (RMSNorm and its kin:
+    ``norm(x) = s(x) * x * w``), the gate is linear without bias, and the routing step's top-k
+    does not change when the logits are scaled (softmax or sigmoid top-k without a correction
+    bias), they are also the top-k of ``sum_r gate(w * partial_r) + gate(w * residual)``, a sum
+    of [T, E] terms each rank can compute before the reduce. Probes the modules once at load
+    (a seeded random input) and returns w [H] in ``dtype`` (up to a common positive factor), or
+    None and why not."""
+    with torch.no_grad():
+        one = norm.forward(torch.ones(1, hidden, dtype=dtype, device=device))
+        w = (one[0] if isinstance(one, tuple) else one)[0]
+        x = torch.randn(8, hidden, generator=torch.Generator().manual_seed(0)).to(dtype=dtype, device=device)
+        y = norm.forward(x)
+        y = (y[0] if isinstance(y, tuple) else y).float()
+        xw = x.float() * w.float()
+        big = xw.abs() > 1e-2 * xw.abs().amax(dim=1, keepdim=True)
+        ratio = torch.where(big, y / torch.where(big, xw, torch.ones_like(xw)), torch.nan)
+        lo, hi = ratio.nan_to_num(float("inf")).amin(dim=1), ratio.nan_to_num(float("-inf")).amax(dim=1)
+        if not bool(torch.all((lo > 0) & (hi - lo <= 0.05 * lo) & (big.float().mean(dim=1) > 0.5))):
+            return None, (f"{type(norm).__name__} is not a per-row scale times a per-channel weight, so the gate's "
+                          f"logits cannot be summed from partial rows")
+        if bool(gate_logits(gate, torch.zeros(1, hidden, dtype=dtype, device=device)).abs().amax() > 0):
+            return None, f"{type(gate).__name__} adds a bias, so its logits are not a sum over partial rows"
+        E = gate_logits(gate, x).shape[1]
+        z = torch.randn(16, E, generator=torch.Generator().manual_seed(1)).to(dtype=dtype, device=device)
+        h, ids = torch.zeros(16, hidden, dtype=dtype, device=device), torch.zeros(16, dtype=torch.long, device=device)
+        want = router._compute_routing(h, z, None, input_ids=ids)[1].sort(dim=1).values
+        for a in (0.25, 4.0):
+            if not torch.equal(router._compute_routing(h, z * a, None, input_ids=ids)[1].sort(dim=1).values, want):
+                return None, (f"{type(router).__name__}'s experts change when the logits are scaled (a correction "
+                              f"bias or a scale-dependent rule), so the norm's per-row scale cannot be left out")
+    return w, ""
+
+
+def exact_router_seams(model: torch.nn.Module, moe_layers: tuple[int, ...], gates: list, dtype: torch.dtype,
+                       device) -> tuple[list[tuple[torch.nn.Module, torch.Tensor]], str]:
+    """``(seams, reason)`` for predictor ``router`` under the shuffled reduce-scatter: per MoE
+    ordinal, the decoder layer's ``input_layernorm`` (whose residual output is the layer's input,
+    every row whole on every rank) and the post-attention norm's per-channel weight
+    (:func:`exact_gate_scale`), or ``[]`` and why not. gates: (gate, router) per MoE ordinal."""
+    stack = find_stack(model)
+    seams = []
+    for layer, (gate, router) in enumerate(gates):
+        decoder = stack.layers[moe_layers[layer]]
+        src = inspect.getsource(type(decoder).forward)
+        if "residual = hidden_states" not in src or "self.input_layernorm(hidden_states, residual)" not in src:
+            return [], (f"{type(decoder).__name__}.forward does not take its input's residual stream from "
+                        f"input_layernorm(hidden_states, residual)")
+        hidden = decoder.post_attention_layernorm.weight.shape[0]
+        w, reason = exact_gate_scale(decoder.post_attention_layernorm, gate, router, hidden, dtype, device)
+        if w is None:
+            return [], reason
+        seams.append((decoder.input_layernorm, w))
+    return seams, ""
+
+
+def sum_gathered(parts: torch.Tensor, N: int) -> torch.Tensor:
+    """parts: [N * T, E] the ranks' terms after an all-gather -> [T, E] float32, summed rank by
+    rank in rank order (the same bits on every rank, which the same assignment needs)."""
+    parts = parts.view(N, -1, parts.shape[-1]).float()
+    total = parts[0].clone()
+    for r in range(1, N):
+        total += parts[r]
+    return total
 
 
 class TokenOrder:
@@ -322,13 +397,13 @@ class TokenOrder:
         self.chunk_only = not self.stack and all(type(b).__name__ in CHUNK_ONLY_BLOCKS for _, b, _ in self.blocks)
         # s-MoE's shuffled reduce-scatter (config reduce_scatter): the attention's partial sums
         # reduce-scatter straight into the token order, and the residual added to this rank's
-        # chunk travels in the MoE block's own all-gather; the predictor router needs the whole
-        # reduced rows (it runs the gate on them), so it keeps vLLM's all-reduce
+        # chunk travels in the MoE block's own all-gather; predictor router, which needs the
+        # reduced rows' gate logits before the reduce, sums them from each rank's partial rows
+        # (exact_router_seams) where the norm, gate and routing step allow, else keeps the all-reduce
         self.shuffled, why = [], "reduce_scatter: off"
+        self.exact = []
         if cfg.reduce_scatter != "off" and self.N > 1 and not self.stack:
-            if cfg.predictor == "router":
-                why = "predictor 'router' runs the gate on every reduced row"
-            elif getattr(vllm_config, "lora_config", None) is not None:
+            if getattr(vllm_config, "lora_config", None) is not None:
                 # vLLM wraps o_proj for LoRA after the load: the wrapper would skip both the
                 # all-reduce (it reads reduce_results) and smoe's hook on the module it wraps
                 why = "LoRA wraps the attention's o_proj after the load"
@@ -337,6 +412,11 @@ class TokenOrder:
                        "costs no more")
             else:
                 self.shuffled, why = shuffle_seams(model, plan.moe_layers, experts, self.N)
+            if self.shuffled and cfg.predictor == "router":
+                self.exact, why = exact_router_seams(model, plan.moe_layers, self.gates,
+                                                     vllm_config.model_config.dtype, device)
+                if not self.exact:
+                    self.shuffled, why = [], f"predictor 'router': {why}"
         self.shuffle_reason = why if not self.shuffled else ""
         # predictor input-gate: with the shuffled reduce-scatter, layer l's order is needed before
         # its attention output is reduced, so its gate runs on the layer's input instead (after the
@@ -357,6 +437,10 @@ class TokenOrder:
             self.next_conf = torch.zeros(T, dtype=torch.float32, device=device)
             self.table_pref = torch.full((L, T, 2), -1, dtype=torch.long, device=device)
             self.table_conf = torch.zeros((L, T), dtype=torch.float32, device=device)
+        if self.exact:
+            # [T, E] float32: the gate's logits of the layer input's rows this rank adds (its
+            # contiguous share of the rows; zero elsewhere), written at input_layernorm
+            self.base = torch.zeros((T, self.holds.shape[2]), dtype=torch.float32, device=device)
         if self.shuffled:
             hidden = vllm_config.model_config.get_hidden_size()
             # the residual of this rank's chunk rows, between the norm and the experts' output
@@ -383,6 +467,8 @@ class TokenOrder:
             if not self.stack:
                 block.register_forward_pre_hook(self._pre(layer, predict=not self.shuffled), with_kwargs=True)
                 block.register_forward_hook(self._post(layer, ahead=self.ahead and layer < last))
+        for layer, (in_norm, _) in enumerate(self.exact):
+            in_norm.register_forward_hook(self._layer_input(layer), with_kwargs=True)
         for layer, o_proj, norm, fused in self.shuffled:
             o_proj.reduce_results = False  # its partial sums: the reduce-scatter below sums them
             o_proj.register_forward_hook(self._attn_partial(layer))
@@ -473,6 +559,16 @@ class TokenOrder:
                 return (torch.ops.smoe.order_tokens(args[0], layer, predict), *args[1:]), kwargs
             return args, {**kwargs,
                           "hidden_states": torch.ops.smoe.order_tokens(kwargs["hidden_states"], layer, predict)}
+        return hook
+
+    @staticmethod
+    def _layer_input(layer: int):
+        def hook(module, args, kwargs, output):
+            # input_layernorm(hidden) -> normed (the first layer: its input is hidden), or
+            # input_layernorm(hidden, residual) -> (normed, hidden + residual)
+            if isinstance(output, tuple):
+                return (torch.ops.smoe.note_layer_input(output[0], output[1], layer), *output[1:])
+            return torch.ops.smoe.note_layer_input(output, args[0] if args else kwargs["x"], layer)
         return hook
 
     # shuffled reduce-scatter: o_proj's partial sums -> this rank's chunk of reduced rows (placed
@@ -641,7 +737,9 @@ class TokenOrder:
         """:func:`shuffled_reduce_scatter` on the TP group, predicting the order first where
         the block would have (the first MoE layer, or every layer for a per-layer predictor)."""
         T = partial.shape[0]
-        if self.ahead and layer > 0:
+        if self.exact:
+            self._exact_order(partial, layer)
+        elif self.ahead and layer > 0:
             # the ranks the previous block's all-gather brought (equal on every rank), or the
             # tables' where they are the more confident
             pref, conf = dp.learned_or_tables(self.table_pref[layer: layer + 1, :T], self.table_conf[layer: layer + 1, :T],
@@ -652,6 +750,37 @@ class TokenOrder:
             self._predict(partial, layer)
         return shuffled_reduce_scatter(partial, self.perm[layer, :T], self.rank, self.N,
                                        lambda x: self.tp.reduce_scatter(x, 0))
+
+    def note_layer_input(self, normed: torch.Tensor, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """Predictor router under the shuffled reduce-scatter, at the layer's input_layernorm: x
+        [T, H] the layer's input (every row whole): the gate's logits of this rank's contiguous
+        share of the rows (:func:`chunk_rows`) into ``base``, zero elsewhere, so each row's term
+        is added once over the ranks. Returns a copy of normed (the op's output carries the order
+        of the ops: the reduce-scatter that reads ``base`` depends on it)."""
+        T = x.shape[0]
+        start, stop = chunk_rows(T, self.rank, self.N)
+        self.base[:T].zero_()
+        if stop > start:
+            gate, _ = self.gates[layer]
+            self.base[start:stop].copy_(gate_logits(gate, x[start:stop] * self.exact[layer][1]))
+        return normed.clone()
+
+    def _exact_order(self, partial: torch.Tensor, layer: int) -> None:
+        """The exact order of ``layer`` before its reduce: each rank's gate logits of its partial
+        rows (plus its share of the input's, ``base``), all-gathered and summed rank by rank into
+        the gate's logits over the reduced rows up to each row's positive norm scale, which the
+        routing step's top-k ignores (:func:`exact_gate_scale`); its experts' ranks ->
+        ``perm`` / ``inv``. Every rank sums the same bytes in the same order: the same
+        assignment, no broadcast. One all-gather of [T, E] in the model's dtype."""
+        T = partial.shape[0]
+        self.rows = T
+        gate, router = self.gates[layer]
+        mine = gate_logits(gate, partial * self.exact[layer][1]).float() + self.base[:T]
+        logits = sum_gathered(self.tp.all_gather(mine.to(partial.dtype), 0), self.N)
+        _, ids = router._compute_routing(partial, logits, None, input_ids=self.ids[:T])
+        pref, conf = dp.prefer_held(ids, self.holds[layer])
+        dp.assign_permute(pref[None], conf[None], dp.chunk_caps(T, self.N, partial.device),
+                          self.perm[layer: layer + 1], self.inv[layer: layer + 1])
 
     def split_residual(self, x: torch.Tensor, residual: torch.Tensor, layer: int
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -831,6 +960,16 @@ def _(partial, layer):
     return torch.empty_like(partial)
 
 
+@torch.library.custom_op("smoe::note_layer_input", mutates_args=())
+def note_layer_input(normed: torch.Tensor, x: torch.Tensor, layer: int) -> torch.Tensor:
+    return worker().order.note_layer_input(normed, x, layer)
+
+
+@note_layer_input.register_fake
+def _(normed, x, layer):
+    return torch.empty_like(normed)
+
+
 @torch.library.custom_op("smoe::split_residual", mutates_args=())
 def split_residual(x: torch.Tensor, residual: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return worker().order.split_residual(x, residual, layer)
@@ -942,7 +1081,9 @@ def install_token_order(model, vllm_config, cfg, served) -> TokenOrder:
                 "attention output: %s", order.N, len(order.blocks), type(order.blocks[0][1]).__name__,
                 "one order per step" if order.stack else "one order per layer",
                 cfg.predictor + (" (as router: the rows are whole before each block)"
-                                 if cfg.predictor == "input-gate" and not order.ahead else ""),
+                                 if cfg.predictor == "input-gate" and not order.ahead else
+                                 " (exact before the reduce: the gate's logits of each rank's partial rows "
+                                 "all-gathered)" if order.exact else ""),
                 f"reduce-scattered in the token order at {len(order.shuffled)} MoE layers" if order.shuffled
                 else "reduce-scattered by the decoder layer" if order.stack
                 else f"vLLM's all-reduce ({order.shuffle_reason})")

@@ -502,6 +502,14 @@ def configurations(tp_placement: str, dp_placement: str, metrics_dir: str, dp_un
         "tp-ep-speculate-ar": {"kind": "tp", "smoe": True,  # before the shuffled reduce-scatter
                                "flags": ep + ("--smoe-mode", "speculate", "--smoe-placement", tp_placement,
                                               "--smoe-reduce-scatter", "off")},
+        # predictor router: its gate's logits summed from the partial rows before the shuffled
+        # reduce-scatter (one [T, E] all-gather more), or over vLLM's all-reduce
+        "tp-ep-speculate-router": {"kind": "tp", "smoe": True,
+                                   "flags": ep + ("--smoe-mode", "speculate", "--smoe-placement", tp_placement,
+                                                  "--smoe-predictor", "router")},
+        "tp-ep-speculate-router-ar": {"kind": "tp", "smoe": True,
+                                      "flags": ep + ("--smoe-mode", "speculate", "--smoe-placement", tp_placement,
+                                                     "--smoe-predictor", "router", "--smoe-reduce-scatter", "off")},
         "tp-ep-speculate-agrs": {"kind": "tp", "smoe": True,
                                  "flags": ep + ("--smoe-mode", "speculate", "--smoe-placement", tp_placement,
                                                 "--smoe-all2all", "vllm")},
@@ -1133,7 +1141,8 @@ def add_parser(sub) -> None:
     p.add_argument("--delay", type=number(float, 0), default=0.0, help="with --rate: one-way delay in s")
     p.add_argument("--configs", default="tp,tp-ep,tp-ep-speculate,dp-ep,dp-ep-smoe",
                    help="comma-separated, from: tp, tp-ep, tp-ep-place, tp-ep-speculate, tp-ep-speculate-ar (vLLM's "
-                        "attention all-reduce, not smoe's shuffled reduce-scatter), tp-ep-speculate-agrs, "
+                        "attention all-reduce, not smoe's shuffled reduce-scatter), tp-ep-speculate-router, "
+                        "tp-ep-speculate-router-ar (predictor router), tp-ep-speculate-agrs, "
                         "dp-ep, dp-ep-sparse, dp-ep-smoe, dp-ep-smoe-agrs, dptp-ep, dptp-ep-smoe, dptp-ep-smoe-flat "
                         "(TP = 2 inside each node, DP = 2 across them)")
     p.add_argument("--concurrency", type=number(int, 1), nargs="+", default=[1, 8, 32])
