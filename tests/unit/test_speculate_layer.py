@@ -673,3 +673,47 @@ def test_exact_gate_scale_refuses_what_a_sum_of_partial_logits_cannot_give():
     assert w is None and "Linear adds a bias" in why
     w, why = exact_gate_scale(rms, gate, _BiasedSigmoidTopK(2), H, torch.float32, "cpu")
     assert w is None and "_BiasedSigmoidTopK's experts change when the logits are scaled" in why
+
+
+class _Decoder(torch.nn.Module):
+    """A decoder layer shaped as vLLM's Qwen3-MoE one."""
+
+    def __init__(self, H, post):
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = torch.nn.RMSNorm(H), post
+
+    def forward(self, positions, hidden_states, residual):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        return hidden_states, residual
+
+
+class _OtherDecoder(_Decoder):
+    def forward(self, positions, hidden_states, residual):  # the residual taken elsewhere
+        return self.input_layernorm(hidden_states + residual), residual
+
+
+def test_exact_router_seams_take_input_layernorm_or_say_why_not():
+    from vllm_smoe.serving.token_order import exact_router_seams
+
+    H, E = 8, 4
+    gate = torch.nn.Linear(H, E, bias=False)
+
+    def model(*layers):
+        m = torch.nn.Module()
+        m.embed_tokens, m.norm, m.layers = torch.nn.Embedding(3, H), torch.nn.RMSNorm(H), torch.nn.ModuleList(layers)
+        return m
+
+    m = model(torch.nn.Identity(), _Decoder(H, torch.nn.RMSNorm(H)), _Decoder(H, torch.nn.RMSNorm(H)))
+    seams, why = exact_router_seams(m, (1, 2), [(gate, _SoftmaxTopK(2))] * 2, H, torch.float32, "cpu")
+    assert why == "" and [n for n, _ in seams] == [m.layers[1].input_layernorm, m.layers[2].input_layernorm]
+    m = model(_Decoder(H, torch.nn.RMSNorm(H)), _Decoder(H, torch.nn.LayerNorm(H)))
+    assert exact_router_seams(m, (0, 1), [(gate, _SoftmaxTopK(2))] * 2, H, torch.float32, "cpu") == (
+        [], "LayerNorm is not a per-row scale times a per-channel weight, so the gate's logits cannot be summed "
+            "from partial rows")
+    seams, why = exact_router_seams(model(_OtherDecoder(H, torch.nn.RMSNorm(H))), (0,), [(gate, _SoftmaxTopK(2))],
+                                    H, torch.float32, "cpu")
+    assert seams == [] and "_OtherDecoder.forward does not take its input's residual stream" in why

@@ -272,8 +272,8 @@ def exact_gate_scale(norm: torch.nn.Module, gate: torch.nn.Module, router, hidde
     return w, ""
 
 
-def exact_router_seams(model: torch.nn.Module, moe_layers: tuple[int, ...], gates: list, dtype: torch.dtype,
-                       device) -> tuple[list[tuple[torch.nn.Module, torch.Tensor]], str]:
+def exact_router_seams(model: torch.nn.Module, moe_layers: tuple[int, ...], gates: list, hidden: int,
+                       dtype: torch.dtype, device) -> tuple[list[tuple[torch.nn.Module, torch.Tensor]], str]:
     """``(seams, reason)`` for predictor ``router`` under the shuffled reduce-scatter: per MoE
     ordinal, the decoder layer's ``input_layernorm`` (whose residual output is the layer's input,
     every row whole on every rank) and the post-attention norm's per-channel weight
@@ -286,7 +286,6 @@ def exact_router_seams(model: torch.nn.Module, moe_layers: tuple[int, ...], gate
         if "residual = hidden_states" not in src or "self.input_layernorm(hidden_states, residual)" not in src:
             return [], (f"{type(decoder).__name__}.forward does not take its input's residual stream from "
                         f"input_layernorm(hidden_states, residual)")
-        hidden = decoder.post_attention_layernorm.weight.shape[0]
         w, reason = exact_gate_scale(decoder.post_attention_layernorm, gate, router, hidden, dtype, device)
         if w is None:
             return [], reason
@@ -414,6 +413,7 @@ class TokenOrder:
                 self.shuffled, why = shuffle_seams(model, plan.moe_layers, experts, self.N)
             if self.shuffled and cfg.predictor == "router":
                 self.exact, why = exact_router_seams(model, plan.moe_layers, self.gates,
+                                                     vllm_config.model_config.get_hidden_size(),
                                                      vllm_config.model_config.dtype, device)
                 if not self.exact:
                     self.shuffled, why = [], f"predictor 'router': {why}"
