@@ -597,9 +597,15 @@ def _exact_router_worker(rank, port, results):
         dist.all_gather_into_tensor(out, x.contiguous())
         return out
 
+    class Recorded(_SoftmaxTopK):  # keeps the experts the order was built from
+        def _compute_routing(self, x, logits, _, input_ids=None):
+            self.last = super()._compute_routing(x, logits, _, input_ids)[1]
+            return logits, self.last
+
     failures = []
-    for dtype in (torch.float32, torch.bfloat16):
-        for T in (1, 2, 7, 40):
+    for dtype, T, big in [(d, T, 1.0) for d in (torch.float32, torch.bfloat16) for T in (1, 2, 7, 40)] + [
+            (torch.float32, 40, 100.0)]:  # a residual stream of RMS ~100: a float32 softmax of the raw sum underflows
+        if True:
             g = torch.Generator().manual_seed(T)  # the same modules and rows on every rank
             H, E, K, L = 24, 10, 3, 2
             norm = torch.nn.RMSNorm(H, eps=1e-6)
@@ -608,9 +614,9 @@ def _exact_router_worker(rank, port, results):
             gate = torch.nn.Linear(H, E, bias=False)
             with torch.no_grad():
                 gate.weight.copy_(torch.randn(E, H, generator=g))
-            norm, gate, router = norm.to(dtype), gate.to(dtype), _SoftmaxTopK(K)
+            norm, gate, router = norm.to(dtype), gate.to(dtype), Recorded(K)
             holds = torch.rand(L, world, E, generator=g) < 0.4
-            x_in = torch.randn(T, H, generator=g).to(dtype)  # the layer's input, whole on every rank
+            x_in = (torch.randn(T, H, generator=g) * big).to(dtype)  # the layer's input, whole on every rank
             partials = (torch.randn(world, T, H, generator=g) * 0.5).to(dtype)  # o_proj's partial sums
             w, why = exact_gate_scale(norm, gate, router, H, dtype, "cpu")
             if w is None:
@@ -619,12 +625,13 @@ def _exact_router_worker(rank, port, results):
             s = types.SimpleNamespace(
                 rank=rank, N=world, rows=0, tp=types.SimpleNamespace(all_gather=all_gather),
                 gates=[(gate, router)] * L, exact=[(None, w)] * L, holds=holds, ids=torch.arange(64),
-                base=torch.full((64, E), 7.0), perm=torch.zeros(L, 64, dtype=torch.long),
+                base=torch.randn(64, E), perm=torch.zeros(L, 64, dtype=torch.long),
                 inv=torch.zeros(L, 64, dtype=torch.long))
             normed = torch.randn(T, H).to(dtype)
             with torch.no_grad(), _NoHostSync():
                 out = TokenOrder.note_layer_input(s, normed, x_in, 1)
                 TokenOrder._exact_order(s, partials[rank], 1)
+            served = router.last.clone()
             if not torch.equal(out, normed) or out.data_ptr() == normed.data_ptr():
                 failures.append(f"{dtype} T={T}: note_layer_input does not return a copy of the normed rows")
             perm = s.perm[1, :T].clone()
@@ -639,10 +646,14 @@ def _exact_router_worker(rank, port, results):
             top = torch.topk(ref, K + 1, dim=1).values
             clear = top[:, K - 1] - top[:, K] > 1e-3 * top.abs().amax(dim=1)  # no near-tie at the k-th
             want_ids = router._compute_routing(x, ref, None)[1]
-            got_ids = router._compute_routing(x, torch.nn.functional.linear(x * w.double(), gate.weight.double()),
-                                              None)[1]
+            got_ids = torch.topk(torch.nn.functional.linear(x * w.double(), gate.weight.double()), K, dim=1).indices
             if not torch.equal(want_ids.sort(1).values, got_ids.sort(1).values):  # the identity itself
                 failures.append(f"{dtype} T={T}: the scaled logits pick other experts")
+            # the experts the order was built from, on every row without a near-tie at the k-th
+            same = (served.sort(1).values == want_ids.sort(1).values).all(dim=1)
+            if not bool(same[clear].all()):
+                failures.append(f"{dtype} T={T} x{big}: {int((~same[clear]).sum())} of {int(clear.sum())} rows "
+                                f"routed elsewhere")
             if dtype == torch.float32 and bool(clear.all()):
                 want = dp.permutation(dp.assign(*[a[None] for a in dp.prefer_held(want_ids, holds[1])],
                                                 dp.chunk_caps(T, world)))[0][0]
@@ -667,6 +678,11 @@ def test_exact_gate_scale_refuses_what_a_sum_of_partial_logits_cannot_give():
     w, why = exact_gate_scale(rms, gate, _SoftmaxTopK(2), H, torch.float32, "cpu")
     assert w is not None and why == ""
     assert bool((w > 0).all()) and float(w.max() - w.min()) < 1e-6  # the norm's weight (ones), up to a factor
+    wide = torch.nn.RMSNorm(H)  # widened losslessly: the new channels' weights are zero
+    with torch.no_grad():
+        wide.weight[H // 4:] = 0
+    w, why = exact_gate_scale(wide, gate, _SoftmaxTopK(2), H, torch.float32, "cpu")
+    assert why == "" and bool((w[H // 4:] == 0).all()) and bool((w[: H // 4] > 0).all())
     w, why = exact_gate_scale(torch.nn.LayerNorm(H), gate, _SoftmaxTopK(2), H, torch.float32, "cpu")
     assert w is None and "LayerNorm is not a per-row scale" in why
     w, why = exact_gate_scale(rms, torch.nn.Linear(H, E, bias=True), _SoftmaxTopK(2), H, torch.float32, "cpu")

@@ -252,11 +252,12 @@ def exact_gate_scale(norm: torch.nn.Module, gate: torch.nn.Module, router, hidde
         x = torch.randn(8, hidden, generator=torch.Generator().manual_seed(0)).to(dtype=dtype, device=device)
         y = norm.forward(x)
         y = (y[0] if isinstance(y, tuple) else y).float()
+        # y = c * x * w per row, c > 0 (least squares; channels a widened model pads with zero
+        # weights are zero on both sides)
         xw = x.float() * w.float()
-        big = xw.abs() > 1e-2 * xw.abs().amax(dim=1, keepdim=True)
-        ratio = torch.where(big, y / torch.where(big, xw, torch.ones_like(xw)), torch.nan)
-        lo, hi = ratio.nan_to_num(float("inf")).amin(dim=1), ratio.nan_to_num(float("-inf")).amax(dim=1)
-        if not bool(torch.all((lo > 0) & (hi - lo <= 0.05 * lo) & (big.float().mean(dim=1) > 0.5))):
+        c = (y * xw).sum(dim=1) / (xw * xw).sum(dim=1).clamp_min(1e-30)
+        err = (y - c[:, None] * xw).norm(dim=1) / y.norm(dim=1).clamp_min(1e-30)
+        if not bool(torch.all((c > 0) & (err <= 0.02) & (xw.abs().amax(dim=1) > 0))):
             return None, (f"{type(norm).__name__} is not a per-row scale times a per-channel weight, so the gate's "
                           f"logits cannot be summed from partial rows")
         if bool(gate_logits(gate, torch.zeros(1, hidden, dtype=dtype, device=device)).abs().amax() > 0):
@@ -265,8 +266,8 @@ def exact_gate_scale(norm: torch.nn.Module, gate: torch.nn.Module, router, hidde
         z = torch.randn(16, E, generator=torch.Generator().manual_seed(1)).to(dtype=dtype, device=device)
         h, ids = torch.zeros(16, hidden, dtype=dtype, device=device), torch.zeros(16, dtype=torch.long, device=device)
         want = router._compute_routing(h, z, None, input_ids=ids)[1].sort(dim=1).values
-        for a in (0.25, 4.0):
-            if not torch.equal(router._compute_routing(h, z * a, None, input_ids=ids)[1].sort(dim=1).values, want):
+        for zz in (z * 0.25, z * 4.0, unit_rows(z)):  # unit_rows: what the routing step is given
+            if not torch.equal(router._compute_routing(h, zz, None, input_ids=ids)[1].sort(dim=1).values, want):
                 return None, (f"{type(router).__name__}'s experts change when the logits are scaled (a correction "
                               f"bias or a scale-dependent rule), so the norm's per-row scale cannot be left out")
     return w, ""
@@ -291,6 +292,14 @@ def exact_router_seams(model: torch.nn.Module, moe_layers: tuple[int, ...], gate
             return [], reason
         seams.append((decoder.input_layernorm, w))
     return seams, ""
+
+
+def unit_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [T, E] over each row's largest magnitude (a positive per-row factor, which
+    :func:`exact_gate_scale` checked the routing step ignores): summed from partial rows they are
+    the gate's logits times the row's RMS, which can reach 100 or more on residual streams with
+    outliers, where a softmax or sigmoid in float32 rounds the weaker top-k to 0 or 1 and ties."""
+    return logits / logits.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
 
 
 def sum_gathered(parts: torch.Tensor, N: int) -> torch.Tensor:
@@ -771,13 +780,17 @@ class TokenOrder:
         the gate's logits over the reduced rows up to each row's positive norm scale, which the
         routing step's top-k ignores (:func:`exact_gate_scale`); its experts' ranks ->
         ``perm`` / ``inv``. Every rank sums the same bytes in the same order: the same
-        assignment, no broadcast. One all-gather of [T, E] in the model's dtype."""
+        assignment, no broadcast. One all-gather of [T, E] float32 (the gate's own logits are
+        float32 sums rounded once; terms rounded to bf16 first would flip more near-ties)."""
         T = partial.shape[0]
         self.rows = T
         gate, router = self.gates[layer]
         mine = gate_logits(gate, partial * self.exact[layer][1]).float() + self.base[:T]
-        logits = sum_gathered(self.tp.all_gather(mine.to(partial.dtype), 0), self.N)
-        _, ids = router._compute_routing(partial, logits, None, input_ids=self.ids[:T])
+        logits = unit_rows(sum_gathered(self.tp.all_gather(mine, 0), self.N))
+        # rows for the routing step alike on every rank (its experts decide which rows each rank
+        # reduces; the partial rows differ): zeros of their shape, no memory, as in the probe
+        rows = partial.new_zeros(()).expand(T, partial.shape[1])
+        _, ids = router._compute_routing(rows, logits, None, input_ids=self.ids[:T])
         pref, conf = dp.prefer_held(ids, self.holds[layer])
         dp.assign_permute(pref[None], conf[None], dp.chunk_caps(T, self.N, partial.device),
                           self.perm[layer: layer + 1], self.inv[layer: layer + 1])
