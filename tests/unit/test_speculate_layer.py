@@ -733,3 +733,81 @@ def test_exact_router_seams_take_input_layernorm_or_say_why_not():
     seams, why = exact_router_seams(model(_OtherDecoder(H, torch.nn.RMSNorm(H))), (0,), [(gate, _SoftmaxTopK(2))],
                                     H, torch.float32, "cpu")
     assert seams == [] and "_OtherDecoder.forward does not take its input's residual stream" in why
+
+
+@pytest.mark.parametrize("N,T,num_real", [(2, 1, 1), (2, 8, 3), (3, 7, 7), (4, 16, 5), (4, 3, 2)])
+def test_vllm_pad_mask_follows_the_token_order(monkeypatch, N, T, num_real):
+    """vLLM's routers mask chunk row j's experts when forward_context.is_padding[j] is set (the
+    step's row j, right for vLLM's contiguous chunks); under the token order the block must see
+    which of this rank's ordered chunk rows are pad rows (vLLM's, past num_real, wherever the order
+    put them, or the chunk's own past T), else a real token the order put at a later chunk row
+    would lose its experts' output. The runner's step mask is left as vLLM wrote it and is back in
+    the forward context after the restore."""
+    import types
+
+    import vllm.forward_context as fc
+
+    from vllm_smoe.serving.token_order import TokenOrder
+
+    c = -(-T // N)
+    perm = torch.randperm(T, generator=torch.Generator().manual_seed(T * 10 + N))
+    for rank in range(N):
+        step = torch.zeros(T + 3, dtype=torch.bool)  # vLLM's step mask, as the runner wrote it
+        step[num_real:] = True
+        ctx = types.SimpleNamespace(is_padding=step)
+        monkeypatch.setattr(fc, "is_forward_context_available", lambda: True)
+        monkeypatch.setattr(fc, "get_forward_context", lambda: ctx)
+        s = types.SimpleNamespace(N=N, rank=rank, stack=False, markov=False, num_real=torch.tensor(num_real),
+                                  perm=torch.zeros(2, T + 3, dtype=torch.long),
+                                  inv=torch.zeros(2, T + 3, dtype=torch.long),
+                                  chunk_pad=torch.zeros(c + 2, dtype=torch.bool), step_pad=None)
+        s.perm[1, :T], s.inv[1, :T] = perm, torch.argsort(perm)
+        with _NoHostSync():
+            TokenOrder._mark_padding(s, 1, T)
+        seen = ctx.is_padding[:c]  # what vLLM's router reads for the block's c rows
+        for j in range(c):
+            i = rank * c + j  # the row's place in the token order
+            assert bool(seen[j]) == (i >= T or int(perm[i]) >= num_real), (rank, j)
+        assert ctx.is_padding is not step and bool(step.eq(torch.arange(T + 3) >= num_real).all())
+        TokenOrder.restore(s, torch.zeros(T, 4), 1)
+        assert ctx.is_padding is step and s.step_pad is None
+
+
+def test_stack_order_takes_only_stacks_that_split_rows_in_their_layers():
+    """One order per step holds where the decoder layers split the rows (vLLM's DeepSeek-V2
+    layer); a stack that splits the step itself before its layers (vLLM's CUDA DeepSeek-V3.2 /
+    GLM-5 model) or a layer that does not reduce-scatter is refused, naming what it does."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV2DecoderLayer, DeepseekV2Model
+
+    from vllm_smoe.serving.token_order import stack_supported
+
+    def layer(forward):
+        cls = type("Layer", (torch.nn.Module,), {"forward": forward})
+        m = cls()
+        m.self_attn, m.mlp = torch.nn.Identity(), torch.nn.Identity()
+        m.use_sequence_parallel_moe = True
+        return m
+
+    def model(stack_forward, layer_forward):
+        stack = type("Stack", (torch.nn.Module,), {"forward": stack_forward})()
+        stack.embed_tokens, stack.norm = torch.nn.Identity(), torch.nn.Identity()
+        stack.layers = torch.nn.ModuleList([layer(layer_forward), layer(layer_forward)])
+        outer = torch.nn.Module()
+        outer.model = stack
+        return outer
+
+    assert stack_supported(model(DeepseekV2Model.forward, DeepseekV2DecoderLayer.forward), "B") == (True, "")
+
+    def sharding(self, input_ids, positions):
+        hidden_states = sp_shard(self.embed_tokens(input_ids))  # noqa: F821 (read, never run)
+        return hidden_states
+
+    ok, why = stack_supported(model(sharding, DeepseekV2DecoderLayer.forward), "B")
+    assert not ok and "Stack.forward splits or norms the step's rows itself (sp_shard)" in why
+
+    def plain(self, positions, hidden_states, residual):
+        return self.mlp(self.self_attn(hidden_states)), residual
+
+    ok, why = stack_supported(model(DeepseekV2Model.forward, plain), "B")
+    assert not ok and "decoder layer 0 (Layer) does not reduce-scatter its rows" in why

@@ -124,11 +124,27 @@ def stack_supported(model: torch.nn.Module, name: str) -> tuple[bool, str]:
     if stack is None:
         return False, f"{name} is called on rows its decoder layer already split, and no decoder stack " \
                       f"(embed_tokens, layers, norm) was found to order the whole step"
+    # a stack that splits the step itself before its layers (vLLM 0.32's CUDA DeepSeek-V3.2 /
+    # GLM-5 model: sp_shard, its own pad mask) or norms it fused with a collective: smoe's hooks
+    # on the first layer, the attentions and the final norm would see other rows than they expect
+    src = inspect.getsource(type(stack).forward)
+    split = [w for w in ("sp_shard(", "sequence_parallel_chunk(", "fused_allreduce_rms_norm(") if w in src]
+    if split:
+        return False, (f"{name}: {type(stack).__name__}.forward splits or norms the step's rows itself "
+                       f"({', '.join(w[:-1] for w in split)}), where smoe's one order per step cannot follow")
     for i, layer in enumerate(stack.layers):
         other = {n for n, _ in layer.named_children()} - _STACK_LAYER_CHILDREN
         if other or not hasattr(layer, "self_attn"):
             return False, (f"{name}: decoder layer {i} ({type(layer).__name__}) has modules {sorted(other)} "
                            f"besides attention and row-wise ones; smoe cannot order its rows without model code")
+        # the layer must split its rows as vLLM's DeepSeek-V2 one does (reduce-scatter after the
+        # attention, the MoE block told so), keyed on the attribute smoe's one-row fix reads
+        src = inspect.getsource(type(layer).forward)
+        if not (hasattr(layer, "use_sequence_parallel_moe") and "already_sequence_parallel=True" in src
+                and "tensor_model_parallel_reduce_scatter(" in src):
+            return False, (f"{name}: decoder layer {i} ({type(layer).__name__}) does not reduce-scatter its rows "
+                           f"after the attention and pass already_sequence_parallel=True as vLLM's DeepSeek-V2 "
+                           f"layer does; smoe cannot order its rows without model code")
     return True, ""
 
 
@@ -341,6 +357,10 @@ class TokenOrder:
             raise ValueError(f"smoe mode speculate: speculative decoding with {type(self.blocks[0][1]).__name__}: its "
                              f"drafters read the stack's hidden states (MTP, EAGLE-3), which smoe keeps in its own "
                              f"order between layers")
+        if self.stack and getattr(vllm_config, "lora_config", None) is not None:
+            raise ValueError(f"smoe mode speculate: LoRA with {type(self.blocks[0][1]).__name__}: vLLM picks each "
+                             f"row's adapter by its place in the step, and smoe keeps the rows in its own order "
+                             f"between decoder layers, so the dense layers would take other tokens' adapters")
         if self.stack and cfg.predictor == "tables-markov":
             raise ValueError(f"smoe mode speculate: predictor 'tables-markov' orders each layer after the previous "
                              f"one, but {type(self.blocks[0][1]).__name__}'s decoder layers keep their rows split "
@@ -400,6 +420,10 @@ class TokenOrder:
         # served step outside the forward (runner_hooks), 0 otherwise: a replayed CUDA graph and
         # a warm-up run count exactly what they should
         self.num_real = torch.zeros((), dtype=torch.long, device=device)
+        # vLLM's pad-row mask for the rows of this rank's ordered chunk (_mark_padding), and the
+        # runner's step mask it stands in for between an order and its restore
+        self.chunk_pad = torch.ones(c, dtype=torch.bool, device=device)
+        self.step_pad = None
         # the block reads only its chunk of the ordered rows: blocks whose forward was read to
         # touch nothing else before vLLM's sequence_parallel_chunk (others get every row)
         self.chunk_only = not self.stack and all(type(b).__name__ in CHUNK_ONLY_BLOCKS for _, b, _ in self.blocks)
@@ -678,9 +702,7 @@ class TokenOrder:
         # are vLLM's pad rows (step rows at or past num_real) wherever the order put them; on the
         # device, from static shapes, so a replayed graph counts the step it replays
         T = self.rows
-        q = torch.arange(n, device=topk_ids.device) + self.rank * n
-        src = self.perm[0 if self.stack else layer].index_select(0, q.clamp(max=T - 1))
-        real = (q < T) & (src < self.num_real)
+        real = chunk_real(self.perm[0 if self.stack else layer], T, self.rank, n, self.num_real)
         local = (self.held[layer][topk_ids.long()] & real[:, None]).sum(dim=1)  # [n]
         tokens = real.sum()
         add = torch.stack([local.sum(), tokens * K, tokens, (local > 0).sum()])
@@ -831,6 +853,7 @@ class TokenOrder:
         T = x.shape[0]
         if predict and (self.stack or self.per_layer or layer == 0):
             self._predict(x, layer)
+        self._mark_padding(layer, T)
         if self.chunk_only:
             # the block keeps only this rank's chunk (vLLM's sequence_parallel_chunk): gather just
             # those rows; the others are never read
@@ -839,6 +862,30 @@ class TokenOrder:
             torch.index_select(x, 0, self.perm[layer, start:stop], out=out[start:stop])
             return out
         return x.index_select(0, self.perm[layer, :T])
+
+    def _mark_padding(self, layer: int, T: int) -> None:
+        """vLLM's routers (with ``VLLM_MOE_SKIP_PADDING``, on by default: the CUDA top-k kernels
+        and the grouped top-k) mask the experts of chunk row j when step row j is padding
+        (``forward_context.is_padding[:c]``), which holds for vLLM's contiguous chunks, whose pad
+        rows come last; in the token order a real token may sit at any chunk row, and masked it
+        would lose its experts' output. So the forward context's mask points, until
+        :meth:`restore`, at smoe's own buffer holding this rank's ordered chunk rows' pad flags
+        (:func:`chunk_real`); the runner's step mask stays as vLLM wrote it for every other
+        reader (smoe's own routing of whole steps, drafters). Device ops on static shapes: a
+        captured graph holds the buffer's address and the copy, so a replay (no Python) masks
+        the rows it replays."""
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        fc = get_forward_context() if is_forward_context_available() else None
+        pad = None if fc is None else fc.is_padding
+        c = -(-T // self.N)
+        if pad is None:
+            return
+        if pad.data_ptr() != self.chunk_pad.data_ptr():
+            self.step_pad = pad
+        mine = self.chunk_pad[:c]  # the block routes its c rows: vLLM reads is_padding[:c]
+        mine.copy_(~chunk_real(self.perm[0 if self.stack else layer], T, self.rank, c, self.num_real))
+        fc.is_padding = mine
 
     def _predict(self, x: torch.Tensor, layer: int) -> None:
         """The step's token order for ``layer`` (every layer at the first, unless per layer):
@@ -871,6 +918,12 @@ class TokenOrder:
             dp.assign_permute(pref, conf, caps, self.perm[rows], self.inv[rows])
 
     def restore(self, y: torch.Tensor, layer: int) -> torch.Tensor:
+        if self.step_pad is not None:  # the runner's step mask back in the forward context
+            from vllm.forward_context import get_forward_context, is_forward_context_available
+
+            if is_forward_context_available():
+                get_forward_context().is_padding = self.step_pad
+            self.step_pad = None
         T = y.shape[0]
         inv = self.inv[layer, :T]
         if self.markov and layer + 1 < self.inv.shape[0]:
@@ -1029,6 +1082,16 @@ def chunk_rows(T: int, rank: int, N: int) -> tuple[int, int]:
     c = -(-T // N)
     start = min(rank * c, T)
     return start, min(start + c, T)
+
+
+def chunk_real(perm: torch.Tensor, T: int, rank: int, n: int, num_real: torch.Tensor) -> torch.Tensor:
+    """Which of rank ``rank``'s ``n`` chunk rows of the token order are real tokens: [n] bool.
+    perm: [>= T] int64, row i of the order is step row perm[i]; the chunk's rows past T are its
+    padding, and step rows at or past ``num_real`` (a 0-d device tensor) are vLLM's pad rows,
+    wherever the order put them. Static shapes, no host read."""
+    q = torch.arange(n, device=perm.device) + rank * n
+    src = perm.index_select(0, q.clamp(max=T - 1))
+    return (q < T) & (src < num_real)
 
 
 def shuffled_reduce_scatter(partial: torch.Tensor, perm: torch.Tensor, rank: int, N: int, reduce_scatter
