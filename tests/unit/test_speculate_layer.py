@@ -535,7 +535,7 @@ def test_input_gate_columns_reach_every_rank_alike(dtype, N, T):
             rows=T, rank=r, N=N, markov=False, gates=[(gate, _TopK(K))] * L, next_norm={1: norm}, holds=holds,
             ids=torch.arange(rows_max), kept=torch.zeros(c, H, dtype=dtype),
             perm=torch.zeros(L, rows_max, dtype=torch.long), inv=torch.zeros(L, rows_max, dtype=torch.long),
-            next_pref=torch.full((rows_max, 2), -1), next_conf=torch.zeros(rows_max))
+            next_pref=torch.full((rows_max, 2), -1), next_conf=torch.zeros(rows_max), step_pad=None)
         s.perm[0, :T], s.inv[0, :T] = perm0, torch.argsort(perm0)
         for name in ("add_residual", "restore"):
             setattr(s, name, types.MethodType(getattr(TokenOrder, name), s))
