@@ -735,14 +735,16 @@ def test_exact_router_seams_take_input_layernorm_or_say_why_not():
     assert seams == [] and "_OtherDecoder.forward does not take its input's residual stream" in why
 
 
-@pytest.mark.parametrize("N,T,num_real", [(2, 1, 1), (2, 8, 3), (3, 7, 7), (4, 16, 5), (4, 3, 2)])
+@pytest.mark.parametrize("N,T,num_real", [(2, 1, 1), (2, 8, 3), (3, 7, 7), (4, 16, 5), (4, 3, 2),
+                                         (2, 8, 8), (3, 5, 0)])  # vLLM's profile run: every row real; a capture: none
 def test_vllm_pad_mask_follows_the_token_order(monkeypatch, N, T, num_real):
     """vLLM's routers mask chunk row j's experts when forward_context.is_padding[j] is set (the
     step's row j, right for vLLM's contiguous chunks); under the token order the block must see
     which of this rank's ordered chunk rows are pad rows (vLLM's, past num_real, wherever the order
     put them, or the chunk's own past T), else a real token the order put at a later chunk row
-    would lose its experts' output. The runner's step mask is left as vLLM wrote it and is back in
-    the forward context after the restore."""
+    would lose its experts' output. Read from the runner's own mask (vLLM routes every row of its
+    profile run, none of a capture), which is left as vLLM wrote it and is back in the forward
+    context after the restore."""
     import types
 
     import vllm.forward_context as fc
@@ -757,7 +759,7 @@ def test_vllm_pad_mask_follows_the_token_order(monkeypatch, N, T, num_real):
         ctx = types.SimpleNamespace(is_padding=step)
         monkeypatch.setattr(fc, "is_forward_context_available", lambda: True)
         monkeypatch.setattr(fc, "get_forward_context", lambda: ctx)
-        s = types.SimpleNamespace(N=N, rank=rank, stack=False, markov=False, num_real=torch.tensor(num_real),
+        s = types.SimpleNamespace(N=N, rank=rank, stack=False, markov=False, num_real=torch.tensor(0),
                                   perm=torch.zeros(2, T + 3, dtype=torch.long),
                                   inv=torch.zeros(2, T + 3, dtype=torch.long),
                                   chunk_pad=torch.zeros(c + 2, dtype=torch.bool), step_pad=None)

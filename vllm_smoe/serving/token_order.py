@@ -127,7 +127,10 @@ def stack_supported(model: torch.nn.Module, name: str) -> tuple[bool, str]:
     # a stack that splits the step itself before its layers (vLLM 0.32's CUDA DeepSeek-V3.2 /
     # GLM-5 model: sp_shard, its own pad mask) or norms it fused with a collective: smoe's hooks
     # on the first layer, the attentions and the final norm would see other rows than they expect
-    src = inspect.getsource(type(stack).forward)
+    try:
+        src = inspect.getsource(type(stack).forward)
+    except (OSError, TypeError):  # no source to read (a compiled or generated class)
+        return False, f"{name}: the source of {type(stack).__name__}.forward cannot be read to check how it splits rows"
     split = [w for w in ("sp_shard(", "sequence_parallel_chunk(", "fused_allreduce_rms_norm(") if w in src]
     if split:
         return False, (f"{name}: {type(stack).__name__}.forward splits or norms the step's rows itself "
@@ -139,7 +142,10 @@ def stack_supported(model: torch.nn.Module, name: str) -> tuple[bool, str]:
                            f"besides attention and row-wise ones; smoe cannot order its rows without model code")
         # the layer must split its rows as vLLM's DeepSeek-V2 one does (reduce-scatter after the
         # attention, the MoE block told so), keyed on the attribute smoe's one-row fix reads
-        src = inspect.getsource(type(layer).forward)
+        try:
+            src = inspect.getsource(type(layer).forward)
+        except (OSError, TypeError):
+            src = ""
         if not (hasattr(layer, "use_sequence_parallel_moe") and "already_sequence_parallel=True" in src
                 and "tensor_model_parallel_reduce_scatter(" in src):
             return False, (f"{name}: decoder layer {i} ({type(layer).__name__}) does not reduce-scatter its rows "
@@ -870,7 +876,7 @@ class TokenOrder:
         rows come last; in the token order a real token may sit at any chunk row, and masked it
         would lose its experts' output. So the forward context's mask points, until
         :meth:`restore`, at smoe's own buffer holding this rank's ordered chunk rows' pad flags
-        (:func:`chunk_real`); the runner's step mask stays as vLLM wrote it for every other
+        (:func:`chunk_padding`); the runner's step mask stays as vLLM wrote it for every other
         reader (smoe's own routing of whole steps, drafters). Device ops on static shapes: a
         captured graph holds the buffer's address and the copy, so a replay (no Python) masks
         the rows it replays."""
@@ -879,12 +885,17 @@ class TokenOrder:
         fc = get_forward_context() if is_forward_context_available() else None
         pad = None if fc is None else fc.is_padding
         c = -(-T // self.N)
-        if pad is None:
+        if pad is None or (pad.data_ptr() != self.chunk_pad.data_ptr() and pad.shape[0] < T):
+            self.step_pad = None
             return
         if pad.data_ptr() != self.chunk_pad.data_ptr():
             self.step_pad = pad
+        if self.step_pad is None:
+            return
         mine = self.chunk_pad[:c]  # the block routes its c rows: vLLM reads is_padding[:c]
-        mine.copy_(~chunk_real(self.perm[0 if self.stack else layer], T, self.rank, c, self.num_real))
+        # from the runner's own mask (not num_real): vLLM routes every row of its profile run and
+        # none of a capture, and a replay reads the mask the runner wrote for the step
+        mine.copy_(chunk_padding(self.perm[0 if self.stack else layer], T, self.rank, c, self.step_pad))
         fc.is_padding = mine
 
     def _predict(self, x: torch.Tensor, layer: int) -> None:
@@ -1092,6 +1103,14 @@ def chunk_real(perm: torch.Tensor, T: int, rank: int, n: int, num_real: torch.Te
     q = torch.arange(n, device=perm.device) + rank * n
     src = perm.index_select(0, q.clamp(max=T - 1))
     return (q < T) & (src < num_real)
+
+
+def chunk_padding(perm: torch.Tensor, T: int, rank: int, n: int, step_pad: torch.Tensor) -> torch.Tensor:
+    """vLLM's pad-row mask for rank ``rank``'s ``n`` chunk rows of the token order: [n] bool, True
+    where the row is the chunk's own padding (past T) or a step row ``step_pad`` (vLLM's [>= T]
+    bool mask of the step, in step order) marks. Static shapes, no host read."""
+    q = torch.arange(n, device=perm.device) + rank * n
+    return (q >= T) | step_pad.index_select(0, perm.index_select(0, q.clamp(max=T - 1)))
 
 
 def shuffled_reduce_scatter(partial: torch.Tensor, perm: torch.Tensor, rank: int, N: int, reduce_scatter
