@@ -288,6 +288,14 @@ def test_speculate_refuses_micro_batches_and_monolithic_kernels():
     assert not ok and "micro-batching" in reason
     cfg.parallel_config.use_ubatching = False
     assert speculate_supported(cfg, placement, "tables", device_type="cuda") == (True, "")
+    # vLLM's MoE split out of the CUDA graphs: its router would read the pad mask smoe's replayed op set
+    cfg.compilation_config = types.SimpleNamespace(splitting_ops=["vllm::unified_attention", "vllm::moe_forward"],
+                                                   cudagraph_mode=types.SimpleNamespace(name="PIECEWISE"))
+    cfg.model_config.enforce_eager = False
+    ok, reason = speculate_supported(cfg, placement, "tables", device_type="cuda")
+    assert not ok and "splitting_ops ['vllm::moe_forward']" in reason
+    cfg.model_config.enforce_eager = True
+    assert speculate_supported(cfg, placement, "tables", device_type="cuda") == (True, "")
     fused = types.SimpleNamespace(quant_method=types.SimpleNamespace(is_monolithic=True))
     assert monolithic(fused) and not monolithic(types.SimpleNamespace(quant_method=None))
 

@@ -72,6 +72,14 @@ def speculate_supported(vllm_config, placement, predictor: str = "tables", all2a
     ok, reason = speculate_transport(pc, device_type, all2all)
     if not ok:
         return False, reason
+    cc = getattr(vllm_config, "compilation_config", None)
+    moe_split = [op for op in (getattr(cc, "splitting_ops", None) or []) if "moe_forward" in op]
+    graphs = getattr(getattr(cc, "cudagraph_mode", None), "name", "NONE") != "NONE" and not getattr(mc, "enforce_eager", False)
+    if device_type != "cpu" and moe_split and graphs:
+        # the router's Python would run between the replayed pieces, where the token order's own
+        # op (which points vLLM's pad-row mask at its chunk's rows) replays without Python
+        return False, (f"compilation_config.splitting_ops {moe_split} runs vLLM's MoE outside the CUDA graphs, "
+                       f"while smoe's token order replays inside them; drop those ops (or --enforce-eager)")
     if placement.ep_size != tp:
         return False, (f"{placement.path}: field 'ep_size' = {placement.ep_size} but mode speculate splits the "
                        f"experts over the {tp} tensor-parallel ranks; build the placement with --ep-size {tp}")
