@@ -74,7 +74,8 @@ def speculate_supported(vllm_config, placement, predictor: str = "tables", all2a
         return False, reason
     cc = getattr(vllm_config, "compilation_config", None)
     moe_split = [op for op in (getattr(cc, "splitting_ops", None) or []) if "moe_forward" in op]
-    graphs = getattr(getattr(cc, "cudagraph_mode", None), "name", "NONE") != "NONE" and not getattr(mc, "enforce_eager", False)
+    graphs = (getattr(getattr(cc, "cudagraph_mode", None), "name", "NONE") != "NONE"
+              and not getattr(mc, "enforce_eager", False))
     if device_type != "cpu" and moe_split and graphs:
         # the router's Python would run between the replayed pieces, where the token order's own
         # op (which points vLLM's pad-row mask at its chunk's rows) replays without Python
