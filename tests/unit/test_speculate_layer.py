@@ -813,3 +813,22 @@ def test_stack_order_takes_only_stacks_that_split_rows_in_their_layers():
 
     ok, why = stack_supported(model(DeepseekV2Model.forward, plain), "B")
     assert not ok and "decoder layer 0 (Layer) does not reduce-scatter its rows" in why
+
+
+def test_one_row_steps_make_no_collective_for_an_order():
+    """A one-token step sits in rank 0's chunk whatever the order (single-stream decode): router
+    under the shuffled reduce-scatter all-gathers no logits for it, and its order is the identity."""
+    import types
+
+    from vllm_smoe.serving.token_order import TokenOrder
+
+    def no_gather(*a, **k):
+        raise AssertionError("all_gather for a one-row step")
+
+    s = types.SimpleNamespace(exact=[(None, torch.ones(4))], ahead=False, per_layer=True, rank=0, N=2, rows=0,
+                              perm=torch.full((2, 8), 5), inv=torch.full((2, 8), 5),
+                              tp=types.SimpleNamespace(all_gather=no_gather, reduce_scatter=lambda x, d: x[:1]))
+    partial = torch.randn(1, 4)
+    with _NoHostSync():
+        out = TokenOrder.reduce_scatter(s, partial, 1)
+    assert s.perm[1, 0] == 0 and s.inv[1, 0] == 0 and s.rows == 1 and torch.equal(out, partial)

@@ -774,7 +774,11 @@ class TokenOrder:
         """:func:`shuffled_reduce_scatter` on the TP group, predicting the order first where
         the block would have (the first MoE layer, or every layer for a per-layer predictor)."""
         T = partial.shape[0]
-        if self.exact:
+        if self.exact and T == 1:  # one row sits in rank 0's chunk whatever the order: no collective for it
+            self.rows = T
+            self.perm[layer, :1].zero_()
+            self.inv[layer, :1].zero_()
+        elif self.exact:
             self._exact_order(partial, layer)
         elif self.ahead and layer > 0:
             # the ranks the previous block's all-gather brought (equal on every rank), or the
@@ -906,7 +910,11 @@ class TokenOrder:
         layers = [layer] if self.per_layer or self.stack else list(range(self.perm.shape[0]))
         rows = slice(layers[0], layers[-1] + 1)
         caps = dp.chunk_caps(T, self.N, x.device)
-        if (self.gates and not self.ahead) or self.learned:
+        if ((self.gates and not self.ahead) or self.learned) and T == 1:
+            # one row sits in rank 0's chunk whatever the order: no gate and no broadcast for it
+            self.perm[rows, :1].zero_()
+            self.inv[rows, :1].zero_()
+        elif (self.gates and not self.ahead) or self.learned:
             # floats each rank computes itself: the gate's rows are equal across ranks only if
             # the attention all-reduce is bitwise deterministic (vLLM's FlashInfer one is not),
             # and the network's GEMM need not round alike on every rank (thread counts,
