@@ -602,63 +602,65 @@ def _exact_router_worker(rank, port, results):
             self.last = super()._compute_routing(x, logits, _, input_ids)[1]
             return logits, self.last
 
-    failures = []
-    for dtype, T, big in [(d, T, 1.0) for d in (torch.float32, torch.bfloat16) for T in (1, 2, 7, 40)] + [
+    failures, full_orders = [], 0
+    for dtype, T, big in [(d, T, 1.0) for d in (torch.float32, torch.bfloat16) for T in (2, 3, 7, 40)] + [
             (torch.float32, 40, 100.0)]:  # a residual stream of RMS ~100: a float32 softmax of the raw sum underflows
-        if True:
-            g = torch.Generator().manual_seed(T)  # the same modules and rows on every rank
-            H, E, K, L = 24, 10, 3, 2
-            norm = torch.nn.RMSNorm(H, eps=1e-6)
-            with torch.no_grad():
-                norm.weight.copy_(torch.rand(H, generator=g) * 2 - 0.5)  # signs and sizes of a trained norm
-            gate = torch.nn.Linear(H, E, bias=False)
-            with torch.no_grad():
-                gate.weight.copy_(torch.randn(E, H, generator=g))
-            norm, gate, router = norm.to(dtype), gate.to(dtype), Recorded(K)
-            holds = torch.rand(L, world, E, generator=g) < 0.4
-            x_in = (torch.randn(T, H, generator=g) * big).to(dtype)  # the layer's input, whole on every rank
-            partials = (torch.randn(world, T, H, generator=g) * 0.5).to(dtype)  # o_proj's partial sums
-            w, why = exact_gate_scale(norm, gate, router, H, dtype, "cpu")
-            if w is None:
-                failures.append(f"{dtype} refused: {why}")
-                continue
-            s = types.SimpleNamespace(
-                rank=rank, N=world, rows=0, tp=types.SimpleNamespace(all_gather=all_gather),
-                gates=[(gate, router)] * L, exact=[(None, w)] * L, holds=holds, ids=torch.arange(64),
-                base=torch.randn(64, E), perm=torch.zeros(L, 64, dtype=torch.long),
-                inv=torch.zeros(L, 64, dtype=torch.long))
-            normed = torch.randn(T, H).to(dtype)
-            with torch.no_grad(), _NoHostSync():
-                out = TokenOrder.note_layer_input(s, normed, x_in, 1)
-                TokenOrder._exact_order(s, partials[rank], 1)
-            served = router.last.clone()
-            if not torch.equal(out, normed) or out.data_ptr() == normed.data_ptr():
-                failures.append(f"{dtype} T={T}: note_layer_input does not return a copy of the normed rows")
-            perm = s.perm[1, :T].clone()
-            every = all_gather(perm[None], 0)
-            if not all(torch.equal(p, perm) for p in every):
-                failures.append(f"{dtype} T={T}: ranks built different orders")
-            if not torch.equal(s.inv[1, :T], torch.argsort(perm)):
-                failures.append(f"{dtype} T={T}: inv is not perm's inverse")
-            # vLLM's order: the gate on the norm of the reduced rows, in float64
-            x = (x_in.double() + partials.double().sum(0))
-            ref = torch.nn.functional.linear(norm.double()(x), gate.weight.double())
-            top = torch.topk(ref, K + 1, dim=1).values
-            clear = top[:, K - 1] - top[:, K] > 1e-3 * top.abs().amax(dim=1)  # no near-tie at the k-th
-            want_ids = router._compute_routing(x, ref, None)[1]
-            got_ids = torch.topk(torch.nn.functional.linear(x * w.double(), gate.weight.double()), K, dim=1).indices
-            if not torch.equal(want_ids.sort(1).values, got_ids.sort(1).values):  # the identity itself
-                failures.append(f"{dtype} T={T}: the scaled logits pick other experts")
-            # the experts the order was built from, on every row without a near-tie at the k-th
-            same = (served.sort(1).values == want_ids.sort(1).values).all(dim=1)
-            if not bool(same[clear].all()):
-                failures.append(f"{dtype} T={T} x{big}: {int((~same[clear]).sum())} of {int(clear.sum())} rows "
-                                f"routed elsewhere")
-            if dtype == torch.float32 and bool(clear.all()):
-                want = dp.permutation(dp.assign(*[a[None] for a in dp.prefer_held(want_ids, holds[1])],
-                                                dp.chunk_caps(T, world)))[0][0]
-                if not torch.equal(perm, want):
-                    failures.append(f"{dtype} T={T}: the order is not vLLM's exact one")
+        g = torch.Generator().manual_seed(T)  # the same modules and rows on every rank
+        H, E, K, L = 24, 10, 3, 2
+        norm = torch.nn.RMSNorm(H, eps=1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(H, generator=g) * 2 - 0.5)  # signs and sizes of a trained norm
+        gate = torch.nn.Linear(H, E, bias=False)
+        with torch.no_grad():
+            gate.weight.copy_(torch.randn(E, H, generator=g))
+        norm, gate, router = norm.to(dtype), gate.to(dtype), Recorded(K)
+        holds = torch.rand(L, world, E, generator=g) < 0.4
+        x_in = (torch.randn(T, H, generator=g) * big).to(dtype)  # the layer's input, whole on every rank
+        partials = (torch.randn(world, T, H, generator=g) * 0.5).to(dtype)  # o_proj's partial sums
+        w, why = exact_gate_scale(norm, gate, router, H, dtype, "cpu")
+        if w is None:
+            failures.append(f"{dtype} refused: {why}")
+            continue
+        s = types.SimpleNamespace(
+            rank=rank, N=world, rows=0, tp=types.SimpleNamespace(all_gather=all_gather),
+            gates=[(gate, router)] * L, exact=[(None, w)] * L, holds=holds, ids=torch.arange(64),
+            base=torch.randn(64, E), perm=torch.zeros(L, 64, dtype=torch.long),
+            inv=torch.zeros(L, 64, dtype=torch.long))
+        normed = torch.randn(T, H).to(dtype)
+        with torch.no_grad(), _NoHostSync():
+            out = TokenOrder.note_layer_input(s, normed, x_in, 1)
+            TokenOrder._exact_order(s, partials[rank], 1)
+        served = router.last.clone()
+        if not torch.equal(out, normed) or out.data_ptr() == normed.data_ptr():
+            failures.append(f"{dtype} T={T}: note_layer_input does not return a copy of the normed rows")
+        perm = s.perm[1, :T].clone()
+        every = all_gather(perm[None], 0)
+        if not all(torch.equal(p, perm) for p in every):
+            failures.append(f"{dtype} T={T}: ranks built different orders")
+        if not torch.equal(s.inv[1, :T], torch.argsort(perm)):
+            failures.append(f"{dtype} T={T}: inv is not perm's inverse")
+        # vLLM's order: the gate on the norm of the reduced rows, in float64
+        x = (x_in.double() + partials.double().sum(0))
+        ref = torch.nn.functional.linear(norm.double()(x), gate.weight.double())
+        top = torch.topk(ref, K + 1, dim=1).values
+        clear = top[:, K - 1] - top[:, K] > 1e-3 * top.abs().amax(dim=1)  # no near-tie at the k-th
+        want_ids = router._compute_routing(x, ref, None)[1]
+        got_ids = torch.topk(torch.nn.functional.linear(x * w.double(), gate.weight.double()), K, dim=1).indices
+        if not torch.equal(want_ids.sort(1).values, got_ids.sort(1).values):  # the identity itself
+            failures.append(f"{dtype} T={T}: the scaled logits pick other experts")
+        # the experts the order was built from, on every row without a near-tie at the k-th
+        same = (served.sort(1).values == want_ids.sort(1).values).all(dim=1)
+        if not bool(same[clear].all()):
+            failures.append(f"{dtype} T={T} x{big}: {int((~same[clear]).sum())} of {int(clear.sum())} rows "
+                            f"routed elsewhere")
+        if dtype == torch.float32 and bool(clear.all()):
+            full_orders += 1
+            want = dp.permutation(dp.assign(*[a[None] for a in dp.prefer_held(want_ids, holds[1])],
+                                            dp.chunk_caps(T, world)))[0][0]
+            if not torch.equal(perm, want):
+                failures.append(f"{dtype} T={T}: the order is not vLLM's exact one")
+    if full_orders < 3:  # T = 2, 3 and 7 have no near-tie at these seeds (one row: test_one_row_steps...)
+        failures.append(f"the whole order was compared on {full_orders} cases only")
     results[rank] = failures
     dist.destroy_process_group()
 
@@ -686,7 +688,7 @@ def test_exact_gate_scale_refuses_what_a_sum_of_partial_logits_cannot_give():
     w, why = exact_gate_scale(torch.nn.LayerNorm(H), gate, _SoftmaxTopK(2), H, torch.float32, "cpu")
     assert w is None and "LayerNorm is not a per-row scale" in why
     w, why = exact_gate_scale(rms, torch.nn.Linear(H, E, bias=True), _SoftmaxTopK(2), H, torch.float32, "cpu")
-    assert w is None and "Linear adds a bias" in why
+    assert w is None and "Linear is not linear without bias" in why
     w, why = exact_gate_scale(rms, gate, _BiasedSigmoidTopK(2), H, torch.float32, "cpu")
     assert w is None and "_BiasedSigmoidTopK's experts change when the logits are scaled" in why
 
@@ -747,6 +749,7 @@ def test_vllm_pad_mask_follows_the_token_order(monkeypatch, N, T, num_real):
     context after the restore."""
     import types
 
+    pytest.importorskip("vllm")
     import vllm.forward_context as fc
 
     from vllm_smoe.serving.token_order import TokenOrder
@@ -832,3 +835,22 @@ def test_one_row_steps_make_no_collective_for_an_order():
     with _NoHostSync():
         out = TokenOrder.reduce_scatter(s, partial, 1)
     assert s.perm[1, 0] == 0 and s.inv[1, 0] == 0 and s.rows == 1 and torch.equal(out, partial)
+
+
+def test_one_row_steps_broadcast_no_order_over_the_all_reduce():
+    """Over vLLM's all-reduce, router and learned broadcast rank 0's assignment; a one-token step
+    needs none: the identity, no gate, no broadcast."""
+    import types
+
+    from vllm_smoe.serving.token_order import TokenOrder
+
+    def never(*a, **k):
+        raise AssertionError("a collective or a gate for a one-row step")
+
+    for gates, learned in (([(never, None)], False), ([], True)):
+        s = types.SimpleNamespace(per_layer=True, stack=False, N=2, gates=gates, ahead=False, learned=learned,
+                                  broadcast=never, preferences=never, perm=torch.full((2, 8), 5),
+                                  inv=torch.full((2, 8), 5), rows=0)
+        with _NoHostSync():
+            TokenOrder._predict(s, torch.randn(1, 4), 1)
+        assert s.perm[1, 0] == 0 and s.inv[1, 0] == 0 and s.rows == 1

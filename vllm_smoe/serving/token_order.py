@@ -282,10 +282,15 @@ def exact_gate_scale(norm: torch.nn.Module, gate: torch.nn.Module, router, hidde
         if not bool(torch.all((c > 0) & (err <= 0.02) & (xw.abs().amax(dim=1) > 0))):
             return None, (f"{type(norm).__name__} is not a per-row scale times a per-channel weight, so the gate's "
                           f"logits cannot be summed from partial rows")
-        if bool(gate_logits(gate, torch.zeros(1, hidden, dtype=dtype, device=device)).abs().amax() > 0):
-            return None, f"{type(gate).__name__} adds a bias, so its logits are not a sum over partial rows"
+        g0 = gate_logits(gate, torch.zeros(1, hidden, dtype=dtype, device=device)).float()
+        ga, gb, gab = (gate_logits(gate, v).float() for v in (x[:4], x[4:], x[:4] + x[4:]))
+        if bool(g0.abs().amax() > 0) or not torch.allclose(gab, ga + gb, rtol=0.05,
+                                                           atol=0.05 * float(gab.abs().amax())):
+            return None, (f"{type(gate).__name__} is not linear without bias, so its logits are not a sum over "
+                          f"partial rows")
         E = gate_logits(gate, x).shape[1]
-        z = torch.randn(16, E, generator=torch.Generator().manual_seed(1)).to(dtype=dtype, device=device)
+        # float32, as served: the summed logits (unit_rows) reach the routing step in float32
+        z = torch.randn(16, E, generator=torch.Generator().manual_seed(1)).to(device=device)
         h, ids = torch.zeros(16, hidden, dtype=dtype, device=device), torch.zeros(16, dtype=torch.long, device=device)
         want = router._compute_routing(h, z, None, input_ids=ids)[1].sort(dim=1).values
         for zz in (z * 0.25, z * 4.0, unit_rows(z)):  # unit_rows: what the routing step is given
@@ -350,9 +355,11 @@ class TokenOrder:
         if len(self.blocks) != len(plan.moe_layers):
             raise RuntimeError(f"smoe speculate: found {len(self.blocks)} MoE blocks, expected {len(plan.moe_layers)}")
         self.experts = [e for _, _, e in experts]  # where the counters' capture is bound
-        kinds = set()
-        for _, block, _ in self.blocks:
-            ok, reason, kind = block_supported(block, model)
+        kinds, checked = set(), {}
+        for _, block, _ in self.blocks:  # once per block class: the stack check reads every layer's source
+            if type(block) not in checked:
+                checked[type(block)] = block_supported(block, model)
+            ok, reason, kind = checked[type(block)]
             if not ok:
                 raise ValueError(f"smoe mode speculate: {reason}")
             kinds.add(kind)
@@ -584,6 +591,7 @@ class TokenOrder:
         """Host side, before a served step's forward: its real token count on the device."""
         n = int(scheduler_output.total_num_scheduled_tokens)
         self.num_real.fill_(n)
+        self.step_pad = None  # a step that failed between an order and its restore left its mask
         self.steps += 1
         self.small_steps += 0 < n < self.N  # every token sits in rank 0's chunk: the order cannot move it
 
@@ -799,6 +807,8 @@ class TokenOrder:
         is added once over the ranks. Returns a copy of normed (the op's output carries the order
         of the ops: the reduce-scatter that reads ``base`` depends on it)."""
         T = x.shape[0]
+        if T == 1:  # reduce_scatter orders a one-row step without it
+            return normed.clone()
         start, stop = chunk_rows(T, self.rank, self.N)
         self.base[:T].zero_()
         if stop > start:
@@ -812,8 +822,9 @@ class TokenOrder:
         the gate's logits over the reduced rows up to each row's positive norm scale, which the
         routing step's top-k ignores (:func:`exact_gate_scale`); its experts' ranks ->
         ``perm`` / ``inv``. Every rank sums the same bytes in the same order: the same
-        assignment, no broadcast. One all-gather of [T, E] float32 (the gate's own logits are
-        float32 sums rounded once; terms rounded to bf16 first would flip more near-ties)."""
+        assignment, no broadcast. One all-gather of [T, E] float32: each term is the gate's output
+        (in its dtype), the sums over terms and ranks are float32, where a bf16 gather would round
+        each rank's sum once more."""
         T = partial.shape[0]
         self.rows = T
         gate, router = self.gates[layer]
@@ -888,14 +899,14 @@ class TokenOrder:
 
         fc = get_forward_context() if is_forward_context_available() else None
         pad = None if fc is None else fc.is_padding
-        c = -(-T // self.N)
-        if pad is None or (pad.data_ptr() != self.chunk_pad.data_ptr() and pad.shape[0] < T):
-            self.step_pad = None
+        if pad is None and self.step_pad is None:
             return
-        if pad.data_ptr() != self.chunk_pad.data_ptr():
+        if pad is not None and pad.data_ptr() != self.chunk_pad.data_ptr():  # the runner's, not ours
             self.step_pad = pad
-        if self.step_pad is None:
+        if self.step_pad.shape[0] < T:  # not a mask of this step's rows: route every row (always right)
+            fc.is_padding = None
             return
+        c = -(-T // self.N)
         mine = self.chunk_pad[:c]  # the block routes its c rows: vLLM reads is_padding[:c]
         # from the runner's own mask (not num_real): vLLM routes every row of its profile run and
         # none of a capture, and a replay reads the mask the runner wrote for the step
@@ -910,11 +921,12 @@ class TokenOrder:
         layers = [layer] if self.per_layer or self.stack else list(range(self.perm.shape[0]))
         rows = slice(layers[0], layers[-1] + 1)
         caps = dp.chunk_caps(T, self.N, x.device)
-        if ((self.gates and not self.ahead) or self.learned) and T == 1:
+        agreed = bool(self.gates and not self.ahead) or self.learned  # rank 0's assignment, broadcast
+        if agreed and T == 1:
             # one row sits in rank 0's chunk whatever the order: no gate and no broadcast for it
             self.perm[rows, :1].zero_()
             self.inv[rows, :1].zero_()
-        elif (self.gates and not self.ahead) or self.learned:
+        elif agreed:
             # floats each rank computes itself: the gate's rows are equal across ranks only if
             # the attention all-reduce is bitwise deterministic (vLLM's FlashInfer one is not),
             # and the network's GEMM need not round alike on every rank (thread counts,
@@ -1108,8 +1120,7 @@ def chunk_real(perm: torch.Tensor, T: int, rank: int, n: int, num_real: torch.Te
     perm: [>= T] int64, row i of the order is step row perm[i]; the chunk's rows past T are its
     padding, and step rows at or past ``num_real`` (a 0-d device tensor) are vLLM's pad rows,
     wherever the order put them. Static shapes, no host read."""
-    q = torch.arange(n, device=perm.device) + rank * n
-    src = perm.index_select(0, q.clamp(max=T - 1))
+    q, src = _chunk_sources(perm, T, rank, n)
     return (q < T) & (src < num_real)
 
 
@@ -1117,8 +1128,15 @@ def chunk_padding(perm: torch.Tensor, T: int, rank: int, n: int, step_pad: torch
     """vLLM's pad-row mask for rank ``rank``'s ``n`` chunk rows of the token order: [n] bool, True
     where the row is the chunk's own padding (past T) or a step row ``step_pad`` (vLLM's [>= T]
     bool mask of the step, in step order) marks. Static shapes, no host read."""
+    q, src = _chunk_sources(perm, T, rank, n)
+    return (q >= T) | step_pad.index_select(0, src)
+
+
+def _chunk_sources(perm: torch.Tensor, T: int, rank: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, src): [n] int64 rank ``rank``'s chunk rows' places in the token order, and the step
+    rows they hold (the chunk's padding past T reads the last row)."""
     q = torch.arange(n, device=perm.device) + rank * n
-    return (q >= T) | step_pad.index_select(0, perm.index_select(0, q.clamp(max=T - 1)))
+    return q, perm.index_select(0, q.clamp(max=T - 1))
 
 
 def shuffled_reduce_scatter(partial: torch.Tensor, perm: torch.Tensor, rank: int, N: int, reduce_scatter
