@@ -831,6 +831,8 @@ def test_one_row_steps_make_no_collective_for_an_order():
     s = types.SimpleNamespace(exact=[(None, torch.ones(4))], ahead=False, per_layer=True, rank=0, N=2, rows=0,
                               perm=torch.full((2, 8), 5), inv=torch.full((2, 8), 5),
                               tp=types.SimpleNamespace(all_gather=no_gather, reduce_scatter=lambda x, d: x[:1]))
+    for name in ("_exact_order", "_one_row"):
+        setattr(s, name, types.MethodType(getattr(TokenOrder, name), s))
     partial = torch.randn(1, 4)
     with _NoHostSync():
         out = TokenOrder.reduce_scatter(s, partial, 1)
@@ -851,6 +853,7 @@ def test_one_row_steps_broadcast_no_order_over_the_all_reduce():
         s = types.SimpleNamespace(per_layer=True, stack=False, N=2, gates=gates, ahead=False, learned=learned,
                                   broadcast=never, preferences=never, perm=torch.full((2, 8), 5),
                                   inv=torch.full((2, 8), 5), rows=0)
+        s._one_row = types.MethodType(TokenOrder._one_row, s)
         with _NoHostSync():
             TokenOrder._predict(s, torch.randn(1, 4), 1)
         assert s.perm[1, 0] == 0 and s.inv[1, 0] == 0 and s.rows == 1

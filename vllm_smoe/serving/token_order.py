@@ -782,11 +782,7 @@ class TokenOrder:
         """:func:`shuffled_reduce_scatter` on the TP group, predicting the order first where
         the block would have (the first MoE layer, or every layer for a per-layer predictor)."""
         T = partial.shape[0]
-        if self.exact and T == 1:  # one row sits in rank 0's chunk whatever the order: no collective for it
-            self.rows = T
-            self.perm[layer, :1].zero_()
-            self.inv[layer, :1].zero_()
-        elif self.exact:
+        if self.exact:
             self._exact_order(partial, layer)
         elif self.ahead and layer > 0:
             # the ranks the previous block's all-gather brought (equal on every rank), or the
@@ -827,6 +823,9 @@ class TokenOrder:
         each rank's sum once more."""
         T = partial.shape[0]
         self.rows = T
+        if T == 1:
+            self._one_row(slice(layer, layer + 1))
+            return
         gate, router = self.gates[layer]
         mine = gate_logits(gate, partial * self.exact[layer][1]).float() + self.base[:T]
         logits = unit_rows(sum_gathered(self.tp.all_gather(mine, 0), self.N))
@@ -913,6 +912,12 @@ class TokenOrder:
         mine.copy_(chunk_padding(self.perm[0 if self.stack else layer], T, self.rank, c, self.step_pad))
         fc.is_padding = mine
 
+    def _one_row(self, rows: slice) -> None:
+        """The order of a one-row step for the layers ``rows``: the identity. The row sits in rank
+        0's chunk whatever the order, so the predictors that make a collective for theirs skip it."""
+        self.perm[rows, :1].zero_()
+        self.inv[rows, :1].zero_()
+
     def _predict(self, x: torch.Tensor, layer: int) -> None:
         """The step's token order for ``layer`` (every layer at the first, unless per layer):
         ``perm`` / ``inv`` written in place. x: [T, H] the rows (read by predictor router only)."""
@@ -922,10 +927,8 @@ class TokenOrder:
         rows = slice(layers[0], layers[-1] + 1)
         caps = dp.chunk_caps(T, self.N, x.device)
         agreed = bool(self.gates and not self.ahead) or self.learned  # rank 0's assignment, broadcast
-        if agreed and T == 1:
-            # one row sits in rank 0's chunk whatever the order: no gate and no broadcast for it
-            self.perm[rows, :1].zero_()
-            self.inv[rows, :1].zero_()
+        if agreed and T == 1:  # no gate and no broadcast for it
+            self._one_row(rows)
         elif agreed:
             # floats each rank computes itself: the gate's rows are equal across ranks only if
             # the attention all-reduce is bitwise deterministic (vLLM's FlashInfer one is not),
