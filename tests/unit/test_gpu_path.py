@@ -226,7 +226,7 @@ def _order(T, N, rank, num_real, perm):
 
     o = TokenOrder.__new__(TokenOrder)
     c = -(-T // N)
-    o.__dict__.update(top1=torch.zeros(c, dtype=torch.long), count=True, rows=T, rank=rank, N=N, stack=False,
+    o.__dict__.update(top1=torch.zeros(c, dtype=torch.long), count=True, rows=T, rank=rank, N=N, stack=False, step_order=False,
                       perm=perm[None], num_real=torch.tensor(num_real), held=torch.ones((1, E), dtype=torch.bool),
                       counts=torch.zeros((1, 7), dtype=torch.long))
     return o, c

@@ -149,11 +149,11 @@ def test_served_order_predicts_as_offline_per_layer_and_per_step():
     pref, conf = lp.with_tables(tab_pref, tab_conf, *lp.preferences(lp.forward(m, ids, prev), 4))
     assert 0 < (tab_conf > lp.preferences(lp.forward(m, ids, prev), 4)[1]).mean() < 1  # both sources used
     spref, sconf = lp.step_preferences(lp.forward(m, ids, prev), 4)
-    for stack in (False, True):
+    for stack in (False, True):  # one order per step (the DeepSeek family's stack_order step) or per layer
         o = TokenOrder.__new__(TokenOrder)
         o.__dict__.update(ids=torch.zeros(64, dtype=torch.long), query=torch.zeros(64, dtype=torch.long),
                           prev=torch.zeros(64, dtype=torch.long), bigrams=False, learned=True, tables=tables,
-                          predictor="learned", stack=stack, markov=False, N=4)
+                          predictor="learned", stack=stack, step_order=stack, markov=False, N=4)
         o._step_ids(None, (), {"input_ids": torch.from_numpy(ids), "positions": torch.from_numpy(positions)})
         np.testing.assert_array_equal(o.prev[:T].numpy(), prev)
         got_p, got_c = o.preferences([0, 1, 2], o.ids[:T])

@@ -25,12 +25,17 @@ def test_speculate_settings_are_validated():
                        ({"placement": EP2, "predictor": "random"}, "only apply to mode 'speculate'"),
                        ({"placement": EP2, "reduce_scatter": "on"}, "only apply to mode 'speculate'"),
                        ({"mode": "speculate", "placement": EP2, "reduce_scatter": False},
-                        "field 'reduce_scatter' must be one of auto, on, off, got False")]:
+                        "field 'reduce_scatter' must be one of auto, on, off, got False"),
+                       ({"placement": EP2, "stack_order": "step"}, "only apply to mode 'speculate'"),
+                       ({"mode": "speculate", "placement": EP2, "stack_order": "block"},
+                        "field 'stack_order' must be one of layer, step, got 'block'")]:
         with pytest.raises(ValueError, match=words):
             SmoeConfig.from_dict(bad)
     off = SmoeConfig.from_dict({"mode": "speculate", "placement": EP2, "reduce_scatter": "off"})
     assert off.reduce_scatter == "off" and SmoeConfig.from_dict(off.to_dict()) == off
-    assert ok.reduce_scatter == "auto"
+    assert ok.reduce_scatter == "auto" and ok.stack_order == "layer"
+    step = SmoeConfig.from_dict({"mode": "speculate", "placement": EP2, "stack_order": "step"})
+    assert SmoeConfig.from_dict(step.to_dict()) == step and "stack_order" not in SmoeConfig().to_dict()
     import argparse
 
     from vllm_smoe.serving.plugin import _add_flags, _smoe_from_args
@@ -39,6 +44,7 @@ def test_speculate_settings_are_validated():
     _add_flags(p)
     assert _smoe_from_args(p.parse_args(["--plugin", "smoe", "--smoe-reduce-scatter", "on"])) == {
         "reduce_scatter": "on"}
+    assert _smoe_from_args(p.parse_args(["--plugin", "smoe", "--smoe-stack-order", "step"])) == {"stack_order": "step"}
 
 
 def test_bench_serve_combines_every_ranks_speculate_line():

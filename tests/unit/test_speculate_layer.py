@@ -762,7 +762,7 @@ def test_vllm_pad_mask_follows_the_token_order(monkeypatch, N, T, num_real):
         ctx = types.SimpleNamespace(is_padding=step)
         monkeypatch.setattr(fc, "is_forward_context_available", lambda: True)
         monkeypatch.setattr(fc, "get_forward_context", lambda: ctx)
-        s = types.SimpleNamespace(N=N, rank=rank, stack=False, markov=False, num_real=torch.tensor(0),
+        s = types.SimpleNamespace(N=N, rank=rank, stack=False, step_order=False, markov=False, num_real=torch.tensor(0),
                                   perm=torch.zeros(2, T + 3, dtype=torch.long),
                                   inv=torch.zeros(2, T + 3, dtype=torch.long),
                                   chunk_pad=torch.zeros(c + 2, dtype=torch.bool), step_pad=None)
@@ -850,7 +850,7 @@ def test_one_row_steps_broadcast_no_order_over_the_all_reduce():
         raise AssertionError("a collective or a gate for a one-row step")
 
     for gates, learned in (([(never, None)], False), ([], True)):
-        s = types.SimpleNamespace(per_layer=True, stack=False, N=2, gates=gates, ahead=False, learned=learned,
+        s = types.SimpleNamespace(per_layer=True, stack=False, step_order=False, N=2, gates=gates, ahead=False, learned=learned,
                                   broadcast=never, preferences=never, perm=torch.full((2, 8), 5),
                                   inv=torch.full((2, 8), 5), rows=0)
         s._one_row = types.MethodType(TokenOrder._one_row, s)

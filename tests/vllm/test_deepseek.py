@@ -96,6 +96,9 @@ def tp2_runs(tmp_path_factory):
             keys.append((arch, predictor))
             runs.append({**run, "ep": True, "extra": {"smoe": {"mode": "speculate", "placement": str(placement),
                                                                "predictor": predictor, "log_interval": 0.2}}})
+        keys.append((arch, "step"))  # one order per step (stack_order step), the tables
+        runs.append({**run, "ep": True, "extra": {"smoe": {"mode": "speculate", "placement": str(placement),
+                                                           "stack_order": "step", "log_interval": 0.2}}})
     placement = work / "v3-tables.yaml"
     assert _build("deepseek_v3", placement, 2).returncode == 0
     run = {"model": FIXTURES["deepseek_v3"][0], "prompts": _prompts("deepseek_v3", 8), "max_tokens": 6,
@@ -108,27 +111,31 @@ def tp2_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tp2_placement_and_speculate_give_plain_tp2_tokens(arch, tp2_runs):
-    """TP=2 + EP, speculate (one token order per step) over smoe's placement applied at load
-    (built from the fixture's training routing, groups kept, with the learned predictor): plain
-    TP=2's greedy tokens on 32 held-out prompts. V2 runs the trained tables and a random order,
+    """TP=2 + EP, speculate over smoe's placement applied at load (built from the fixture's
+    training routing, groups kept, with the learned predictor): plain TP=2's greedy tokens on 32
+    held-out prompts, with an order per MoE layer (the split residual folded into the attention's
+    reduce-scatter) and with one order per step. V2 runs the trained tables and a random order,
     V3 the learned predictor and an all-to-rank-0 order (V3's tables run compiled, below)."""
     plain, _ = tp2_runs[arch, "plain"]
     layers = _config(arch)["num_hidden_layers"] - 1
-    for predictor in PREDICTORS[arch]:
+    for predictor in PREDICTORS[arch] + ("step",):
         out, log = tp2_runs[arch, predictor]
-        assert (f"token order over 2 ranks around {layers} MoE blocks (DeepseekV2MoE), one order per step, "
-                f"predictor {predictor}") in log
+        order = ("one order per step (stack_order: step), predictor tables" if predictor == "step" else
+                 f"one order per layer (the split residual folded into the attention's reduce-scatter), "
+                 f"predictor {predictor}")
+        assert f"token order over 2 ranks around {layers} MoE blocks (DeepseekV2MoE), {order}" in log
         assert "of its expert activations locally" in log
         assert out["tokens"] == plain["tokens"], predictor
         np.testing.assert_allclose(out["logprobs"], plain["logprobs"], rtol=0, atol=ATOL, err_msg=predictor)
 
 
 def test_v3_speculate_compiled_gives_plain_compiled_tokens(tp2_runs):
-    """The stack order's hooks under vLLM's default compilation (smoe's ops stay opaque): the
-    same tokens as plain TP=2 compiled (compiled and eager differ in fp32 rounding, so each is
-    compared with its own kind)."""
+    """The stack order's hooks (an order per MoE layer) under vLLM's default compilation
+    (smoe's ops stay opaque): the same tokens as plain TP=2 compiled (compiled and eager differ in
+    fp32 rounding, so each is compared with its own kind)."""
     plain, _ = tp2_runs["deepseek_v3", "plain-compiled"]
     spec, log = tp2_runs["deepseek_v3", "compiled"]
-    assert "one order per step, predictor tables" in log
+    assert "one order per layer (the split residual folded into the attention's reduce-scatter), predictor tables" \
+        in log
     assert spec["tokens"] == plain["tokens"]
     np.testing.assert_allclose(spec["logprobs"], plain["logprobs"], rtol=0, atol=ATOL)

@@ -19,12 +19,14 @@ class SmoeSettingsError(ValueError):
     """A smoe setting (flag, additional_config field or a file it names) that cannot serve:
     ``vllm serve`` prints it as one line and exits 2 (:mod:`vllm_smoe.serving.plugin`)."""
 _KEYS = ("mode", "placement", "placement_dirs", "record", "log_interval", "record_chunk_tokens", "predictor", "all2all", "dp_routing",
-         "metrics_dir", "drift_threshold", "record_sample", "record_max_mb", "metrics", "reduce_scatter", "hierarchical")
+         "metrics_dir", "drift_threshold", "record_sample", "record_max_mb", "metrics", "reduce_scatter", "hierarchical",
+         "stack_order")
 PREDICTORS = ("tables", "tables-markov", "learned", "router", "input-gate", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.serving.token_order)
 TABLE_PREDICTORS = ("tables", "tables-markov", "learned", "input-gate")  # those that read the placement's tables file
 ALL2ALL = ("sparse", "vllm")
 REDUCE_SCATTER = ("auto", "on", "off")  # speculate's shuffled reduce-scatter (SmoeConfig.reduce_scatter)
 HIERARCHICAL = ("auto", "on", "off")  # the sparse all2all over nodes (SmoeConfig.hierarchical)
+STACK_ORDERS = ("layer", "step")  # speculate on the DeepSeek family (SmoeConfig.stack_order)
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,11 @@ class SmoeConfig:
     sparse all2all where a node holds more than one expert-parallel rank: a row crosses to another
     node once per node and fans out inside it (:class:`vllm_smoe.serving.sparse_a2a.SparseExchange`);
     ``auto`` where the exchange runs point to point (a network), ``on`` wherever a node holds more
-    than one rank, ``off`` never (each row to each rank that needs it)."""
+    than one rank, ``off`` never (each row to each rank that needs it). stack_order: speculate on
+    models whose decoder layers keep the rows split between layers (the DeepSeek family):
+    ``layer`` orders each MoE layer's rows by its own prediction, the split residual folded into
+    the attention's partial sums before the layer's reduce-scatter; ``step`` one order for the
+    whole step (where ``layer`` cannot run, speculate takes ``step`` and its start line says why)."""
 
     mode: str = "place"
     placement: str | None = None
@@ -78,13 +84,14 @@ class SmoeConfig:
     metrics: bool = True
     reduce_scatter: str = "auto"
     hierarchical: str = "auto"
+    stack_order: str = "layer"
 
     @property
     def needs_loader(self) -> bool:
         return self.placement is not None or self.record is not None
 
     def to_dict(self) -> dict:
-        skip = (("predictor", "reduce_scatter") if self.mode != "speculate" else ()) + (
+        skip = (("predictor", "reduce_scatter", "stack_order") if self.mode != "speculate" else ()) + (
             ("record_sample",) if self.record is None else ())
         d = {k: v for k, v in asdict(self).items() if v is not None and k not in skip}
         if "placement_dirs" in d:  # JSON has lists, not tuples
@@ -115,7 +122,7 @@ class SmoeConfig:
         if mode == "speculate" and placement is None:
             raise ValueError(f"{where}: mode 'speculate' needs field 'placement' (a YAML from smoe-place build)")
         if mode != "speculate":
-            given = [k for k in ("predictor", "reduce_scatter") if k in d]
+            given = [k for k in ("predictor", "reduce_scatter", "stack_order") if k in d]
             if given:
                 raise ValueError(f"{where}: field(s) {given} only apply to mode 'speculate', not {mode!r}")
         dirs = d.get("placement_dirs")
@@ -154,6 +161,10 @@ class SmoeConfig:
         if hierarchical not in HIERARCHICAL:
             raise ValueError(f"{where}: field 'hierarchical' must be one of {', '.join(HIERARCHICAL)}, got "
                              f"{hierarchical!r}")
+        stack_order = d.get("stack_order", "layer")
+        if stack_order not in STACK_ORDERS:
+            raise ValueError(f"{where}: field 'stack_order' must be one of {', '.join(STACK_ORDERS)}, got "
+                             f"{stack_order!r}")
         metrics_dir = d.get("metrics_dir")
         if metrics_dir is not None and (not isinstance(metrics_dir, str) or not metrics_dir):
             raise ValueError(f"{where}: field 'metrics_dir' must be a path, got {metrics_dir!r}")
@@ -179,7 +190,8 @@ class SmoeConfig:
                    all2all=all2all, dp_routing=dp_routing,
                    metrics_dir=os.path.abspath(metrics_dir) if metrics_dir else None, drift_threshold=float(drift),
                    record_sample=float(sample), record_max_mb=None if budget is None else float(budget),
-                   metrics=metrics, reduce_scatter=reduce_scatter, hierarchical=hierarchical)
+                   metrics=metrics, reduce_scatter=reduce_scatter, hierarchical=hierarchical,
+                   stack_order=stack_order)
 
     @classmethod
     def from_additional_config(cls, additional_config: object) -> "SmoeConfig | None":

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import os
 
-from .config import ALL2ALL, HIERARCHICAL, MODES, PREDICTORS, REDUCE_SCATTER
+from .config import ALL2ALL, HIERARCHICAL, MODES, PREDICTORS, REDUCE_SCATTER, STACK_ORDERS
 
 logger = logging.getLogger("vllm.smoe")  # under vLLM's logger: same handlers and level
 
@@ -40,6 +40,7 @@ _FLAGS = {  # CLI dest -> key in additional_config["smoe"]
     "smoe_metrics": "metrics",
     "smoe_reduce_scatter": "reduce_scatter",
     "smoe_hierarchical": "hierarchical",
+    "smoe_stack_order": "stack_order",
 }
 _done = False
 
@@ -77,6 +78,10 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
                         "the decoder layer allows it, half the bytes of vLLM's all-reduce over a network (default "
                         "auto: where the tensor-parallel group spans nodes; on: wherever allowed; off: vLLM's "
                         "all-reduce)")
+    g.add_argument("--smoe-stack-order", choices=STACK_ORDERS, default=None,
+                   help="speculate on the DeepSeek family, whose decoder layers keep the rows split: an order per "
+                        "MoE layer (default layer: the split residual rides in the attention's reduce-scatter) or "
+                        "one for the whole step")
     g.add_argument("--smoe-all2all", choices=ALL2ALL, default=None,
                    help="expert-parallel all2all on vLLM's CPU build: smoe's sparse de-duplicated one (default "
                         "there) or vLLM's allgather-reducescatter. On CUDA the transport is vLLM's --all2all-backend "

@@ -154,6 +154,27 @@ def stack_supported(model: torch.nn.Module, name: str) -> tuple[bool, str]:
     return True, ""
 
 
+def stack_order_kind(stack: torch.nn.Module, moe_layers: tuple[int, ...], wanted: str, dtype: torch.dtype
+                     ) -> tuple[bool, str]:
+    """``(step_order, reason)`` for a stack :func:`stack_supported` accepted: one order per step
+    (True) where config ``stack_order`` asks for it or an order per MoE layer cannot follow the
+    stack (the reason says why), else an order per MoE layer (False, ""). Per layer needs the
+    layers that split their rows to be exactly the placement's MoE layers, and no fp16: vLLM's
+    DeepSeek layers then divide the attention output by the routed scaling factor and the
+    residual only once, at layer 0, which a residual folded into the attention output would
+    not follow."""
+    if wanted == "step":
+        return True, "stack_order: step"
+    split = {i for i, d in enumerate(stack.layers) if getattr(d, "use_sequence_parallel_moe", False)}
+    if split != set(moe_layers):
+        return True, (f"the decoder layers that split their rows ({sorted(split)}) are not the placement's MoE "
+                      f"layers ({list(moe_layers)})")
+    if dtype == torch.float16:
+        return True, ("float16: the decoder layers rescale the attention output apart from the residual, which "
+                      "an order per layer folds into it")
+    return False, ""
+
+
 def block_supported(block: torch.nn.Module, model: torch.nn.Module | None = None) -> tuple[bool, str, str]:
     """``(ok, reason, kind)``: kind "block" when the MoE block chunks, computes and all-gathers
     inside its own forward (ordered per layer around the block), "stack" when its decoder layer
@@ -375,14 +396,14 @@ class TokenOrder:
                              f"row's adapter by its place in the step, and smoe keeps the rows in its own order "
                              f"between decoder layers, so the dense layers would take other tokens' adapters")
         if self.stack and cfg.predictor == "tables-markov":
-            raise ValueError(f"smoe mode speculate: predictor 'tables-markov' orders each layer after the previous "
-                             f"one, but {type(self.blocks[0][1]).__name__}'s decoder layers keep their rows split "
-                             f"between layers, so one order holds for the whole step; use predictor 'tables' or "
-                             f"'learned'")
+            raise ValueError(f"smoe mode speculate: predictor 'tables-markov' orders each layer by the previous "
+                             f"layer's top-1 experts of every row, but {type(self.blocks[0][1]).__name__}'s decoder "
+                             f"layers keep their rows split between layers, so no rank holds them; use predictor "
+                             f"'tables' or 'learned'")
         if self.stack and cfg.predictor in ("router", "input-gate"):
             raise ValueError(f"smoe mode speculate: predictor {cfg.predictor!r} runs each MoE layer's gate on rows "
                              f"of that layer, but {type(self.blocks[0][1]).__name__}'s decoder layers keep their rows "
-                             f"split between layers, so one order holds for the whole step; use predictor 'tables' or "
+                             f"split between layers and order them before the reduce; use predictor 'tables' or "
                              f"'learned'")
         # the TP group's broadcast on the device communicator (pynccl on the current stream on
         # CUDA, capturable like vLLM's other collectives; torch.distributed's elsewhere)
@@ -396,6 +417,13 @@ class TokenOrder:
                     raise ValueError(f"smoe mode speculate: predictor {cfg.predictor!r}: {reason}")
                 self.gates.append((gate, e.router))
         L, E = plan.slot2expert.shape
+        # the DeepSeek family: an order per MoE layer (the split residual folded into the
+        # attention's partial sums before the layer's own reduce-scatter) where it can follow the
+        # stack, else one order for the whole step (:func:`stack_order_kind`)
+        self.step_order, self.step_reason = False, ""
+        if self.stack:
+            self.step_order, self.step_reason = stack_order_kind(
+                find_stack(model), plan.moe_layers, cfg.stack_order, vllm_config.model_config.dtype)
         self.learned = cfg.predictor == "learned"
         self.tables = None if tables is None else device_tables(tables, device, self.learned)
         self.bigrams = self.tables is not None and "bigram_keys" in self.tables
@@ -487,10 +515,13 @@ class TokenOrder:
             # [T, E] float32: the gate's logits of the layer input's rows this rank adds (its
             # contiguous share of the rows; zero elsewhere), written at input_layernorm
             self.base = torch.zeros((T, self.holds.shape[2]), dtype=torch.float32, device=device)
-        if self.shuffled:
+        if self.shuffled or (self.stack and not self.step_order):
             hidden = vllm_config.model_config.get_hidden_size()
-            # the residual of this rank's chunk rows, between the norm and the experts' output
+            # shuffled: the residual of this rank's chunk rows, between the norm and the experts'
+            # output; stack per layer: the layer input's rows this rank adds to its attention
+            # partial sums (its chunk of the previous order, or its share of whole rows)
             self.kept = torch.zeros((c, hidden), dtype=vllm_config.model_config.dtype, device=device)
+            self.kept_rows, self.kept_whole = 0, False
         # tables-markov: each layer waits for the previous one's top-1 (one extra all-gather per
         # layer); the others predict every layer at the first MoE layer of the step
         self.markov = cfg.predictor == "tables-markov"
@@ -521,16 +552,45 @@ class TokenOrder:
             norm.register_forward_hook(self._norm_out(layer))
             fused.register_forward_hook(self._experts_out(layer, ahead=self.ahead and layer < last))
         if self.stack:
-            stack = find_stack(model)
+            self._hook_stack(find_stack(model), plan.moe_layers)
+
+    def _hook_stack(self, stack: torch.nn.Module, moe_layers: tuple[int, ...]) -> None:
+        """The hooks of the DeepSeek family's order. One order per step: the first decoder
+        layer's input permuted, every attention's rows restored before it and ordered after it,
+        the final norm's restored. An order per MoE layer: the rows stay in the step's order up
+        to the first MoE layer; there each MoE layer's input_layernorm hands its residual rows to
+        smoe (``fold_residual``: a zero residual goes on) and its attention's output comes out
+        ordered for this layer with them added (``order_folded``), so vLLM's own reduce-scatter
+        gives each rank the chunk of this layer's order, residual included; a later attention
+        (MoE or dense) gets its rows back in the step's order, a dense layer's output the order
+        its residual is in, and the final norm the step's order."""
+        split = [bool(getattr(d, "use_sequence_parallel_moe", False)) for d in stack.layers]
+        for i, decoder_layer in enumerate(stack.layers):
+            if i > 0 and split[i - 1]:
+                decoder_layer.register_forward_pre_hook(self._one_row_layer, with_kwargs=True)
+        if self.step_order:
             # on the first layer's input, not on embed_tokens: drafters may share the embedding
             stack.layers[0].register_forward_pre_hook(self._first_layer, with_kwargs=True)
-            split = [bool(getattr(d, "use_sequence_parallel_moe", False)) for d in stack.layers]
-            for i, decoder_layer in enumerate(stack.layers):
-                decoder_layer.self_attn.register_forward_pre_hook(self._attn_in, with_kwargs=True)
-                decoder_layer.self_attn.register_forward_hook(self._attn_out)
-                if i > 0 and split[i - 1]:
-                    decoder_layer.register_forward_pre_hook(self._one_row_layer, with_kwargs=True)
-            stack.norm.register_forward_pre_hook(self._one_row_final if split[-1] else self._final)
+            for decoder_layer in stack.layers:
+                decoder_layer.self_attn.register_forward_pre_hook(self._attn_in(0), with_kwargs=True)
+                decoder_layer.self_attn.register_forward_hook(self._attn_out(0))
+            stack.norm.register_forward_pre_hook(self._one_row_final(0) if split[-1] else self._final(0))
+            return
+        stack.layers[0].register_forward_pre_hook(self._first_residual(split[0]), with_kwargs=True)
+        cur = -1  # the order the rows entering layer i are in (-1: the step's)
+        for i, decoder_layer in enumerate(stack.layers):
+            if cur >= 0:
+                decoder_layer.self_attn.register_forward_pre_hook(self._attn_in(cur), with_kwargs=True)
+            if split[i]:
+                layer = moe_layers.index(i)
+                decoder_layer.input_layernorm.register_forward_hook(
+                    self._fold_in(layer, whole=not (i > 0 and split[i - 1])))
+                decoder_layer.self_attn.register_forward_hook(self._attn_fold(layer, cur))
+                cur = layer
+            elif cur >= 0:
+                decoder_layer.self_attn.register_forward_hook(self._attn_out(cur))
+        if cur >= 0:
+            stack.norm.register_forward_pre_hook(self._one_row_final(cur) if split[-1] else self._final(cur))
 
     def step_hooks(self) -> tuple:
         """The runner hooks this order attached (:func:`.runner_hooks.attach`)."""
@@ -648,7 +708,7 @@ class TokenOrder:
             return torch.ops.smoe.add_residual(output, layer)
         return hook
 
-    # stack order: predict at the first layer's input, keep the order through the stack
+    # stack order, one per step: predict at the first layer's input, keep the order through the stack
     @staticmethod
     def _first_layer(module, args, kwargs):  # layer(positions, hidden_states, residual=None, ...)
         residual = args[2] if len(args) > 2 else kwargs.get("residual")
@@ -659,18 +719,56 @@ class TokenOrder:
         return args, {**kwargs, "hidden_states": torch.ops.smoe.order_tokens(kwargs["hidden_states"], 0, True)}
 
     @staticmethod
-    def _attn_in(module, args, kwargs):  # attention(positions, hidden_states, ...)
-        if len(args) >= 2:
-            return (args[0], torch.ops.smoe.restore_tokens(args[1], 0), *args[2:]), kwargs
-        return args, {**kwargs, "hidden_states": torch.ops.smoe.restore_tokens(kwargs["hidden_states"], 0)}
+    def _first_residual(split: bool):
+        def hook(module, args, kwargs):  # layer(positions, hidden_states, residual=None, ...)
+            residual = args[2] if len(args) > 2 else kwargs.get("residual")
+            if residual is not None:
+                raise RuntimeError("smoe speculate: the first decoder layer got a residual (pipeline parallel?)")
+            if not split:
+                return None
+            # a first MoE layer: its residual (the embedding) must reach input_layernorm's output,
+            # where smoe takes it, not be chunked by vLLM after the reduce-scatter; x + 0 is exact
+            hidden = args[1] if len(args) > 1 else kwargs["hidden_states"]
+            if len(args) > 1:
+                return (*args[:2], torch.zeros_like(hidden), *args[3:]), {k: v for k, v in kwargs.items()
+                                                                          if k != "residual"}
+            return args, {**kwargs, "residual": torch.zeros_like(hidden)}
+        return hook
 
     @staticmethod
-    def _attn_out(module, args, output):
-        return torch.ops.smoe.order_tokens(output, 0, False)
+    def _attn_in(layer: int):
+        def hook(module, args, kwargs):  # attention(positions, hidden_states, ...)
+            if len(args) >= 2:
+                return (args[0], torch.ops.smoe.restore_tokens(args[1], layer), *args[2:]), kwargs
+            return args, {**kwargs, "hidden_states": torch.ops.smoe.restore_tokens(kwargs["hidden_states"], layer)}
+        return hook
 
     @staticmethod
-    def _final(module, args):  # norm(hidden_states, residual)
-        return tuple(torch.ops.smoe.restore_tokens(a, 0) if isinstance(a, torch.Tensor) else a for a in args)
+    def _attn_out(layer: int):
+        def hook(module, args, output):
+            return torch.ops.smoe.order_tokens(output, layer, False)
+        return hook
+
+    @staticmethod
+    def _final(layer: int):
+        def hook(module, args):  # norm(hidden_states, residual)
+            return tuple(torch.ops.smoe.restore_tokens(a, layer) if isinstance(a, torch.Tensor) else a for a in args)
+        return hook
+
+    # stack order per MoE layer
+    @staticmethod
+    def _fold_in(layer: int, whole: bool):
+        def hook(module, args, output):  # input_layernorm(hidden, residual) -> (normed, hidden + residual)
+            if not isinstance(output, tuple):
+                raise RuntimeError(f"smoe speculate: {type(module).__name__} returned no residual at MoE layer {layer}")
+            return torch.ops.smoe.fold_residual(output[0], output[1], layer, whole)
+        return hook
+
+    @staticmethod
+    def _attn_fold(layer: int, prev: int):
+        def hook(module, args, output):
+            return torch.ops.smoe.order_folded(output, layer, prev)
+        return hook
 
     # vLLM bug (0.32, DeepSeek-family decoder layers and stack): "are my rows split?" is asked as
     # rows != positions.shape[0], which is false for one token (ceil(1 / N) = 1; for N >= 2 only
@@ -694,10 +792,14 @@ class TokenOrder:
         hidden, residual = self._gather_one_row(rest[0], rest[1])
         return (positions, hidden, residual, *rest[2:]), kwargs
 
-    def _one_row_final(self, module, args):  # after a split last layer: norm(hidden_states, residual)
-        if len(args) >= 2 and args[0].shape[0] == 1:
-            args = (*self._gather_one_row(args[0], args[1]), *args[2:])
-        return self._final(module, args)
+    def _one_row_final(self, layer: int):
+        final = self._final(layer)
+
+        def hook(module, args):  # after a split last layer: norm(hidden_states, residual)
+            if len(args) >= 2 and args[0].shape[0] == 1:
+                args = (*self._gather_one_row(args[0], args[1]), *args[2:])
+            return final(module, args)
+        return hook
 
     @staticmethod
     def _post(layer: int, ahead: bool = False):
@@ -716,7 +818,7 @@ class TokenOrder:
         # are vLLM's pad rows (step rows at or past num_real) wherever the order put them; on the
         # device, from static shapes, so a replayed graph counts the step it replays
         T = self.rows
-        real = chunk_real(self.perm[0 if self.stack else layer], T, self.rank, n, self.num_real)
+        real = chunk_real(self.perm[0 if self.step_order else layer], T, self.rank, n, self.num_real)
         local = (self.held[layer][topk_ids.long()] & real[:, None]).sum(dim=1)  # [n]
         tokens = real.sum()
         add = torch.stack([local.sum(), tokens * K, tokens, (local > 0).sum()])
@@ -729,11 +831,11 @@ class TokenOrder:
         step, in its original order (one all-gather on the TP group; static shapes)."""
         T = self.rows
         rows = self.tp.all_gather(topk_ids.contiguous(), 0)[:T]
-        return rows.index_select(0, self.inv[0 if self.stack else layer, :T])
+        return rows.index_select(0, self.inv[0 if self.step_order else layer, :T])
 
     def preferences(self, layers: list[int], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(pref [len(layers), T, P], conf [len(layers), T]) for the step's token ids."""
-        if self.stack:  # one order for every layer
+        if self.step_order:  # one order for every layer
             if self.predictor == "random":
                 pref, conf = dp.predict_random(ids, 0, self.N)
             elif self.predictor == "one-rank":
@@ -837,6 +939,46 @@ class TokenOrder:
         dp.assign_permute(pref[None], conf[None], dp.chunk_caps(T, self.N, partial.device),
                           self.perm[layer: layer + 1], self.inv[layer: layer + 1])
 
+    def fold_residual(self, normed: torch.Tensor, residual: torch.Tensor, layer: int, whole: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stack order per layer, at MoE layer ``layer``'s input_layernorm: residual [R, H] the
+        layer's input (the residual stream) as this rank holds it: ``whole`` (every row, R = T, in
+        the order the stack's rows are in) or split (this rank's chunk of the previous MoE
+        layer's order, R = ceil(T / N)). Keeps the rows this rank adds to its attention partial
+        sums (its contiguous share of whole rows, or its chunk) in ``kept``. Returns (a copy of
+        normed: the attention depends on it, which orders this op before ``order_folded``; a
+        zero residual for vLLM's add after the reduce-scatter, exact: the rows arrive summed)."""
+        R = residual.shape[0]
+        start, stop = chunk_rows(R, self.rank, self.N) if whole else (0, R)
+        self.kept[: stop - start].copy_(residual[start:stop])
+        self.kept_rows, self.kept_whole = stop - start, whole
+        return normed.clone(), torch.zeros_like(residual)
+
+    def order_folded(self, partial: torch.Tensor, layer: int, prev: int) -> torch.Tensor:
+        """Stack order per layer, at the attention's output of MoE layer ``layer``: partial [T,
+        H] this rank's attention partial sums in the step's order (summed over ranks by vLLM's
+        reduce-scatter next); prev: the MoE layer whose order ``fold_residual``'s rows are in (-1:
+        the step's; then every layer's order is predicted here, once per step). Returns [T, H]
+        in this layer's order, plus this rank's kept residual rows at their places, so each row's
+        residual is added once over the ranks and each rank's reduced chunk is the rows this
+        layer's order gives it, residual included. Static shapes, no host read."""
+        T = partial.shape[0]
+        if prev < 0:
+            self._predict(partial, layer)
+        self.rows = T
+        n, c = self.kept_rows, -(-T // self.N)
+        dev = partial.device
+        q = torch.arange(n, device=dev) + (min(self.rank * c, T) if self.kept_whole else self.rank * c)
+        rows = self.kept[:n].to(partial.dtype)
+        if not self.kept_whole:  # the chunk's padding past T adds zero to the last row
+            rows = torch.where((q < T)[:, None], rows, 0)
+            q = q.clamp(max=T - 1)
+        src = q if prev < 0 else self.perm[prev].index_select(0, q)  # the step rows they are
+        out = partial.index_select(0, self.perm[layer, :T])
+        out.index_add_(0, self.inv[layer].index_select(0, src), rows)
+        self._mark_padding(layer, T)
+        return out
+
     def split_residual(self, x: torch.Tensor, residual: torch.Tensor, layer: int
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         T = x.shape[0]
@@ -871,7 +1013,7 @@ class TokenOrder:
 
     def order(self, x: torch.Tensor, layer: int, predict: bool) -> torch.Tensor:
         T = x.shape[0]
-        if predict and (self.stack or self.per_layer or layer == 0):
+        if predict and (self.step_order or self.per_layer or layer == 0):
             self._predict(x, layer)
         self._mark_padding(layer, T)
         if self.chunk_only:
@@ -909,7 +1051,7 @@ class TokenOrder:
         mine = self.chunk_pad[:c]  # the block routes its c rows: vLLM reads is_padding[:c]
         # from the runner's own mask (not num_real): vLLM routes every row of its profile run and
         # none of a capture, and a replay reads the mask the runner wrote for the step
-        mine.copy_(chunk_padding(self.perm[0 if self.stack else layer], T, self.rank, c, self.step_pad))
+        mine.copy_(chunk_padding(self.perm[0 if self.step_order else layer], T, self.rank, c, self.step_pad))
         fc.is_padding = mine
 
     def _one_row(self, rows: slice) -> None:
@@ -923,7 +1065,7 @@ class TokenOrder:
         ``perm`` / ``inv`` written in place. x: [T, H] the rows (read by predictor router only)."""
         T = x.shape[0]
         self.rows = T
-        layers = [layer] if self.per_layer or self.stack else list(range(self.perm.shape[0]))
+        layers = [layer] if self.per_layer or self.step_order else list(range(self.perm.shape[0]))
         rows = slice(layers[0], layers[-1] + 1)
         caps = dp.chunk_caps(T, self.N, x.device)
         agreed = bool(self.gates and not self.ahead) or self.learned  # rank 0's assignment, broadcast
@@ -1070,6 +1212,27 @@ def _(normed, x, layer):
     return torch.empty_like(normed)
 
 
+@torch.library.custom_op("smoe::fold_residual", mutates_args=())
+def fold_residual(normed: torch.Tensor, residual: torch.Tensor, layer: int, whole: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    return worker().order.fold_residual(normed, residual, layer, whole)
+
+
+@fold_residual.register_fake
+def _(normed, residual, layer, whole):
+    return torch.empty_like(normed), torch.empty_like(residual)
+
+
+@torch.library.custom_op("smoe::order_folded", mutates_args=())
+def order_folded(partial: torch.Tensor, layer: int, prev: int) -> torch.Tensor:
+    return worker().order.order_folded(partial, layer, prev)
+
+
+@order_folded.register_fake
+def _(partial, layer, prev):
+    return torch.empty_like(partial)
+
+
 @torch.library.custom_op("smoe::split_residual", mutates_args=())
 def split_residual(x: torch.Tensor, residual: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return worker().order.split_residual(x, residual, layer)
@@ -1203,7 +1366,9 @@ def install_token_order(model, vllm_config, cfg, served) -> TokenOrder:
     order = TokenOrder(model, vllm_config, cfg, tables, served.plan, expected=served.placement.metrics.get("lar"))
     logger.info("smoe: mode speculate: token order over %d ranks around %d MoE blocks (%s), %s, predictor %s; "
                 "attention output: %s", order.N, len(order.blocks), type(order.blocks[0][1]).__name__,
-                "one order per step" if order.stack else "one order per layer",
+                (f"one order per step ({order.step_reason})" if order.step_order else
+                 "one order per layer (the split residual folded into the attention's reduce-scatter)"
+                 if order.stack else "one order per layer"),
                 cfg.predictor + (" (as router: the rows are whole before each block)"
                                  if cfg.predictor == "input-gate" and not order.ahead else
                                  " (exact before the reduce: the gate's logits of each rank's partial rows "

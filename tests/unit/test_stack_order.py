@@ -1,0 +1,229 @@
+"""The DeepSeek family's token order per MoE layer, on gloo ranks: a stand-in stack that splits
+its rows the way vLLM 0.32's DeepSeek-V2 decoder layer and model do (attention partial sums
+reduce-scattered into contiguous chunks, the residual split between layers, gathered before a
+dense layer and the final norm, a one-token step taken as whole) gives with smoe's hooks what its
+math gives on whole rows, and each MoE layer's chunk holds the rows of that layer's order."""
+
+import os
+import types
+
+import torch
+import torch.distributed as dist
+
+WORLD = 3
+H = 12
+
+
+def _all_gather(x, dim=0):
+    out = x.new_empty((WORLD * x.shape[0],) + tuple(x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous())
+    return out
+
+
+def _reduce_scatter(x):
+    out = x.new_empty((x.shape[0] // WORLD,) + tuple(x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x.contiguous())
+    return out
+
+
+class _AddNorm(torch.nn.Module):
+    """vLLM's RMSNorm: norm(x) -> normed; norm(x, residual) -> (normed(x + residual), x + residual)."""
+
+    def __init__(self, g):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.rand(H, generator=g) + 0.5)
+
+    def forward(self, x, residual=None):
+        if residual is not None:
+            x = x + residual
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+        return y if residual is None else (y, x)
+
+
+class _Attn(torch.nn.Module):
+    """Mixes rows in the step's order (a causal running mean), then a row-parallel projection:
+    each rank's partial sum over its share of the input columns, all-reduced unless told not to."""
+
+    def __init__(self, g, rank, reduce):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(H, H, generator=g) / H ** 0.5)
+        self.rank, self.reduce = rank, reduce
+
+    def forward(self, positions, x):
+        mixed = x.cumsum(0) / torch.arange(1, x.shape[0] + 1, dtype=x.dtype)[:, None]
+        cols = torch.arange(H) % WORLD == self.rank
+        out = mixed[:, cols] @ self.w[cols]
+        if self.reduce:
+            dist.all_reduce(out)
+        return out
+
+
+class _RowWise(torch.nn.Module):
+    """The MoE block (or a dense MLP): row by row, so it cares which rows a rank holds, not their
+    order; keeps its input for the test."""
+
+    def __init__(self, g):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(H, H, generator=g) / H ** 0.5)
+
+    def forward(self, x):
+        self.seen = x.detach().clone()
+        return torch.tanh(x @ self.w)
+
+
+class _Layer(torch.nn.Module):
+    """vLLM 0.32's DeepseekV2DecoderLayer.forward, its row handling kept as it is."""
+
+    def __init__(self, g, rank, sp):
+        super().__init__()
+        self.use_sequence_parallel_moe = sp
+        self.input_layernorm, self.post_attention_layernorm = _AddNorm(g), _AddNorm(g)
+        self.self_attn, self.mlp = _Attn(g, rank, reduce=not sp), _RowWise(g)
+
+    def forward(self, positions, hidden_states, residual):
+        T = positions.shape[0]
+        split_in = self.use_sequence_parallel_moe and residual is not None and hidden_states.shape[0] != T
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        if split_in:
+            hidden_states = _all_gather(hidden_states)[:T]
+        hidden_states = self.self_attn(positions, hidden_states)
+        if self.use_sequence_parallel_moe:
+            hidden_states = torch.nn.functional.pad(hidden_states, (0, 0, 0, (-T) % WORLD))
+            hidden_states = _reduce_scatter(hidden_states)
+            if not split_in:  # vLLM's sequence_parallel_chunk
+                c = -(-residual.shape[0] // WORLD)
+                residual = torch.nn.functional.pad(residual, (0, 0, 0, c * WORLD - residual.shape[0]))
+                residual = residual[dist.get_rank() * c: (dist.get_rank() + 1) * c]
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class _Stack(torch.nn.Module):
+    """vLLM 0.32's DeepseekV2Model.forward over given embeddings."""
+
+    def __init__(self, kinds, seed, rank):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)  # the same weights on every rank
+        self.layers = torch.nn.ModuleList([_Layer(g, rank, sp) for sp in kinds])
+        self.norm = _AddNorm(g)
+
+    def forward(self, positions, hidden_states):
+        T, residual = positions.shape[0], None
+        for layer in self.layers:
+            if hidden_states.shape[0] != T and not layer.use_sequence_parallel_moe:
+                both = _all_gather(torch.cat([hidden_states, residual], dim=-1))[:T]
+                hidden_states, residual = both.split([H, H], dim=-1)
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        if hidden_states.shape[0] != T:
+            both = _all_gather(torch.cat([hidden_states, residual], dim=-1))[:T]
+            hidden_states, residual = both.split([H, H], dim=-1)
+        return self.norm(hidden_states, residual)[0]
+
+
+def _reference(stack, x):
+    """The stack's math on whole rows in one process: no split, no collective."""
+    h, residual = x, None
+    for layer in stack.layers:
+        if residual is None:
+            residual, n = h, layer.input_layernorm(h)
+        else:
+            n, residual = layer.input_layernorm(h, residual)
+        mixed = n.cumsum(0) / torch.arange(1, n.shape[0] + 1, dtype=n.dtype)[:, None]
+        n, residual = layer.post_attention_layernorm(mixed @ layer.self_attn.w, residual)
+        h = layer.mlp(n)
+    return stack.norm(h, residual)[0]
+
+
+def _order(rank, L, Tmax):
+    """A TokenOrder with what the stack order per layer reads; its prediction a seeded random
+    permutation per layer, alike on every rank."""
+    from vllm_smoe.serving.token_order import TokenOrder
+
+    o = TokenOrder.__new__(TokenOrder)
+    c = -(-Tmax // WORLD)
+    o.__dict__.update(N=WORLD, rank=rank, tp=types.SimpleNamespace(all_gather=_all_gather), step_order=False,
+                      markov=False, step_pad=None, rows=0, perm=torch.zeros(L, Tmax, dtype=torch.long),
+                      inv=torch.zeros(L, Tmax, dtype=torch.long), kept=torch.zeros(c, H), kept_rows=0,
+                      kept_whole=False, chunk_only=False, per_layer=False, predicted=0)
+
+    def predict(self, x, layer):
+        T = x.shape[0]
+        g = torch.Generator().manual_seed(1000 + T)
+        for m in range(L):
+            p = torch.randperm(T, generator=g)
+            self.perm[m, :T], self.inv[m, :T] = p, torch.argsort(p)
+        self.rows, self.predicted = T, self.predicted + 1
+
+    o._predict = types.MethodType(predict, o)
+    return o
+
+
+def _worker(rank, port, results):
+    from tests.unit.test_speculate_layer import _NoHostSync
+    from vllm_smoe.serving import served
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    failures = []
+    # a first MoE layer (no residual yet) and a dense layer between MoE layers; dense first, as
+    # vLLM's DeepSeek-V2 fixtures have it
+    for kinds in ((True, False, True, True), (False, True, True)):
+        moe_layers = tuple(i for i, sp in enumerate(kinds) if sp)
+        for T in (1, 2, 3, 5, 7, 16):
+            x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
+            positions = torch.arange(T)
+            ref, plain = _Stack(kinds, 7, rank), _Stack(kinds, 7, rank)
+            with torch.no_grad():
+                want = _reference(ref, x)
+                if T > 1:  # vLLM's own split (one token: vLLM's bug, which smoe's hooks mend)
+                    err = float((plain(positions, x) - want).abs().max())
+                    if err > 1e-5:
+                        failures.append(f"layers {kinds} T={T}: the stand-in's plain split is {err:.2e} off")
+            hooked = _Stack(kinds, 7, rank)
+            o = _order(rank, len(moe_layers), 16)
+            served._WORKER = types.SimpleNamespace(order=o)
+            o._hook_stack(hooked, moe_layers)
+            with torch.no_grad(), _NoHostSync():
+                got = hooked(positions, x)
+            case = f"layers {kinds} T={T}"
+            if o.predicted != 1:
+                failures.append(f"{case}: predicted {o.predicted} times in a step")
+            if not torch.allclose(got, want, atol=1e-5, rtol=0):
+                failures.append(f"{case}: output differs by {float((got - want).abs().max()):.2e}")
+            # each MoE layer's chunk: the rows of its own order (this rank's share of it), as
+            # the plain stack's MoE saw them at those step rows
+            c = -(-T // WORLD)
+            for m, i in enumerate(moe_layers):
+                rows = o.perm[m, :T][rank * c: (rank + 1) * c]
+                seen = hooked.layers[i].mlp.seen[: rows.shape[0]]
+                if not torch.allclose(seen, ref.layers[i].mlp.seen.index_select(0, rows), atol=1e-5, rtol=0):
+                    failures.append(f"{case}: MoE layer {m}'s chunk is not its order's rows")
+    results[rank] = failures
+    dist.destroy_process_group()
+
+
+def test_stack_order_per_layer_gives_the_plain_stack_and_each_layer_its_chunk(gloo_spawn):
+    """3 ranks, T from 1 to 16 (steps the ranks do not divide, one-token steps): with each MoE
+    layer in its own random order the stack's output equals the stack's math on whole rows in one
+    process within fp32 rounding (as vLLM's own split does, but for one token), each MoE layer's rank holds the rows its layer's order gives it, and the order is
+    predicted once per step, with no host read. Fails if the residual is dropped, added on more than one rank or at
+    the wrong rows, or a layer's rows are restored with another layer's inverse."""
+    assert gloo_spawn(_worker, WORLD) == {r: [] for r in range(WORLD)}
+
+
+def test_stack_order_kind_takes_one_order_per_step_where_per_layer_cannot_follow():
+    from vllm_smoe.serving.token_order import stack_order_kind
+
+    stack = types.SimpleNamespace(layers=[types.SimpleNamespace(use_sequence_parallel_moe=sp)
+                                          for sp in (False, True, True)])
+    assert stack_order_kind(stack, (1, 2), "layer", torch.bfloat16) == (False, "")
+    assert stack_order_kind(stack, (1, 2), "step", torch.float32) == (True, "stack_order: step")
+    step, why = stack_order_kind(stack, (1, 2), "layer", torch.float16)
+    assert step and "float16" in why
+    step, why = stack_order_kind(stack, (0, 1, 2), "layer", torch.float32)
+    assert step and "[1, 2]" in why and "[0, 1, 2]" in why
