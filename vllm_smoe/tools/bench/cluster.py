@@ -510,6 +510,10 @@ def configurations(tp_placement: str, dp_placement: str, metrics_dir: str, dp_un
         "tp-ep-speculate-router-ar": {"kind": "tp", "smoe": True,
                                       "flags": ep + ("--smoe-mode", "speculate", "--smoe-placement", tp_placement,
                                                      "--smoe-predictor", "router", "--smoe-reduce-scatter", "off")},
+        # the DeepSeek family's one order per step (the default orders each MoE layer)
+        "tp-ep-speculate-step": {"kind": "tp", "smoe": True,
+                                 "flags": ep + ("--smoe-mode", "speculate", "--smoe-placement", tp_placement,
+                                                "--smoe-stack-order", "step")},
         "tp-ep-speculate-agrs": {"kind": "tp", "smoe": True,
                                  "flags": ep + ("--smoe-mode", "speculate", "--smoe-placement", tp_placement,
                                                 "--smoe-all2all", "vllm")},
@@ -1142,7 +1146,8 @@ def add_parser(sub) -> None:
     p.add_argument("--configs", default="tp,tp-ep,tp-ep-speculate,dp-ep,dp-ep-smoe",
                    help="comma-separated, from: tp, tp-ep, tp-ep-place, tp-ep-speculate, tp-ep-speculate-ar (vLLM's "
                         "attention all-reduce, not smoe's shuffled reduce-scatter), tp-ep-speculate-router, "
-                        "tp-ep-speculate-router-ar (predictor router), tp-ep-speculate-agrs, "
+                        "tp-ep-speculate-router-ar (predictor router), tp-ep-speculate-step (the DeepSeek "
+                        "family's one order per step), tp-ep-speculate-agrs, "
                         "dp-ep, dp-ep-sparse, dp-ep-smoe, dp-ep-smoe-agrs, dptp-ep, dptp-ep-smoe, dptp-ep-smoe-flat "
                         "(TP = 2 inside each node, DP = 2 across them)")
     p.add_argument("--concurrency", type=number(int, 1), nargs="+", default=[1, 8, 32])
