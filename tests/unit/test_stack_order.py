@@ -125,30 +125,46 @@ class _Stack(torch.nn.Module):
 
 
 def _reference(stack, x):
-    """The stack's math on whole rows in one process: no split, no collective."""
+    """The stack's math on whole rows in one process: no split, no collective. Keeps each
+    layer's input (the residual stream before its attention) as ``layer.input``."""
     h, residual = x, None
     for layer in stack.layers:
         if residual is None:
             residual, n = h, layer.input_layernorm(h)
         else:
             n, residual = layer.input_layernorm(h, residual)
+        layer.input = residual
         mixed = n.cumsum(0) / torch.arange(1, n.shape[0] + 1, dtype=n.dtype)[:, None]
         n, residual = layer.post_attention_layernorm(mixed @ layer.self_attn.w, residual)
         h = layer.mlp(n)
     return stack.norm(h, residual)[0]
 
 
-def _order(rank, L, Tmax):
+E, K = 8, 2
+
+
+def _order(rank, L, Tmax, gate_in=None):
     """A TokenOrder with what the stack order per layer reads; its prediction a seeded random
-    permutation per layer, alike on every rank."""
+    permutation per layer, alike on every rank, and with ``gate_in`` (the stack's MoE layers'
+    post-attention norms) predictor input-gate over seeded random tables' guesses."""
+    from tests.unit.test_speculate_layer import _SoftmaxTopK
     from vllm_smoe.serving.token_order import TokenOrder
 
     o = TokenOrder.__new__(TokenOrder)
     c = -(-Tmax // WORLD)
+    g = torch.Generator().manual_seed(5)
+    gate = torch.nn.Linear(H, E, bias=False)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(E, H, generator=g))
     o.__dict__.update(N=WORLD, rank=rank, tp=types.SimpleNamespace(all_gather=_all_gather), step_order=False,
                       markov=False, step_pad=None, rows=0, perm=torch.zeros(L, Tmax, dtype=torch.long),
                       inv=torch.zeros(L, Tmax, dtype=torch.long), kept=torch.zeros(c, H), kept_rows=0,
-                      kept_whole=False, chunk_only=False, per_layer=False, predicted=0)
+                      kept_whole=False, chunk_only=False, per_layer=False, ahead=gate_in is not None, predicted=0,
+                      gates=[(gate, _SoftmaxTopK(K))] * L, next_norm=dict(enumerate(gate_in or [])),
+                      holds=torch.rand(L, WORLD, E, generator=g) < 0.4, ids=torch.arange(Tmax) * 7,
+                      next_pref=torch.full((Tmax, 2), -1), next_conf=torch.zeros(Tmax),
+                      table_pref=torch.randint(0, WORLD, (L, Tmax, 2), generator=g),
+                      table_conf=torch.rand(L, Tmax, generator=g) * 0.6)
 
     def predict(self, x, layer):
         T = x.shape[0]
@@ -162,6 +178,43 @@ def _order(rank, L, Tmax):
     return o
 
 
+def _check_gate_in(o, ref, moe_layers, kinds, T, case):
+    """input-gate on the stack: the MoE layers whose input is split (after another MoE layer) are
+    ordered by the gate's ranks of that input, which rode through the all-gather: the ranks kept
+    equal the gate's on the whole input (rows without a near-tie at the k-th expert), and every
+    rank built the same order."""
+    from vllm_smoe.serving import device_predict as dp
+
+    failures, last = [], None
+    for m, i in enumerate(moe_layers):
+        if i > 0 and kinds[i - 1]:
+            last = m
+            if m not in o.gated:
+                failures.append(f"{case}: MoE layer {m} (split input) not ordered by the gate")
+        elif m in o.gated:
+            failures.append(f"{case}: MoE layer {m} (whole input) ordered by the gate")
+    gate, router = o.gates[last]
+    n = ref.layers[moe_layers[last]].post_attention_layernorm(ref.layers[moe_layers[last]].input)
+    logits = gate(n)
+    top = torch.topk(logits, K + 1, dim=1).values
+    clear = top[:, K - 1] - top[:, K] > 1e-4
+    want = dp.prefer_held(router._compute_routing(n, logits, None)[1], o.holds[last])[0]
+    same = (o.next_pref[:T] == want).all(dim=1)
+    if not bool(same[clear].all()) or int(clear.sum()) < T // 2:
+        failures.append(f"{case}: the gate's ranks of MoE layer {last}'s input differ on "
+                        f"{int((~same[clear]).sum())} of {int(clear.sum())} clear rows")
+    perms = _all_gather(o.perm[last, :T][None])
+    if not all(torch.equal(p, perms[0]) for p in perms):
+        failures.append(f"{case}: the ranks built different orders for MoE layer {last}")
+    pref, conf = dp.learned_or_tables(o.table_pref[last: last + 1, :T], o.table_conf[last: last + 1, :T],
+                                      o.next_pref[:T][None], o.next_conf[:T][None])
+    perm, inv = torch.zeros(1, T, dtype=torch.long), torch.zeros(1, T, dtype=torch.long)
+    dp.assign_permute(pref, conf, dp.chunk_caps(T, WORLD), perm, inv)
+    if not torch.equal(perm[0], o.perm[last, :T]):
+        failures.append(f"{case}: MoE layer {last}'s order is not the assignment of the gate's and tables' ranks")
+    return failures
+
+
 def _worker(rank, port, results):
     from tests.unit.test_speculate_layer import _NoHostSync
     from vllm_smoe.serving import served
@@ -172,7 +225,7 @@ def _worker(rank, port, results):
     failures = []
     # a first MoE layer (no residual yet) and a dense layer between MoE layers; dense first, as
     # vLLM's DeepSeek-V2 fixtures have it
-    for kinds in ((True, False, True, True), (False, True, True)):
+    for kinds, gated in [(k, g) for k in ((True, False, True, True), (False, True, True)) for g in (False, True)]:
         moe_layers = tuple(i for i, sp in enumerate(kinds) if sp)
         for T in (1, 2, 3, 5, 7, 16):
             x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
@@ -185,12 +238,15 @@ def _worker(rank, port, results):
                     if err > 1e-5:
                         failures.append(f"layers {kinds} T={T}: the stand-in's plain split is {err:.2e} off")
             hooked = _Stack(kinds, 7, rank)
-            o = _order(rank, len(moe_layers), 16)
+            o = _order(rank, len(moe_layers), 16,
+                       [hooked.layers[i].post_attention_layernorm for i in moe_layers] if gated else None)
             served._WORKER = types.SimpleNamespace(order=o)
             o._hook_stack(hooked, moe_layers)
             with torch.no_grad(), _NoHostSync():
                 got = hooked(positions, x)
-            case = f"layers {kinds} T={T}"
+            case = f"layers {kinds}{' input-gate' if gated else ''} T={T}"
+            if gated and T > 1:
+                failures += _check_gate_in(o, ref, moe_layers, kinds, T, case)
             if o.predicted != 1:
                 failures.append(f"{case}: predicted {o.predicted} times in a step")
             if not torch.allclose(got, want, atol=1e-5, rtol=0):
@@ -211,7 +267,9 @@ def test_stack_order_per_layer_gives_the_plain_stack_and_each_layer_its_chunk(gl
     """3 ranks, T from 1 to 16 (steps the ranks do not divide, one-token steps): with each MoE
     layer in its own random order the stack's output equals the stack's math on whole rows in one
     process within fp32 rounding (as vLLM's own split does, but for one token), each MoE layer's rank holds the rows its layer's order gives it, and the order is
-    predicted once per step, with no host read. Fails if the residual is dropped, added on more than one rank or at
+    predicted once per step, with no host read; with predictor input-gate, a MoE layer after
+    another is ordered by the gate's ranks of its split input, brought by the all-gather, alike on
+    every rank. Fails if the residual is dropped, added on more than one rank or at
     the wrong rows, or a layer's rows are restored with another layer's inverse."""
     assert gloo_spawn(_worker, WORLD) == {r: [] for r in range(WORLD)}
 

@@ -71,7 +71,7 @@ def test_vllm_serves_and_records_what_transformers_computes(arch, tmp_path):
 
 # the TP=2 runs below: predictors per architecture (the order's code is the same for both members
 # of the family, so each predictor runs on one)
-PREDICTORS = {"deepseek_v2": ("tables", "random"), "deepseek_v3": ("learned", "one-rank")}
+PREDICTORS = {"deepseek_v2": ("tables", "random"), "deepseek_v3": ("learned", "one-rank", "input-gate")}
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,9 @@ def test_tp2_placement_and_speculate_give_plain_tp2_tokens(arch, tp2_runs):
     training routing, groups kept, with the learned predictor): plain TP=2's greedy tokens on 32
     held-out prompts, with an order per MoE layer (the split residual folded into the attention's
     reduce-scatter) and with one order per step. V2 runs the trained tables and a random order,
-    V3 the learned predictor and an all-to-rank-0 order (V3's tables run compiled, below)."""
+    V3 the learned predictor, an all-to-rank-0 order and input-gate (the gate on each MoE layer's
+    split input, its ranks riding in vLLM's all-gather before the attention; V3's tables run
+    compiled, below)."""
     plain, _ = tp2_runs[arch, "plain"]
     layers = _config(arch)["num_hidden_layers"] - 1
     for predictor in PREDICTORS[arch] + ("step",):

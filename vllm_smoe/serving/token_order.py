@@ -387,6 +387,13 @@ class TokenOrder:
         if len(kinds) != 1:
             raise ValueError(f"smoe mode speculate: MoE blocks of mixed kinds {sorted(kinds)}")
         self.stack = kinds == {"stack"}
+        # the DeepSeek family: an order per MoE layer (the split residual folded into the
+        # attention's partial sums before the layer's own reduce-scatter) where it can follow the
+        # stack, else one order for the whole step (:func:`stack_order_kind`)
+        self.step_order, self.step_reason = False, ""
+        if self.stack:
+            self.step_order, self.step_reason = stack_order_kind(
+                find_stack(model), plan.moe_layers, cfg.stack_order, vllm_config.model_config.dtype)
         if self.stack and getattr(vllm_config, "speculative_config", None) is not None:
             raise ValueError(f"smoe mode speculate: speculative decoding with {type(self.blocks[0][1]).__name__}: its "
                              f"drafters read the stack's hidden states (MTP, EAGLE-3), which smoe keeps in its own "
@@ -400,11 +407,13 @@ class TokenOrder:
                              f"layer's top-1 experts of every row, but {type(self.blocks[0][1]).__name__}'s decoder "
                              f"layers keep their rows split between layers, so no rank holds them; use predictor "
                              f"'tables' or 'learned'")
-        if self.stack and cfg.predictor in ("router", "input-gate"):
+        if self.stack and (cfg.predictor == "router" or (cfg.predictor == "input-gate" and self.step_order)):
             raise ValueError(f"smoe mode speculate: predictor {cfg.predictor!r} runs each MoE layer's gate on rows "
                              f"of that layer, but {type(self.blocks[0][1]).__name__}'s decoder layers keep their rows "
-                             f"split between layers and order them before the reduce; use predictor 'tables' or "
-                             f"'learned'")
+                             f"split between layers and order them before the reduce"
+                             + (f", with one order for the whole step ({self.step_reason})" if self.step_order
+                                else "") + "; use predictor 'tables', 'learned'"
+                             + ("" if self.step_order else " or 'input-gate'"))
         # the TP group's broadcast on the device communicator (pynccl on the current stream on
         # CUDA, capturable like vLLM's other collectives; torch.distributed's elsewhere)
         comm = getattr(self.tp, "device_communicator", None)
@@ -417,13 +426,6 @@ class TokenOrder:
                     raise ValueError(f"smoe mode speculate: predictor {cfg.predictor!r}: {reason}")
                 self.gates.append((gate, e.router))
         L, E = plan.slot2expert.shape
-        # the DeepSeek family: an order per MoE layer (the split residual folded into the
-        # attention's partial sums before the layer's own reduce-scatter) where it can follow the
-        # stack, else one order for the whole step (:func:`stack_order_kind`)
-        self.step_order, self.step_reason = False, ""
-        if self.stack:
-            self.step_order, self.step_reason = stack_order_kind(
-                find_stack(model), plan.moe_layers, cfg.stack_order, vllm_config.model_config.dtype)
         self.learned = cfg.predictor == "learned"
         self.tables = None if tables is None else device_tables(tables, device, self.learned)
         self.bigrams = self.tables is not None and "bigram_keys" in self.tables
@@ -501,12 +503,18 @@ class TokenOrder:
         # others the tables' guess where it is the more confident (measured: BENCHMARKS.md). Where
         # the rows are whole before the block (no shuffled reduce-scatter) the gate sees the exact
         # rows: it is predictor router there.
-        self.ahead = cfg.predictor == "input-gate" and bool(self.shuffled)
+        # The DeepSeek family ordered per layer: each rank runs the gate on its chunk of the
+        # layer's input at input_layernorm, the ranks riding as three more columns in the
+        # layer's own all-gather before its attention (a MoE layer whose input is whole, after
+        # a dense layer or the first, takes the tables).
+        self.ahead = cfg.predictor == "input-gate" and (bool(self.shuffled) or self.stack)
         if self.ahead:
             if self.tables is None:
                 raise ValueError("smoe mode speculate: predictor 'input-gate' takes the first MoE layer's order from "
                                  "the placement's tables, and it has none")
-            self.next_norm = {layer: norm for layer, _, norm, _ in self.shuffled}
+            self.next_norm = ({layer: norm for layer, _, norm, _ in self.shuffled} if self.shuffled else
+                              {layer: find_stack(model).layers[i].post_attention_layernorm
+                               for layer, i in enumerate(plan.moe_layers)})
             self.next_pref = torch.full((T, 2), -1, dtype=torch.long, device=device)
             self.next_conf = torch.zeros(T, dtype=torch.float32, device=device)
             self.table_pref = torch.full((L, T, 2), -1, dtype=torch.long, device=device)
@@ -578,13 +586,18 @@ class TokenOrder:
             return
         stack.layers[0].register_forward_pre_hook(self._first_residual(split[0]), with_kwargs=True)
         cur = -1  # the order the rows entering layer i are in (-1: the step's)
+        self.gated = set()  # input-gate: the MoE layers ordered by the gate on their split input
         for i, decoder_layer in enumerate(stack.layers):
+            whole = not (i > 0 and split[i - 1])
+            gated = split[i] and self.ahead and not whole
             if cur >= 0:
-                decoder_layer.self_attn.register_forward_pre_hook(self._attn_in(cur), with_kwargs=True)
+                decoder_layer.self_attn.register_forward_pre_hook(self._attn_in(cur, ahead=gated), with_kwargs=True)
             if split[i]:
                 layer = moe_layers.index(i)
+                if gated:
+                    self.gated.add(layer)
                 decoder_layer.input_layernorm.register_forward_hook(
-                    self._fold_in(layer, whole=not (i > 0 and split[i - 1])))
+                    self._fold_in(layer, whole, prev=cur if gated else None))
                 decoder_layer.self_attn.register_forward_hook(self._attn_fold(layer, cur))
                 cur = layer
             elif cur >= 0:
@@ -736,11 +749,14 @@ class TokenOrder:
         return hook
 
     @staticmethod
-    def _attn_in(layer: int):
+    def _attn_in(layer: int, ahead: bool = False):
+        # ahead: the rows carry input-gate's three columns (fold_residual_ahead), kept for the order
+        restore = torch.ops.smoe.restore_tokens_ahead if ahead else torch.ops.smoe.restore_tokens
+
         def hook(module, args, kwargs):  # attention(positions, hidden_states, ...)
             if len(args) >= 2:
-                return (args[0], torch.ops.smoe.restore_tokens(args[1], layer), *args[2:]), kwargs
-            return args, {**kwargs, "hidden_states": torch.ops.smoe.restore_tokens(kwargs["hidden_states"], layer)}
+                return (args[0], restore(args[1], layer), *args[2:]), kwargs
+            return args, {**kwargs, "hidden_states": restore(kwargs["hidden_states"], layer)}
         return hook
 
     @staticmethod
@@ -757,10 +773,12 @@ class TokenOrder:
 
     # stack order per MoE layer
     @staticmethod
-    def _fold_in(layer: int, whole: bool):
+    def _fold_in(layer: int, whole: bool, prev: int | None = None):
         def hook(module, args, output):  # input_layernorm(hidden, residual) -> (normed, hidden + residual)
             if not isinstance(output, tuple):
                 raise RuntimeError(f"smoe speculate: {type(module).__name__} returned no residual at MoE layer {layer}")
+            if prev is not None:  # input-gate: the chunk's ranks for this layer, as columns of the normed rows
+                return torch.ops.smoe.fold_residual_ahead(output[0], output[1], layer, prev)
             return torch.ops.smoe.fold_residual(output[0], output[1], layer, whole)
         return hook
 
@@ -954,6 +972,21 @@ class TokenOrder:
         self.kept_rows, self.kept_whole = stop - start, whole
         return normed.clone(), torch.zeros_like(residual)
 
+    def fold_residual_ahead(self, normed: torch.Tensor, residual: torch.Tensor, layer: int, prev: int
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`fold_residual` of split rows (this rank's chunk of MoE layer ``prev``'s order),
+        and predictor input-gate's ranks of them for ``layer``: [c, H + 3] the normed rows, this
+        layer's two preferred ranks (-1 = none) and the confidence (:func:`gate_ranks` on the
+        rows, which are the layer's input) in normed's dtype, for vLLM's all-gather before the
+        attention; every rank then reads the same bytes (``restore_ahead``)."""
+        _, zero = self.fold_residual(normed, residual, layer, False)
+        c, T = residual.shape[0], self.rows  # the step's rows: set at its first MoE layer
+        q = (torch.arange(c, device=residual.device) + self.rank * c).clamp(max=T - 1)  # padding: dropped later
+        gate, router = self.gates[layer]
+        pref, conf = gate_ranks(self.next_norm[layer], gate, router, residual, self.holds[layer],
+                                self.ids.index_select(0, self.perm[prev].index_select(0, q)))
+        return torch.cat([normed, pref.to(normed.dtype), conf.to(normed.dtype)[:, None]], dim=1), zero
+
     def order_folded(self, partial: torch.Tensor, layer: int, prev: int) -> torch.Tensor:
         """Stack order per layer, at the attention's output of MoE layer ``layer``: partial [T,
         H] this rank's attention partial sums in the step's order (summed over ranks by vLLM's
@@ -963,11 +996,16 @@ class TokenOrder:
         residual is added once over the ranks and each rank's reduced chunk is the rows this
         layer's order gives it, residual included. Static shapes, no host read."""
         T = partial.shape[0]
+        dev = partial.device
         if prev < 0:
             self._predict(partial, layer)
+        elif layer in self.gated:  # input-gate's ranks, or the tables' where they are the more confident
+            pref, conf = dp.learned_or_tables(self.table_pref[layer: layer + 1, :T], self.table_conf[layer: layer + 1, :T],
+                                              self.next_pref[:T][None], self.next_conf[:T][None])
+            dp.assign_permute(pref, conf, dp.chunk_caps(T, self.N, dev), self.perm[layer: layer + 1],
+                              self.inv[layer: layer + 1])
         self.rows = T
         n, c = self.kept_rows, -(-T // self.N)
-        dev = partial.device
         q = torch.arange(n, device=dev) + (min(self.rank * c, T) if self.kept_whole else self.rank * c)
         rows = self.kept[:n].to(partial.dtype)
         if not self.kept_whole:  # the chunk's padding past T adds zero to the last row
@@ -1087,10 +1125,11 @@ class TokenOrder:
             self.inv[rows, :T].copy_(inv)
         else:
             pref, conf = self.preferences(layers, self.ids[:T])
-            if self.ahead:  # the first layer's order now; the tables' guesses for the others kept
+            if self.ahead:  # the tables' guesses kept for the layers the gate then orders
                 self.table_pref[:, :T].copy_(pref)
                 self.table_conf[:, :T].copy_(conf)
-                pref, conf, rows = pref[:1], conf[:1], slice(0, 1)
+                if not self.stack:  # the first layer's order now (the stack: every layer's, some redone)
+                    pref, conf, rows = pref[:1], conf[:1], slice(0, 1)
             dp.assign_permute(pref, conf, caps, self.perm[rows], self.inv[rows])
 
     def restore(self, y: torch.Tensor, layer: int) -> torch.Tensor:
@@ -1221,6 +1260,17 @@ def fold_residual(normed: torch.Tensor, residual: torch.Tensor, layer: int, whol
 @fold_residual.register_fake
 def _(normed, residual, layer, whole):
     return torch.empty_like(normed), torch.empty_like(residual)
+
+
+@torch.library.custom_op("smoe::fold_residual_ahead", mutates_args=())
+def fold_residual_ahead(normed: torch.Tensor, residual: torch.Tensor, layer: int, prev: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    return worker().order.fold_residual_ahead(normed, residual, layer, prev)
+
+
+@fold_residual_ahead.register_fake
+def _(normed, residual, layer, prev):
+    return normed.new_empty((normed.shape[0], normed.shape[1] + 3)), torch.empty_like(residual)
 
 
 @torch.library.custom_op("smoe::order_folded", mutates_args=())
