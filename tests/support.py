@@ -13,6 +13,26 @@ CONFIGS = os.path.join(REPO, "configs")
 HELPER = os.path.join(TESTS, "helpers", "vllm_generate.py")
 
 
+def gloo_all_gather(x, dim=0):
+    """[W * n, ...] every rank's x in rank order, on the default (gloo) group; dim must be 0 (the
+    signature of vLLM's group all_gather, which smoe's ops call)."""
+    import torch.distributed as dist
+
+    assert dim == 0
+    out = x.new_empty((dist.get_world_size() * x.shape[0],) + tuple(x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous())
+    return out
+
+
+def gloo_reduce_scatter(x):
+    """[W * c, ...] -> [c, ...] summed over the default (gloo) group, rank r's c rows."""
+    import torch.distributed as dist
+
+    out = x.new_empty((x.shape[0] // dist.get_world_size(),) + tuple(x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x.contiguous())
+    return out
+
+
 def heldout_prompts(n, length=lambda i, r: 3 + i, trace=None, skip=None):
     """The first ``length(i, r)`` tokens of n held-out requests (the i-th chosen, request id r) of
     ``trace`` (default: the Qwen3 fixture's held-out split): requests spread evenly over the trace,

@@ -20,7 +20,7 @@ from vllm_smoe.placement.assign import chunk_caps as np_chunk_caps
 from vllm_smoe.serving import device_predict as dp
 from vllm_smoe.serving.sparse_a2a import SparseExchange, owner_of, p2p_reduce_scatter
 from vllm_smoe.serving.token_order import chunk_rows, keep_chunk_residual, shuffled_reduce_scatter
-from tests.support import CONFIGS
+from tests.support import CONFIGS, gloo_all_gather, gloo_reduce_scatter
 
 H, I, E, K, V = 32, 16, 16, 3, 500
 WORLD = 4
@@ -48,16 +48,7 @@ def _experts(x, w, ids, w13, w2, keep):
     return out
 
 
-def _gather(x):
-    out = x.new_empty((WORLD * x.shape[0],) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous())
-    return out
-
-
-def _reduce_scatter(x):
-    out = x.new_empty((x.shape[0] // WORLD,) + tuple(x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x.contiguous())
-    return out
+_gather, _reduce_scatter = gloo_all_gather, gloo_reduce_scatter
 
 
 class _NoHostSync:

@@ -10,20 +10,13 @@ import types
 import torch
 import torch.distributed as dist
 
+from tests.support import gloo_all_gather, gloo_reduce_scatter
+
 WORLD = 3
 H = 12
 
 
-def _all_gather(x, dim=0):
-    out = x.new_empty((WORLD * x.shape[0],) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous())
-    return out
-
-
-def _reduce_scatter(x):
-    out = x.new_empty((x.shape[0] // WORLD,) + tuple(x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x.contiguous())
-    return out
+_all_gather, _reduce_scatter = gloo_all_gather, gloo_reduce_scatter
 
 
 class _AddNorm(torch.nn.Module):
