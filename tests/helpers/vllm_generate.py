@@ -25,7 +25,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
 
 
-def generate(model, prompts, max_tokens, extra, ep, compiled):
+def generate(model, prompts, max_tokens, extra, ep, compiled, dtype="float32"):
     from vllm import LLM, SamplingParams
 
     kwargs = {"additional_config": extra} if extra else {}
@@ -33,7 +33,7 @@ def generate(model, prompts, max_tokens, extra, ep, compiled):
         if json.load(f).get("kv_lora_rank"):  # MLA: vLLM's AMX MLA backend refuses fp32 (server_process)
             kwargs["attention_backend"] = "CPU_MLA"
     tp = int(os.environ.get("SMOE_TEST_TP", "1"))
-    llm = LLM(model=model, dtype="float32", enforce_eager=not compiled, max_model_len=512, tensor_parallel_size=tp,
+    llm = LLM(model=model, dtype=dtype, enforce_eager=not compiled, max_model_len=512, tensor_parallel_size=tp,
               enable_expert_parallel=ep,
               gpu_memory_utilization=0.15, max_num_seqs=8, skip_tokenizer_init=True, seed=0, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True,
@@ -59,7 +59,7 @@ def main() -> None:
     for i, run in enumerate(runs):
         print(f"SMOE_RUN_BEGIN {i}", flush=True)
         llm = generate(run["model"], run["prompts"], run["max_tokens"], run.get("extra"), run.get("ep", ep),
-                       run.get("compiled", compiled))
+                       run.get("compiled", compiled), run.get("dtype", "float32"))
         # the engine's workers stop (and log their last counters) before the next run begins
         core = getattr(llm.llm_engine, "engine_core", None)
         if core is not None:

@@ -274,7 +274,11 @@ def test_stack_order_kind_takes_one_order_per_step_where_per_layer_cannot_follow
                                           for sp in (False, True, True)])
     assert stack_order_kind(stack, (1, 2), "layer", torch.bfloat16) == (False, "")
     assert stack_order_kind(stack, (1, 2), "step", torch.float32) == (True, "stack_order: step")
+    assert stack_order_kind(stack, (1, 2), "layer", torch.float16) == (False, "")  # nothing rescaled
+    for d in stack.layers:  # vLLM's DeepseekV2DecoderLayer with a routed scaling factor, MLA attention
+        d.routed_scaling_factor, d.self_attn = 2.5, torch.nn.Identity()
     step, why = stack_order_kind(stack, (1, 2), "layer", torch.float16)
-    assert step and "float16" in why
+    assert step and "float16" in why and "[0, 1, 2]" in why
+    assert stack_order_kind(stack, (1, 2), "layer", torch.bfloat16) == (False, "")
     step, why = stack_order_kind(stack, (0, 1, 2), "layer", torch.float32)
     assert step and "[1, 2]" in why and "[0, 1, 2]" in why

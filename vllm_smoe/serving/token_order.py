@@ -159,19 +159,24 @@ def stack_order_kind(stack: torch.nn.Module, moe_layers: tuple[int, ...], wanted
     """``(step_order, reason)`` for a stack :func:`stack_supported` accepted: one order per step
     (True) where config ``stack_order`` asks for it or an order per MoE layer cannot follow the
     stack (the reason says why), else an order per MoE layer (False, ""). Per layer needs the
-    layers that split their rows to be exactly the placement's MoE layers, and no fp16: vLLM's
-    DeepSeek layers then divide the attention output by the routed scaling factor and the
-    residual only once, at layer 0, which a residual folded into the attention output would
-    not follow."""
+    layers that split their rows to be exactly the placement's MoE layers, and in fp16 no layer
+    that rescales its attention output: vLLM's DeepSeek layers then divide it by the routed
+    scaling factor and the residual only once, at layer 0, which a residual folded into the
+    attention output would not follow."""
     if wanted == "step":
         return True, "stack_order: step"
     split = {i for i, d in enumerate(stack.layers) if getattr(d, "use_sequence_parallel_moe", False)}
     if split != set(moe_layers):
         return True, (f"the decoder layers that split their rows ({sorted(split)}) are not the placement's MoE "
                       f"layers ({list(moe_layers)})")
-    if dtype == torch.float16:
-        return True, ("float16: the decoder layers rescale the attention output apart from the residual, which "
-                      "an order per layer folds into it")
+    # vLLM's DeepSeek layers in fp16 divide the attention output by routed_scaling_factor (not
+    # DeepseekAttention's) and the residual once, at layer 0: a residual folded into the output
+    # would be divided at every layer
+    rescaled = [i for i, d in enumerate(stack.layers) if getattr(d, "routed_scaling_factor", 1.0) != 1.0
+                and type(getattr(d, "self_attn", None)).__name__ != "DeepseekAttention"]
+    if dtype == torch.float16 and rescaled:
+        return True, (f"float16: decoder layers {rescaled[:4]}{'...' if len(rescaled) > 4 else ''} rescale the "
+                      f"attention output apart from the residual, which an order per layer folds into it")
     return False, ""
 
 
@@ -602,6 +607,10 @@ class TokenOrder:
                 cur = layer
             elif cur >= 0:
                 decoder_layer.self_attn.register_forward_hook(self._attn_out(cur))
+        if self.ahead and not self.gated:
+            raise ValueError(f"smoe mode speculate: predictor 'input-gate' orders a MoE layer by its gate on its "
+                             f"split input, but no MoE layer of {type(stack).__name__} follows another one (each "
+                             f"would take the tables); use predictor 'tables'")
         if cur >= 0:
             stack.norm.register_forward_pre_hook(self._one_row_final(cur) if split[-1] else self._final(cur))
 
@@ -980,7 +989,10 @@ class TokenOrder:
         rows, which are the layer's input) in normed's dtype, for vLLM's all-gather before the
         attention; every rank then reads the same bytes (``restore_ahead``)."""
         _, zero = self.fold_residual(normed, residual, layer, False)
-        c, T = residual.shape[0], self.rows  # the step's rows: set at its first MoE layer
+        # the step's rows: set at its first MoE layer. One row (smoe's one-row fix gathered it,
+        # vLLM gathers nothing more): each rank keeps its own columns, and they may differ, but a
+        # one-row order is the identity whatever they say (chunk_caps(1, N) = [1, 0, ...])
+        c, T = residual.shape[0], self.rows
         q = (torch.arange(c, device=residual.device) + self.rank * c).clamp(max=T - 1)  # padding: dropped later
         gate, router = self.gates[layer]
         pref, conf = gate_ranks(self.next_norm[layer], gate, router, residual, self.holds[layer],
@@ -1280,7 +1292,7 @@ def order_folded(partial: torch.Tensor, layer: int, prev: int) -> torch.Tensor:
 
 @order_folded.register_fake
 def _(partial, layer, prev):
-    return torch.empty_like(partial)
+    return partial.new_empty(partial.shape)  # contiguous, as index_select's
 
 
 @torch.library.custom_op("smoe::split_residual", mutates_args=())
