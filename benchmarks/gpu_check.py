@@ -503,8 +503,9 @@ def random_learned(L: int, V: int, N: int, D: int, seed: int):
 
 
 def learned_step_order(net, ids, prev, caps, perm, inv, num_ranks: int):
-    """Served order of the DeepSeek family with predictor learned: one order per step from the
-    network (token_order.TokenOrder.preferences with stack), assigned and permuted on the device."""
+    """Served order of the DeepSeek family with predictor learned and stack_order step: one order
+    per step from the network (token_order.TokenOrder.preferences with step_order), assigned and
+    permuted on the device."""
     from vllm_smoe.serving import device_predict as dp
 
     pref, conf = dp.learned_step(dp.learned_logits(*net, ids, prev), num_ranks)
