@@ -31,11 +31,16 @@ there and back. The block computes exactly what it computed before, row by row.
 DeepSeek-family decoder layers (DeepSeek-V2/V3, Kimi K2, GLM-4.5, ...) split the rows themselves:
 attention skips its all-reduce, the layer reduce-scatters into contiguous chunks, the MoE block
 runs ``already_sequence_parallel`` and the residual stays split until the next layer all-gathers.
-No per-block order fits there, so smoe orders the whole step once ("stack" order): the first
-decoder layer's input rows are permuted (one prediction from every MoE layer's table), every attention sees them in the
-original order (restore before, order after: row-wise ops commute with a permutation), and the
-final norm gets them back in the original order. The contiguous chunk of rank r then holds the
-tokens predicted for r in every MoE layer, and the residual stays consistent across layers.
+No per-block order fits there ("stack" order). By default smoe still orders each MoE layer: at
+the layer's input_layernorm ``fold_residual`` takes the layer's residual rows as this rank holds
+them and passes a zero residual on, and at the attention's output ``order_folded`` adds them to
+this rank's partial sums and permutes the rows into this layer's order, so vLLM's own
+reduce-scatter hands each rank its chunk of this layer's order, residual included (no
+collective or byte more); attentions see their rows restored to the step's order, and the final
+norm too. With ``stack_order: step`` the whole step is ordered once instead: the first decoder
+layer's input rows are permuted (one prediction from every MoE layer's table), every attention
+sees them in the original order (restore before, order after: row-wise ops commute with a
+permutation), and the final norm gets them back in the original order.
 """
 
 from __future__ import annotations
