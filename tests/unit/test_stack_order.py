@@ -129,6 +129,7 @@ def _reference(stack, x):
         layer.input = residual
         mixed = n.cumsum(0) / torch.arange(1, n.shape[0] + 1, dtype=n.dtype)[:, None]
         n, residual = layer.post_attention_layernorm(mixed @ layer.self_attn.w, residual)
+        layer.routed = n  # what the MoE layer's gate sees
         h = layer.mlp(n)
     return stack.norm(h, residual)[0]
 
@@ -136,12 +137,13 @@ def _reference(stack, x):
 E, K = 8, 2
 
 
-def _order(rank, L, Tmax, gate_in=None):
+def _order(rank, L, Tmax, gate_in=None, router=False):
     """A TokenOrder with what the stack order per layer reads; its prediction a seeded random
     permutation per layer, alike on every rank, and with ``gate_in`` (the stack's MoE layers'
-    post-attention norms) predictor input-gate over seeded random tables' guesses."""
+    post-attention norms) predictor input-gate over seeded random tables' guesses, or with
+    ``router`` too predictor router (the gate's logits summed from the folded partial rows)."""
     from tests.unit.test_speculate_layer import _SoftmaxTopK
-    from vllm_smoe.serving.token_order import TokenOrder
+    from vllm_smoe.serving.token_order import TokenOrder, exact_gate_scale
 
     o = TokenOrder.__new__(TokenOrder)
     c = -(-Tmax // WORLD)
@@ -157,7 +159,13 @@ def _order(rank, L, Tmax, gate_in=None):
                       holds=torch.rand(L, WORLD, E, generator=g) < 0.4, ids=torch.arange(Tmax) * 7,
                       next_pref=torch.full((Tmax, 2), -1), next_conf=torch.zeros(Tmax),
                       table_pref=torch.randint(0, WORLD, (L, Tmax, 2), generator=g),
-                      table_conf=torch.rand(L, Tmax, generator=g) * 0.6)
+                      table_conf=torch.rand(L, Tmax, generator=g) * 0.6, stack=True, exact=[])
+    if router:
+        o.ahead = False
+        for norm in gate_in:
+            w, why = exact_gate_scale(norm, gate, o.gates[0][1], H, torch.float32, "cpu")
+            assert w is not None, why
+            o.exact.append((None, w))
 
     def predict(self, x, layer):
         T = x.shape[0]
@@ -208,6 +216,28 @@ def _check_gate_in(o, ref, moe_layers, kinds, T, case):
     return failures
 
 
+def _check_router(o, ref, moe_layers, T, case):
+    """router on the stack: each MoE layer's order is the assignment of the experts the gate picks
+    on the rows the layer's MoE sees (the reference's), where no row has a near-tie at the k-th."""
+    from vllm_smoe.serving import device_predict as dp
+
+    failures, compared = [], 0
+    for m, i in enumerate(moe_layers):
+        gate, router = o.gates[m]
+        n = ref.layers[i].routed
+        logits = gate(n)
+        top = torch.topk(logits, K + 1, dim=1).values
+        if not bool((top[:, K - 1] - top[:, K] > 1e-4).all()):
+            continue
+        pref, conf = dp.prefer_held(router._compute_routing(n, logits, None)[1], o.holds[m])
+        perm, inv = torch.zeros(1, T, dtype=torch.long), torch.zeros(1, T, dtype=torch.long)
+        dp.assign_permute(pref[None], conf[None], dp.chunk_caps(T, WORLD), perm, inv)
+        compared += 1
+        if not torch.equal(perm[0], o.perm[m, :T]):
+            failures.append(f"{case}: MoE layer {m}'s order is not the exact one")
+    return failures, compared
+
+
 def _worker(rank, port, results):
     from tests.unit.test_speculate_layer import _NoHostSync
     from vllm_smoe.serving import served
@@ -215,10 +245,11 @@ def _worker(rank, port, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
-    failures = []
+    failures, exact_cases = [], 0
     # a first MoE layer (no residual yet) and a dense layer between MoE layers; dense first, as
     # vLLM's DeepSeek-V2 fixtures have it
-    for kinds, gated in [(k, g) for k in ((True, False, True, True), (False, True, True)) for g in (False, True)]:
+    for kinds, gated in [(k, g) for k in ((True, False, True, True), (False, True, True))
+                         for g in ("random", "input-gate", "router")]:
         moe_layers = tuple(i for i, sp in enumerate(kinds) if sp)
         for T in (1, 2, 3, 5, 7, 16):
             x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
@@ -231,17 +262,22 @@ def _worker(rank, port, results):
                     if err > 1e-5:
                         failures.append(f"layers {kinds} T={T}: the stand-in's plain split is {err:.2e} off")
             hooked = _Stack(kinds, 7, rank)
-            o = _order(rank, len(moe_layers), 16,
-                       [hooked.layers[i].post_attention_layernorm for i in moe_layers] if gated else None)
+            norms = [hooked.layers[i].post_attention_layernorm for i in moe_layers]
+            o = _order(rank, len(moe_layers), 16, None if gated == "random" else norms, gated == "router")
             served._WORKER = types.SimpleNamespace(order=o)
             o._hook_stack(hooked, moe_layers)
             with torch.no_grad(), _NoHostSync():
                 got = hooked(positions, x)
-            case = f"layers {kinds}{' input-gate' if gated else ''} T={T}"
-            if gated and T > 1:
+            case = f"layers {kinds} {gated} T={T}"
+            if gated == "input-gate" and T > 1:
                 failures += _check_gate_in(o, ref, moe_layers, kinds, T, case)
-            if o.predicted != 1:
+            if gated == "router":
+                more, compared = _check_router(o, ref, moe_layers, T, case)
+                failures, exact_cases = failures + more, exact_cases + compared * (T > 1)
+            if gated != "router" and o.predicted != 1:
                 failures.append(f"{case}: predicted {o.predicted} times in a step")
+            if gated == "router" and o.predicted:
+                failures.append(f"{case}: router predicted from the tables")
             if not torch.allclose(got, want, atol=1e-5, rtol=0):
                 failures.append(f"{case}: output differs by {float((got - want).abs().max()):.2e}")
             # each MoE layer's chunk: the rows of its own order (this rank's share of it), as
@@ -252,6 +288,8 @@ def _worker(rank, port, results):
                 seen = hooked.layers[i].mlp.seen[: rows.shape[0]]
                 if not torch.allclose(seen, ref.layers[i].mlp.seen.index_select(0, rows), atol=1e-5, rtol=0):
                     failures.append(f"{case}: MoE layer {m}'s chunk is not its order's rows")
+    if exact_cases < 12:
+        failures.append(f"router's order compared on {exact_cases} layers of steps only")
     results[rank] = failures
     dist.destroy_process_group()
 
@@ -262,7 +300,8 @@ def test_stack_order_per_layer_gives_the_plain_stack_and_each_layer_its_chunk(gl
     process within fp32 rounding (as vLLM's own split does, but for one token), each MoE layer's rank holds the rows its layer's order gives it, and the order is
     predicted once per step, with no host read; with predictor input-gate, a MoE layer after
     another is ordered by the gate's ranks of its split input, brought by the all-gather, alike on
-    every rank. Fails if the residual is dropped, added on more than one rank or at
+    every rank; with predictor router each layer's order is the exact one (the experts the gate
+    picks on the reduced rows). Fails if the residual is dropped, added on more than one rank or at
     the wrong rows, or a layer's rows are restored with another layer's inverse."""
     assert gloo_spawn(_worker, WORLD) == {r: [] for r in range(WORLD)}
 

@@ -71,7 +71,7 @@ def test_vllm_serves_and_records_what_transformers_computes(arch, tmp_path):
 
 # the TP=2 runs below: predictors per architecture (the order's code is the same for both members
 # of the family, so each predictor runs on one)
-PREDICTORS = {"deepseek_v2": ("tables", "random"), "deepseek_v3": ("learned", "one-rank", "input-gate")}
+PREDICTORS = {"deepseek_v2": ("tables", "random", "router"), "deepseek_v3": ("learned", "one-rank", "input-gate")}
 
 
 @pytest.fixture(scope="module")
@@ -114,17 +114,18 @@ def test_tp2_placement_and_speculate_give_plain_tp2_tokens(arch, tp2_runs):
     """TP=2 + EP, speculate over smoe's placement applied at load (built from the fixture's
     training routing, groups kept, with the learned predictor): plain TP=2's greedy tokens on 32
     held-out prompts, with an order per MoE layer (the split residual folded into the attention's
-    reduce-scatter) and with one order per step. V2 runs the trained tables and a random order,
-    V3 the learned predictor, an all-to-rank-0 order and input-gate (the gate on each MoE layer's
-    split input, its ranks riding in vLLM's all-gather before the attention; V3's tables run
-    compiled, below)."""
+    reduce-scatter) and with one order per step. V2 runs the trained tables, a random order and
+    router (exact: the gate's logits of each rank's folded partial rows, summed), V3 the learned
+    predictor, an all-to-rank-0 order and input-gate (the gate on each MoE layer's split input,
+    its ranks riding in vLLM's all-gather before the attention; V3's tables run compiled, below;
+    V3's router, sigmoid with a correction bias, is refused at load)."""
     plain, _ = tp2_runs[arch, "plain"]
     layers = _config(arch)["num_hidden_layers"] - 1
     for predictor in PREDICTORS[arch] + ("step",):
         out, log = tp2_runs[arch, predictor]
         order = ("one order per step (stack_order: step), predictor tables" if predictor == "step" else
                  f"one order per layer (the split residual folded into the attention's reduce-scatter), "
-                 f"predictor {predictor}")
+                 f"predictor {predictor}" + (" (exact before the reduce" if predictor == "router" else ""))
         assert f"token order over 2 ranks around {layers} MoE blocks (DeepseekV2MoE), {order}" in log
         assert "of its expert activations locally" in log
         assert out["tokens"] == plain["tokens"], predictor

@@ -417,13 +417,11 @@ class TokenOrder:
                              f"layer's top-1 experts of every row, but {type(self.blocks[0][1]).__name__}'s decoder "
                              f"layers keep their rows split between layers, so no rank holds them; use predictor "
                              f"'tables' or 'learned'")
-        if self.stack and (cfg.predictor == "router" or (cfg.predictor == "input-gate" and self.step_order)):
+        if self.step_order and cfg.predictor in ("router", "input-gate"):
             raise ValueError(f"smoe mode speculate: predictor {cfg.predictor!r} runs each MoE layer's gate on rows "
                              f"of that layer, but {type(self.blocks[0][1]).__name__}'s decoder layers keep their rows "
-                             f"split between layers and order them before the reduce"
-                             + (f", with one order for the whole step ({self.step_reason})" if self.step_order
-                                else "") + "; use predictor 'tables', 'learned'"
-                             + ("" if self.step_order else " or 'input-gate'"))
+                             f"split between layers, with one order for the whole step ({self.step_reason}); use "
+                             f"predictor 'tables' or 'learned'")
         # the TP group's broadcast on the device communicator (pynccl on the current stream on
         # CUDA, capturable like vLLM's other collectives; torch.distributed's elsewhere)
         comm = getattr(self.tp, "device_communicator", None)
@@ -504,6 +502,21 @@ class TokenOrder:
                 if not self.exact:
                     self.shuffled, why = [], f"predictor 'router': {why}"
         self.shuffle_reason = why if not self.shuffled else ""
+        if self.stack and cfg.predictor == "router":
+            # the DeepSeek family ordered per layer: each rank's attention partial sums carry its
+            # residual rows (order_folded), so the gate's logits of the reduced rows are their sum
+            # over the ranks, where the post-attention norm, gate and routing step allow it
+            for layer, (gate, router) in enumerate(self.gates):
+                decoder = find_stack(model).layers[plan.moe_layers[layer]]
+                w, why = exact_gate_scale(decoder.post_attention_layernorm, gate, router,
+                                          vllm_config.model_config.get_hidden_size(), vllm_config.model_config.dtype,
+                                          device)
+                if w is None:
+                    raise ValueError(f"smoe mode speculate: predictor 'router' on {type(decoder).__name__}, which "
+                                     f"keeps its rows split between layers, sums the gate's logits from each rank's "
+                                     f"partial rows before the reduce, but {why}; use predictor 'input-gate', "
+                                     f"'tables' or 'learned'")
+                self.exact.append((None, w))
         # predictor input-gate: with the shuffled reduce-scatter, layer l's order is needed before
         # its attention output is reduced, so its gate runs on the layer's input instead (after the
         # layer's post-attention norm): each rank on its own chunk rows at the end of the previous
@@ -563,7 +576,8 @@ class TokenOrder:
                 block.register_forward_pre_hook(self._pre(layer, predict=not self.shuffled), with_kwargs=True)
                 block.register_forward_hook(self._post(layer, ahead=self.ahead and layer < last))
         for layer, (in_norm, _) in enumerate(self.exact):
-            in_norm.register_forward_hook(self._layer_input(layer), with_kwargs=True)
+            if in_norm is not None:  # the stack folds the layer's input into the partial sums instead
+                in_norm.register_forward_hook(self._layer_input(layer), with_kwargs=True)
         for layer, o_proj, norm, fused in self.shuffled:
             o_proj.reduce_results = False  # its partial sums: the reduce-scatter below sums them
             o_proj.register_forward_hook(self._attn_partial(layer))
@@ -961,7 +975,9 @@ class TokenOrder:
             self._one_row(slice(layer, layer + 1))
             return
         gate, router = self.gates[layer]
-        mine = gate_logits(gate, partial * self.exact[layer][1]).float() + self.base[:T]
+        mine = gate_logits(gate, partial * self.exact[layer][1]).float()
+        if not self.stack:  # the stack's partial rows carry the layer input's already (order_folded)
+            mine += self.base[:T]
         logits = unit_rows(sum_gathered(self.tp.all_gather(mine, 0), self.N))
         # rows for the routing step alike on every rank (its experts decide which rows each rank
         # reduces; the partial rows differ): zeros of their shape, no memory, as in the probe
@@ -1014,14 +1030,6 @@ class TokenOrder:
         layer's order gives it, residual included. Static shapes, no host read."""
         T = partial.shape[0]
         dev = partial.device
-        if prev < 0:
-            self._predict(partial, layer)
-        elif layer in self.gated:  # input-gate's ranks, or the tables' where they are the more confident
-            pref, conf = dp.learned_or_tables(self.table_pref[layer: layer + 1, :T], self.table_conf[layer: layer + 1, :T],
-                                              self.next_pref[:T][None], self.next_conf[:T][None])
-            dp.assign_permute(pref, conf, dp.chunk_caps(T, self.N, dev), self.perm[layer: layer + 1],
-                              self.inv[layer: layer + 1])
-        self.rows = T
         n, c = self.kept_rows, -(-T // self.N)
         q = torch.arange(n, device=dev) + (min(self.rank * c, T) if self.kept_whole else self.rank * c)
         rows = self.kept[:n].to(partial.dtype)
@@ -1029,8 +1037,22 @@ class TokenOrder:
             rows = torch.where((q < T)[:, None], rows, 0)
             q = q.clamp(max=T - 1)
         src = q if prev < 0 else self.perm[prev].index_select(0, q)  # the step rows they are
-        out = partial.index_select(0, self.perm[layer, :T])
-        out.index_add_(0, self.inv[layer].index_select(0, src), rows)
+        if self.exact:  # router: the order from the gate's logits of the folded rows, summed over ranks
+            full = partial.index_add(0, src, rows)
+            self._exact_order(full, layer)
+            out = full.index_select(0, self.perm[layer, :T])
+        else:
+            if prev < 0:
+                self._predict(partial, layer)
+            elif layer in self.gated:  # input-gate's ranks, or the tables' where they are the more confident
+                pref, conf = dp.learned_or_tables(self.table_pref[layer: layer + 1, :T],
+                                                  self.table_conf[layer: layer + 1, :T],
+                                                  self.next_pref[:T][None], self.next_conf[:T][None])
+                dp.assign_permute(pref, conf, dp.chunk_caps(T, self.N, dev), self.perm[layer: layer + 1],
+                                  self.inv[layer: layer + 1])
+            out = partial.index_select(0, self.perm[layer, :T])
+            out.index_add_(0, self.inv[layer].index_select(0, src), rows)
+        self.rows = T
         self._mark_padding(layer, T)
         return out
 
