@@ -148,6 +148,18 @@ def mixed_prompts(trace_path: str, requests: int, prompt_tokens: int, seed: int 
     return [tok[req == r][:prompt_tokens].tolist() for r in pick]
 
 
+def scale_dependent_routing(model_dir: str) -> bool:
+    """Whether the checkpoint routes by sigmoid scores with a correction bias (DeepSeek-V3's
+    ``noaux_tc``, GLM-4.5's), whose experts depend on the logits' scale: speculate's router on
+    the DeepSeek family refuses it."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        cfg = json.load(f)
+    return cfg.get("topk_method") == "noaux_tc" or cfg.get("scoring_func") == "sigmoid"
+
+
 def is_mla(model_dir: str) -> bool:
     """Whether the checkpoint's attention is DeepSeek's MLA (its config names a kv_lora_rank)."""
     path = os.path.join(model_dir, "config.json")

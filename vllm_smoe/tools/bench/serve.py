@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from .common import (LATENCY, SPEC_LINE, dp_numbers, drive, is_mla, mixed_prompts, placement_arg, rank_numbers,
-                     trace_prompts, write_json)
+                     scale_dependent_routing, trace_prompts, write_json)
 
 
 def run_plugin(a) -> int:
@@ -150,7 +150,7 @@ def run_serve(a) -> int:
     if a.with_baselines:
         runs["spec-agrs"] = spec + ("--smoe-all2all", "vllm")  # smoe's order, vLLM's allgather-reducescatter
         runs["sparse-random"] = spec + ("--smoe-predictor", "random")  # the sparse manager without speculation
-    if not mla:  # one order per step there: the gate cannot run ahead of each layer
+    if not (mla and scale_dependent_routing(model)):  # refused on the DeepSeek family's V3 routing
         runs["spec-router"] = spec + ("--smoe-predictor", "router")  # vLLM's gate run ahead: exact ranks
     tp = ("--tensor-parallel-size", str(a.tp))
     env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(a.tp))} if a.cpu_bind else None
