@@ -153,8 +153,8 @@ def _order(rank, L, Tmax, gate_in=None, router=False):
         gate.weight.copy_(torch.randn(E, H, generator=g))
     o.__dict__.update(N=WORLD, rank=rank, tp=types.SimpleNamespace(all_gather=_all_gather), step_order=False,
                       markov=False, step_pad=None, rows=0, perm=torch.zeros(L, Tmax, dtype=torch.long),
-                      inv=torch.zeros(L, Tmax, dtype=torch.long), kept=torch.zeros(c, H), kept_rows=0,
-                      kept_whole=False, chunk_only=False, per_layer=False, ahead=gate_in is not None, predicted=0,
+                      inv=torch.zeros(L, Tmax, dtype=torch.long), kept=torch.zeros(c, H),
+                      chunk_only=False, per_layer=False, ahead=gate_in is not None, predicted=0,
                       gates=[(gate, _SoftmaxTopK(K))] * L, next_norm=dict(enumerate(gate_in or [])),
                       holds=torch.rand(L, WORLD, E, generator=g) < 0.4, ids=torch.arange(Tmax) * 7,
                       next_pref=torch.full((Tmax, 2), -1), next_conf=torch.zeros(Tmax),

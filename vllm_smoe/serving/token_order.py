@@ -397,13 +397,14 @@ class TokenOrder:
         if len(kinds) != 1:
             raise ValueError(f"smoe mode speculate: MoE blocks of mixed kinds {sorted(kinds)}")
         self.stack = kinds == {"stack"}
+        stack = find_stack(model) if self.stack else None
         # the DeepSeek family: an order per MoE layer (the split residual folded into the
         # attention's partial sums before the layer's own reduce-scatter) where it can follow the
         # stack, else one order for the whole step (:func:`stack_order_kind`)
         self.step_order, self.step_reason = False, ""
         if self.stack:
             self.step_order, self.step_reason = stack_order_kind(
-                find_stack(model), plan.moe_layers, cfg.stack_order, vllm_config.model_config.dtype)
+                stack, plan.moe_layers, cfg.stack_order, vllm_config.model_config.dtype)
         if self.stack and getattr(vllm_config, "speculative_config", None) is not None:
             raise ValueError(f"smoe mode speculate: speculative decoding with {type(self.blocks[0][1]).__name__}: its "
                              f"drafters read the stack's hidden states (MTP, EAGLE-3), which smoe keeps in its own "
@@ -507,7 +508,7 @@ class TokenOrder:
             # residual rows (order_folded), so the gate's logits of the reduced rows are their sum
             # over the ranks, where the post-attention norm, gate and routing step allow it
             for layer, (gate, router) in enumerate(self.gates):
-                decoder = find_stack(model).layers[plan.moe_layers[layer]]
+                decoder = stack.layers[plan.moe_layers[layer]]
                 w, why = exact_gate_scale(decoder.post_attention_layernorm, gate, router,
                                           vllm_config.model_config.get_hidden_size(), vllm_config.model_config.dtype,
                                           device)
@@ -536,7 +537,7 @@ class TokenOrder:
                 raise ValueError("smoe mode speculate: predictor 'input-gate' takes the first MoE layer's order from "
                                  "the placement's tables, and it has none")
             self.next_norm = ({layer: norm for layer, _, norm, _ in self.shuffled} if self.shuffled else
-                              {layer: find_stack(model).layers[i].post_attention_layernorm
+                              {layer: stack.layers[i].post_attention_layernorm
                                for layer, i in enumerate(plan.moe_layers)})
             self.next_pref = torch.full((T, 2), -1, dtype=torch.long, device=device)
             self.next_conf = torch.zeros(T, dtype=torch.float32, device=device)
@@ -552,7 +553,6 @@ class TokenOrder:
             # output; stack per layer: the layer input's rows this rank adds to its attention
             # partial sums (its chunk of the previous order, or its share of whole rows)
             self.kept = torch.zeros((c, hidden), dtype=vllm_config.model_config.dtype, device=device)
-            self.kept_rows, self.kept_whole = 0, False
         # tables-markov: each layer waits for the previous one's top-1 (one extra all-gather per
         # layer); the others predict every layer at the first MoE layer of the step
         self.markov = cfg.predictor == "tables-markov"
@@ -584,7 +584,7 @@ class TokenOrder:
             norm.register_forward_hook(self._norm_out(layer))
             fused.register_forward_hook(self._experts_out(layer, ahead=self.ahead and layer < last))
         if self.stack:
-            self._hook_stack(find_stack(model), plan.moe_layers)
+            self._hook_stack(stack, plan.moe_layers)
 
     def _hook_stack(self, stack: torch.nn.Module, moe_layers: tuple[int, ...]) -> None:
         """The hooks of the DeepSeek family's order. One order per step: the first decoder
@@ -622,7 +622,7 @@ class TokenOrder:
                     self.gated.add(layer)
                 decoder_layer.input_layernorm.register_forward_hook(
                     self._fold_in(layer, whole, prev=cur if gated else None))
-                decoder_layer.self_attn.register_forward_hook(self._attn_fold(layer, cur))
+                decoder_layer.self_attn.register_forward_hook(self._attn_fold(layer, cur, whole))
                 cur = layer
             elif cur >= 0:
                 decoder_layer.self_attn.register_forward_hook(self._attn_out(cur))
@@ -811,9 +811,9 @@ class TokenOrder:
         return hook
 
     @staticmethod
-    def _attn_fold(layer: int, prev: int):
+    def _attn_fold(layer: int, prev: int, whole: bool):
         def hook(module, args, output):
-            return torch.ops.smoe.order_folded(output, layer, prev)
+            return torch.ops.smoe.order_folded(output, layer, prev, whole)
         return hook
 
     # vLLM bug (0.32, DeepSeek-family decoder layers and stack): "are my rows split?" is asked as
@@ -960,9 +960,10 @@ class TokenOrder:
             self.base[start:stop].copy_(gate_logits(gate, x[start:stop] * self.exact[layer][1]))
         return normed.clone()
 
-    def _exact_order(self, partial: torch.Tensor, layer: int) -> None:
+    def _exact_order(self, partial: torch.Tensor, layer: int, with_base: bool = True) -> None:
         """The exact order of ``layer`` before its reduce: each rank's gate logits of its partial
-        rows (plus its share of the input's, ``base``), all-gathered and summed rank by rank into
+        rows (plus, ``with_base``, its share of the input's, ``base``; the stack's partial rows
+        carry their share of the input themselves: :meth:`order_folded`), all-gathered and summed rank by rank into
         the gate's logits over the reduced rows up to each row's positive norm scale, which the
         routing step's top-k ignores (:func:`exact_gate_scale`); its experts' ranks ->
         ``perm`` / ``inv``. Every rank sums the same bytes in the same order: the same
@@ -976,7 +977,7 @@ class TokenOrder:
             return
         gate, router = self.gates[layer]
         mine = gate_logits(gate, partial * self.exact[layer][1]).float()
-        if not self.stack:  # the stack's partial rows carry the layer input's already (order_folded)
+        if with_base:
             mine += self.base[:T]
         logits = unit_rows(sum_gathered(self.tp.all_gather(mine, 0), self.N))
         # rows for the routing step alike on every rank (its experts decide which rows each rank
@@ -996,11 +997,15 @@ class TokenOrder:
         sums (its contiguous share of whole rows, or its chunk) in ``kept``. Returns (a copy of
         normed: the attention depends on it, which orders this op before ``order_folded``; a
         zero residual for vLLM's add after the reduce-scatter, exact: the rows arrive summed)."""
+        self._keep(residual, whole)
+        return normed.clone(), torch.zeros_like(residual)
+
+    def _keep(self, residual: torch.Tensor, whole: bool) -> None:
+        """The rows of residual [R, H] this rank adds (its :func:`chunk_rows` share of whole
+        rows, or all of its chunk) into ``kept``, as :meth:`order_folded` reads them back."""
         R = residual.shape[0]
         start, stop = chunk_rows(R, self.rank, self.N) if whole else (0, R)
         self.kept[: stop - start].copy_(residual[start:stop])
-        self.kept_rows, self.kept_whole = stop - start, whole
-        return normed.clone(), torch.zeros_like(residual)
 
     def fold_residual_ahead(self, normed: torch.Tensor, residual: torch.Tensor, layer: int, prev: int
                             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1009,7 +1014,7 @@ class TokenOrder:
         layer's two preferred ranks (-1 = none) and the confidence (:func:`gate_ranks` on the
         rows, which are the layer's input) in normed's dtype, for vLLM's all-gather before the
         attention; every rank then reads the same bytes (``restore_ahead``)."""
-        _, zero = self.fold_residual(normed, residual, layer, False)
+        self._keep(residual, False)
         # the step's rows: set at its first MoE layer. One row (smoe's one-row fix gathered it,
         # vLLM gathers nothing more): each rank keeps its own columns, and they may differ, but a
         # one-row order is the identity whatever they say (chunk_caps(1, N) = [1, 0, ...])
@@ -1018,28 +1023,31 @@ class TokenOrder:
         gate, router = self.gates[layer]
         pref, conf = gate_ranks(self.next_norm[layer], gate, router, residual, self.holds[layer],
                                 self.ids.index_select(0, self.perm[prev].index_select(0, q)))
-        return torch.cat([normed, pref.to(normed.dtype), conf.to(normed.dtype)[:, None]], dim=1), zero
+        return (torch.cat([normed, pref.to(normed.dtype), conf.to(normed.dtype)[:, None]], dim=1),
+                torch.zeros_like(residual))
 
-    def order_folded(self, partial: torch.Tensor, layer: int, prev: int) -> torch.Tensor:
+    def order_folded(self, partial: torch.Tensor, layer: int, prev: int, whole: bool) -> torch.Tensor:
         """Stack order per layer, at the attention's output of MoE layer ``layer``: partial [T,
         H] this rank's attention partial sums in the step's order (summed over ranks by vLLM's
         reduce-scatter next); prev: the MoE layer whose order ``fold_residual``'s rows are in (-1:
-        the step's; then every layer's order is predicted here, once per step). Returns [T, H]
+        the step's; then every layer's order is predicted here, once per step); whole: as
+        ``fold_residual`` was told (its rows: this rank's share of T, or its chunk). Returns [T, H]
         in this layer's order, plus this rank's kept residual rows at their places, so each row's
         residual is added once over the ranks and each rank's reduced chunk is the rows this
         layer's order gives it, residual included. Static shapes, no host read."""
         T = partial.shape[0]
         dev = partial.device
-        n, c = self.kept_rows, -(-T // self.N)
-        q = torch.arange(n, device=dev) + (min(self.rank * c, T) if self.kept_whole else self.rank * c)
-        rows = self.kept[:n].to(partial.dtype)
-        if not self.kept_whole:  # the chunk's padding past T adds zero to the last row
+        c = -(-T // self.N)
+        start, stop = chunk_rows(T, self.rank, self.N) if whole else (self.rank * c, self.rank * c + c)
+        q = torch.arange(start, stop, device=dev)
+        rows = self.kept[: stop - start].to(partial.dtype)
+        if not whole:  # the chunk's padding past T adds zero to the last row
             rows = torch.where((q < T)[:, None], rows, 0)
             q = q.clamp(max=T - 1)
         src = q if prev < 0 else self.perm[prev].index_select(0, q)  # the step rows they are
         if self.exact:  # router: the order from the gate's logits of the folded rows, summed over ranks
             full = partial.index_add(0, src, rows)
-            self._exact_order(full, layer)
+            self._exact_order(full, layer, with_base=False)  # full carries the layer input's rows
             out = full.index_select(0, self.perm[layer, :T])
         else:
             if prev < 0:
@@ -1313,12 +1321,12 @@ def _(normed, residual, layer, prev):
 
 
 @torch.library.custom_op("smoe::order_folded", mutates_args=())
-def order_folded(partial: torch.Tensor, layer: int, prev: int) -> torch.Tensor:
-    return worker().order.order_folded(partial, layer, prev)
+def order_folded(partial: torch.Tensor, layer: int, prev: int, whole: bool) -> torch.Tensor:
+    return worker().order.order_folded(partial, layer, prev, whole)
 
 
 @order_folded.register_fake
-def _(partial, layer, prev):
+def _(partial, layer, prev, whole):
     return partial.new_empty(partial.shape)  # contiguous, as index_select's
 
 
