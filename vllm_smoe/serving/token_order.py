@@ -622,7 +622,7 @@ class TokenOrder:
                     self.gated.add(layer)
                 decoder_layer.input_layernorm.register_forward_hook(
                     self._fold_in(layer, whole, prev=cur if gated else None))
-                decoder_layer.self_attn.register_forward_hook(self._attn_fold(layer, cur, whole))
+                decoder_layer.self_attn.register_forward_hook(self._attn_fold(layer, cur, whole, gated))
                 cur = layer
             elif cur >= 0:
                 decoder_layer.self_attn.register_forward_hook(self._attn_out(cur))
@@ -751,10 +751,15 @@ class TokenOrder:
 
     # stack order, one per step: predict at the first layer's input, keep the order through the stack
     @staticmethod
-    def _first_layer(module, args, kwargs):  # layer(positions, hidden_states, residual=None, ...)
-        residual = args[2] if len(args) > 2 else kwargs.get("residual")
-        if residual is not None:
+    def _no_residual(args, kwargs) -> None:
+        """The first decoder layer's call (positions, hidden_states, residual=None, ...) must carry
+        no residual: with one, the stack is not the whole model (pipeline parallel)."""
+        if (args[2] if len(args) > 2 else kwargs.get("residual")) is not None:
             raise RuntimeError("smoe speculate: the first decoder layer got a residual (pipeline parallel?)")
+
+    @staticmethod
+    def _first_layer(module, args, kwargs):  # layer(positions, hidden_states, residual=None, ...)
+        TokenOrder._no_residual(args, kwargs)
         if len(args) > 1:
             return (args[0], torch.ops.smoe.order_tokens(args[1], 0, True), *args[2:]), kwargs
         return args, {**kwargs, "hidden_states": torch.ops.smoe.order_tokens(kwargs["hidden_states"], 0, True)}
@@ -762,9 +767,7 @@ class TokenOrder:
     @staticmethod
     def _first_residual(split: bool):
         def hook(module, args, kwargs):  # layer(positions, hidden_states, residual=None, ...)
-            residual = args[2] if len(args) > 2 else kwargs.get("residual")
-            if residual is not None:
-                raise RuntimeError("smoe speculate: the first decoder layer got a residual (pipeline parallel?)")
+            TokenOrder._no_residual(args, kwargs)
             if not split:
                 return None
             # a first MoE layer: its residual (the embedding) must reach input_layernorm's output,
@@ -811,9 +814,9 @@ class TokenOrder:
         return hook
 
     @staticmethod
-    def _attn_fold(layer: int, prev: int, whole: bool):
+    def _attn_fold(layer: int, prev: int, whole: bool, gated: bool):
         def hook(module, args, output):
-            return torch.ops.smoe.order_folded(output, layer, prev, whole)
+            return torch.ops.smoe.order_folded(output, layer, prev, whole, gated)
         return hook
 
     # vLLM bug (0.32, DeepSeek-family decoder layers and stack): "are my rows split?" is asked as
@@ -1026,12 +1029,14 @@ class TokenOrder:
         return (torch.cat([normed, pref.to(normed.dtype), conf.to(normed.dtype)[:, None]], dim=1),
                 torch.zeros_like(residual))
 
-    def order_folded(self, partial: torch.Tensor, layer: int, prev: int, whole: bool) -> torch.Tensor:
+    def order_folded(self, partial: torch.Tensor, layer: int, prev: int, whole: bool, gated: bool = False
+                     ) -> torch.Tensor:
         """Stack order per layer, at the attention's output of MoE layer ``layer``: partial [T,
         H] this rank's attention partial sums in the step's order (summed over ranks by vLLM's
         reduce-scatter next); prev: the MoE layer whose order ``fold_residual``'s rows are in (-1:
         the step's; then every layer's order is predicted here, once per step); whole: as
-        ``fold_residual`` was told (its rows: this rank's share of T, or its chunk). Returns [T, H]
+        ``fold_residual`` was told (its rows: this rank's share of T, or its chunk); gated: input-gate's
+        ranks for this layer rode in with the layer's input (``fold_residual_ahead``). Returns [T, H]
         in this layer's order, plus this rank's kept residual rows at their places, so each row's
         residual is added once over the ranks and each rank's reduced chunk is the rows this
         layer's order gives it, residual included. Static shapes, no host read."""
@@ -1052,7 +1057,7 @@ class TokenOrder:
         else:
             if prev < 0:
                 self._predict(partial, layer)
-            elif layer in self.gated:  # input-gate's ranks, or the tables' where they are the more confident
+            elif gated:  # input-gate's ranks, or the tables' where they are the more confident
                 pref, conf = dp.learned_or_tables(self.table_pref[layer: layer + 1, :T],
                                                   self.table_conf[layer: layer + 1, :T],
                                                   self.next_pref[:T][None], self.next_conf[:T][None])
@@ -1321,12 +1326,12 @@ def _(normed, residual, layer, prev):
 
 
 @torch.library.custom_op("smoe::order_folded", mutates_args=())
-def order_folded(partial: torch.Tensor, layer: int, prev: int, whole: bool) -> torch.Tensor:
-    return worker().order.order_folded(partial, layer, prev, whole)
+def order_folded(partial: torch.Tensor, layer: int, prev: int, whole: bool, gated: bool) -> torch.Tensor:
+    return worker().order.order_folded(partial, layer, prev, whole, gated)
 
 
 @order_folded.register_fake
-def _(partial, layer, prev, whole):
+def _(partial, layer, prev, whole, gated):
     return partial.new_empty(partial.shape)  # contiguous, as index_select's
 
 
