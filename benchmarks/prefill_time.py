@@ -5,7 +5,8 @@
 
 Each engine (plain ``--tensor-parallel-size 2``, then speculate over each placement with
 ``--enable-expert-parallel``) prefills ``--prompts`` held-out requests of the fixture trace,
-``--prompt-len`` tokens each (128-token requests laid end to end), one token out, ``--iters``
+``--prompt-len`` tokens each (128-token requests of every workload, in a seeded order, laid end
+to end), one token out, ``--iters``
 times after one warm-up; ``--rounds`` repeats the whole set so that each configuration runs at
 different times. Prints the median and spread of the timed iterations per configuration and
 round. Needs vLLM's CPU build and 2 cores; fp32, eager (the served path without compilation).
@@ -25,16 +26,14 @@ def _engine(model: str, placement: str | None, prompt_len: int, prompts: int, it
     """Seconds of each timed iteration (one engine in this process)."""
     import time
 
-    import numpy as np
     from vllm import LLM, SamplingParams
 
-    from vllm_smoe.formats.trace import open_trace
     from vllm_smoe.testbed import FIXTURE_TRACES
+    from vllm_smoe.tools.bench.common import mixed_prompts
 
-    held = open_trace(FIXTURE_TRACES["heldout"])
-    ids, req, pos = held["token_ids"], held["request_ids"], held["positions"]
-    reqs = [ids[np.flatnonzero(req == r)[np.argsort(pos[req == r], kind="stable")]].tolist() for r in np.unique(req)]
-    per = max(1, prompt_len // len(reqs[0]))
+    # requests of every workload in a seeded order, laid end to end ``per`` at a time
+    per = max(1, prompt_len // 128)  # the fixture's requests are 128 tokens long
+    reqs = mixed_prompts(FIXTURE_TRACES["heldout"], (iters + 1) * prompts * per, prompt_len)
     kw = dict(model=model, dtype="float32", max_model_len=max(1024, prompt_len + 8), tensor_parallel_size=2,
               gpu_memory_utilization=0.3, max_num_seqs=8, skip_tokenizer_init=True, seed=0,
               max_num_batched_tokens=max(4096, prompt_len * prompts), enforce_eager=True)
@@ -47,7 +46,8 @@ def _engine(model: str, placement: str | None, prompt_len: int, prompts: int, it
     for it in range(iters + 1):
         batch = []
         for _ in range(prompts):
-            batch.append({"prompt_token_ids": [t for j in range(per) for t in reqs[(k + j) % len(reqs)]]})
+            ids = [t for j in range(per) for t in reqs[(k + j) % len(reqs)]]
+            batch.append({"prompt_token_ids": ids[:prompt_len]})
             k += per
         t = time.perf_counter()
         llm.generate(batch, sp, use_tqdm=False)

@@ -749,7 +749,6 @@ class TokenOrder:
             return torch.ops.smoe.add_residual(output, layer)
         return hook
 
-    # stack order, one per step: predict at the first layer's input, keep the order through the stack
     @staticmethod
     def _no_residual(args, kwargs) -> None:
         """The first decoder layer's call (positions, hidden_states, residual=None, ...) must carry
@@ -757,6 +756,7 @@ class TokenOrder:
         if (args[2] if len(args) > 2 else kwargs.get("residual")) is not None:
             raise RuntimeError("smoe speculate: the first decoder layer got a residual (pipeline parallel?)")
 
+    # stack order, one per step: predict at the first layer's input, keep the order through the stack
     @staticmethod
     def _first_layer(module, args, kwargs):  # layer(positions, hidden_states, residual=None, ...)
         TokenOrder._no_residual(args, kwargs)
