@@ -59,7 +59,7 @@ def _engine(model: str, placement: str | None, prompt_len: int, prompts: int, it
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--placement", nargs="+", required=True, help="EP 2 placements, one speculate engine each")
+    ap.add_argument("--placement", nargs="*", default=[], help="EP 2 placements, one speculate engine each")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--iters", type=int, default=8)
@@ -71,12 +71,13 @@ def main(argv=None) -> int:
         times = _engine(a.model, a.engine or None, a.prompt_len, a.prompts, a.iters)
         print("SMOE_PREFILL " + json.dumps(times), flush=True)
         return 0
+    if not a.placement:
+        ap.error("--placement: give at least one EP 2 placement")
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     rows = []
     for rnd in range(a.rounds):
         for placement in ["", *a.placement]:
-            r = subprocess.run([sys.executable, __file__, "--model", a.model, "--placement", *a.placement,
-                                "--prompt-len", str(a.prompt_len), "--prompts", str(a.prompts), "--iters",
+            r = subprocess.run([sys.executable, __file__, "--model", a.model, "--prompt-len", str(a.prompt_len), "--prompts", str(a.prompts), "--iters",
                                 str(a.iters), "--engine", placement], capture_output=True, text=True, env=env)
             line = [ln for ln in r.stdout.splitlines() if ln.startswith("SMOE_PREFILL ")]
             if r.returncode or not line:

@@ -1029,7 +1029,7 @@ class TokenOrder:
         return (torch.cat([normed, pref.to(normed.dtype), conf.to(normed.dtype)[:, None]], dim=1),
                 torch.zeros_like(residual))
 
-    def order_folded(self, partial: torch.Tensor, layer: int, prev: int, whole: bool, gated: bool = False
+    def order_folded(self, partial: torch.Tensor, layer: int, prev: int, whole: bool, gated: bool
                      ) -> torch.Tensor:
         """Stack order per layer, at the attention's output of MoE layer ``layer``: partial [T,
         H] this rank's attention partial sums in the step's order (summed over ranks by vLLM's
