@@ -19,6 +19,7 @@ from .counts import assign_token_ids, coactivation, expert_gains, rank_scores
 from .groups import check_groups
 from .metrics import holds_from_expert2rank
 from .peers import place_linear, place_metis, place_round_robin
+from .polish import polish_routed
 from .predict import PredictorTables, empty_tables, fill_layer, local_counts, nearest_token_map
 from .routing_counts import RoutingCounts
 from .uneven import fit_rank_sizes, with_phantoms
@@ -42,8 +43,28 @@ NEEDS_INSTANCES = ("bytes",)
 CAPPED = ("coclust", "bytes")
 # peers that follow vLLM's own split of E experts over N ranks, divisible or not
 EXACT_SIZES = ("linear", "round_robin")
+# polished on sample rows' routing where place_model is given them (plain layouts: no nodes,
+# routing groups or uneven split, whose structure a free swap would break)
+POLISHED = ("coclust",)
+# the polish's budget for the whole model, in row-experts scored exactly (polish_routed's work):
+# a small model's layers get all they use (the fixture's 4 layers: 190 scores of 131072 rows),
+# a big one's a bounded share, none where a layer's is under POLISH_MIN_SCORES, which would not
+# pay for its set-up (DeepSeek-V3's 58 layers, top-8: 6 scores of 131072 rows; 17 of 49152)
+POLISH_WORK = 4e8
+POLISH_MIN_SCORES = 16
 # methods whose tokens follow the predictor; the rest are plain EP (contiguous token slices)
 PREDICTED = ("coclust", "alternating", "ceo", "metis", "bytes")
+
+
+def polish_scores(rows_shape: tuple[int, ...], num_layers: int) -> int:
+    """Exact scores each layer's polish may spend, for sample rows of shape [T, L, K]."""
+    T, _, K = rows_shape
+    return int(POLISH_WORK / num_layers // max(1, T * K))
+
+
+def polish_fit(num_layers: int, top_k: int) -> int:
+    """The most sample rows with which every layer still gets POLISH_MIN_SCORES exact scores."""
+    return int(POLISH_WORK / num_layers // (top_k * POLISH_MIN_SCORES))
 
 
 def _split_parts(A: sp.csr_matrix, occ: np.ndarray, part_of: np.ndarray, parts: int, per: int, inner,
@@ -159,10 +180,11 @@ def add_replicas(A: sp.csr_matrix, occ: np.ndarray, expert2rank: np.ndarray, ep_
 
 
 def _solve_layer(counts: RoutingCounts, layer: int, method: str, ep_size: int, nodes: int, capacity: float,
-                 theta: float, seed: int, max_expert_load: float, groups: int = 1
-                 ) -> tuple[np.ndarray, np.ndarray | None]:
+                 theta: float, seed: int, max_expert_load: float, groups: int = 1,
+                 rows: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """One layer's expert2rank [E] int32 and, for predicted methods, its rank scores [V', N] float64.
-    Where ep_size does not divide E, expert2rank has the phantoms too ([E + pad], see :mod:`.uneven`)."""
+    Where ep_size does not divide E, expert2rank has the phantoms too ([E + pad], see :mod:`.uneven`).
+    rows: see :func:`place_model`."""
     _, occ = counts.seen()
     A = counts.layer_matrix(layer)
     if method not in EXACT_SIZES:  # solvers place E / N per rank: phantoms make up the count
@@ -178,13 +200,19 @@ def _solve_layer(counts: RoutingCounts, layer: int, method: str, ep_size: int, n
         e2r = _hierarchical(solver, A, occ, ep_size, nodes, capacity, theta, seed + layer, max_expert_load)
     else:
         e2r = np.asarray(solver(A, occ, ep_size, capacity, theta, seed + layer, max_expert_load), dtype=np.int32)
+        scores = polish_scores(rows[0].shape, counts.num_layers) if rows is not None else 0
+        if method in POLISHED and e2r.size == counts.num_experts and scores >= POLISH_MIN_SCORES:
+            e2r = polish_routed(rows[0][:, layer], rows[1], e2r, ep_size, capacity,
+                                load=np.asarray(A.sum(axis=0)).ravel(), max_expert_load=max_expert_load,
+                                max_evals=scores)
     return e2r, (rank_scores(A, e2r, ep_size) if method in PREDICTED else None)
 
 
 def place_model(method: str, counts: RoutingCounts, ep_size: int, nodes: int = 1, capacity: float = 1.10,
                 theta: float = 0.5, replicas: int = 0, seed: int = 0, max_expert_load: float = 1.10,
                 vocab_size: int | None = None, embeddings: np.ndarray | None = None,
-                progress: Callable | None = None, map_layers: Callable = map, groups: int = 1
+                progress: Callable | None = None, map_layers: Callable = map, groups: int = 1,
+                rows: tuple[np.ndarray, np.ndarray] | None = None
                 ) -> tuple[np.ndarray, np.ndarray, PredictorTables | None]:
     """Place every layer of ``counts``; with ``vocab_size`` also fill the predictor tables.
 
@@ -194,6 +222,9 @@ def place_model(method: str, counts: RoutingCounts, ep_size: int, nodes: int = 1
     embeddings: [V, H] for the unseen-token fallback; progress: wraps the per-layer iterator;
     groups: routing groups of grouped top-k (DeepSeek's ``n_group``): every group stays whole
     (see check_groups), so the placement can be loaded without changing the routing.
+    rows: (topk_ids [T, L, K] int, batch_ids [T] non-decreasing) sample rows of the trace: each
+    coclust layer is then polished on their routing (:func:`.polish.polish_routed`), the
+    objective a served step meets; None keeps the solver's placement.
     Returns (expert2rank [L, E] int32, replicas [L, R, 2] int32 (expert, rank), R = ``replicas``;
     tables or None).
     """
@@ -225,7 +256,8 @@ def place_model(method: str, counts: RoutingCounts, ep_size: int, nodes: int = 1
     nearest = nearest_token_map(embeddings, ids, vocab_size) if vocab_size else None
 
     def solve(layer: int):
-        return _solve_layer(counts, layer, method, ep_size, nodes, capacity, theta, seed, max_expert_load, groups)
+        return _solve_layer(counts, layer, method, ep_size, nodes, capacity, theta, seed, max_expert_load, groups,
+                            rows if nodes == 1 and groups == 1 else None)
 
     # rank renaming must keep routing groups whole: with fewer groups than ranks, ranks move
     # only inside their group's block (and group blocks as a whole when there are no nodes)

@@ -765,3 +765,29 @@ def test_build_evaluate_and_advise_an_uneven_split(tmp_path, capsys):
     assert main(["advise", "--trace", HELDOUT, "--placement", str(out), "--max-moves", "0.25", "-o", str(limited)]) == 0
     doc = yaml.safe_load(open(limited))
     assert all(np.bincount(x["expert_to_rank"], minlength=3).tolist() == [11, 11, 10] for x in doc["layers"])
+
+
+def test_build_polishes_coclust_on_the_rows_and_says_when_it_cannot(tmp_path, monkeypatch, capsys):
+    from vllm_smoe.placement import layout
+
+    out0, out1, out2 = (tmp_path / f"p{i}.yaml" for i in range(3))
+    assert main(["build", "--trace", TRAIN, "--ep-size", "2", "--polish-tokens", "0", "-o", str(out0)]) == 0
+    assert main(["build", "--trace", TRAIN, "--ep-size", "2", "-o", str(out1)]) == 0
+    d0, d1 = yaml.safe_load(open(out0)), yaml.safe_load(open(out1))
+    assert "polish_tokens" not in d0["built_from"] and d1["built_from"]["polish_tokens"] == 131072
+    assert d0["layers"] != d1["layers"]
+    # the exact routed objective the polish climbs, on its own rows (the whole training trace)
+    scores = []
+    for out in (out0, out1):
+        js = tmp_path / "e.json"
+        assert main(["evaluate", "--trace", TRAIN, "--placement", str(out), "--predictor", "router",
+                     "--json", str(js)]) == 0
+        scores.append(json.load(open(js))["placement (coclust)"]["lar"])
+    assert scores[1] > scores[0]
+    # a budget too small for a layer's set-up: the solver's placement, and a line saying so
+    monkeypatch.setattr(layout, "POLISH_WORK", 1e6)
+    capsys.readouterr()
+    assert main(["build", "--trace", TRAIN, "--ep-size", "2", "-o", str(out2)]) == 0
+    d2 = yaml.safe_load(open(out2))
+    assert d2["layers"] == d0["layers"] and "polish_tokens" not in d2["built_from"]
+    assert "kept unpolished; --polish-tokens 3906 or fewer" in capsys.readouterr().err

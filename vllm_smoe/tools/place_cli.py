@@ -23,7 +23,8 @@ from ..placement.dp import (DECODE_CONCURRENCY, assign_requests, place_requests,
                            request_index, request_token_table, round_robin_requests, step_imbalance,
                            workload_scores)
 from ..placement.groups import check_groups
-from ..placement.layout import NEEDS_INSTANCES, PREDICTED, SOLVERS, place_model
+from ..placement.layout import (NEEDS_INSTANCES, POLISH_MIN_SCORES, POLISHED, PREDICTED, SOLVERS, place_model,
+                                polish_fit, polish_scores)
 from ..placement.metrics import evaluate, holds_from_expert2rank, local_share, recommend
 from ..placement.migrate import BALANCE_WEIGHT, limit_moves, rename_ranks
 from ..placement.online import PREDICTORS as SIM_PREDICTORS
@@ -48,6 +49,9 @@ SAMPLE_FIELDS = ("token_ids", "request_ids", "positions", "topk_ids", "step_ids"
 LOAD_SLACK = 0.05
 BIGRAM_TOKENS = 131072  # training rows evaluate --compare learns its peers' bigram tables from
 EVAL_WINDOWS = 16  # evenly spaced windows a bounded evaluation sample is cut into
+# rows coclust's layers are polished on (placement/polish.py): each exact score is one capped
+# assignment of them, ~70 ms per 131072 rows here
+POLISH_TOKENS = 1 << 17
 
 
 def _bar(desc: str, total: int, unit: str):
@@ -163,9 +167,31 @@ def _map_layers(jobs: int, peaks: list):
     return run
 
 
-def _solve(method, counts, meta, args, ep_size, nodes, embeddings=None, groups=1):
+def _polish_rows(arr, batch, tokens: int):
+    """place_model's ``rows``: the routing and batches of the first ``tokens`` rows (sorted by
+    step) of ``arr``, or None (``tokens`` 0, or no rows)."""
+    if not tokens or not arr or arr["topk_ids"].shape[0] == 0:
+        return None
+    return arr["topk_ids"][:tokens], np.asarray(batch)[:tokens]
+
+
+def _polish_note(rows, num_layers: int, method: str) -> bool:
+    """Whether coclust's layers get polished on ``rows``; says so where the budget leaves too few
+    exact scores per layer to run."""
+    if rows is None or method not in POLISHED + ("auto",):
+        return False
+    n = polish_scores(rows[0].shape, num_layers)
+    if n < POLISH_MIN_SCORES:
+        T, L, K = rows[0].shape
+        print(f"--polish-tokens {T}: {L} layers x top-{K} leave {n} exact scores per layer (fewer than "
+              f"{POLISH_MIN_SCORES}): coclust's placement kept unpolished; --polish-tokens {polish_fit(L, K)} "
+              f"or fewer polishes on fewer rows", file=sys.stderr)
+    return n >= POLISH_MIN_SCORES
+
+
+def _solve(method, counts, meta, args, ep_size, nodes, embeddings=None, groups=1, rows=None):
     """Run one method on a trace's counts; returns (expert2rank, replicas, tables or None,
-    seconds, peak MiB). Time and memory cover placement plus predictor tables: the peak resident
+    seconds, peak MiB). rows: see place_model. Time and memory cover placement plus predictor tables: the peak resident
     memory this process added, plus with --jobs > 1 the largest worker's times the workers."""
     base = start_peak_rss()
     t0 = time.perf_counter()
@@ -182,7 +208,8 @@ def _solve(method, counts, meta, args, ep_size, nodes, embeddings=None, groups=1
             method, counts, ep_size, nodes=nodes, capacity=args.capacity, theta=args.theta,
             replicas=args.replicas if predicted else 0, seed=args.seed, max_expert_load=args.max_expert_load,
             vocab_size=meta.vocab_size if predicted else None, embeddings=embeddings if predicted else None,
-            progress=lambda it: _ticking(it, bar), map_layers=_map_layers(args.jobs, peaks), groups=groups)
+            progress=lambda it: _ticking(it, bar), map_layers=_map_layers(args.jobs, peaks), groups=groups,
+            rows=rows)
         bar.close()
     secs = time.perf_counter() - t0
     peak = peak_rss_since(base) + (max(peaks) * min(args.jobs, len(peaks)) if peaks else 0)
@@ -411,13 +438,15 @@ def cmd_build(a) -> int:
         at = _positions(kept, rows)
         judge = {k: v[at] for k, v in sample.items()}
         sample = {k: v[:min(total, a.metrics_tokens)] for k, v in sample.items()}
+    rows = _polish_rows(*_batched(sample, a.batch_tokens), a.polish_tokens) if a.mode == "tp" and sample else None
+    polished = _polish_note(rows, meta.num_layers, a.method)
     if a.mode == "dp":
         e2r, reps, tables, secs, peak = _solve_dp(counts, sample, meta, a, emb, groups)
     elif a.method == "auto":
         method, (e2r, reps, tables, secs, peak), auto = _choose(counts, meta, a, emb, groups, sample, judge,
-                                                                spans=judge_span)
+                                                                spans=judge_span, rows=rows)
     else:
-        e2r, reps, tables, secs, peak = _solve(a.method, counts, meta, a, a.ep_size, a.nodes, emb, groups)
+        e2r, reps, tables, secs, peak = _solve(a.method, counts, meta, a, a.ep_size, a.nodes, emb, groups, rows)
     if a.mode == "tp" and tables is not None:
         t1 = time.perf_counter()
         holds = holds_from_expert2rank(e2r, a.ep_size, reps)
@@ -444,6 +473,8 @@ def cmd_build(a) -> int:
                     built_from={"traces": [_rel(f, a.output) for f in files], "tokens": int(total),
                                 "batch_tokens": a.batch_tokens, "theta": a.theta, "seed": a.seed,
                                 "max_expert_load": a.max_expert_load, "mode": a.mode, "predictor": a.predictor,
+                                **({"polish_tokens": int(rows[0].shape[0])} if polished and (
+                                    method if auto is not None else a.method) in POLISHED else {}),
                                 **({"shuffle_requests": a.shuffle_requests} if a.shuffle_requests is not None else {}),
                                 **({"in_flight": a.in_flight} if a.mode == "dp" else {}),
                                 **({"auto": auto} if auto is not None else {})},
@@ -489,7 +520,7 @@ def _positions(kept: list[tuple[int, int]], rows: np.ndarray) -> np.ndarray:
     return offsets[k] + rows - starts[k]
 
 
-def _choose(counts, meta, a, emb, groups, sample, judge, spans: list[tuple[int, int]]):
+def _choose(counts, meta, a, emb, groups, sample, judge, spans: list[tuple[int, int]], rows=None):
     """--method auto: solve every :data:`AUTO_METHODS` candidate with the same flags, score each
     with its predictor tables on ``judge`` (rows sorted by step), and keep the one
     :func:`..placement.metrics.recommend` picks (evaluate --compare's rule: the fewest rows per
@@ -505,7 +536,7 @@ def _choose(counts, meta, a, emb, groups, sample, judge, spans: list[tuple[int, 
     if unsupported:
         print(f"--method auto: bytes does not support {' and '.join(unsupported)} yet; coclust alone", file=sys.stderr)
     for method in methods:
-        e2r, reps, tables, secs, peak = _solve(method, counts, meta, a, a.ep_size, a.nodes, emb, groups)
+        e2r, reps, tables, secs, peak = _solve(method, counts, meta, a, a.ep_size, a.nodes, emb, groups, rows)
         t1 = time.perf_counter()
         holds = holds_from_expert2rank(e2r, a.ep_size, reps)
         tables = _with_bigrams(tables, sample, holds, meta.vocab_size, a.bigram_pairs, a.batch_tokens)
@@ -600,8 +631,10 @@ def _evaluate_all(a):
                 if not ok:
                     print(f"skipping eplb: {why}", file=sys.stderr)
                     continue
+            # coclust as build makes it: polished on the same leading training rows
             e2r, reps, tab, secs, peak = _solve(method, counts, tmeta, a, p.ep_size, p.nodes,
-                                                groups=1 if method == "eplb" else p.groups)
+                                                groups=1 if method == "eplb" else p.groups,
+                                                rows=_polish_rows(*_batched(tsample, a.batch_tokens), POLISH_TOKENS))
             if tab is None:  # a plain-EP placement: smoe's predictor built for it, for the +pred form
                 tab = tables_for_placement(counts, holds_from_expert2rank(e2r, p.ep_size, reps), tmeta.vocab_size)
             if tab.bigram_keys is None:  # the same predictor as smoe's placement, bigrams included
@@ -779,7 +812,8 @@ def cmd_advise(a) -> int:
                      in_flight=a.in_flight, concurrency=a.decode_concurrency)
     else:
         method = p.method if p.method in PREDICTED else "coclust"
-        e2r, reps, tables, secs, _ = _solve(method, counts, meta, a, p.ep_size, p.nodes, emb, groups=p.groups)
+        e2r, reps, tables, secs, _ = _solve(method, counts, meta, a, p.ep_size, p.nodes, emb, groups=p.groups,
+                                            rows=_polish_rows(train, batch[~late], a.polish_tokens))
         holds = holds_from_expert2rank(e2r, p.ep_size, reps)
         tables = _with_bigrams(tables, train, holds, meta.vocab_size, a.bigram_pairs, a.batch_tokens)
         if learned:
@@ -926,6 +960,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"worker processes solving layers in parallel (default: all cores, here "
                             f"{default_jobs()}); the result does not depend on it")
 
+    def polish(s):
+        s.add_argument("--polish-tokens", type=number(int, 0), default=POLISH_TOKENS,
+                       help=f"polish each coclust layer on the routing of this many leading rows: swaps of two experts "
+                            f"scored by the capped order a served step gets (default {POLISH_TOKENS}; 0 = the solver's "
+                            f"placement as is)")
+
     b = sub.add_parser("build", help="place experts and build predictor tables; writes YAML + .tables.npz")
     b.add_argument("--trace", nargs="+", required=True, help="trace files, directories or globs")
     b.add_argument("--ep-size", type=number(int, 1), required=True)
@@ -954,6 +994,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "rows, for serving with --smoe-predictor learned")
     b.add_argument("--learned-width", type=number(int, 1, MAX_WIDTH), default=None,
                    help=f"hidden width of the learned predictor (default 16 x --ep-size within 64..{MAX_WIDTH})")
+    polish(b)
     b.add_argument("--metrics-tokens", type=number(int, 1), default=131072,
                    help="in-sample metrics stored in the YAML use this many leading tokens (default 131072); "
                         "--mode dp also learns from the requests of this many tokens, in evenly spaced windows")
@@ -1012,6 +1053,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("-o", "--output", help="also write the candidate placement here (POST /smoe/placement swaps it "
                                           "in live)")
     v.add_argument("--json", help="write {placement: {metric: value}} here")
+    polish(v)
     common(v)
     # the predictor is serving's default (cmd_advise); capacity and copies come from the served placement
     v.set_defaults(fn=cmd_advise, predictor=None, capacity=None, replicas=None)

@@ -1,0 +1,116 @@
+"""Polish one layer's expert placement on the routing itself: swaps of two experts scored by the
+objective a served step meets.
+
+coclust optimises token *ids* (every occurrence of an id goes to one rank). Served, a step's rows
+are ordered by their own top-k (predictor ``router``, and what every predictor approximates) under
+a per-step token cap, so an id's occurrences with different expert sets can land on different
+ranks. Starting from a solver's placement, this hill-climbs that served objective on sample rows:
+each round scores every swap of two experts on different ranks by a cheap uncapped estimate,
+then exactly (the capped assignment of :func:`.assign.assign_tokens` over the rows' batches,
+ranks preferred by :func:`.predict.prefer_ranks`) down the estimate's order, at most
+``shortlist`` of them, and takes the first that gains (on the fixture as good as the best of
+the shortlist, in half the time). Expert load never rises past ``max(max_expert_load, the input's)``.
+
+Shapes: T rows, K top-k, E experts, N = ep_size ranks, S distinct top-k sets.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .assign import assign_tokens
+from .predict import prefer_ranks
+
+
+def _local(topk: np.ndarray, batch_ids: np.ndarray, expert2rank: np.ndarray, ep_size: int, capacity: float) -> int:
+    """Activations local under the capped routed assignment: int."""
+    er = expert2rank[topk]
+    pref, conf = prefer_ranks(er, ep_size)
+    t2r = assign_tokens(pref, conf, batch_ids, ep_size, capacity)
+    return int((er == t2r[:, None]).sum())
+
+
+def _contrib(pairs: np.ndarray, set_of: np.ndarray, expert_of: np.ndarray, w: np.ndarray, C: np.ndarray,
+             expert2rank: np.ndarray, num_experts: int, block: int = 1 << 16) -> np.ndarray:
+    """Uncapped gain, summed over the (set, expert) incidence ``pairs``, of moving each expert
+    alone to each rank: [E, N] int64 (exact integers: updates add and subtract without drift).
+
+    set_of, expert_of: [S * K] every (set, expert) pair; w: [S] rows per set; C: [S, N] the set's
+    experts per rank. A set goes to its best rank, so its local count is max(C)."""
+    E, N = num_experts, C.shape[1]
+    g = np.zeros((E, N), dtype=np.int64)
+    for s in range(0, pairs.size, block):
+        p = pairs[s: s + block]
+        rows, ex = set_of[p], expert_of[p]
+        Cm = C[rows].astype(np.int64)
+        Cm[np.arange(rows.size), expert2rank[ex]] -= 1
+        new = np.maximum(Cm.max(axis=1, keepdims=True), Cm + 1)  # [P, N]: the expert moved to each rank
+        contrib = (new - C[rows].max(axis=1, keepdims=True)) * w[rows, None]
+        for r in range(N):  # bincount per rank: far faster than np.add.at; integers, exact in float64
+            g[:, r] += np.rint(np.bincount(ex, weights=contrib[:, r], minlength=E)).astype(np.int64)
+    return g
+
+
+def polish_routed(topk_layer: np.ndarray, batch_ids: np.ndarray, expert2rank: np.ndarray, ep_size: int,
+                  capacity: float = 1.10, load: np.ndarray | None = None, max_expert_load: float = 1.10,
+                  shortlist: int = 64, work: float = 1e8, max_evals: int | None = None) -> np.ndarray:
+    """Swap experts between ranks while the served objective on the rows rises.
+
+    topk_layer: [T, K] int, each row's routed experts in one layer (no sentinel);
+    batch_ids: [T] int, non-decreasing batch (engine step) of each row, the token cap's unit;
+    expert2rank: [E] int, the placement to start from (any rank sizes: swaps keep them);
+    load: [E] float, activations per expert for the compute-load guard (default: counted on
+    the rows); shortlist: swaps scored exactly at most per round; work: the budget of exact
+    scores, in row-experts scored (each costs T * K; at least one); max_evals overrides it.
+    Returns expert2rank [E] int32 whose local activations on the rows are >= the input's.
+    """
+    topk = np.asarray(topk_layer, dtype=np.int64)
+    e2r = np.asarray(expert2rank, dtype=np.int64).copy()
+    E, N = e2r.size, ep_size
+    if topk.ndim != 2 or topk.shape[0] != np.asarray(batch_ids).shape[0]:
+        raise ValueError(f"topk_layer must be [T, K] with batch_ids [T], got {topk.shape} and "
+                         f"{np.asarray(batch_ids).shape}")
+    if topk.size and (topk.min() < 0 or topk.max() >= E):
+        raise ValueError(f"topk_layer holds experts outside 0..{E - 1}")
+    if N < 2 or topk.shape[0] == 0:
+        return e2r.astype(np.int32)
+    load = np.bincount(topk.ravel(), minlength=E).astype(np.float64) if load is None else np.asarray(load, float)
+    rl = np.bincount(e2r, weights=load, minlength=N)
+    mean = rl.mean()
+    ceiling = max(max_expert_load, rl.max() / mean if mean > 0 else 1.0) * mean + 1e-9
+    sets, w = np.unique(np.sort(topk, axis=1), axis=0, return_counts=True)  # [S, K], [S]
+    S, K = sets.shape
+    set_of, expert_of = np.repeat(np.arange(S), K), sets.ravel()  # pair p = (set p // K, expert)
+    by_expert = np.argsort(expert_of, kind="stable")
+    first = np.searchsorted(expert_of[by_expert], np.arange(E + 1))  # pairs of expert e: by_expert[first[e]:]
+    C = np.bincount(set_of * N + e2r[expert_of], minlength=S * N).reshape(S, N)
+    g = _contrib(np.arange(set_of.size), set_of, expert_of, w, C, e2r, E)
+    best = _local(topk, batch_ids, e2r, N, capacity)
+    evals = max(1, int(work // max(1, topk.size))) if max_evals is None else max_evals
+    iu, ju = np.triu_indices(E, 1)
+    while evals > 0:
+        ra, rb = e2r[iu], e2r[ju]
+        est = g[iu, rb] + g[ju, ra]  # the two moves' gains (sets holding both are counted twice)
+        new_a, new_b = rl[ra] - load[iu] + load[ju], rl[rb] - load[ju] + load[iu]
+        cand = np.flatnonzero((ra != rb) & (np.maximum(new_a, new_b) <= ceiling))
+        cand = cand[np.argsort(-est[cand], kind="stable")[:min(shortlist, evals)]]
+        for c in cand:  # first improvement, in the estimate's order
+            a, b = iu[c], ju[c]
+            trial = e2r.copy()
+            trial[a], trial[b] = rb[c], ra[c]
+            val = _local(topk, batch_ids, trial, N, capacity)
+            evals -= 1
+            if val > best:
+                break
+        else:
+            break
+        # only the sets holding a or b change: take their pairs' gains out, move, put them back
+        hit = np.union1d(set_of[by_expert[first[a]: first[a + 1]]], set_of[by_expert[first[b]: first[b + 1]]])
+        pairs = (hit[:, None] * K + np.arange(K)).ravel()
+        g -= _contrib(pairs, set_of, expert_of, w, C, e2r, E)
+        e2r, best = trial, val
+        C[hit] = np.bincount(np.repeat(np.arange(hit.size), K) * N + e2r[sets[hit]].ravel(),
+                             minlength=hit.size * N).reshape(hit.size, N)
+        g += _contrib(pairs, set_of, expert_of, w, C, e2r, E)
+        rl = np.bincount(e2r, weights=load, minlength=N)
+    return e2r.astype(np.int32)
