@@ -46,6 +46,7 @@ from scipy.optimize import linear_sum_assignment
 
 from .counts import assign_token_ids, expert_gains, local_count, rank_scores, rank_sizes
 from .groups import broken_group
+from .polish import polish_routed
 
 
 def rename_ranks(current: np.ndarray, fresh: np.ndarray, N: int) -> np.ndarray:
@@ -311,7 +312,8 @@ def _resolve(layers: list["_Layer"], current: np.ndarray, start: np.ndarray, see
 def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.ndarray, max_moves: int,
                 ep_size: int, capacity: float = 1.10, groups: int = 1, swaps: bool = False,
                 max_expert_load: float = 1.10, balance_weight: float = BALANCE_WEIGHT,
-                resolve: bool = False) -> tuple[np.ndarray, dict]:
+                resolve: bool = False, rows: tuple[np.ndarray, np.ndarray] | None = None,
+                polish_evals: int = 0) -> tuple[np.ndarray, dict]:
     """The served placement with the fresh one's best exchange cycles applied, at most
     ``max_moves`` expert slots changed in all.
 
@@ -325,12 +327,15 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
     rank's training activations over the mean) past it or past what it is; balance_weight: local
     activations one activation of the busiest rank's excess over that cap is worth (0: the cap
     only guards); resolve: step 5 of the module's search after the greedy one (needs no
-    routing groups). When the budget covers every move and the fresh placement scores more, within
-    the same guard, it is the fresh placement (renamed). Returns (expert2rank [L, E] int32, info) with info: ``moved``
+    routing groups); rows: (topk_ids [T, L, K], batch_ids [T]) of the training rows: each layer
+    then ends with :func:`.polish.polish_routed` (``polish_evals`` exact scores) within the moves
+    left (no routing groups or uneven split). When the budget covers every move and the fresh
+    placement scores more, within the same guard, it is the fresh placement (renamed). Returns (expert2rank [L, E] int32, info) with info: ``moved``
     slots, ``cycles`` (units) applied, ``swaps`` applied (by the greedy search), ``resolved``
     (whether step 5 bettered it), ``programs`` (0-1 programs step 5 solved), ``fresh_moves`` (slots the renamed
     fresh placement moves), ``score`` of current, result and fresh (the capped objective summed
-    over layers, without the balance term), ``expert_load`` of each (the most over layers)."""
+    over layers, without the balance term), ``expert_load`` of each (the most over layers),
+    ``polished``: layers the polish changed."""
     current = np.asarray(current, dtype=np.int64)
     fresh = np.asarray(fresh, dtype=np.int64)
     if current.shape != fresh.shape or current.ndim != 2:
@@ -431,11 +436,23 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
         resolved = False
         for layer, x in enumerate(layers):
             x.e2r = target[layer].copy()
+    polished = 0
+    if rows is not None and polish_evals > 0 and groups <= 1 and (sizes == sizes[0]).all():
+        for layer, x in enumerate(layers):  # in order, each with the moves the others left
+            left = max_moves - sum(int((y.e2r != current[i]).sum()) for i, y in enumerate(layers))
+            mine = int((x.e2r != current[layer]).sum())
+            new = polish_routed(rows[0][:, layer], rows[1], x.e2r, ep_size, capacity,
+                                load=np.asarray(layer_counts[layer].sum(axis=0)).ravel(),
+                                max_expert_load=max_expert_load, max_evals=polish_evals,
+                                home=current[layer], max_moved=mine + left)
+            polished += int(not np.array_equal(new, x.e2r))
+            x.e2r = new.astype(np.int64)
     score["result"] = sum(x.local(x.e2r) for x in layers)
     score["fresh"] = sum(x.local(target[layer]) for layer, x in enumerate(layers))
     load["result"] = max(x.load_ratio(x.e2r) for x in layers)
     load["fresh"] = max(x.load_ratio(target[layer]) for layer, x in enumerate(layers))
     out = np.stack([x.e2r for x in layers]).astype(np.int32)
     info = {"moved": int((out != current).sum()), "cycles": applied, "swaps": swapped, "resolved": resolved,
-            "programs": programs, "fresh_moves": int((target != current).sum()), "score": score, "expert_load": load}
+            "programs": programs, "fresh_moves": int((target != current).sum()), "score": score, "expert_load": load,
+            "polished": polished}
     return out, info

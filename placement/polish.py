@@ -53,7 +53,8 @@ def _contrib(pairs: np.ndarray, set_of: np.ndarray, expert_of: np.ndarray, w: np
 
 def polish_routed(topk_layer: np.ndarray, batch_ids: np.ndarray, expert2rank: np.ndarray, ep_size: int,
                   capacity: float = 1.10, load: np.ndarray | None = None, max_expert_load: float = 1.10,
-                  shortlist: int = 64, work: float = 1e8, max_evals: int | None = None) -> np.ndarray:
+                  shortlist: int = 64, work: float = 1e8, max_evals: int | None = None,
+                  home: np.ndarray | None = None, max_moved: int | None = None) -> np.ndarray:
     """Swap experts between ranks while the served objective on the rows rises.
 
     topk_layer: [T, K] int, each row's routed experts in one layer (no sentinel);
@@ -61,7 +62,9 @@ def polish_routed(topk_layer: np.ndarray, batch_ids: np.ndarray, expert2rank: np
     expert2rank: [E] int, the placement to start from (any rank sizes: swaps keep them);
     load: [E] float, activations per expert for the compute-load guard (default: counted on
     the rows); shortlist: swaps scored exactly at most per round; work: the budget of exact
-    scores, in row-experts scored (each costs T * K; at least one); max_evals overrides it.
+    scores, in row-experts scored (each costs T * K; at least one); max_evals overrides it;
+    home: [E] int, with max_moved: no swap leaves more than max_moved experts off their home rank
+    (a live swap's move budget; the input may already use some of it).
     Returns expert2rank [E] int32 whose local activations on the rows are >= the input's.
     """
     topk = np.asarray(topk_layer, dtype=np.int64)
@@ -72,6 +75,9 @@ def polish_routed(topk_layer: np.ndarray, batch_ids: np.ndarray, expert2rank: np
                          f"{np.asarray(batch_ids).shape}")
     if topk.size and (topk.min() < 0 or topk.max() >= E):
         raise ValueError(f"topk_layer holds experts outside 0..{E - 1}")
+    if (home is None) != (max_moved is None):
+        raise ValueError("home and max_moved go together")
+    home = None if home is None else np.asarray(home, dtype=np.int64)
     if N < 2 or topk.shape[0] == 0:
         return e2r.astype(np.int32)
     load = np.bincount(topk.ravel(), minlength=E).astype(np.float64) if load is None else np.asarray(load, float)
@@ -92,7 +98,12 @@ def polish_routed(topk_layer: np.ndarray, batch_ids: np.ndarray, expert2rank: np
         ra, rb = e2r[iu], e2r[ju]
         est = g[iu, rb] + g[ju, ra]  # the two moves' gains (sets holding both are counted twice)
         new_a, new_b = rl[ra] - load[iu] + load[ju], rl[rb] - load[ju] + load[iu]
-        cand = np.flatnonzero((ra != rb) & (np.maximum(new_a, new_b) <= ceiling))
+        ok = (ra != rb) & (np.maximum(new_a, new_b) <= ceiling)
+        if home is not None:  # experts off home after the swap, against the budget
+            moved = int((e2r != home).sum()) + (rb != home[iu]).astype(int) + (ra != home[ju]) \
+                - (ra != home[iu]) - (rb != home[ju])
+            ok &= moved <= max_moved
+        cand = np.flatnonzero(ok)
         cand = cand[np.argsort(-est[cand], kind="stable")[:min(shortlist, evals)]]
         for c in cand:  # first improvement, in the estimate's order
             a, b = iu[c], ju[c]

@@ -124,3 +124,32 @@ def test_place_model_polishes_coclust_on_the_rows_and_only_there():
                                                   rows=(topk, batch), **kw)[0])
     np.testing.assert_array_equal(place_model("metis", counts, 2)[0], place_model("metis", counts, 2,
                                                                                  rows=(topk, batch))[0])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.integers(0, 2**16), st.integers(0, 6))
+def test_property_a_move_budget_holds(case, seed, max_moved):
+    topk, batch, start, N, mel = case
+    home = np.random.default_rng(seed).permutation(start)
+    out = polish_routed(topk, batch, start, N, max_expert_load=mel, home=home, max_moved=max_moved,
+                        shortlist=10**6, max_evals=10**6)
+    assert (out != home).sum() <= max((start != home).sum(), max_moved)
+    assert routed_lar(topk, batch, out, N) >= routed_lar(topk, batch, start, N) - 1e-12
+    with pytest.raises(ValueError, match="go together"):
+        polish_routed(topk, batch, start, N, home=home)
+
+
+def test_limit_moves_polishes_within_the_moves_left():
+    from vllm_smoe.placement.migrate import limit_moves
+
+    tok, topk, batch = _fixture_like(seed=3)
+    counts = RoutingCounts.from_arrays(tok, topk, 8)
+    current = np.array([[0, 1, 0, 1, 0, 1, 0, 1]])
+    fresh, _, _ = place_model("coclust", counts, 2, rows=(topk, batch))
+    A = [counts.layer_matrix(0)]
+    occ = counts.seen()[1]
+    for budget in (0, 2, 4, 8):
+        plain, info0 = limit_moves(current, fresh, A, occ, budget, 2)
+        out, info = limit_moves(current, fresh, A, occ, budget, 2, rows=(topk, batch), polish_evals=64)
+        assert info["moved"] == int((out != current).sum()) <= budget
+        assert routed_lar(topk[:, 0], batch, out[0], 2) >= routed_lar(topk[:, 0], batch, plain[0], 2)

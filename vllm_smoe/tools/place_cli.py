@@ -189,6 +189,12 @@ def _polish_note(rows, num_layers: int, method: str) -> bool:
     return n >= POLISH_MIN_SCORES
 
 
+def _polish_evals(rows, num_layers: int, method: str) -> int:
+    """Exact scores per layer the polish of a coclust placement may spend on ``rows`` (0: none)."""
+    n = polish_scores(rows[0].shape, num_layers) if rows is not None and method in POLISHED else 0
+    return n if n >= POLISH_MIN_SCORES else 0
+
+
 def _solve(method, counts, meta, args, ep_size, nodes, embeddings=None, groups=1, rows=None):
     """Run one method on a trace's counts; returns (expert2rank, replicas, tables or None,
     seconds, peak MiB). rows: see place_model. Time and memory cover placement plus predictor tables: the peak resident
@@ -812,8 +818,9 @@ def cmd_advise(a) -> int:
                      in_flight=a.in_flight, concurrency=a.decode_concurrency)
     else:
         method = p.method if p.method in PREDICTED else "coclust"
+        prow = _polish_rows(train, batch[~late], a.polish_tokens) if p.nodes == 1 else None
         e2r, reps, tables, secs, _ = _solve(method, counts, meta, a, p.ep_size, p.nodes, emb, groups=p.groups,
-                                            rows=_polish_rows(train, batch[~late], a.polish_tokens))
+                                            rows=prow)
         holds = holds_from_expert2rank(e2r, p.ep_size, reps)
         tables = _with_bigrams(tables, train, holds, meta.vocab_size, a.bigram_pairs, a.batch_tokens)
         if learned:
@@ -836,7 +843,8 @@ def cmd_advise(a) -> int:
         e2r, info = limit_moves(p.expert2rank, e2r, [counts.layer_matrix(layer) for layer in range(meta.num_layers)],
                                 counts.seen()[1], budget, p.ep_size, capacity=p.capacity, groups=p.groups,
                                 swaps=True, resolve=True, max_expert_load=a.max_expert_load,  # BENCHMARKS.md
-                                balance_weight=BALANCE_WEIGHT if a.balance_weight is None else a.balance_weight)
+                                balance_weight=BALANCE_WEIGHT if a.balance_weight is None else a.balance_weight,
+                                rows=prow, polish_evals=_polish_evals(prow, meta.num_layers, method))
         holds = holds_from_expert2rank(e2r, p.ep_size)
         tables = _with_bigrams(tables_for_placement(counts, holds, meta.vocab_size, emb), train, holds,
                                meta.vocab_size, a.bigram_pairs, a.batch_tokens)
@@ -856,7 +864,8 @@ def cmd_advise(a) -> int:
         print(f"moves: the candidate changes {new['moved_slots']} of {p.expert2rank.size} expert slots (its ranks "
               f"renamed to agree with the served ones), the limited one {info['moved']} (" + (
                   f"placed by a 0-1 program, {info['programs']} solved, bettering the greedy search" if info["resolved"]
-                  else f"{info['cycles']} of its exchange cycles, {info['swaps']} swaps of two experts") + f"){kept}")
+                  else f"{info['cycles']} of its exchange cycles, {info['swaps']} swaps of two experts") + (
+                  f"; polished on the routing in {info['polished']} layer(s)" if info["polished"] else "") + f"){kept}")
         load = info["expert_load"]
         print(f"expert load on the training half (the most over layers; cap {a.max_expert_load:g}): served "
               f"{load['current']:.2f}, candidate {load['fresh']:.2f}, limited {load['result']:.2f}")
