@@ -5,11 +5,13 @@ coclust optimises token *ids* (every occurrence of an id goes to one rank). Serv
 are ordered by their own top-k (predictor ``router``, and what every predictor approximates) under
 a per-step token cap, so an id's occurrences with different expert sets can land on different
 ranks. Starting from a solver's placement, this hill-climbs that served objective on sample rows:
-each round scores every swap of two experts on different ranks by a cheap uncapped estimate,
-then exactly (the capped assignment of :func:`.assign.assign_tokens` over the rows' batches,
-ranks preferred by :func:`.predict.prefer_ranks`) down the estimate's order, at most
-``shortlist`` of them, and takes the first that gains (on the fixture as good as the best of
-the shortlist, in half the time). Expert load never rises past ``max(max_expert_load, the input's)``.
+each round ranks every swap of two experts on different ranks by an uncapped estimate (each
+expert's gain from moving alone, over the distinct top-k sets; a taken swap updates only the
+sets that hold its two experts), scores swaps exactly down that order (the capped assignment of
+:func:`.assign.assign_tokens` over the rows' batches, ranks preferred by
+:func:`.predict.prefer_ranks`), at most ``shortlist`` of them, and takes the first that gains (on
+the fixture as good as the best of the shortlist, in half the time). Expert load never rises
+past ``max(max_expert_load, the input's)``; with ``home`` a live swap's move budget holds too.
 
 Shapes: T rows, K top-k, E experts, N = ep_size ranks, S distinct top-k sets.
 """
