@@ -77,7 +77,8 @@ def main(argv=None) -> int:
     rows = []
     for rnd in range(a.rounds):
         for placement in ["", *a.placement]:
-            r = subprocess.run([sys.executable, __file__, "--model", a.model, "--prompt-len", str(a.prompt_len), "--prompts", str(a.prompts), "--iters",
+            r = subprocess.run([sys.executable, __file__, "--model", a.model, "--prompt-len", str(a.prompt_len),
+                                "--prompts", str(a.prompts), "--iters",
                                 str(a.iters), "--engine", placement], capture_output=True, text=True, env=env)
             line = [ln for ln in r.stdout.splitlines() if ln.startswith("SMOE_PREFILL ")]
             if r.returncode or not line:
