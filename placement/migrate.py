@@ -331,9 +331,10 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
     then ends with :func:`.polish.polish_routed` (``polish_evals`` exact scores) within the moves
     left (no routing groups or uneven split). When the budget covers every move and the fresh
     placement scores more, within the same guard, it is the fresh placement (renamed).
-    Returns (expert2rank [L, E] int32, info) with info: ``moved`` slots, ``cycles`` (units) applied, ``swaps`` applied (by the greedy search), ``resolved``
-    (whether step 5 bettered it), ``programs`` (0-1 programs step 5 solved), ``fresh_moves`` (slots the renamed
-    fresh placement moves), ``score`` of current, result and fresh (the capped objective summed
+    Returns (expert2rank [L, E] int32, info) with info: ``moved`` slots, ``cycles`` (units)
+    applied, ``swaps`` applied (by the greedy search), ``resolved`` (whether step 5 bettered it),
+    ``programs`` (0-1 programs step 5 solved), ``fresh_moves`` (slots the renamed fresh placement
+    moves), ``score`` of current, result and fresh (the capped objective summed
     over layers, without the balance term), ``expert_load`` of each (the most over layers),
     ``polished``: layers the polish changed."""
     current = np.asarray(current, dtype=np.int64)
