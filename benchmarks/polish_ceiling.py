@@ -18,18 +18,8 @@ import time
 import numpy as np
 import yaml
 
-from vllm_smoe.placement.assign import assign_tokens
-from vllm_smoe.placement.polish import polish_routed
-from vllm_smoe.placement.predict import prefer_ranks
+from vllm_smoe.placement.polish import polish_routed, routed_local
 from vllm_smoe.testbed import FIXTURE_TRACES
-
-
-def _routed_lar(topk: np.ndarray, batch: np.ndarray, e2r: np.ndarray, N: int) -> float:
-    """Share of activations local when each row goes to the rank holding most of its experts,
-    capped at 1.10 per step (the capped oracle)."""
-    er = e2r[topk]
-    t2r = assign_tokens(*prefer_ranks(er, N), batch, N, 1.10)
-    return float((er == t2r[:, None]).mean())
 
 
 def _rows(path: str) -> tuple[np.ndarray, np.ndarray]:
@@ -57,7 +47,7 @@ def main(argv=None) -> int:
         e0 = np.asarray(entry.get("expert_to_rank", entry.get("expert2rank")), dtype=np.int64)
         e1 = polish_routed(fit[:, layer], fit_batch, e0, N, max_expert_load=a.max_expert_load,
                            **({"shortlist": 10**9, "max_evals": 10**9} if a.evals == 0 else {"max_evals": a.evals}))
-        before, after = (_routed_lar(he[:, layer], he_batch, e, N) for e in (e0, e1))
+        before, after = (routed_local(he[:, layer], he_batch, e, N, 1.10) / he[:, layer].size for e in (e0, e1))
         out.append((before, after))
         print(f"layer {layer}: held-out LAR {before:.4f} -> {after:.4f}, {(e0 != e1).sum()} experts moved "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)

@@ -46,7 +46,7 @@ EXACT_SIZES = ("linear", "round_robin")
 # polished on sample rows' routing where place_model is given them (plain layouts: no nodes,
 # routing groups or uneven split, whose structure a free swap would break)
 POLISHED = ("coclust",)
-# the polish's budget for the whole model, in row-experts scored exactly (polish_routed's work):
+# the polish's budget for the whole model, in row-experts scored exactly (T * K each):
 # a small model's layers get all they use (the fixture's 4 layers: 190 scores of 131072 rows),
 # a big one's a bounded share, none where a layer's is under POLISH_MIN_SCORES, which would not
 # pay for its set-up (DeepSeek-V3's 58 layers, top-8: 6 scores of 131072 rows; 17 of 49152)
@@ -56,10 +56,12 @@ POLISH_MIN_SCORES = 16
 PREDICTED = ("coclust", "alternating", "ceo", "metis", "bytes")
 
 
-def polish_scores(rows_shape: tuple[int, ...], num_layers: int) -> int:
-    """Exact scores each layer's polish may spend, for sample rows of shape [T, L, K]."""
+def polish_evals(rows_shape: tuple[int, ...], num_layers: int, method: str) -> int:
+    """Exact scores each layer's polish spends on sample rows of shape [T, L, K]: 0 where
+    ``method`` is not polished or a layer's share of POLISH_WORK is under POLISH_MIN_SCORES."""
     T, _, K = rows_shape
-    return int(POLISH_WORK / num_layers // max(1, T * K))
+    n = int(POLISH_WORK / num_layers // max(1, T * K))
+    return n if method in POLISHED and n >= POLISH_MIN_SCORES else 0
 
 
 def polish_fit(num_layers: int, top_k: int) -> int:
@@ -200,8 +202,8 @@ def _solve_layer(counts: RoutingCounts, layer: int, method: str, ep_size: int, n
         e2r = _hierarchical(solver, A, occ, ep_size, nodes, capacity, theta, seed + layer, max_expert_load)
     else:
         e2r = np.asarray(solver(A, occ, ep_size, capacity, theta, seed + layer, max_expert_load), dtype=np.int32)
-        scores = polish_scores(rows[0].shape, counts.num_layers) if rows is not None else 0
-        if method in POLISHED and e2r.size == counts.num_experts and scores >= POLISH_MIN_SCORES:
+        scores = polish_evals(rows[0].shape, counts.num_layers, method) if rows is not None else 0
+        if scores and e2r.size == counts.num_experts:
             e2r = polish_routed(rows[0][:, layer], rows[1], e2r, ep_size, capacity,
                                 load=np.asarray(A.sum(axis=0)).ravel(), max_expert_load=max_expert_load,
                                 max_evals=scores)

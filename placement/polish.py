@@ -24,8 +24,10 @@ from .assign import assign_tokens
 from .predict import prefer_ranks
 
 
-def _local(topk: np.ndarray, batch_ids: np.ndarray, expert2rank: np.ndarray, ep_size: int, capacity: float) -> int:
-    """Activations local under the capped routed assignment: int."""
+def routed_local(topk: np.ndarray, batch_ids: np.ndarray, expert2rank: np.ndarray, ep_size: int, capacity: float) -> int:
+    """Activations local on rows topk [T, K] (batches batch_ids [T]) when each row goes to the rank
+    holding most of its experts under the per-batch cap (the capped oracle, what ``evaluate
+    --predictor router`` scores): int."""
     er = expert2rank[topk]
     pref, conf = prefer_ranks(er, ep_size)
     t2r = assign_tokens(pref, conf, batch_ids, ep_size, capacity)
@@ -55,7 +57,7 @@ def _contrib(pairs: np.ndarray, set_of: np.ndarray, expert_of: np.ndarray, w: np
 
 def polish_routed(topk_layer: np.ndarray, batch_ids: np.ndarray, expert2rank: np.ndarray, ep_size: int,
                   capacity: float = 1.10, load: np.ndarray | None = None, max_expert_load: float = 1.10,
-                  shortlist: int = 64, work: float = 1e8, max_evals: int | None = None,
+                  shortlist: int = 64, max_evals: int = 1024,
                   home: np.ndarray | None = None, max_moved: int | None = None) -> np.ndarray:
     """Swap experts between ranks while the served objective on the rows rises.
 
@@ -63,8 +65,8 @@ def polish_routed(topk_layer: np.ndarray, batch_ids: np.ndarray, expert2rank: np
     batch_ids: [T] int, non-decreasing batch (engine step) of each row, the token cap's unit;
     expert2rank: [E] int, the placement to start from (any rank sizes: swaps keep them);
     load: [E] float, activations per expert for the compute-load guard (default: counted on
-    the rows); shortlist: swaps scored exactly at most per round; work: the budget of exact
-    scores, in row-experts scored (each costs T * K; at least one); max_evals overrides it;
+    the rows); shortlist: swaps scored exactly at most per round; max_evals: exact scores in all
+    (each costs one capped assignment of the T rows);
     home: [E] int, with max_moved: no swap leaves more than max_moved experts off their home rank
     (a live swap's move budget; the input may already use some of it).
     Returns expert2rank [E] int32 whose local activations on the rows are >= the input's.
@@ -93,8 +95,8 @@ def polish_routed(topk_layer: np.ndarray, batch_ids: np.ndarray, expert2rank: np
     first = np.searchsorted(expert_of[by_expert], np.arange(E + 1))  # pairs of expert e: by_expert[first[e]:]
     C = np.bincount(set_of * N + e2r[expert_of], minlength=S * N).reshape(S, N)
     g = _contrib(np.arange(set_of.size), set_of, expert_of, w, C, e2r, E)
-    best = _local(topk, batch_ids, e2r, N, capacity)
-    evals = max(1, int(work // max(1, topk.size))) if max_evals is None else max_evals
+    best = routed_local(topk, batch_ids, e2r, N, capacity)
+    evals = max_evals
     iu, ju = np.triu_indices(E, 1)
     while evals > 0:
         ra, rb = e2r[iu], e2r[ju]
@@ -111,7 +113,7 @@ def polish_routed(topk_layer: np.ndarray, batch_ids: np.ndarray, expert2rank: np
             a, b = iu[c], ju[c]
             trial = e2r.copy()
             trial[a], trial[b] = rb[c], ra[c]
-            val = _local(topk, batch_ids, trial, N, capacity)
+            val = routed_local(topk, batch_ids, trial, N, capacity)
             evals -= 1
             if val > best:
                 break

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from vllm_smoe.placement.layout import place_model
 from vllm_smoe.placement.metrics import evaluate, holds_from_expert2rank
 from vllm_smoe.placement.online import simulate
-from vllm_smoe.placement.polish import polish_routed
+from vllm_smoe.placement.polish import polish_routed, routed_local
 from vllm_smoe.placement.routing_counts import RoutingCounts
 
 
@@ -71,6 +71,13 @@ def cases(draw):
     batch = np.sort(rng.integers(0, draw(st.integers(1, 4)), T))
     start = rng.permutation(np.repeat(np.arange(N), E // N))
     return topk, batch, start, N, draw(st.sampled_from([1.0, 1.1, 1.5]))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.sampled_from([1.0, 1.1, 1.5]))
+def test_property_routed_local_is_what_evaluate_router_scores(case, capacity):
+    topk, batch, start, N, _ = case
+    assert routed_local(topk, batch, start, N, capacity) == round(routed_lar(topk, batch, start, N, capacity) * topk.size)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -24,7 +24,7 @@ from ..placement.dp import (DECODE_CONCURRENCY, assign_requests, place_requests,
                            workload_scores)
 from ..placement.groups import check_groups
 from ..placement.layout import (NEEDS_INSTANCES, POLISH_MIN_SCORES, POLISHED, PREDICTED, SOLVERS, place_model,
-                                polish_fit, polish_scores)
+                                polish_evals, polish_fit)
 from ..placement.metrics import evaluate, holds_from_expert2rank, local_share, recommend
 from ..placement.migrate import BALANCE_WEIGHT, limit_moves, rename_ranks
 from ..placement.online import PREDICTORS as SIM_PREDICTORS
@@ -180,19 +180,13 @@ def _polish_note(rows, num_layers: int, method: str) -> bool:
     exact scores per layer to run."""
     if rows is None or method not in POLISHED + ("auto",):
         return False
-    n = polish_scores(rows[0].shape, num_layers)
-    if n < POLISH_MIN_SCORES:
-        T, L, K = rows[0].shape
-        print(f"--polish-tokens {T}: {L} layers x top-{K} leave {n} exact scores per layer (fewer than "
-              f"{POLISH_MIN_SCORES}): coclust's placement kept unpolished; --polish-tokens {polish_fit(L, K)} "
-              f"or fewer polishes on fewer rows", file=sys.stderr)
-    return n >= POLISH_MIN_SCORES
-
-
-def _polish_evals(rows, num_layers: int, method: str) -> int:
-    """Exact scores per layer the polish of a coclust placement may spend on ``rows`` (0: none)."""
-    n = polish_scores(rows[0].shape, num_layers) if rows is not None and method in POLISHED else 0
-    return n if n >= POLISH_MIN_SCORES else 0
+    if polish_evals(rows[0].shape, num_layers, "coclust"):
+        return True
+    T, L, K = rows[0].shape
+    print(f"--polish-tokens {T}: {L} layers x top-{K} leave fewer than {POLISH_MIN_SCORES} exact scores per "
+          f"layer: coclust's placement kept unpolished; --polish-tokens {polish_fit(L, K)} "
+          f"or fewer polishes on fewer rows", file=sys.stderr)
+    return False
 
 
 def _solve(method, counts, meta, args, ep_size, nodes, embeddings=None, groups=1, rows=None):
@@ -844,7 +838,8 @@ def cmd_advise(a) -> int:
                                 counts.seen()[1], budget, p.ep_size, capacity=p.capacity, groups=p.groups,
                                 swaps=True, resolve=True, max_expert_load=a.max_expert_load,  # BENCHMARKS.md
                                 balance_weight=BALANCE_WEIGHT if a.balance_weight is None else a.balance_weight,
-                                rows=prow, polish_evals=_polish_evals(prow, meta.num_layers, method))
+                                rows=prow,
+                                polish_evals=0 if prow is None else polish_evals(prow[0].shape, meta.num_layers, method))
         holds = holds_from_expert2rank(e2r, p.ep_size)
         tables = _with_bigrams(tables_for_placement(counts, holds, meta.vocab_size, emb), train, holds,
                                meta.vocab_size, a.bigram_pairs, a.batch_tokens)
