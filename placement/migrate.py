@@ -46,12 +46,17 @@ from scipy.optimize import linear_sum_assignment
 
 from .counts import assign_token_ids, expert_gains, local_count, rank_scores, rank_sizes
 from .groups import broken_group
-from .polish import polish_routed
+from .polish import polish_routed, routed_score
 
 
-def rename_ranks(current: np.ndarray, fresh: np.ndarray, N: int) -> np.ndarray:
-    """fresh ([L, E] int expert2rank) with its N ranks renamed to agree with current ([L, E])
-    on the most experts, one renaming for all layers (Hungarian on the rank overlap)."""
+def rank_names(current: np.ndarray, fresh: np.ndarray, N: int, per_layer: bool = False) -> np.ndarray:
+    """[L, N] int64: the name each of fresh's ranks takes in each layer so that fresh ([L, E] int
+    expert2rank) agrees with current ([L, E]) on the most experts (Hungarian on the rank
+    overlap): one renaming for all layers (every row the same), or with ``per_layer`` one for
+    each layer (fewer moves; rank names then agree across layers only as far as current's do,
+    which an order per MoE layer does not need)."""
+    if per_layer:
+        return np.concatenate([rank_names(c[None], f[None], N) for c, f in zip(current, fresh)])
     overlap = np.zeros((N, N), dtype=np.int64)
     np.add.at(overlap, (current.reshape(-1), fresh.reshape(-1)), 1)
     # where N does not divide E, a rank keeps vLLM's size: only ranks of one size trade names
@@ -60,7 +65,12 @@ def rename_ranks(current: np.ndarray, fresh: np.ndarray, N: int) -> np.ndarray:
     rows, cols = linear_sum_assignment(overlap, maximize=True)
     name = np.empty(N, dtype=np.int64)
     name[cols] = rows
-    return name[fresh]
+    return np.tile(name, (current.shape[0], 1))
+
+
+def rename_ranks(current: np.ndarray, fresh: np.ndarray, N: int, per_layer: bool = False) -> np.ndarray:
+    """fresh ([L, E] int expert2rank) with its ranks renamed by :func:`rank_names`."""
+    return np.take_along_axis(rank_names(current, fresh, N, per_layer), np.asarray(fresh, dtype=np.int64), axis=1)
 
 
 def _cycles(current: np.ndarray, target: np.ndarray) -> list[list[int]]:
@@ -309,11 +319,60 @@ def _resolve(layers: list["_Layer"], current: np.ndarray, start: np.ndarray, see
     return best, solved
 
 
+def _polish_across(e2r: np.ndarray, current: np.ndarray, rows: tuple[np.ndarray, np.ndarray], loads: np.ndarray,
+                   max_moves: int, ep_size: int, capacity: float, max_expert_load: float, balance_weight: float,
+                   evals: int, step: int = 32) -> tuple[np.ndarray, int]:
+    """:func:`.polish.polish_routed` on every layer with one move budget for the model: each layer
+    proposes the swaps its next ``step`` exact scores find (within the moves left), and the
+    proposal gaining most routed local activations per slot it moves is taken, so the budget goes
+    where the routing pays most rather than to the first layers.
+
+    e2r, current: [L, E] int (the start, and the served placement moves are counted against);
+    rows: (topk_ids [T, L, K], batch_ids [T]); loads: [L, E] float activations per expert (the
+    compute-load guard); evals: exact scores per layer on average. Returns (expert2rank [L, E]
+    int64, layers changed)."""
+    e2r = np.asarray(e2r, dtype=np.int64).copy()
+    L = e2r.shape[0]
+    topk, batch = rows
+    def score(layer, e):
+        return routed_score(topk[:, layer], batch, e, ep_size, capacity, loads[layer], max_expert_load, balance_weight)
+    value = [score(layer, e2r[layer]) for layer in range(L)]
+    prop: list = [None] * L  # per layer: (gain per slot, gain, cost, placement) or False (nothing found)
+    spent, total, changed = 0, evals * L, set()
+    while spent < total:
+        left = max_moves - int((e2r != current).sum())
+        for layer in range(L):
+            if prop[layer] is None and spent < total:
+                mine = int((e2r[layer] != current[layer]).sum())
+                new = polish_routed(topk[:, layer], batch, e2r[layer], ep_size, capacity, load=loads[layer],
+                                    max_expert_load=max_expert_load, max_evals=min(step, total - spent),
+                                    home=current[layer], max_moved=mine + left,
+                                    balance_weight=balance_weight).astype(np.int64)
+                spent += step
+                gain = score(layer, new) - value[layer]
+                cost = int((new != current[layer]).sum()) - mine
+                prop[layer] = (gain / max(cost, 0.5), gain, cost, new) if gain > 0 else False
+        live = [layer for layer in range(L) if prop[layer] and prop[layer][2] <= left]
+        if not live:
+            if any(prop[layer] for layer in range(L)):  # proposals over the moves now left: ask again
+                prop = [None if p else p for p in prop]
+                continue
+            break
+        best = max(live, key=lambda layer: prop[layer][0])
+        _, gain, _, e2r[best] = prop[best]
+        value[best] += gain
+        changed.add(best)
+        prop[best] = None
+        if max_moves - int((e2r != current).sum()) < left:  # others' proposals may no longer fit
+            prop = [None if p and p[2] > max_moves - int((e2r != current).sum()) else p for p in prop]
+    return e2r, len(changed)
+
+
 def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.ndarray, max_moves: int,
                 ep_size: int, capacity: float = 1.10, groups: int = 1, swaps: bool = False,
                 max_expert_load: float = 1.10, balance_weight: float = BALANCE_WEIGHT,
                 resolve: bool = False, rows: tuple[np.ndarray, np.ndarray] | None = None,
-                polish_evals: int = 0) -> tuple[np.ndarray, dict]:
+                polish_evals: int = 0, per_layer: bool = False) -> tuple[np.ndarray, dict]:
     """The served placement with the fresh one's best exchange cycles applied, at most
     ``max_moves`` expert slots changed in all.
 
@@ -351,7 +410,7 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
         if e2r.max() >= ep_size or any((np.bincount(row, minlength=ep_size) != sizes).any() for row in e2r):
             raise ValueError(f"{name}: every rank must hold its {sizes.tolist()} experts in every layer "
                              f"(vLLM's split of {E} over {ep_size})")
-    target = rename_ranks(current, fresh, ep_size)
+    target = rename_ranks(current, fresh, ep_size, per_layer)
     occ = np.asarray(occ, dtype=np.float64)
     layers = [_Layer(layer_counts[layer], occ, current[layer], ep_size, capacity, max_expert_load,
                      balance_weight) for layer in range(L)]
@@ -439,15 +498,12 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
             x.e2r = target[layer].copy()
     polished = 0
     if rows is not None and polish_evals > 0 and groups <= 1 and (sizes == sizes[0]).all():
-        for layer, x in enumerate(layers):  # in order, each with the moves the others left
-            left = max_moves - sum(int((y.e2r != current[i]).sum()) for i, y in enumerate(layers))
-            mine = int((x.e2r != current[layer]).sum())
-            new = polish_routed(rows[0][:, layer], rows[1], x.e2r, ep_size, capacity,
-                                load=np.asarray(layer_counts[layer].sum(axis=0)).ravel(),
-                                max_expert_load=max_expert_load, max_evals=polish_evals,
-                                home=current[layer], max_moved=mine + left)
-            polished += int(not np.array_equal(new, x.e2r))
-            x.e2r = new.astype(np.int64)
+        loads = np.stack([np.asarray(layer_counts[layer].sum(axis=0)).ravel() for layer in range(L)])
+        greedy = np.stack([x.e2r for x in layers])
+        out, polished = _polish_across(greedy, current, rows, loads, max_moves, ep_size, capacity,
+                                       max_expert_load, balance_weight, polish_evals)
+        for layer, x in enumerate(layers):
+            x.e2r = out[layer]
     score["result"] = sum(x.local(x.e2r) for x in layers)
     score["fresh"] = sum(x.local(target[layer]) for layer, x in enumerate(layers))
     load["result"] = max(x.load_ratio(x.e2r) for x in layers)

@@ -34,6 +34,18 @@ def routed_local(topk: np.ndarray, batch_ids: np.ndarray, expert2rank: np.ndarra
     return int((er == t2r[:, None]).sum())
 
 
+def routed_score(topk: np.ndarray, batch_ids: np.ndarray, expert2rank: np.ndarray, ep_size: int, capacity: float,
+                 load: np.ndarray, max_expert_load: float, balance_weight: float) -> float:
+    """:func:`routed_local` less ``balance_weight`` x the activations (in the rows' units) the
+    busiest rank holds past ``max_expert_load`` x the mean (load: [E] float, any scale): the
+    objective of a live swap that must also bring a layer's expert load down."""
+    local = routed_local(topk, batch_ids, expert2rank, ep_size, capacity)
+    if balance_weight == 0 or load.sum() <= 0:
+        return float(local)
+    rl = np.bincount(expert2rank, weights=load, minlength=ep_size)
+    return local - balance_weight * topk.size / load.sum() * max(0.0, rl.max() - max_expert_load * rl.mean())
+
+
 def _contrib(pairs: np.ndarray, set_of: np.ndarray, expert_of: np.ndarray, w: np.ndarray, C: np.ndarray,
              expert2rank: np.ndarray, num_experts: int, block: int = 1 << 16) -> np.ndarray:
     """Uncapped gain, summed over the (set, expert) incidence ``pairs``, of moving each expert
@@ -57,8 +69,8 @@ def _contrib(pairs: np.ndarray, set_of: np.ndarray, expert_of: np.ndarray, w: np
 
 def polish_routed(topk_layer: np.ndarray, batch_ids: np.ndarray, expert2rank: np.ndarray, ep_size: int,
                   capacity: float = 1.10, load: np.ndarray | None = None, max_expert_load: float = 1.10,
-                  shortlist: int = 64, max_evals: int = 1024,
-                  home: np.ndarray | None = None, max_moved: int | None = None) -> np.ndarray:
+                  shortlist: int = 64, max_evals: int = 1024, home: np.ndarray | None = None,
+                  max_moved: int | None = None, balance_weight: float = 0.0) -> np.ndarray:
     """Swap experts between ranks while the served objective on the rows rises.
 
     topk_layer: [T, K] int, each row's routed experts in one layer (no sentinel);
@@ -68,8 +80,9 @@ def polish_routed(topk_layer: np.ndarray, batch_ids: np.ndarray, expert2rank: np
     the rows); shortlist: swaps scored exactly at most per round; max_evals: exact scores in all
     (each costs one capped assignment of the T rows);
     home: [E] int, with max_moved: no swap leaves more than max_moved experts off their home rank
-    (a live swap's move budget; the input may already use some of it).
-    Returns expert2rank [E] int32 whose local activations on the rows are >= the input's.
+    (a live swap's move budget; the input may already use some of it); balance_weight: > 0 climbs
+    :func:`routed_score` instead, so swaps that unload the busiest rank pay too.
+    Returns expert2rank [E] int32 whose objective on the rows is >= the input's.
     """
     topk = np.asarray(topk_layer, dtype=np.int64)
     e2r = np.asarray(expert2rank, dtype=np.int64).copy()
@@ -95,7 +108,10 @@ def polish_routed(topk_layer: np.ndarray, batch_ids: np.ndarray, expert2rank: np
     first = np.searchsorted(expert_of[by_expert], np.arange(E + 1))  # pairs of expert e: by_expert[first[e]:]
     C = np.bincount(set_of * N + e2r[expert_of], minlength=S * N).reshape(S, N)
     g = _contrib(np.arange(set_of.size), set_of, expert_of, w, C, e2r, E)
-    best = routed_local(topk, batch_ids, e2r, N, capacity)
+    def score(e):
+        return routed_score(topk, batch_ids, e, N, capacity, load, max_expert_load, balance_weight)
+    best = score(e2r)
+    unit = balance_weight * topk.size / max(load.sum(), 1e-30)  # one activation of excess, in rows' units
     evals = max_evals
     iu, ju = np.triu_indices(E, 1)
     while evals > 0:
@@ -103,6 +119,13 @@ def polish_routed(topk_layer: np.ndarray, batch_ids: np.ndarray, expert2rank: np
         est = g[iu, rb] + g[ju, ra]  # the two moves' gains (sets holding both are counted twice)
         new_a, new_b = rl[ra] - load[iu] + load[ju], rl[rb] - load[ju] + load[iu]
         ok = (ra != rb) & (np.maximum(new_a, new_b) <= ceiling)
+        if balance_weight > 0:  # the penalty's change: the busiest rank among the swapped two and the rest
+            top = np.argsort(-rl, kind="stable")[:3]
+            other = np.full(ra.size, 0.0)
+            for r in top[::-1]:
+                other = np.where((ra != r) & (rb != r), rl[r], other)
+            excess = np.maximum(np.maximum(new_a, new_b), other) - max_expert_load * mean
+            est = est - unit * (np.maximum(excess, 0) - max(0.0, rl.max() - max_expert_load * mean))
         if home is not None:  # experts off home after the swap, against the budget
             moved = int((e2r != home).sum()) + (rb != home[iu]).astype(int) + (ra != home[ju]) \
                 - (ra != home[iu]) - (rb != home[ju])
@@ -113,7 +136,7 @@ def polish_routed(topk_layer: np.ndarray, batch_ids: np.ndarray, expert2rank: np
             a, b = iu[c], ju[c]
             trial = e2r.copy()
             trial[a], trial[b] = rb[c], ra[c]
-            val = routed_local(topk, batch_ids, trial, N, capacity)
+            val = score(trial)
             evals -= 1
             if val > best:
                 break

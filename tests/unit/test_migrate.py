@@ -1,5 +1,7 @@
 """limit_moves: a placement between the served and a fresh one within a budget of moved slots."""
 
+import itertools
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -7,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_smoe.placement.counts import rank_sizes
-from vllm_smoe.placement.migrate import _budgeted_assignment, _cycles, busiest_after_swaps, limit_moves, rename_ranks
+from vllm_smoe.placement.migrate import (_budgeted_assignment, _cycles, _polish_across, busiest_after_swaps, limit_moves,
+                                         rank_names, rename_ranks)
 
 
 def _balanced(rng, L, E, N):
@@ -103,6 +106,92 @@ def testrename_ranksd_ranks_cost_no_move():
     counts = [sp.csr_matrix(rng.poisson(1.0, (20, 12)).astype(float)) for _ in range(3)]
     out, info = limit_moves(cur, fresh, counts, np.ones(20), 36, 4)
     assert info["fresh_moves"] == 0 and (out == cur).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), N=st.sampled_from([2, 3, 4]), per=st.integers(1, 4), L=st.integers(1, 4))
+def test_renaming_per_layer_moves_no_more_and_only_renames(seed, N, per, L):
+    rng = np.random.default_rng(seed)
+    cur, fresh = _balanced(rng, L, N * per, N), _balanced(rng, L, N * per, N)
+    whole, each = rename_ranks(cur, fresh, N), rename_ranks(cur, fresh, N, per_layer=True)
+    assert (whole != cur).sum() >= (each != cur).sum()
+    names = rank_names(cur, fresh, N, per_layer=True)
+    for layer in range(L):
+        assert sorted(names[layer]) == list(range(N))  # a renaming: same experts together
+        assert (each[layer] == names[layer][fresh[layer]]).all()
+        # the best renaming of that layer alone: no permutation of names keeps more experts home
+        best = max(int((np.asarray(p)[fresh[layer]] == cur[layer]).sum()) for p in itertools.permutations(range(N)))
+        assert int((each[layer] == cur[layer]).sum()) == best
+    assert (rank_names(cur, fresh, N) == rank_names(cur, fresh, N)[0]).all()  # one renaming for all layers
+
+
+def test_renamed_tables_predict_the_renamed_ranks():
+    """The token, Markov, prior and bigram tables and the learned network of a placement, renamed,
+    predict for every token what the originals predict, under the new names."""
+    from vllm_smoe.placement.learned import LearnedPredictor, forward, preferences
+    from vllm_smoe.placement.predict import PredictorTables, predict_layer, rename_tables
+
+    rng = np.random.default_rng(3)
+    L, V, E, N, D, M = 3, 50, 8, 4, 6, 5
+
+    def ranks(*shape):
+        r = rng.integers(0, N, (*shape, 2)).astype(np.int16)
+        r[rng.random(shape) < 0.2] = -1  # no data
+        return r
+    t = PredictorTables(token2rank=ranks(L, V), token_conf=rng.random((L, V)).astype(np.float16),
+                        markov2rank=ranks(L, E), markov_conf=rng.random((L, E)).astype(np.float16),
+                        prior2rank=rng.integers(0, N, (L, 2)).astype(np.int16),
+                        prior_conf=rng.random(L).astype(np.float16),
+                        bigram_keys=np.sort(rng.choice(V * V, M, replace=False)).astype(np.int64),
+                        bigram2rank=ranks(L, M), bigram_conf=rng.random((L, M)).astype(np.float16),
+                        learned_token_proj=rng.standard_normal((V, D)).astype(np.float16),
+                        learned_prev_proj=rng.standard_normal((V + 1, D)).astype(np.float16),
+                        learned_hidden_bias=rng.standard_normal(D).astype(np.float32),
+                        learned_out_weight=rng.standard_normal((D, L * N)).astype(np.float32),
+                        learned_out_bias=rng.standard_normal(L * N).astype(np.float32))
+    names = np.stack([rng.permutation(N) for _ in range(L)])
+    r = rename_tables(t, names)
+    ids, prev = rng.integers(0, V, 200), rng.integers(-1, V, 200)
+    keys = np.where(rng.random(200) < 0.3, t.bigram_keys[rng.integers(0, M, 200)], ids)
+    top1 = rng.integers(0, E, 200)
+    for layer in range(L):
+        p0, c0, s0 = predict_layer(t, layer, ids, prev_top1=top1, keys=keys)
+        p1, c1, s1 = predict_layer(r, layer, ids, prev_top1=top1, keys=keys)
+        assert (p1 == np.where(p0 >= 0, names[layer][np.maximum(p0, 0)], -1)).all()
+        assert (c1 == c0).all() and (s1 == s0).all()
+    z0, z1 = (forward(x.learned, ids, prev) for x in (t, r))
+    best0, best1 = preferences(z0, N)[0][..., 0], preferences(z1, N)[0][..., 0]  # [L, T]
+    assert (best1 == np.take_along_axis(names, best0, axis=1)).all()
+    assert np.allclose(np.sort(z0.reshape(-1, L, N), axis=2), np.sort(z1.reshape(-1, L, N), axis=2))
+    assert isinstance(r.learned, LearnedPredictor)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10**6), N=st.sampled_from([2, 3]), per=st.integers(2, 3), L=st.integers(1, 3),
+       budget=st.integers(0, 8), weight=st.sampled_from([0.0, 4.0]), max_load=st.sampled_from([1.0, 1.1, 2.0]))
+def test_polish_across_layers_keeps_one_budget_and_never_loses(seed, N, per, L, budget, weight, max_load):
+    from vllm_smoe.placement.polish import routed_score
+
+    rng = np.random.default_rng(seed)
+    E = N * per
+    cur = _balanced(rng, L, E, N)
+    start = cur.copy()
+    for layer in range(L):  # the start has already spent some moves
+        if rng.random() < 0.5:
+            a, b = rng.choice(np.flatnonzero(start[layer] == 0)), rng.choice(np.flatnonzero(start[layer] == 1))
+            start[layer, [a, b]] = start[layer, [b, a]]
+    budget += int((start != cur).sum())
+    T = 40
+    topk = np.stack([np.argsort(rng.random((T, E)) ** (1 + np.arange(E) % 3), axis=1)[:, :2] for _ in range(L)], 1)
+    batch = np.sort(rng.integers(0, 3, T))
+    loads = rng.integers(1, 20, (L, E)).astype(float)
+    out, _ = _polish_across(start, cur, (topk, batch), loads, budget, N, 1.10, max_load, weight, evals=64, step=8)
+    assert int((out != cur).sum()) <= budget
+    for layer in range(L):
+        assert (np.bincount(out[layer], minlength=N) == per).all()
+        def value(e):
+            return routed_score(topk[:, layer], batch, e, N, 1.10, loads[layer], max_load, weight)
+        assert value(out[layer]) >= value(start[layer]) - 1e-9
 
 
 def test_the_budget_goes_to_the_move_that_pays_most():

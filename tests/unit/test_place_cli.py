@@ -506,6 +506,15 @@ def test_advise_finds_the_gain_of_a_placement_built_from_live_traffic(tmp_path):
     assert new["lar"] > cur["lar"] + 0.05 and new["remote_unique_per_token"] < cur["remote_unique_per_token"]
     p = load_placement(str(cand))
     assert p.ep_size == 4 and p.predictor is not None and load_tables(p).token2rank.shape == (4, 4096, 2)
+    # written under the served ranks' names: a live swap moves exactly the slots advise counts
+    served_p = load_placement(str(served))
+    assert int((p.expert2rank != served_p.expert2rank).sum()) == new["moved_slots"] > 0
+    # one renaming for the whole model (for one order per step) moves at least as many
+    assert main(["advise", "--trace", str(tmp_path / "live.npz"), "--placement", str(served), "--rename", "model",
+                 "-o", str(tmp_path / "whole.yaml"), "--json", str(js)]) == 0
+    whole = load_placement(str(tmp_path / "whole.yaml"))
+    assert json.load(open(js))["candidate (coclust)"]["moved_slots"] == int(
+        (whole.expert2rank != served_p.expert2rank).sum()) >= new["moved_slots"]
     assert main(["advise", "--trace", str(tmp_path / "same.npz"), "--placement", str(served), "--json", str(js)]) == 0
     same = json.load(open(js))
     assert abs(same["candidate (coclust)"]["lar"] - same["served (coclust)"]["lar"]) < new["lar"] - cur["lar"]

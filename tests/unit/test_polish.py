@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from vllm_smoe.placement.layout import place_model
 from vllm_smoe.placement.metrics import evaluate, holds_from_expert2rank
 from vllm_smoe.placement.online import simulate
-from vllm_smoe.placement.polish import polish_routed, routed_local
+from vllm_smoe.placement.polish import polish_routed, routed_local, routed_score
 from vllm_smoe.placement.routing_counts import RoutingCounts
 
 
@@ -115,6 +115,33 @@ def _fixture_like(seed=0, T=1200, E=8, K=2):
     a = (tok * 3 + ctx * 5) % E
     topk = np.stack([a, (a + 1 + ctx) % E], axis=1)[:, None, :]
     return tok, topk, np.arange(T) // 64
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.sampled_from([1.0, 4.0, 50.0]))
+def test_property_with_a_balance_weight_the_penalised_score_never_falls(case, weight):
+    topk, batch, start, N, mel = case
+    E = start.size
+    load = np.bincount(topk.ravel(), minlength=E).astype(float) + 1.0
+    out = polish_routed(topk, batch, start, N, load=load, max_expert_load=mel, balance_weight=weight,
+                        shortlist=10**6, max_evals=10**6)
+
+    def penalised(e):  # independent of routed_score: evaluate's LAR, the busiest rank from bincount
+        rl = np.bincount(e, weights=load, minlength=N)
+        return (routed_lar(topk, batch, e, N) * topk.size
+                - weight * topk.size / load.sum() * max(0.0, rl.max() - mel * rl.mean()))
+    assert penalised(out) >= penalised(start) - 1e-9
+    assert routed_score(topk, batch, out, N, 1.10, load, mel, weight) == pytest.approx(penalised(out))
+    # with every swap scored, none left that gains on the penalised score
+    rl = np.bincount(start, weights=load, minlength=N)
+    ceiling = max(mel, rl.max() / rl.mean()) * rl.mean() + 1e-9
+    for a in range(E):
+        for b in range(a + 1, E):
+            if out[a] != out[b]:
+                t = out.copy()
+                t[a], t[b] = out[b], out[a]
+                if np.bincount(t, weights=load, minlength=N).max() <= ceiling:
+                    assert penalised(t) <= penalised(out) + 1e-6
 
 
 def test_place_model_polishes_coclust_on_the_rows_and_only_there():

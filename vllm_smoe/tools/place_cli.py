@@ -26,11 +26,11 @@ from ..placement.groups import check_groups
 from ..placement.layout import (NEEDS_INSTANCES, POLISH_MIN_SCORES, POLISHED, PREDICTED, SOLVERS, place_model,
                                 polish_evals, polish_fit)
 from ..placement.metrics import evaluate, holds_from_expert2rank, local_share, recommend
-from ..placement.migrate import BALANCE_WEIGHT, limit_moves, rename_ranks
+from ..placement.migrate import BALANCE_WEIGHT, limit_moves, rank_names, rename_ranks
 from ..placement.online import PREDICTORS as SIM_PREDICTORS
 from ..placement.online import simulate
 from ..placement.learned import MAX_WIDTH, default_width, layer_targets, train_predictor
-from ..placement.predict import bigram_keys, bigram_table, previous_ids, tables_for_placement
+from ..placement.predict import bigram_keys, bigram_table, previous_ids, rename_tables, tables_for_placement
 from ..formats.checkpoint import read_embeddings
 from ..formats.placement_file import load_placement, load_tables, model_fingerprint, write_placement
 from .parallel import default_jobs, fork_map, peak_rss_since, prefetch, start_peak_rss
@@ -815,6 +815,15 @@ def cmd_advise(a) -> int:
         prow = _polish_rows(train, batch[~late], a.polish_tokens) if p.nodes == 1 else None
         e2r, reps, tables, secs, _ = _solve(method, counts, meta, a, p.ep_size, p.nodes, emb, groups=p.groups,
                                             rows=prow)
+        # named as the served ranks, so that a live swap moves only the slots whose expert changes
+        names = rank_names(p.expert2rank, e2r, p.ep_size, a.rename == "layer")
+        e2r = np.take_along_axis(names, e2r.astype(np.int64), axis=1).astype(np.int32)
+        if reps.size:
+            reps = reps.copy()
+            rank = reps[..., 1].reshape(reps.shape[0], -1)
+            reps[..., 1] = np.where(rank >= 0, np.take_along_axis(names, np.maximum(rank, 0), axis=1), -1
+                                    ).reshape(reps.shape[:-1])
+        tables = None if tables is None else rename_tables(tables, names)
         holds = holds_from_expert2rank(e2r, p.ep_size, reps)
         tables = _with_bigrams(tables, train, holds, meta.vocab_size, a.bigram_pairs, a.batch_tokens)
         if learned:
@@ -831,14 +840,15 @@ def cmd_advise(a) -> int:
     for k in ADVISE_KEYS + (("step_imbalance",) if "step_imbalance" in cur and "step_imbalance" in new else ()):
         print(f"{k:26}{cur[k]:12.4g}{new[k]:12.4g}{(new[k] / cur[k] - 1) * 100 if cur[k] else 0.0:+9.1f}%")
     cur["moved_slots"] = 0
-    new["moved_slots"] = int((rename_ranks(p.expert2rank, e2r, p.ep_size) != p.expert2rank).sum())
+    new["moved_slots"] = int((e2r != p.expert2rank).sum()) if not dp else int(
+        (rename_ranks(p.expert2rank, e2r, p.ep_size) != p.expert2rank).sum())
     if a.max_moves is not None:
         budget = int(a.max_moves * p.expert2rank.size)
         e2r, info = limit_moves(p.expert2rank, e2r, [counts.layer_matrix(layer) for layer in range(meta.num_layers)],
                                 counts.seen()[1], budget, p.ep_size, capacity=p.capacity, groups=p.groups,
                                 swaps=True, resolve=True, max_expert_load=a.max_expert_load,  # BENCHMARKS.md
                                 balance_weight=BALANCE_WEIGHT if a.balance_weight is None else a.balance_weight,
-                                rows=prow,
+                                rows=prow, per_layer=a.rename == "layer",
                                 polish_evals=0 if prow is None else polish_evals(prow[0].shape, meta.num_layers, method))
         holds = holds_from_expert2rank(e2r, p.ep_size)
         tables = _with_bigrams(tables_for_placement(counts, holds, meta.vocab_size, emb), train, holds,
@@ -1050,6 +1060,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also a candidate that moves at most this share of the served expert slots (a live swap "
                         "moves what changes): the fresh candidate's exchange cycles that pay most per moved slot, "
                         "its ranks renamed to agree with the served ones; -o then writes this one")
+    v.add_argument("--rename", choices=("layer", "model"), default="layer",
+                   help="rename the fresh candidate's ranks to agree with the served ones per MoE layer (default: "
+                        "fewer slots move) or once for the whole model (keeps its layers' rank names agreeing, "
+                        "for the DeepSeek family served with one order per step, --smoe-stack-order step)")
     v.add_argument("--balance-weight", type=number(float, 0.0), default=None, metavar="W",
                    help="with --max-moves: local activations one activation of a layer's busiest rank past "
                         f"--max-expert-load is worth (default {BALANCE_WEIGHT:g}; 0: the cap only guards, the load a "
