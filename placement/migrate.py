@@ -5,9 +5,10 @@ recording usually changes almost all of them (the ranks' names are arbitrary, an
 tie-breaks). :func:`limit_moves` keeps the served placement and applies only the parts of the
 fresh one that pay most per moved slot, within a budget:
 
-1. the fresh placement's ranks are renamed, once for all layers, to agree with the served one
-   most (an assignment problem on the rank overlap; one renaming keeps layers consistent for
-   models that order tokens once per step);
+1. the fresh placement's ranks are renamed to agree with the served one most (an assignment
+   problem on the rank overlap), per layer or once for all layers (which keeps the fresh
+   placement's layers agreeing, for models that order tokens once per step), inside nodes and
+   routing-group blocks;
 2. per layer, the experts whose rank differs are split into exchange cycles: expert e_1 moves
    from rank r_1 to r_2, e_2 from r_2 to r_3, ..., e_k from r_k back to r_1; each cycle keeps every
    rank's expert count, so any subset of cycles is a balanced placement;
@@ -39,6 +40,7 @@ vLLM's uneven split where N does not divide E: :func:`.counts.rank_sizes`).
 from __future__ import annotations
 
 import heapq
+import math
 
 import numpy as np
 import scipy.sparse as sp
@@ -49,28 +51,43 @@ from .groups import broken_group
 from .polish import polish_routed, routed_score
 
 
-def rank_names(current: np.ndarray, fresh: np.ndarray, N: int, per_layer: bool = False) -> np.ndarray:
+def rank_names(current: np.ndarray, fresh: np.ndarray, N: int, per_layer: bool = False, block: int | None = None
+               ) -> np.ndarray:
     """[L, N] int64: the name each of fresh's ranks takes in each layer so that fresh ([L, E] int
     expert2rank) agrees with current ([L, E]) on the most experts (Hungarian on the rank
     overlap): one renaming for all layers (every row the same), or with ``per_layer`` one for
     each layer (fewer moves; rank names then agree across layers only as far as current's do,
-    which an order per MoE layer does not need)."""
+    which an order per MoE layer does not need). block: names move only inside blocks of this
+    many consecutive ranks (:func:`rename_block`: nodes and routing-group blocks stay whole);
+    None: anywhere."""
     if per_layer:
-        return np.concatenate([rank_names(c[None], f[None], N) for c, f in zip(current, fresh)])
+        return np.concatenate([rank_names(c[None], f[None], N, block=block) for c, f in zip(current, fresh)])
     overlap = np.zeros((N, N), dtype=np.int64)
     np.add.at(overlap, (current.reshape(-1), fresh.reshape(-1)), 1)
     # where N does not divide E, a rank keeps vLLM's size: only ranks of one size trade names
     sizes = rank_sizes(current.shape[-1], N)
-    overlap[sizes[:, None] != sizes[None, :]] = -current.size - 1
+    apart = sizes[:, None] != sizes[None, :]
+    if block is not None:
+        apart |= (np.arange(N)[:, None] // block) != (np.arange(N)[None, :] // block)
+    overlap[apart] = -current.size - 1
     rows, cols = linear_sum_assignment(overlap, maximize=True)
     name = np.empty(N, dtype=np.int64)
     name[cols] = rows
     return np.tile(name, (current.shape[0], 1))
 
 
-def rename_ranks(current: np.ndarray, fresh: np.ndarray, N: int, per_layer: bool = False) -> np.ndarray:
+def rename_block(N: int, nodes: int = 1, groups: int = 1) -> int:
+    """The largest run of consecutive ranks inside which renaming keeps a placement's structure:
+    a node's ranks (``nodes`` > 1) and a routing group's block of ranks (1 < ``groups`` < N; a
+    rank holding whole groups keeps them under any name)."""
+    return math.gcd(N // nodes if nodes > 1 else N, N // groups if 1 < groups < N else N)
+
+
+def rename_ranks(current: np.ndarray, fresh: np.ndarray, N: int, per_layer: bool = False,
+                 block: int | None = None) -> np.ndarray:
     """fresh ([L, E] int expert2rank) with its ranks renamed by :func:`rank_names`."""
-    return np.take_along_axis(rank_names(current, fresh, N, per_layer), np.asarray(fresh, dtype=np.int64), axis=1)
+    return np.take_along_axis(rank_names(current, fresh, N, per_layer, block), np.asarray(fresh, dtype=np.int64),
+                              axis=1)
 
 
 def _cycles(current: np.ndarray, target: np.ndarray) -> list[list[int]]:
@@ -372,7 +389,8 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
                 ep_size: int, capacity: float = 1.10, groups: int = 1, swaps: bool = False,
                 max_expert_load: float = 1.10, balance_weight: float = BALANCE_WEIGHT,
                 resolve: bool = False, rows: tuple[np.ndarray, np.ndarray] | None = None,
-                polish_evals: int = 0, per_layer: bool = False) -> tuple[np.ndarray, dict]:
+                polish_evals: int = 0, per_layer: bool = False, block: int | None = None
+                ) -> tuple[np.ndarray, dict]:
     """The served placement with the fresh one's best exchange cycles applied, at most
     ``max_moves`` expert slots changed in all.
 
@@ -386,10 +404,12 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
     rank's training activations over the mean) past it or past what it is; balance_weight: local
     activations one activation of the busiest rank's excess over that cap is worth (0: the cap
     only guards); resolve: step 5 of the module's search after the greedy one (needs no
-    routing groups); rows: (topk_ids [T, L, K], batch_ids [T]) of the training rows: each layer
-    then ends with :func:`.polish.polish_routed` (``polish_evals`` exact scores) within the moves
-    left (no routing groups or uneven split). When the budget covers every move and the fresh
-    placement scores more, within the same guard, it is the fresh placement (renamed).
+    routing groups); rows: (topk_ids [T, L, K], batch_ids [T]) of the training rows: the result
+    then gets :func:`.polish.polish_routed` (``polish_evals`` exact scores per layer on average,
+    net of the balance term) with the moves left, spent across layers where they gain most per
+    slot (no routing groups or uneven split); per_layer, block: how fresh's ranks are renamed
+    (:func:`rank_names`). When the budget covers every move and the fresh placement scores more,
+    within the same guard, it is the fresh placement (renamed).
     Returns (expert2rank [L, E] int32, info) with info: ``moved`` slots, ``cycles`` (units)
     applied, ``swaps`` applied (by the greedy search), ``resolved`` (whether step 5 bettered it),
     ``programs`` (0-1 programs step 5 solved), ``fresh_moves`` (slots the renamed fresh placement
@@ -410,7 +430,7 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
         if e2r.max() >= ep_size or any((np.bincount(row, minlength=ep_size) != sizes).any() for row in e2r):
             raise ValueError(f"{name}: every rank must hold its {sizes.tolist()} experts in every layer "
                              f"(vLLM's split of {E} over {ep_size})")
-    target = rename_ranks(current, fresh, ep_size, per_layer)
+    target = rename_ranks(current, fresh, ep_size, per_layer, block)
     occ = np.asarray(occ, dtype=np.float64)
     layers = [_Layer(layer_counts[layer], occ, current[layer], ep_size, capacity, max_expert_load,
                      balance_weight) for layer in range(L)]

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from vllm_smoe.placement.counts import rank_sizes
 from vllm_smoe.placement.migrate import (_budgeted_assignment, _cycles, _polish_across, busiest_after_swaps, limit_moves,
-                                         rank_names, rename_ranks)
+                                         rank_names, rename_block, rename_ranks)
 
 
 def _balanced(rng, L, E, N):
@@ -123,6 +123,16 @@ def test_renaming_per_layer_moves_no_more_and_only_renames(seed, N, per, L):
         best = max(int((np.asarray(p)[fresh[layer]] == cur[layer]).sum()) for p in itertools.permutations(range(N)))
         assert int((each[layer] == cur[layer]).sum()) == best
     assert (rank_names(cur, fresh, N) == rank_names(cur, fresh, N)[0]).all()  # one renaming for all layers
+    for block in (b for b in range(1, N + 1) if N % b == 0):  # names stay inside blocks of ranks
+        inside = rank_names(cur, fresh, N, per_layer=True, block=block)
+        assert (inside // block == np.arange(N) // block).all()
+        assert (np.take_along_axis(inside, fresh, axis=1) != cur).sum() >= (each != cur).sum()
+
+
+def test_rename_block_keeps_nodes_and_group_blocks():
+    assert rename_block(8) == 8 and rename_block(8, nodes=2) == 4
+    assert rename_block(8, groups=4) == 2 and rename_block(8, groups=16) == 8  # a rank holds whole groups
+    assert rename_block(8, nodes=2, groups=2) == 4 and rename_block(8, nodes=4, groups=2) == 2
 
 
 def test_renamed_tables_predict_the_renamed_ranks():

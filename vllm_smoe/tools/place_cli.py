@@ -26,7 +26,7 @@ from ..placement.groups import check_groups
 from ..placement.layout import (NEEDS_INSTANCES, POLISH_MIN_SCORES, POLISHED, PREDICTED, SOLVERS, place_model,
                                 polish_evals, polish_fit)
 from ..placement.metrics import evaluate, holds_from_expert2rank, local_share, recommend
-from ..placement.migrate import BALANCE_WEIGHT, limit_moves, rank_names, rename_ranks
+from ..placement.migrate import BALANCE_WEIGHT, limit_moves, rank_names, rename_block, rename_ranks
 from ..placement.online import PREDICTORS as SIM_PREDICTORS
 from ..placement.online import simulate
 from ..placement.learned import MAX_WIDTH, default_width, layer_targets, train_predictor
@@ -816,7 +816,8 @@ def cmd_advise(a) -> int:
         e2r, reps, tables, secs, _ = _solve(method, counts, meta, a, p.ep_size, p.nodes, emb, groups=p.groups,
                                             rows=prow)
         # named as the served ranks, so that a live swap moves only the slots whose expert changes
-        names = rank_names(p.expert2rank, e2r, p.ep_size, a.rename == "layer")
+        block = rename_block(p.ep_size, p.nodes, p.groups)
+        names = rank_names(p.expert2rank, e2r, p.ep_size, a.rename == "layer", block)
         e2r = np.take_along_axis(names, e2r.astype(np.int64), axis=1).astype(np.int32)
         if reps.size:
             reps = reps.copy()
@@ -848,7 +849,7 @@ def cmd_advise(a) -> int:
                                 counts.seen()[1], budget, p.ep_size, capacity=p.capacity, groups=p.groups,
                                 swaps=True, resolve=True, max_expert_load=a.max_expert_load,  # BENCHMARKS.md
                                 balance_weight=BALANCE_WEIGHT if a.balance_weight is None else a.balance_weight,
-                                rows=prow, per_layer=a.rename == "layer",
+                                rows=prow, per_layer=a.rename == "layer", block=block,
                                 polish_evals=0 if prow is None else polish_evals(prow[0].shape, meta.num_layers, method))
         holds = holds_from_expert2rank(e2r, p.ep_size)
         tables = _with_bigrams(tables_for_placement(counts, holds, meta.vocab_size, emb), train, holds,
