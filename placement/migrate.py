@@ -49,6 +49,7 @@ from scipy.optimize import linear_sum_assignment
 from .counts import assign_token_ids, expert_gains, local_count, rank_scores, rank_sizes
 from .groups import broken_group
 from .polish import polish_routed, routed_score
+from .predict import named_ranks
 
 
 def rank_names(current: np.ndarray, fresh: np.ndarray, N: int, per_layer: bool = False, block: int | None = None
@@ -86,8 +87,7 @@ def rename_block(N: int, nodes: int = 1, groups: int = 1) -> int:
 def rename_ranks(current: np.ndarray, fresh: np.ndarray, N: int, per_layer: bool = False,
                  block: int | None = None) -> np.ndarray:
     """fresh ([L, E] int expert2rank) with its ranks renamed by :func:`rank_names`."""
-    return np.take_along_axis(rank_names(current, fresh, N, per_layer, block), np.asarray(fresh, dtype=np.int64),
-                              axis=1)
+    return named_ranks(rank_names(current, fresh, N, per_layer, block), np.asarray(fresh, dtype=np.int64))
 
 
 def _cycles(current: np.ndarray, target: np.ndarray) -> list[list[int]]:

@@ -173,24 +173,28 @@ def fill_layer(tables: PredictorTables, layer: int, R: np.ndarray, ids: np.ndarr
         tables.markov2rank[layer], tables.markov_conf[layer] = markov_table(transitions, holds_layer)
 
 
-def rename_tables(tables: PredictorTables, names: np.ndarray) -> PredictorTables:
-    """The same predictor for a placement whose ranks were renamed: names [L, N] int, rank n of
-    layer l is now names[l, n] (:func:`.migrate.rank_names`). Every rank id is mapped (-1 kept);
-    the learned network's output columns of each layer are permuted to match."""
+def named_ranks(names: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """Rank ids under new names: names [L, N] int, rank n of layer l is now names[l, n]
+    (:func:`.migrate.rank_names`); ranks [L, ...] int, -1 = none (kept). Same shape and dtype."""
     names = np.asarray(names, dtype=np.int64)
-    L, N = names.shape
+    ranks = np.asarray(ranks)
+    flat = ranks.reshape(names.shape[0], -1).astype(np.int64)
+    named = np.where(flat >= 0, np.take_along_axis(names, np.maximum(flat, 0), axis=1), -1)
+    return named.astype(ranks.dtype).reshape(ranks.shape)
 
-    def ranks(a):  # [L, ..., 2] int16 rank ids, -1 = none
-        flat = a.reshape(L, -1).astype(np.int64)
-        named = np.where(flat >= 0, np.take_along_axis(names, np.maximum(flat, 0), axis=1), -1)
-        return named.astype(a.dtype).reshape(a.shape)
-    out = {k: v for k, v in tables.arrays().items()}
+
+def rename_tables(tables: PredictorTables, names: np.ndarray) -> PredictorTables:
+    """The same predictor for a placement whose ranks were renamed (names [L, N]: see
+    :func:`named_ranks`): every rank id is mapped; the learned network's output columns of each
+    layer are permuted to match."""
+    L, N = np.shape(names)
+    out = dict(tables.arrays())
     for k in ("token2rank", "markov2rank", "prior2rank", "bigram2rank"):
         if k in out:
-            out[k] = ranks(out[k])
+            out[k] = named_ranks(names, out[k])
     if "learned_out_weight" in out:  # column l * N + n scores rank n of layer l: it moves to l * N + names[l, n]
         col = np.empty(L * N, dtype=np.int64)
-        col[(np.arange(L)[:, None] * N + names).ravel()] = np.arange(L * N)
+        col[(np.arange(L)[:, None] * N + np.asarray(names)).ravel()] = np.arange(L * N)
         out["learned_out_weight"] = out["learned_out_weight"][:, col]
         out["learned_out_bias"] = out["learned_out_bias"][col]
     return PredictorTables(**out)

@@ -30,7 +30,8 @@ from ..placement.migrate import BALANCE_WEIGHT, limit_moves, rank_names, rename_
 from ..placement.online import PREDICTORS as SIM_PREDICTORS
 from ..placement.online import simulate
 from ..placement.learned import MAX_WIDTH, default_width, layer_targets, train_predictor
-from ..placement.predict import bigram_keys, bigram_table, previous_ids, rename_tables, tables_for_placement
+from ..placement.predict import (bigram_keys, bigram_table, named_ranks, previous_ids, rename_tables,
+                                 tables_for_placement)
 from ..formats.checkpoint import read_embeddings
 from ..formats.placement_file import load_placement, load_tables, model_fingerprint, write_placement
 from .parallel import default_jobs, fork_map, peak_rss_since, prefetch, start_peak_rss
@@ -818,12 +819,7 @@ def cmd_advise(a) -> int:
         # named as the served ranks, so that a live swap moves only the slots whose expert changes
         block = rename_block(p.ep_size, p.nodes, p.groups)
         names = rank_names(p.expert2rank, e2r, p.ep_size, a.rename == "layer", block)
-        e2r = np.take_along_axis(names, e2r.astype(np.int64), axis=1).astype(np.int32)
-        if reps.size:
-            reps = reps.copy()
-            rank = reps[..., 1].reshape(reps.shape[0], -1)
-            reps[..., 1] = np.where(rank >= 0, np.take_along_axis(names, np.maximum(rank, 0), axis=1), -1
-                                    ).reshape(reps.shape[:-1])
+        e2r, reps = named_ranks(names, e2r), np.stack([reps[..., 0], named_ranks(names, reps[..., 1])], axis=-1)
         tables = None if tables is None else rename_tables(tables, names)
         holds = holds_from_expert2rank(e2r, p.ep_size, reps)
         tables = _with_bigrams(tables, train, holds, meta.vocab_size, a.bigram_pairs, a.batch_tokens)
