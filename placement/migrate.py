@@ -351,13 +351,15 @@ def _polish_across(e2r: np.ndarray, current: np.ndarray, rows: tuple[np.ndarray,
     e2r = np.asarray(e2r, dtype=np.int64).copy()
     L = e2r.shape[0]
     topk, batch = rows
+
     def score(layer, e):
         return routed_score(topk[:, layer], batch, e, ep_size, capacity, loads[layer], max_expert_load, balance_weight)
     value = [score(layer, e2r[layer]) for layer in range(L)]
     prop: list = [None] * L  # per layer: (gain per slot, gain, cost, placement) or False (nothing found)
     spent, total, changed = 0, evals * L, set()
-    while spent < total:
+    while True:
         left = max_moves - int((e2r != current).sum())
+        prop = [None if p and p[2] > left else p for p in prop]  # no longer fits the moves left: ask again
         for layer in range(L):
             if prop[layer] is None and spent < total:
                 mine = int((e2r[layer] != current[layer]).sum())
@@ -371,17 +373,12 @@ def _polish_across(e2r: np.ndarray, current: np.ndarray, rows: tuple[np.ndarray,
                 prop[layer] = (gain / max(cost, 0.5), gain, cost, new) if gain > 0 else False
         live = [layer for layer in range(L) if prop[layer] and prop[layer][2] <= left]
         if not live:
-            if any(prop[layer] for layer in range(L)):  # proposals over the moves now left: ask again
-                prop = [None if p else p for p in prop]
-                continue
             break
         best = max(live, key=lambda layer: prop[layer][0])
         _, gain, _, e2r[best] = prop[best]
         value[best] += gain
         changed.add(best)
         prop[best] = None
-        if max_moves - int((e2r != current).sum()) < left:  # others' proposals may no longer fit
-            prop = [None if p and p[2] > max_moves - int((e2r != current).sum()) else p for p in prop]
     return e2r, len(changed)
 
 
