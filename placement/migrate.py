@@ -48,7 +48,7 @@ from scipy.optimize import linear_sum_assignment
 
 from .counts import assign_token_ids, expert_gains, local_count, rank_scores, rank_sizes
 from .groups import broken_group
-from .polish import polish_routed, routed_score
+from .polish import busiest_after_swaps, polish_routed, routed_score
 from .predict import named_ranks
 
 
@@ -196,21 +196,6 @@ def _experts(layer: "_Layer", target: np.ndarray, unit: list[int] | None) -> lis
     if unit is None:
         return np.flatnonzero(layer.e2r != target).tolist()
     return [] if (layer.e2r[unit] == target[unit]).all() else unit
-
-
-def busiest_after_swaps(loads: np.ndarray, expert2rank: np.ndarray, act: np.ndarray) -> np.ndarray:
-    """[E, E] float: the busiest rank's activations once experts e and f trade ranks, for every
-    pair (e, f). loads: [N] float, activations on each rank; expert2rank: [E] int; act: [E]
-    float, activations of each expert. Same-rank pairs give the loads' max."""
-    N, r = loads.size, expert2rank
-    d = act[:, None] - act[None, :]  # e leaves r[e] for r[f], f the other way
-    pair = np.maximum(loads[r][:, None] - d, loads[r][None, :] + d)  # [E, E]: the two ranks after
-    pair[r[:, None] == r[None, :]] = loads.max()
-    others = np.zeros((N, N))  # [N, N]: the most any rank but a and b holds (one of the top three)
-    ra, rb = np.meshgrid(np.arange(N), np.arange(N), indexing="ij")
-    for t in np.argsort(loads, kind="stable")[-3:]:  # ascending: the busiest left last wins
-        others[(ra != t) & (rb != t)] = loads[t]
-    return np.maximum(pair, others[r][:, r])
 
 
 def _best_swap(layer: "_Layer", current: np.ndarray, groups: int, top: int = 16):

@@ -46,6 +46,21 @@ def routed_score(topk: np.ndarray, batch_ids: np.ndarray, expert2rank: np.ndarra
     return local - balance_weight * topk.size / load.sum() * max(0.0, rl.max() - max_expert_load * rl.mean())
 
 
+def busiest_after_swaps(loads: np.ndarray, expert2rank: np.ndarray, act: np.ndarray) -> np.ndarray:
+    """[E, E] float: the busiest rank's activations once experts e and f trade ranks, for every
+    pair (e, f). loads: [N] float, activations on each rank; expert2rank: [E] int; act: [E]
+    float, activations of each expert. Same-rank pairs give the loads' max."""
+    N, r = loads.size, expert2rank
+    d = act[:, None] - act[None, :]  # e leaves r[e] for r[f], f the other way
+    pair = np.maximum(loads[r][:, None] - d, loads[r][None, :] + d)  # [E, E]: the two ranks after
+    pair[r[:, None] == r[None, :]] = loads.max()
+    others = np.zeros((N, N))  # [N, N]: the most any rank but a and b holds (one of the top three)
+    ra, rb = np.meshgrid(np.arange(N), np.arange(N), indexing="ij")
+    for t in np.argsort(loads, kind="stable")[-3:]:  # ascending: the busiest left last wins
+        others[(ra != t) & (rb != t)] = loads[t]
+    return np.maximum(pair, others[r][:, r])
+
+
 def _contrib(pairs: np.ndarray, set_of: np.ndarray, expert_of: np.ndarray, w: np.ndarray, C: np.ndarray,
              expert2rank: np.ndarray, num_experts: int, block: int = 1 << 16) -> np.ndarray:
     """Uncapped gain, summed over the (set, expert) incidence ``pairs``, of moving each expert
@@ -112,19 +127,15 @@ def polish_routed(topk_layer: np.ndarray, batch_ids: np.ndarray, expert2rank: np
         return routed_score(topk, batch_ids, e, N, capacity, load, max_expert_load, balance_weight)
     best = score(e2r)
     unit = balance_weight * topk.size / max(load.sum(), 1e-30)  # one activation of excess, in rows' units
-    evals = max_evals
     iu, ju = np.triu_indices(E, 1)
+    evals = max_evals
     while evals > 0:
         ra, rb = e2r[iu], e2r[ju]
         est = g[iu, rb] + g[ju, ra]  # the two moves' gains (sets holding both are counted twice)
         new_a, new_b = rl[ra] - load[iu] + load[ju], rl[rb] - load[ju] + load[iu]
         ok = (ra != rb) & (np.maximum(new_a, new_b) <= ceiling)
-        if balance_weight > 0:  # the penalty's change: the busiest rank among the swapped two and the rest
-            top = np.argsort(-rl, kind="stable")[:3]
-            other = np.full(ra.size, 0.0)
-            for r in top[::-1]:
-                other = np.where((ra != r) & (rb != r), rl[r], other)
-            excess = np.maximum(np.maximum(new_a, new_b), other) - max_expert_load * mean
+        if balance_weight > 0:  # the penalty's change
+            excess = busiest_after_swaps(rl, e2r, load)[iu, ju] - max_expert_load * mean
             est = est - unit * (np.maximum(excess, 0) - max(0.0, rl.max() - max_expert_load * mean))
         if home is not None:  # experts off home after the swap, against the budget
             moved = int((e2r != home).sum()) + (rb != home[iu]).astype(int) + (ra != home[ju]) \
