@@ -19,7 +19,7 @@ from .counts import assign_token_ids, coactivation, expert_gains, rank_scores
 from .groups import check_groups
 from .metrics import holds_from_expert2rank
 from .peers import place_linear, place_metis, place_round_robin
-from .polish import polish_routed
+from .polish import polish_kicked
 from .predict import PredictorTables, empty_tables, fill_layer, local_counts, nearest_token_map
 from .routing_counts import RoutingCounts
 from .uneven import fit_rank_sizes, with_phantoms
@@ -183,10 +183,11 @@ def add_replicas(A: sp.csr_matrix, occ: np.ndarray, expert2rank: np.ndarray, ep_
 
 def _solve_layer(counts: RoutingCounts, layer: int, method: str, ep_size: int, nodes: int, capacity: float,
                  theta: float, seed: int, max_expert_load: float, groups: int = 1,
-                 rows: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+                 rows: tuple[np.ndarray, np.ndarray] | None = None, polish_kicks: int = 0
+                 ) -> tuple[np.ndarray, np.ndarray | None]:
     """One layer's expert2rank [E] int32 and, for predicted methods, its rank scores [V', N] float64.
     Where ep_size does not divide E, expert2rank has the phantoms too ([E + pad], see :mod:`.uneven`).
-    rows: see :func:`place_model`."""
+    rows, polish_kicks: see :func:`place_model`."""
     _, occ = counts.seen()
     A = counts.layer_matrix(layer)
     if method not in EXACT_SIZES:  # solvers place E / N per rank: phantoms make up the count
@@ -204,9 +205,9 @@ def _solve_layer(counts: RoutingCounts, layer: int, method: str, ep_size: int, n
         e2r = np.asarray(solver(A, occ, ep_size, capacity, theta, seed + layer, max_expert_load), dtype=np.int32)
         scores = polish_evals(rows[0].shape, counts.num_layers, method) if rows is not None else 0
         if scores and e2r.size == counts.num_experts:
-            e2r = polish_routed(rows[0][:, layer], rows[1], e2r, ep_size, capacity,
+            e2r = polish_kicked(rows[0][:, layer], rows[1], e2r, ep_size, polish_kicks, capacity,
                                 load=np.asarray(A.sum(axis=0)).ravel(), max_expert_load=max_expert_load,
-                                max_evals=scores)
+                                max_evals=scores, seed=seed + layer)
     return e2r, (rank_scores(A, e2r, ep_size) if method in PREDICTED else None)
 
 
@@ -214,7 +215,7 @@ def place_model(method: str, counts: RoutingCounts, ep_size: int, nodes: int = 1
                 theta: float = 0.5, replicas: int = 0, seed: int = 0, max_expert_load: float = 1.10,
                 vocab_size: int | None = None, embeddings: np.ndarray | None = None,
                 progress: Callable | None = None, map_layers: Callable = map, groups: int = 1,
-                rows: tuple[np.ndarray, np.ndarray] | None = None
+                rows: tuple[np.ndarray, np.ndarray] | None = None, polish_kicks: int = 0
                 ) -> tuple[np.ndarray, np.ndarray, PredictorTables | None]:
     """Place every layer of ``counts``; with ``vocab_size`` also fill the predictor tables.
 
@@ -227,6 +228,8 @@ def place_model(method: str, counts: RoutingCounts, ep_size: int, nodes: int = 1
     rows: (topk_ids [T, L, K] int, batch_ids [T] non-decreasing) sample rows of the trace: each
     coclust layer is then polished on their routing (:func:`.polish.polish_routed`), the
     objective a served step meets; None keeps the solver's placement.
+    polish_kicks: rounds of :func:`.polish.polish_kicked` after that polish (each a kick of a few
+    random swaps and a polish at the same budget; 0 = the polish alone).
     Returns (expert2rank [L, E] int32, replicas [L, R, 2] int32 (expert, rank), R = ``replicas``;
     tables or None).
     """
@@ -259,7 +262,7 @@ def place_model(method: str, counts: RoutingCounts, ep_size: int, nodes: int = 1
 
     def solve(layer: int):
         return _solve_layer(counts, layer, method, ep_size, nodes, capacity, theta, seed, max_expert_load, groups,
-                            rows if nodes == 1 and groups == 1 else None)
+                            rows if nodes == 1 and groups == 1 else None, polish_kicks)
 
     # rank renaming must keep routing groups whole: with fewer groups than ranks, ranks move
     # only inside their group's block (and group blocks as a whole when there are no nodes)

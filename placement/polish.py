@@ -163,3 +163,52 @@ def polish_routed(topk_layer: np.ndarray, batch_ids: np.ndarray, expert2rank: np
         g += _contrib(pairs, set_of, expert_of, w, C, e2r, E)
         rl = np.bincount(e2r, weights=load, minlength=N)
     return e2r.astype(np.int32)
+
+
+def polish_kicked(topk_layer: np.ndarray, batch_ids: np.ndarray, expert2rank: np.ndarray, ep_size: int,
+                  kicks: int, capacity: float = 1.10, load: np.ndarray | None = None,
+                  max_expert_load: float = 1.10, kick_swaps: int = 3, seed: int = 0, max_evals: int = 1024,
+                  shortlist: int = 64) -> np.ndarray:
+    """:func:`polish_routed`, then ``kicks`` rounds of an iterated local search: swap
+    ``kick_swaps`` random pairs of experts on different ranks in the best placement so far (each
+    within the expert-load ceiling), polish again, keep the result where the objective on the rows
+    rises. The swap search stops in a local optimum; a kick lets it leave one (on the fixture at
+    EP 8 a polished layer still gains up to 0.007 LAR held out).
+
+    Arguments as :func:`polish_routed` (kicks >= 0; seed: the kicks' random stream, so equal
+    inputs give equal placements). Each round costs up to ``max_evals`` exact scores.
+    Returns expert2rank [E] int32 whose objective on the rows is >= polish_routed's.
+    """
+    if kicks < 0 or kick_swaps < 1:
+        raise ValueError(f"kicks must be >= 0 and kick_swaps >= 1, got {kicks} and {kick_swaps}")
+    topk = np.asarray(topk_layer, dtype=np.int64)
+    e2r = np.asarray(expert2rank, dtype=np.int64)
+    E, N = e2r.size, ep_size
+    kw = dict(capacity=capacity, max_expert_load=max_expert_load, max_evals=max_evals, shortlist=shortlist)
+    best = polish_routed(topk, batch_ids, e2r, N, load=load, **kw).astype(np.int64)
+    if kicks == 0 or N < 2 or topk.shape[0] == 0:
+        return best.astype(np.int32)
+    load = np.bincount(topk.ravel(), minlength=E).astype(np.float64) if load is None else np.asarray(load, float)
+    rl0 = np.bincount(e2r, weights=load, minlength=N)
+    ceiling = max(max_expert_load, rl0.max() / rl0.mean() if rl0.mean() > 0 else 1.0) * rl0.mean() + 1e-9
+    top = routed_local(topk, batch_ids, best, N, capacity)
+    rng = np.random.default_rng(seed)
+    for _ in range(kicks):
+        e, done = best.copy(), 0
+        for a, b in rng.integers(E, size=(64 * kick_swaps, 2)):
+            if done == kick_swaps:
+                break
+            if e[a] == e[b]:
+                continue
+            e[a], e[b] = e[b], e[a]
+            if np.bincount(e, weights=load, minlength=N).max() > ceiling:
+                e[a], e[b] = e[b], e[a]  # over the ceiling: undo
+                continue
+            done += 1
+        if done == 0:
+            break  # no swap fits under the ceiling: nothing to kick
+        e = polish_routed(topk, batch_ids, e, N, load=load, **kw).astype(np.int64)
+        val = routed_local(topk, batch_ids, e, N, capacity)
+        if val > top:
+            best, top = e, val
+    return best.astype(np.int32)

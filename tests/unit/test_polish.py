@@ -1,4 +1,6 @@
 """placement/polish.py: swaps of two experts scored by the served (routed, capped) order."""
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -7,7 +9,7 @@ from hypothesis import strategies as st
 from vllm_smoe.placement.layout import place_model
 from vllm_smoe.placement.metrics import evaluate, holds_from_expert2rank
 from vllm_smoe.placement.online import simulate
-from vllm_smoe.placement.polish import polish_routed, routed_local, routed_score
+from vllm_smoe.placement.polish import polish_kicked, polish_routed, routed_local, routed_score
 from vllm_smoe.placement.routing_counts import RoutingCounts
 
 
@@ -107,6 +109,46 @@ def test_property_never_worse_sizes_kept_and_no_swap_left(case):
                 assert routed_lar(topk, batch, t, N) <= got + 1e-12
 
 
+def test_golden_a_kick_leaves_the_swap_search_s_local_optimum():
+    # 12 rows of 8 experts, top-3, one batch, no caps: from this start every swap is scored and
+    # none gains (27 local), yet a split with 28 exists (brute force over all 35 splits)
+    topk = np.array([[6, 7, 3], [2, 7, 3], [2, 6, 4], [6, 4, 1], [5, 1, 4], [7, 1, 6], [1, 3, 5], [7, 5, 0],
+                     [4, 2, 7], [6, 1, 7], [7, 5, 1], [6, 4, 0]])
+    batch, start = np.zeros(12, np.int64), np.array([1, 0, 1, 0, 0, 1, 0, 1])
+    free = dict(capacity=10.0, max_expert_load=10.0, shortlist=10**6, max_evals=10**6)
+    best = 0
+    for c in itertools.combinations(range(8), 4):
+        e = np.ones(8, np.int64)
+        e[list(c)] = 0
+        best = max(best, routed_local(topk, batch, e, 2, 10.0))
+    assert best == 28
+    assert routed_local(topk, batch, polish_routed(topk, batch, start, 2, **free), 2, 10.0) == 27
+    out = polish_kicked(topk, batch, start, 2, 8, seed=0, **free)
+    assert routed_local(topk, batch, out, 2, 10.0) == 28 and out.dtype == np.int32
+    with pytest.raises(ValueError, match="kicks must be >= 0"):
+        polish_kicked(topk, batch, start, 2, -1)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.integers(0, 4), st.integers(0, 2**16))
+def test_property_kicks_never_lose_to_the_polish_and_keep_its_guards(case, kicks, seed):
+    topk, batch, start, N, mel = case
+    plain = polish_routed(topk, batch, start, N, max_expert_load=mel, max_evals=8)
+    out = polish_kicked(topk, batch, start, N, kicks, max_expert_load=mel, max_evals=8, seed=seed)
+    np.testing.assert_array_equal(out, polish_kicked(topk, batch, start, N, kicks, max_expert_load=mel, max_evals=8,
+                                                     seed=seed))  # the seed decides the kicks
+    if kicks == 0:
+        np.testing.assert_array_equal(out, plain)
+    np.testing.assert_array_equal(np.bincount(out, minlength=N), np.bincount(start, minlength=N))
+    assert routed_lar(topk, batch, out, N) >= routed_lar(topk, batch, plain, N) - 1e-12
+    load = np.bincount(topk.ravel(), minlength=start.size).astype(float)
+
+    def ratio(e):
+        rl = np.bincount(e, weights=load, minlength=N)
+        return rl.max() / rl.mean()
+    assert ratio(out) <= max(mel, ratio(start)) + 1e-9
+
+
 def _fixture_like(seed=0, T=1200, E=8, K=2):
     rng = np.random.default_rng(seed)
     tok = rng.integers(0, 40, T)
@@ -151,6 +193,8 @@ def test_place_model_polishes_coclust_on_the_rows_and_only_there():
     polished, _, tables = place_model("coclust", counts, 2, rows=(topk, batch), vocab_size=40)
     assert routed_lar(topk[:, 0], batch, polished[0], 2) >= routed_lar(topk[:, 0], batch, plain[0], 2)
     assert tables is not None
+    kicked, _, _ = place_model("coclust", counts, 2, rows=(topk, batch), polish_kicks=3)
+    assert routed_lar(topk[:, 0], batch, kicked[0], 2) >= routed_lar(topk[:, 0], batch, polished[0], 2)
     # other methods, nodes and routing groups keep the solver's placement
     for kw in ({"nodes": 2}, {"groups": 2}):
         np.testing.assert_array_equal(place_model("coclust", RoutingCounts.from_arrays(tok, topk, 8), 4, **kw)[0],

@@ -210,7 +210,7 @@ def _solve(method, counts, meta, args, ep_size, nodes, embeddings=None, groups=1
             replicas=args.replicas if predicted else 0, seed=args.seed, max_expert_load=args.max_expert_load,
             vocab_size=meta.vocab_size if predicted else None, embeddings=embeddings if predicted else None,
             progress=lambda it: _ticking(it, bar), map_layers=_map_layers(args.jobs, peaks), groups=groups,
-            rows=rows)
+            rows=rows, polish_kicks=getattr(args, "polish_kicks", 0))
         bar.close()
     secs = time.perf_counter() - t0
     peak = peak_rss_since(base) + (max(peaks) * min(args.jobs, len(peaks)) if peaks else 0)
@@ -475,6 +475,8 @@ def cmd_build(a) -> int:
                                 "batch_tokens": a.batch_tokens, "theta": a.theta, "seed": a.seed,
                                 "max_expert_load": a.max_expert_load, "mode": a.mode, "predictor": a.predictor,
                                 **({"polish_tokens": int(rows[0].shape[0])} if polished and (
+                                    method if auto is not None else a.method) in POLISHED else {}),
+                                **({"polish_kicks": a.polish_kicks} if polished and a.polish_kicks and (
                                     method if auto is not None else a.method) in POLISHED else {}),
                                 **({"shuffle_requests": a.shuffle_requests} if a.shuffle_requests is not None else {}),
                                 **({"in_flight": a.in_flight} if a.mode == "dp" else {}),
@@ -976,6 +978,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"polish each coclust layer on the routing of this many leading rows: swaps of two experts "
                             f"scored by the capped order a served step gets (default {POLISH_TOKENS}; 0 = the solver's "
                             f"placement as is)")
+        s.add_argument("--polish-kicks", type=number(int, 0), default=0,
+                       help="after the polish, this many rounds of an iterated local search per layer: a kick of "
+                            "3 random swaps, a polish at the same budget, kept where it scores higher (default 0; "
+                            "each round costs about one polish: BENCHMARKS.md, 'Kicked polish')")
 
     b = sub.add_parser("build", help="place experts and build predictor tables; writes YAML + .tables.npz")
     b.add_argument("--trace", nargs="+", required=True, help="trace files, directories or globs")
