@@ -515,6 +515,17 @@ def test_advise_finds_the_gain_of_a_placement_built_from_live_traffic(tmp_path):
     whole = load_placement(str(tmp_path / "whole.yaml"))
     assert json.load(open(js))["candidate (coclust)"]["moved_slots"] == int(
         (whole.expert2rank != served_p.expert2rank).sum()) >= new["moved_slots"]
+    # a recording that says it was served with one order per step gets that renaming by default
+    import dataclasses
+    for order in ("step", "sideways"):
+        live = {k: v[he["domain"] == 3] for k, v in he.items()}
+        write_trace(str(tmp_path / f"{order}.npz"), dataclasses.replace(meta, extra={**meta.extra, "token_order": order}),
+                    **live)
+    assert main(["advise", "--trace", str(tmp_path / "step.npz"), "--placement", str(served),
+                 "-o", str(tmp_path / "stepped.yaml")]) == 0
+    np.testing.assert_array_equal(load_placement(str(tmp_path / "stepped.yaml")).expert2rank, whole.expert2rank)
+    assert not np.array_equal(p.expert2rank, whole.expert2rank)  # per layer (the default otherwise) differs
+    assert main(["advise", "--trace", str(tmp_path / "sideways.npz"), "--placement", str(served)]) == 2
     assert main(["advise", "--trace", str(tmp_path / "same.npz"), "--placement", str(served), "--json", str(js)]) == 0
     same = json.load(open(js))
     assert abs(same["candidate (coclust)"]["lar"] - same["served (coclust)"]["lar"]) < new["lar"] - cur["lar"]

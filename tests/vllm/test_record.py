@@ -60,6 +60,8 @@ def test_record_writes_valid_rotated_chunks(recorded):
     meta, arr, _ = read_traces([rec_dir])
     assert (meta.num_layers, meta.num_experts, meta.top_k) == (4, 32, 4)
     assert meta.extra["dp_rank"] == 0  # advise splits each DP engine's recording on its own
+    # how speculate ordered the rows (advise's --rename default reads it); absent when not speculating
+    assert meta.extra.get("token_order") == ("layer" if rec_dir.endswith("speculate") else None)
     # every processed token once: the prompts plus all generated tokens but the last of each
     assert arr["token_ids"].size == sum(len(p) for p in prompts) + sum(len(t) - 1 for t in out["tokens"])
     assert arr["is_prefill"].sum() == sum(len(p) for p in prompts)

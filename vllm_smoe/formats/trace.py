@@ -11,7 +11,10 @@ request_ids     [T] int32                request the token belongs to
 positions       [T] int32                position inside its request, >= 0
 topk_ids        [T, L, K] int16|int32    logical expert ids chosen at each MoE layer
 meta            0-d str (JSON)           num_experts, top_k, num_layers, vocab_size (required);
-                                         domains, model, hidden_size (optional)
+                                         domains, model, hidden_size (optional); the
+                                         recorder adds dp_rank and, speculating,
+                                         token_order ("layer" | "step": one order
+                                         per MoE layer or per engine step)
 step_ids        [T] int32 (optional)     engine step (= batch) the token was scheduled in
 is_prefill      [T] bool (optional)      True for prompt tokens, False for decoded ones
 domain          [T] int (optional)       index into meta["domains"]

@@ -100,7 +100,11 @@ class Recorder:
                               model=vllm_config.model_config.model, hidden_size=hf.hidden_size,
                               extra={"recorded_by": "vllm-smoe", "placement": cfg.placement,
                                      "recording": f"{os.uname().nodename}-{os.getpid()}-{time.time_ns()}",
-                                     "dp_rank": int(self.dp_rank or 0)})
+                                     "dp_rank": int(self.dp_rank or 0),
+                                     # how speculate ordered the rows: advise keeps rank names agreeing
+                                     # across layers for a server ordering once per step
+                                     **({} if order is None else {"token_order": "step" if order.step_order
+                                                                  else "layer"})})
         self.started = time.strftime("%Y%m%dT%H%M%S")
         self.req_index: dict[str, int] = {}  # vLLM request id -> trace request id, while it runs
         self.prompt_len: dict[str, int] = {}  # vLLM request id -> prompt tokens, while it runs

@@ -787,6 +787,14 @@ def cmd_advise(a) -> int:
     if p.vocab_size is not None and meta.vocab_size > p.vocab_size:
         raise ValueError(f"{a.trace[0]}: trace meta.vocab_size = {meta.vocab_size} but placement {a.placement} has "
                          f"model.vocab_size = {p.vocab_size}")
+    served_order = meta.extra.get("token_order")  # how speculate ordered the recorded rows, if it did
+    if served_order not in (None, "layer", "step"):
+        raise ValueError(f"{a.trace[0]}: field 'meta.token_order' must be 'layer' or 'step', got {served_order!r}")
+    if a.rename is None and not dp:
+        a.rename = "model" if served_order == "step" else "layer"
+        if served_order == "step":
+            print("--rename model: the recording was served with one token order per step (meta.token_order), "
+                  "so the candidate's layers keep agreeing rank names", file=sys.stderr)
     fingerprint, emb, _ = _model_info(a.model, meta.vocab_size)
     if fingerprint is not None and p.fingerprint is not None and fingerprint != p.fingerprint:
         raise ValueError(f"--model {a.model}: its fingerprint {fingerprint} is not the served placement's "
@@ -1063,10 +1071,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also a candidate that moves at most this share of the served expert slots (a live swap "
                         "moves what changes): the fresh candidate's exchange cycles that pay most per moved slot, "
                         "its ranks renamed to agree with the served ones; -o then writes this one")
-    v.add_argument("--rename", choices=("layer", "model"), default="layer",
-                   help="rename the fresh candidate's ranks to agree with the served ones per MoE layer (default: "
-                        "fewer slots move) or once for the whole model (keeps its layers' rank names agreeing, "
-                        "for the DeepSeek family served with one order per step, --smoe-stack-order step)")
+    v.add_argument("--rename", choices=("layer", "model"), default=None,
+                   help="rename the fresh candidate's ranks to agree with the served ones per MoE layer (fewer "
+                        "slots move) or once for the whole model (keeps its layers' rank names agreeing, for the "
+                        "DeepSeek family served with one order per step, --smoe-stack-order step); default: model "
+                        "where the recording says it was served so (its meta.token_order = step), else layer")
     v.add_argument("--balance-weight", type=number(float, 0.0), default=None, metavar="W",
                    help="with --max-moves: local activations one activation of a layer's busiest rank past "
                         f"--max-expert-load is worth (default {BALANCE_WEIGHT:g}; 0: the cap only guards, the load a "
