@@ -96,9 +96,10 @@ def tp2_runs(tmp_path_factory):
             keys.append((arch, predictor))
             runs.append({**run, "ep": True, "extra": {"smoe": {"mode": "speculate", "placement": str(placement),
                                                                "predictor": predictor, "log_interval": 0.2}}})
-        keys.append((arch, "step"))  # one order per step (stack_order step), the tables
+        keys.append((arch, "step"))  # one order per step (stack_order step), the tables, recorded
         runs.append({**run, "ep": True, "extra": {"smoe": {"mode": "speculate", "placement": str(placement),
-                                                           "stack_order": "step", "log_interval": 0.2}}})
+                                                           "stack_order": "step", "log_interval": 0.2,
+                                                           "record": str(work / f"{arch}-step-rec")}}})
     placement = work / "v3-tables.yaml"
     assert _build("deepseek_v3", placement, 2).returncode == 0
     run = {"model": FIXTURES["deepseek_v3"][0], "prompts": _prompts("deepseek_v3", 8), "max_tokens": 6,
@@ -106,7 +107,9 @@ def tp2_runs(tmp_path_factory):
     keys += [("deepseek_v3", "plain-compiled"), ("deepseek_v3", "compiled")]
     runs += [{**run, "extra": {"smoe": {}}, "ep": False},
              {**run, "extra": {"smoe": {"mode": "speculate", "placement": str(placement)}}, "ep": True}]
-    return dict(zip(keys, vllm_runs(runs, work, tp=2)))
+    out = dict(zip(keys, vllm_runs(runs, work, tp=2)))
+    out.update({(arch, "step-rec"): work / f"{arch}-step-rec" for arch in ARCHS})
+    return out
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -130,6 +133,16 @@ def test_tp2_placement_and_speculate_give_plain_tp2_tokens(arch, tp2_runs):
         assert "of its expert activations locally" in log
         assert out["tokens"] == plain["tokens"], predictor
         np.testing.assert_allclose(out["logprobs"], plain["logprobs"], rtol=0, atol=ATOL, err_msg=predictor)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_recording_under_one_order_per_step_says_so(arch, tp2_runs):
+    """The recorder writes speculate's order kind in each trace's meta (advise then keeps rank
+    names agreeing across layers), and records every token of the step-ordered run."""
+    meta, arr, _ = read_traces([str(tp2_runs[arch, "step-rec"])])
+    assert meta.extra["token_order"] == "step"
+    out, _ = tp2_runs[arch, "step"]
+    assert len(np.unique(arr["request_ids"])) == len(out["tokens"])
 
 
 def test_v3_speculate_compiled_gives_plain_compiled_tokens(tp2_runs):
