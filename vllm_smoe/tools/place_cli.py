@@ -465,19 +465,20 @@ def cmd_build(a) -> int:
                  shuffle=a.shuffle_requests, workloads=a.group_workloads, predictor=a.predictor,
                  concurrency=a.decode_concurrency, in_flight=a.in_flight)
     m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tables.nbytes if tables is not None else 0)
+    chosen = method if auto is not None else a.method
     write_placement(a.output, expert2rank=e2r, ep_size=a.ep_size, nodes=a.nodes, top_k=meta.top_k,
                     vocab_size=meta.vocab_size,
-                    method=(method if auto is not None else a.method) if a.mode == "tp" else "dp-coclust",
+                    method=chosen if a.mode == "tp" else "dp-coclust",
                     capacity=a.capacity,
                     tables=tables.arrays() if tables is not None else None,
                     replicas=reps if a.replicas else None, fingerprint=fingerprint, groups=groups,
                     built_from={"traces": [_rel(f, a.output) for f in files], "tokens": int(total),
                                 "batch_tokens": a.batch_tokens, "theta": a.theta, "seed": a.seed,
                                 "max_expert_load": a.max_expert_load, "mode": a.mode, "predictor": a.predictor,
-                                **({"polish_tokens": int(rows[0].shape[0])} if polished and (
-                                    method if auto is not None else a.method) in POLISHED else {}),
-                                **({"polish_kicks": a.polish_kicks} if polished and a.polish_kicks and (
-                                    method if auto is not None else a.method) in POLISHED else {}),
+                                **({"polish_tokens": int(rows[0].shape[0])} if polished and chosen in POLISHED
+                                   else {}),
+                                **({"polish_kicks": a.polish_kicks} if polished and a.polish_kicks and
+                                   chosen in POLISHED else {}),
                                 **({"shuffle_requests": a.shuffle_requests} if a.shuffle_requests is not None else {}),
                                 **({"in_flight": a.in_flight} if a.mode == "dp" else {}),
                                 **({"auto": auto} if auto is not None else {})},
