@@ -138,7 +138,7 @@ def test_tp2_placement_and_speculate_give_plain_tp2_tokens(arch, tp2_runs):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_recording_under_one_order_per_step_says_so(arch, tp2_runs):
     """The recorder writes speculate's order kind in each trace's meta (advise then keeps rank
-    names agreeing across layers), and records every token of the step-ordered run."""
+    names agreeing across layers), and records every request of the step-ordered run."""
     meta, arr, _ = read_traces([str(tp2_runs[arch, "step-rec"])])
     assert meta.extra["token_order"] == "step"
     out, _ = tp2_runs[arch, "step"]
