@@ -850,6 +850,7 @@ def cmd_advise(a) -> int:
     cur["moved_slots"] = 0
     new["moved_slots"] = int((e2r != p.expert2rank).sum()) if not dp else int(
         (rename_ranks(p.expert2rank, e2r, p.ep_size) != p.expert2rank).sum())
+    which = "the candidate"
     if a.max_moves is not None:
         budget = int(a.max_moves * p.expert2rank.size)
         e2r, info = limit_moves(p.expert2rank, e2r, [counts.layer_matrix(layer) for layer in range(meta.num_layers)],
@@ -882,12 +883,12 @@ def cmd_advise(a) -> int:
         load = info["expert_load"]
         print(f"expert load on the training half (the most over layers; cap {a.max_expert_load:g}): served "
               f"{load['current']:.2f}, candidate {load['fresh']:.2f}, limited {load['result']:.2f}")
-        new, method = lim, f"{method}+moves"
+        new, method, which = lim, f"{method}+moves", "the limited candidate"
     else:
         print(f"moves: the candidate changes {new['moved_slots']} of {p.expert2rank.size} expert slots (its ranks "
               f"renamed to agree with the served ones; " + ("DP engines load it at a restart)" if dp else
                                                             "--max-moves F limits them)"))
-    verdict = ("the candidate keeps more activations local" if new["lar"] > cur["lar"]
+    verdict = (f"{which} keeps more activations local" if new["lar"] > cur["lar"]
                else "the served placement still does as well")
     judged = (f"requests routed as the server does at {a.in_flight} in flight, in a random order (seed "
               f"{judge['shuffle']})" if dp else f"predictor {a.predictor}")
