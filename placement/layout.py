@@ -64,6 +64,12 @@ def polish_evals(rows_shape: tuple[int, ...], num_layers: int, method: str) -> i
     return n if method in POLISHED and n >= POLISH_MIN_SCORES else 0
 
 
+def polishes(method: str, num_experts: int, ep_size: int, nodes: int = 1, groups: int = 1) -> bool:
+    """Whether :func:`place_model` polishes ``method``'s layers when given rows: only plain
+    layouts (no nodes, routing groups or uneven split, whose structure a free swap would break)."""
+    return method in POLISHED and nodes <= 1 and groups <= 1 and num_experts % ep_size == 0
+
+
 def polish_fit(num_layers: int, top_k: int) -> int:
     """The most sample rows with which every layer still gets POLISH_MIN_SCORES exact scores."""
     return int(POLISH_WORK / num_layers // (top_k * POLISH_MIN_SCORES))
@@ -203,8 +209,9 @@ def _solve_layer(counts: RoutingCounts, layer: int, method: str, ep_size: int, n
         e2r = _hierarchical(solver, A, occ, ep_size, nodes, capacity, theta, seed + layer, max_expert_load)
     else:
         e2r = np.asarray(solver(A, occ, ep_size, capacity, theta, seed + layer, max_expert_load), dtype=np.int32)
-        scores = polish_evals(rows[0].shape, counts.num_layers, method) if rows is not None else 0
-        if scores and e2r.size == counts.num_experts:
+        scores = polish_evals(rows[0].shape, counts.num_layers, method) if rows is not None and polishes(
+            method, counts.num_experts, ep_size) else 0
+        if scores:
             e2r = polish_kicked(rows[0][:, layer], rows[1], e2r, ep_size, polish_kicks, capacity,
                                 load=np.asarray(A.sum(axis=0)).ravel(), max_expert_load=max_expert_load,
                                 max_evals=scores, seed=seed + layer)

@@ -773,6 +773,7 @@ def test_build_evaluate_and_advise_an_uneven_split(tmp_path, capsys):
     assert main(["build", "--trace", TRAIN, "--ep-size", "3", "--model", FIXTURE_MODEL, "-o", str(out)]) == 0
     doc = yaml.safe_load(open(out))
     assert all(np.bincount(x["expert_to_rank"], minlength=3).tolist() == [11, 11, 10] for x in doc["layers"])
+    assert "polish_tokens" not in doc["built_from"]  # the polish leaves an uneven split alone
     capsys.readouterr()
     js = tmp_path / "e.json"
     assert main(["evaluate", "--trace", HELDOUT, "--placement", str(out), "--compare", "all", "--json", str(js)]) == 0
@@ -811,3 +812,18 @@ def test_build_polishes_coclust_on_the_rows_and_says_when_it_cannot(tmp_path, mo
     d2 = yaml.safe_load(open(out2))
     assert d2["layers"] == d0["layers"] and "polish_tokens" not in d2["built_from"]
     assert "kept unpolished; --polish-tokens 3906 or fewer" in capsys.readouterr().err
+
+
+def test_build_over_nodes_says_the_kicks_are_not_applied_and_records_no_polish(tmp_path, capsys):
+    """The polish (and its kicks) swap experts freely, which a node layout would not survive:
+    the build says so, and its built_from claims neither."""
+    out0, out1 = tmp_path / "n0.yaml", tmp_path / "n1.yaml"
+    assert main(["build", "--trace", TRAIN, "--ep-size", "4", "--nodes", "2", "--polish-tokens", "0",
+                 "-o", str(out0)]) == 0
+    capsys.readouterr()
+    assert main(["build", "--trace", TRAIN, "--ep-size", "4", "--nodes", "2", "--polish-kicks", "2",
+                 "-o", str(out1)]) == 0
+    assert "--polish-kicks 2: not applied" in capsys.readouterr().err
+    d0, d1 = yaml.safe_load(open(out0)), yaml.safe_load(open(out1))
+    assert d1["layers"] == d0["layers"]
+    assert not {"polish_tokens", "polish_kicks"} & set(d1["built_from"])

@@ -24,7 +24,7 @@ from ..placement.dp import (DECODE_CONCURRENCY, assign_requests, place_requests,
                            workload_scores)
 from ..placement.groups import check_groups
 from ..placement.layout import (NEEDS_INSTANCES, POLISH_MIN_SCORES, POLISHED, PREDICTED, SOLVERS, place_model,
-                                polish_evals, polish_fit)
+                                polish_evals, polish_fit, polishes)
 from ..placement.metrics import evaluate, holds_from_expert2rank, local_share, recommend
 from ..placement.migrate import BALANCE_WEIGHT, limit_moves, rank_names, rename_block, rename_ranks
 from ..placement.online import PREDICTORS as SIM_PREDICTORS
@@ -176,12 +176,20 @@ def _polish_rows(arr, batch, tokens: int):
     return arr["topk_ids"][:tokens], np.asarray(batch)[:tokens]
 
 
-def _polish_note(rows, num_layers: int, method: str) -> bool:
+def _polish_note(rows, meta, method: str, ep_size: int, nodes: int, groups: int, kicks: int) -> bool:
     """Whether coclust's layers get polished on ``rows``; says so where the budget leaves too few
-    exact scores per layer to run."""
+    exact scores per layer to run, or where ``--polish-kicks`` was asked of a layout the polish
+    leaves alone."""
     if rows is None or method not in POLISHED + ("auto",):
         return False
-    if polish_evals(rows[0].shape, num_layers, "coclust"):
+    if not polishes("coclust", meta.num_experts, ep_size, nodes, groups):
+        if kicks:
+            why = ("--nodes" if nodes > 1 else "routing groups" if groups > 1
+                   else f"{meta.num_experts} experts split unevenly over {ep_size} ranks")
+            print(f"--polish-kicks {kicks}: not applied: the polish and its kicks swap experts freely, which "
+                  f"{why} would not survive; coclust's placement kept unpolished", file=sys.stderr)
+        return False
+    if polish_evals(rows[0].shape, meta.num_layers, "coclust"):
         return True
     T, L, K = rows[0].shape
     print(f"--polish-tokens {T}: {L} layers x top-{K} leave fewer than {POLISH_MIN_SCORES} exact scores per "
@@ -440,7 +448,7 @@ def cmd_build(a) -> int:
         judge = {k: v[at] for k, v in sample.items()}
         sample = {k: v[:min(total, a.metrics_tokens)] for k, v in sample.items()}
     rows = _polish_rows(*_batched(sample, a.batch_tokens), a.polish_tokens) if a.mode == "tp" and sample else None
-    polished = _polish_note(rows, meta.num_layers, a.method)
+    polished = _polish_note(rows, meta, a.method, a.ep_size, a.nodes, groups, a.polish_kicks)
     if a.mode == "dp":
         e2r, reps, tables, secs, peak = _solve_dp(counts, sample, meta, a, emb, groups)
     elif a.method == "auto":
