@@ -832,7 +832,9 @@ def cmd_advise(a) -> int:
                      in_flight=a.in_flight, concurrency=a.decode_concurrency)
     else:
         method = p.method if p.method in PREDICTED else "coclust"
-        prow = _polish_rows(train, batch[~late], a.polish_tokens) if p.nodes == 1 else None
+        prow = _polish_rows(train, batch[~late], a.polish_tokens)
+        if not _polish_note(prow, meta, method, p.ep_size, p.nodes, p.groups, a.polish_kicks):
+            prow = None  # the limited candidate's polish follows the fresh one's
         e2r, reps, tables, secs, _ = _solve(method, counts, meta, a, p.ep_size, p.nodes, emb, groups=p.groups,
                                             rows=prow)
         # named as the served ranks, so that a live swap moves only the slots whose expert changes
