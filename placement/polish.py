@@ -181,7 +181,7 @@ def polish_kicked(topk_layer: np.ndarray, batch_ids: np.ndarray, expert2rank: np
     ``kick_swaps`` random pairs of experts on different ranks in the best placement so far, polish
     again, keep the result where the objective on the rows rises; the kicked rounds never leave
     more expert load than the first polish did. The swap search stops in a local optimum; a kick
-    lets it leave one (on the fixture at EP 8, 15 rounds lift held-out LAR from 0.362 to 0.368:
+    lets it leave one (on the fixture at EP 8, 15 rounds lift held-out LAR from 0.362 to 0.369:
     BENCHMARKS.md, "Kicked polish").
 
     Arguments as :func:`polish_routed` (kicks >= 0; seed: the kicks' random stream, so equal
