@@ -484,7 +484,7 @@ def test_evaluate_gives_peers_the_placements_replica_budget(tmp_path):
     assert ours["lar"] > res["eplb+pred"]["lar"] > res["eplb"]["lar"]
 
 
-def test_advise_finds_the_gain_of_a_placement_built_from_live_traffic(tmp_path):
+def test_advise_finds_the_gain_of_a_placement_built_from_live_traffic(tmp_path, capsys):
     """Served placement trained on one workload, live traffic from another: the candidate built
     from the recording's first half keeps clearly more activations local on its second half, and
     the written candidate loads; against a recording of its own workload it gains little."""
@@ -525,6 +525,10 @@ def test_advise_finds_the_gain_of_a_placement_built_from_live_traffic(tmp_path):
                  "-o", str(tmp_path / "stepped.yaml")]) == 0
     np.testing.assert_array_equal(load_placement(str(tmp_path / "stepped.yaml")).expert2rank, whole.expert2rank)
     assert not np.array_equal(p.expert2rank, whole.expert2rank)  # per layer (the default otherwise) differs
+    capsys.readouterr()
+    assert main(["advise", "--trace", str(tmp_path / "step.npz"), "--placement", str(served), "--rename", "layer",
+                 "-o", str(tmp_path / "per-layer.yaml")]) == 0  # obeyed, with a warning
+    assert "--rename layer: the recording was served with one token order per step" in capsys.readouterr().err
     assert main(["advise", "--trace", str(tmp_path / "sideways.npz"), "--placement", str(served)]) == 2
     assert main(["advise", "--trace", str(tmp_path / "same.npz"), "--placement", str(served), "--json", str(js)]) == 0
     same = json.load(open(js))
@@ -625,7 +629,8 @@ def test_advise_a_dp_placement_from_every_engines_recording(tmp_path, capsys):
     assert doc["built_from"]["mode"] == "dp" and doc["built_from"]["in_flight"] == 64
     # what advise cannot do for it, and what only a DP placement takes, each named
     for args, says in ((["--max-moves", "0.25"], "restart"), (["--group-workloads"], "--group-workloads"),
-                       (["--predictor", "tables"], "prompt's votes"), (["--balance-weight", "1"], "--max-moves")):
+                       (["--predictor", "tables"], "prompt's votes"), (["--balance-weight", "1"], "--max-moves"),
+                       (["--rename", "layer"], "no live swap")):
         assert main(["advise", "--trace", str(tmp_path / "trace-dp0-20261203T000000-1-00000.npz"), "--placement",
                      str(served), *args]) == 2
         assert says in capsys.readouterr().err

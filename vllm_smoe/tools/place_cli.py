@@ -771,6 +771,9 @@ def cmd_advise(a) -> int:
         raise ValueError(f"{a.placement}: field 'method' = dp-coclust: --max-moves limits a live swap, which DP "
                          f"engines do not take (POST /smoe/placement answers 409 with DP > 1); a DP placement is "
                          f"changed by a restart, all of it")
+    if dp and a.rename is not None:
+        raise ValueError(f"--rename {a.rename}: {a.placement} has method dp-coclust, which engines load at a "
+                         f"restart: there is no live swap whose moves renaming would keep few")
     given = [f for f, v in (("--predictor", a.predictor is not None), ("--bigram-pairs", a.bigram_pairs != -1)) if v]
     if dp and given:
         raise ValueError(f"{', '.join(given)}: {a.placement} has method dp-coclust: whole requests are routed by "
@@ -804,6 +807,10 @@ def cmd_advise(a) -> int:
         if served_order == "step":
             print("--rename model: the recording was served with one token order per step (meta.token_order), "
                   "so the candidate's layers keep agreeing rank names", file=sys.stderr)
+    elif a.rename == "layer" and served_order == "step":
+        print("--rename layer: the recording was served with one token order per step (meta.token_order): "
+              "renamed per layer, the candidate's layers stop agreeing on rank names, which that order needs "
+              "(--rename model keeps them)", file=sys.stderr)
     fingerprint, emb, _ = _model_info(a.model, meta.vocab_size)
     if fingerprint is not None and p.fingerprint is not None and fingerprint != p.fingerprint:
         raise ValueError(f"--model {a.model}: its fingerprint {fingerprint} is not the served placement's "
