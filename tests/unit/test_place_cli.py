@@ -832,3 +832,13 @@ def test_build_over_nodes_says_the_kicks_are_not_applied_and_records_no_polish(t
     d0, d1 = yaml.safe_load(open(out0)), yaml.safe_load(open(out1))
     assert d1["layers"] == d0["layers"]
     assert not {"polish_tokens", "polish_kicks"} & set(d1["built_from"])
+
+
+def test_keep_heap_sets_glibc_s_top_pad():
+    """smoe-place keeps freed heap (the polish's temporaries) instead of faulting it back per score."""
+    import platform
+
+    from vllm_smoe.tools.cli_util import keep_heap
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt's M_TOP_PAD is glibc's")
+    assert keep_heap() is True

@@ -1,18 +1,37 @@
 """What every smoe command does with a user mistake: one line on stderr, exit code 2.
 
 Also the argparse types that refuse non-finite or out-of-range numbers (argparse then names the
-flag) and the output checks every command runs before any work.
+flag), the output checks every command runs before any work, and the heap setting of the
+commands that churn large temporary arrays.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import math
 import os
 import sys
 import traceback
 
 from ..formats.bounded import refuse_special
+
+
+HEAP_TOP_PAD = 64 << 20
+_M_TOP_PAD = -2  # glibc's mallopt parameter
+
+
+def keep_heap() -> bool:
+    """Ask glibc to keep HEAP_TOP_PAD bytes of freed heap instead of handing it back to the kernel.
+
+    The polish scores a placement with ~10 MB of temporary arrays each time; by default glibc
+    returned them to the kernel after every score and took page faults to get them back, which
+    was 40% of a fixture build's CPU time (sys 5.3 s of 24 s at EP 8; BENCHMARKS.md "Build time
+    and the heap"). Forked workers inherit the setting. A no-op (False) off glibc."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_TOP_PAD, HEAP_TOP_PAD))
+    except (OSError, AttributeError):
+        return False
 
 
 def run_cli(parser: argparse.ArgumentParser, argv=None) -> int:

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import scipy.sparse as sp
 
-from .cli_util import check_output_dir, check_output_file, number, run_cli
+from .cli_util import check_output_dir, check_output_file, keep_heap, number, run_cli
 from ..placement.assign import batches_from_windows, contiguous_tokens
 from ..placement.bytes import layer_instances, swap_for_bytes
 from ..formats.model_info import expert_groups
@@ -1110,6 +1110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    keep_heap()
     return run_cli(build_parser(), argv)
 
 
