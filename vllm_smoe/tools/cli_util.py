@@ -25,9 +25,10 @@ def keep_heap() -> bool:
     """Ask glibc to keep HEAP_TOP_PAD bytes of freed heap instead of handing it back to the kernel.
 
     The polish scores a placement with ~10 MB of temporary arrays each time; by default glibc
-    returned them to the kernel after every score and took page faults to get them back, which
-    was 40% of a fixture build's CPU time (sys 5.3 s of 24 s at EP 8; BENCHMARKS.md "Build time
-    and the heap"). Forked workers inherit the setting. A no-op (False) off glibc."""
+    returned them to the kernel after every score and took page faults to get them back: a fifth
+    of a fixture build's CPU time (sys 5.3 s of 24 s at EP 8), 40% on a Mixtral-shaped trace
+    (BENCHMARKS.md "Build time and the heap"). Forked workers inherit the setting. A no-op
+    (False) off glibc."""
     try:
         return bool(ctypes.CDLL("libc.so.6").mallopt(_M_TOP_PAD, HEAP_TOP_PAD))
     except (OSError, AttributeError):
