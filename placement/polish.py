@@ -198,8 +198,8 @@ def polish_kicked(topk_layer: np.ndarray, batch_ids: np.ndarray, expert2rank: np
     if kicks == 0 or N < 2 or topk.shape[0] == 0:
         return best.astype(np.int32)
     load = np.bincount(topk.ravel(), minlength=E).astype(np.float64) if load is None else np.asarray(load, float)
-    # the kicks never spend load headroom the polish left: free up to the cap they bought +0.003
-    # held-out LAR at EP 4 for +0.041 expert load; held to the polish's own they keep most of it
+    # held to the first polish's expert load: free up to the cap, the kicks bought +0.003 held-out
+    # LAR at EP 4 with +0.041 load (BENCHMARKS.md "Kicked polish")
     rl = np.bincount(best, weights=load, minlength=N)
     kw["max_expert_load"] = min(max_expert_load, rl.max() / rl.mean() if rl.mean() > 0 else 1.0)
     ceiling = _load_ceiling(rl, kw["max_expert_load"])
