@@ -828,10 +828,15 @@ def test_build_over_nodes_says_the_kicks_are_not_applied_and_records_no_polish(t
     capsys.readouterr()
     assert main(["build", "--trace", TRAIN, "--ep-size", "4", "--nodes", "2", "--polish-kicks", "2",
                  "-o", str(out1)]) == 0
-    assert "--polish-kicks 2: not applied" in capsys.readouterr().err
+    assert "--polish-kicks 2: not applied: the polish and its kicks swap experts freely, which 2 nodes would" \
+        in capsys.readouterr().err
     d0, d1 = yaml.safe_load(open(out0)), yaml.safe_load(open(out1))
     assert d1["layers"] == d0["layers"]
     assert not {"polish_tokens", "polish_kicks"} & set(d1["built_from"])
+    # nor are they where the polish itself is off
+    assert main(["build", "--trace", TRAIN, "--ep-size", "2", "--polish-tokens", "0", "--polish-kicks", "1",
+                 "-o", str(tmp_path / "off.yaml")]) == 0
+    assert "--polish-kicks 1: not applied: the kicks follow the polish" in capsys.readouterr().err
 
 
 def test_keep_heap_sets_glibc_s_top_pad():
@@ -842,3 +847,13 @@ def test_keep_heap_sets_glibc_s_top_pad():
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt's M_TOP_PAD is glibc's")
     assert keep_heap() is True
+
+
+def test_smoe_place_main_keeps_the_heap_first(monkeypatch):
+    from vllm_smoe.tools import place_cli
+
+    calls = []
+    monkeypatch.setattr(place_cli, "keep_heap", lambda: calls.append(1))
+    with pytest.raises(SystemExit):  # argparse refuses a build without --trace, after main's first line
+        main(["build"])
+    assert calls == [1]

@@ -8,7 +8,6 @@ commands that churn large temporary arrays.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import math
 import os
 import sys
@@ -18,20 +17,28 @@ from ..formats.bounded import refuse_special
 
 
 HEAP_TOP_PAD = 64 << 20
-_M_TOP_PAD = -2  # glibc's mallopt parameter
+HEAP_MMAP_THRESHOLD = 32 << 20  # glibc's own ceiling for its adaptive threshold on 64-bit
+_M_TOP_PAD, _M_MMAP_THRESHOLD = -2, -3  # glibc's mallopt parameters
 
 
 def keep_heap() -> bool:
-    """Ask glibc to keep HEAP_TOP_PAD bytes of freed heap instead of handing it back to the kernel.
+    """Ask glibc to serve arrays under HEAP_MMAP_THRESHOLD from the heap and to keep HEAP_TOP_PAD
+    bytes of freed heap instead of handing it back to the kernel.
 
     The polish scores a placement with ~10 MB of temporary arrays each time; by default glibc
     returned them to the kernel after every score and took page faults to get them back: a fifth
     of a fixture build's CPU time (sys 5.3 s of 24 s at EP 8), 40% on a Mixtral-shaped trace
-    (BENCHMARKS.md "Build time and the heap"). Forked workers inherit the setting. A no-op
-    (False) off glibc."""
+    (BENCHMARKS.md "Build time and the heap"). Setting the pad turns off glibc's adaptive mmap
+    threshold, so the threshold is set too, to the most that adaptation would reach. For the whole
+    process that calls it (smoe-place's ``main``, also when a benchmark or test calls that main),
+    inherited by forked workers; a no-op (False) off glibc."""
     try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_TOP_PAD, HEAP_TOP_PAD))
-    except (OSError, AttributeError):
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)) and bool(
+            libc.mallopt(_M_TOP_PAD, HEAP_TOP_PAD))
+    except (ImportError, OSError, AttributeError):
         return False
 
 

@@ -181,10 +181,13 @@ def _polish_note(rows, meta, method: str, ep_size: int, nodes: int, groups: int,
     exact scores per layer to run, or where ``--polish-kicks`` was asked of a layout the polish
     leaves alone."""
     if rows is None or method not in POLISHED + ("auto",):
+        if kicks:
+            print(f"--polish-kicks {kicks}: not applied: the kicks follow the polish, which runs on coclust's "
+                  f"layers in --mode tp with --polish-tokens > 0", file=sys.stderr)
         return False
     if not polishes("coclust", meta.num_experts, ep_size, nodes, groups):
         if kicks:
-            why = ("--nodes" if nodes > 1 else "routing groups" if groups > 1
+            why = (f"{nodes} nodes" if nodes > 1 else f"{groups} routing groups" if groups > 1
                    else f"{meta.num_experts} experts split unevenly over {ep_size} ranks")
             print(f"--polish-kicks {kicks}: not applied: the polish and its kicks swap experts freely, which "
                   f"{why} would not survive; coclust's placement kept unpolished", file=sys.stderr)
