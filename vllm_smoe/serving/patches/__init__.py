@@ -1,10 +1,11 @@
 """Every replacement of a vLLM symbol smoe makes, in one list, applied through one function.
 
-vLLM 0.32 has seams for most of what smoe does (plugins, model loaders, ``additional_config``,
+vLLM 0.32 and 0.33 have seams for most of what smoe does (plugins, model loaders, ``additional_config``,
 all2all managers, router capture, worker extensions); where it has none, smoe replaces a symbol.
 Each replacement is a :class:`Patch` in :data:`PATCHES`: the symbol, why, the upstream issue or
 PR, what vLLM would need to offer for the patch to go, and the parameters of vLLM's original as
-it was checked (vLLM versions in ``checked_on``). The replacements are thin and live here, one
+it was checked (vLLM versions in ``checked_on``; what each release defines, read from its wheel,
+is stored in ``signatures.json`` and compared in CI). The replacements are thin and live here, one
 module per part of vLLM (``engine_args``, ``cli``, ``cpu``, ``runners``, ``dp_client``); what
 they run is smoe's, in the feature modules (``where``). Each lands only through :func:`replace`,
 which refuses a symbol not in the list, one whose target moved, and one whose original's
@@ -28,6 +29,11 @@ from dataclasses import dataclass
 
 logger = logging.getLogger("vllm.smoe")
 
+# the vLLM releases smoe's GPU extra takes; each is stored in signatures.json (regenerated from the
+# release's wheel by ``python -m vllm_smoe.tools.vllm_signatures``) and checked against both lists
+# below by tests/unit/test_vllm_signatures.py
+SUPPORTED_VLLM: tuple[str, ...] = ("0.32.0", "0.33.0")
+
 
 @dataclass(frozen=True)
 class Patch:
@@ -39,7 +45,7 @@ class Patch:
     why: str
     upstream: str
     remove: str  # what vLLM would need to offer for the patch to go
-    checked_on: tuple[str, ...] = ("0.32.0",)
+    checked_on: tuple[str, ...] = SUPPORTED_VLLM
     optional: bool = False  # the target may not import on every build (then it is not applied)
     platform: str = ""  # "cpu" / "cuda": applied only there (else wherever smoe runs)
 
@@ -176,7 +182,7 @@ PATCHES: tuple[Patch, ...] = (
         kind='function',
         params=('topk_ids', 'expert_load_view', 'logical_to_physical_map', 'logical_replica_count', 'record_enabled', 'num_unpadded_tokens'),
         where='patches/cpu.py (fix_cpu_eplb_map); installs cpu_ep.map_to_physical',
-        why="The logical->physical expert map is a Triton kernel on CUDA/ROCm/XPU and the identity elsewhere, so on CPU a redundant copy is never used (and a rearranged layout computes the wrong experts); smoe puts the kernel's semantics in torch. Effective because BaseRouter._apply_eplb_mapping looks the module global up at call time; modules that imported the name directly (vllm/models/deepseek_v4/nvidia/model.py, vllm/models/kimi_k3/nvidia/model.py) keep the identity (NVIDIA-only models).",
+        why="The logical->physical expert map is a Triton kernel on CUDA/ROCm/XPU and the identity elsewhere, so on CPU a redundant copy is never used (and a rearranged layout computes the wrong experts); smoe puts the kernel's semantics in torch. Effective because BaseRouter._apply_eplb_mapping looks the module global up at call time; modules that imported the name directly keep the identity: in 0.32 vllm/models/deepseek_v4/nvidia/model.py and vllm/models/kimi_k3/nvidia/model.py, in 0.33 vllm/model_executor/layers/fused_moe/deep_gemm_mega_moe.py (NVIDIA only).",
         upstream='none filed',
         remove='vLLM ships a torch implementation for platforms without its Triton kernel',
     ),
@@ -246,6 +252,18 @@ PRIVATE_READS: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.engine.core_client:DPLBAsyncMPClient", "serving/dp_router.py",
      "the front end's DP load balancer whose engine choice smoe's request routing takes over"),
 )
+
+# target -> (kind, parameter names) smoe's code relies on, for each of PRIVATE_READS: None where
+# smoe only names the object (isinstance, identity); _CPUSHMDistributed is constructed by smoe,
+# _init_ep_weight_filter overridden by smoe's loader
+PRIVATE_READ_SIGNATURES: dict[str, tuple[str, tuple[str, ...] | None]] = {
+    "vllm.distributed.device_communicators.cpu_communicator:_CPUSHMDistributed": ("class", ("self", "communicator")),
+    "vllm.model_executor.model_loader.default_loader:DefaultModelLoader._init_ep_weight_filter":
+        ("method", ("self", "model_config")),
+    "vllm.model_executor.layers.fused_moe.runner.moe_runner:_moe_forward": ("function", None),
+    "vllm.model_executor.layers.fused_moe.runner.moe_runner:_moe_forward_shared": ("function", None),
+    "vllm.v1.engine.core_client:DPLBAsyncMPClient": ("class", None),
+}
 
 _BY_ID = {p.id: p for p in PATCHES}
 _ORIGINALS: dict[str, object] = {}
