@@ -20,6 +20,7 @@ import functools
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,15 +105,49 @@ def _checkpoint_config(model_dir: str) -> dict | None:
         return json.load(f)
 
 
+# where a checkpoint lists experts that vLLM (0.33 on) replaces by constants (MoNE pruning,
+# vllm/model_executor/layers/fused_moe/expert_substitution.py): vLLM keys them by logical expert id,
+# both on the router's output and in the expert tensors' names, which a placement turns into slots
+_SUBSTITUTION_FIELDS = ("approximate_experts", "compression_config.transform_config.expert_substitution")
+
+
+def _field(config, dotted: str):
+    for key in dotted.split("."):
+        config = config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+    return config
+
+
+def substituted_experts_field(*configs) -> str | None:
+    """The config field by which any of ``configs`` (transformers configs or dicts) lists experts
+    vLLM replaces by constants, or None; an empty list substitutes nothing (as in vLLM)."""
+    for config in configs:
+        for name in _SUBSTITUTION_FIELDS:
+            value = _field(config, name)
+            if isinstance(value, Mapping) and name.endswith("expert_substitution"):
+                value = value.get("targets")
+            if isinstance(value, Mapping):
+                value = any(value.values())  # {layer: expert ids} / {module: target}
+            if value:
+                return name
+    return None
+
+
 def make_load_plan(placement_path: str, hf_config, model_dir: str, ep_ranks: int | None,
-                   placement: Placement | None = None) -> LoadPlan:
+                   placement: Placement | None = None, outer_config=None) -> LoadPlan:
     """Validate ``placement_path`` against the served model and build its slot permutation.
 
-    hf_config: the model's transformers config; model_dir: checkpoint directory (for the
-    fingerprint); ep_ranks: ranks the experts are split over (None when every rank holds all
-    experts); placement: the file as parsed before (else it is read). Raises ValueError naming
-    the file and field on any mismatch.
+    hf_config: the model's transformers config (a vision-language model's text part);
+    model_dir: checkpoint directory (for the fingerprint); ep_ranks: ranks the experts are split
+    over (None when every rank holds all experts); placement: the file as parsed before (else it
+    is read); outer_config: the whole config where hf_config is its text part. Raises ValueError
+    naming the file and field on any mismatch, and the checkpoint and its config field when the
+    checkpoint substitutes experts.
     """
+    field = substituted_experts_field(hf_config, outer_config or {}, _checkpoint_config(model_dir) or {})
+    if field is not None:
+        raise ValueError(f"{placement_path}: the checkpoint at {model_dir} lists experts vLLM replaces by constants "
+                         f"(config field '{field}'); vLLM names them by expert id on the router's output, which a "
+                         f"placement renumbers, so other experts would be replaced. Serve it without a placement")
     p: Placement = placement if placement is not None else load_placement(placement_path)
     where = f"{placement_path}"
     layers = moe_layer_indices(hf_config)
@@ -187,4 +222,4 @@ def plan_for(placement_path: str, vllm_config, placement: Placement | None = Non
     pc = vllm_config.parallel_config
     ep = pc.tensor_parallel_size * pc.data_parallel_size if pc.enable_expert_parallel else None
     mc = vllm_config.model_config
-    return make_load_plan(placement_path, mc.hf_text_config, mc.model, ep, placement)
+    return make_load_plan(placement_path, mc.hf_text_config, mc.model, ep, placement, outer_config=mc.hf_config)
