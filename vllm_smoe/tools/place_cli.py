@@ -14,6 +14,8 @@ import time
 import numpy as np
 import scipy.sparse as sp
 
+from .cluster_cost import add_args as add_cost_args
+from .cluster_cost import add_calibrate_parser, cost_setup, print_costs
 from .cli_util import check_output_dir, check_output_file, keep_heap, number, run_cli
 from ..placement.assign import batches_from_windows, contiguous_tokens
 from ..placement.bytes import layer_instances, swap_for_bytes
@@ -298,11 +300,12 @@ def _ticking(it, bar):
 
 def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, hidden, dtype_bytes, mode="tp",
              nodes=1, shuffle=None, workloads=False, predictor="tables-markov", copies="own",
-             concurrency=DECODE_CONCURRENCY, route_nodes=None, in_flight=None):
+             concurrency=DECODE_CONCURRENCY, route_nodes=None, in_flight=None, cost=None):
     """Metrics of one placement on ``arr``'s rows. nodes: how the bytes split into inter- and
     intra-node; route_nodes: the nodes the placement was built for, which --mode dp's request
     router scores with (default ``nodes``); in_flight: --mode dp's balance window, in requests
-    (the server's router balances over max(WINDOW, its requests in flight); None: WINDOW)."""
+    (the server's router balances over max(WINDOW, its requests in flight); None: WINDOW);
+    cost: cluster_cost.cost_setup's projection, whose columns are added (None: none)."""
     window = max(DP_WINDOW, in_flight or 0)
     holds = holds_from_expert2rank(e2r, ep_size, reps)
     if mode == "dp":  # whole requests on attention-DP ranks
@@ -342,10 +345,14 @@ def _measure(arr, batch, meta, e2r, reps, tables, ep_size, capacity, predicted, 
         m = evaluate(arr["topk_ids"], t2r, e2r, batch, ep_size, holds, hidden, dtype_bytes, nodes)
         m["oracle_lar"] = local_share(arr["topk_ids"], oracle, holds)
         m["oracle_share"] = m["lar"] / max(m["oracle_lar"], 1e-12)
+        if cost is not None:
+            m.update(cost(arr, t2r, e2r, holds, "own", batch))
         return m
     else:
         t2r = np.repeat(contiguous_tokens(batch, ep_size)[:, None], meta.num_layers, axis=1)
     m = evaluate(arr["topk_ids"], t2r, e2r, batch, ep_size, holds, hidden, dtype_bytes, nodes, copies=copies)
+    if cost is not None:
+        m.update(cost(arr, t2r, e2r, holds, copies, batch))
     if mode == "dp" and not (np.asarray(reps) >= 0).any():  # copies would split an expert's reads: not modelled
         m["step_imbalance"] = step_imbalance(arr["topk_ids"], arr["request_ids"], e2r, ep_size, concurrency)
     return m
@@ -606,13 +613,16 @@ def _evaluate_all(a):
             raise ValueError("--predictor learned with --compare: the peers' placements get no learned predictor "
                              "yet; compare with --predictor tables")
     label = f"placement ({p.method})"
+    cost = cost_setup(a, p.ep_size, p.top_k)
+    if cost is not None:
+        print(cost.note, file=sys.stderr)
     nodes = a.nodes or p.nodes  # the bytes split only: every placement is solved as the placement was
     if p.ep_size % nodes:
         raise ValueError(f"--nodes {nodes} does not divide the ep_size {p.ep_size} of {a.placement}")
     m = _measure(arr, batch, meta, p.expert2rank, p.replicas, tables, p.ep_size, p.capacity,
                  tables is not None or a.predictor == "router",
                  hidden, a.dtype_bytes, a.mode, nodes, a.shuffle_requests, a.group_workloads, a.predictor,
-                 concurrency=a.decode_concurrency, route_nodes=p.nodes, in_flight=a.in_flight)
+                 concurrency=a.decode_concurrency, route_nodes=p.nodes, in_flight=a.in_flight, cost=cost)
     m.update({k: p.metrics[k] for k in ("solve_seconds", "peak_mem_mb", "table_bytes") if k in p.metrics})
     results[label] = m
     methods = [] if not a.compare else (COMPARE_ALL if a.compare == "all" else a.compare.split(","))
@@ -661,9 +671,12 @@ def _evaluate_all(a):
                 m = _measure(arr, batch, meta, e2r, reps, tab, p.ep_size, p.capacity, predicted, hidden,
                              a.dtype_bytes, a.mode, nodes, a.shuffle_requests, a.group_workloads, a.predictor,
                              copies="hashed" if method == "eplb" and not predicted else "own",
-                             concurrency=a.decode_concurrency, route_nodes=p.nodes, in_flight=a.in_flight)
+                             concurrency=a.decode_concurrency, route_nodes=p.nodes, in_flight=a.in_flight,
+                             cost=cost)
                 m.update(solve_seconds=secs, peak_mem_mb=peak, table_bytes=tab.nbytes if predicted else 0)
                 results[form] = m
+    if cost is not None:
+        print_costs(results, cost.backends)
     return p, results, meta, arr
 
 
@@ -1066,6 +1079,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(n+1)*N/nodes - 1 formed node n (default: the placement's nodes); every placement "
                             "is still solved as the placement was")
         common(e)
+        add_cost_args(e)
         if name == "evaluate":
             e.add_argument("--json", help="write {method: {metric: value}} here")
         else:
@@ -1109,6 +1123,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(v)
     # the predictor is serving's default (cmd_advise); capacity and copies come from the served placement
     v.set_defaults(fn=cmd_advise, predictor=None, capacity=None, replicas=None)
+    add_calibrate_parser(sub)
     return p
 
 

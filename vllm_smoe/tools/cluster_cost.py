@@ -1,0 +1,224 @@
+"""``smoe-place evaluate --cluster``: projected all-to-all bytes and time per MoE layer on a real
+cluster (placement/a2a_cost.py), and ``smoe-place calibrate``, which fits the backends' constants
+to DeepEP's published numbers (vllm_smoe/clusters/deepep-published.yaml)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+
+import numpy as np
+
+from ..formats.cluster_spec import (BACKENDS_FILE, CALIBRATION_FILE, DTYPES, cluster_names, load_cluster, load_fits,
+                                    roofline, wire_for)
+from ..placement.a2a_cost import BACKENDS, LinkModel, backend_rows, fit_link, trace_cost
+from ..placement.metrics import _hashed_copies
+from .cli_util import number
+
+# hidden and MoE intermediate sizes of the shapes a projection is made at
+COST_SHAPES = {"deepseek-v3": (7168, 2048), "qwen3-235b-a22b": (4096, 1536), "deepseek-v2-lite": (2048, 1408),
+               "mixtral-8x7b": (4096, 14336)}
+COST_KEYS = ("dispatch_us", "combine_us", "a2a_us", "expert_us", "moe_us", "nvlink_bytes_per_token",
+             "rdma_bytes_per_token", "rdma_busiest_bytes", "expert_rows_load")
+
+
+def add_args(e: argparse.ArgumentParser) -> None:
+    g = e.add_argument_group("projected cost on a cluster (docs/cluster-model.md)")
+    g.add_argument("--cluster", help="a shipped cluster (" + ", ".join(cluster_names()) + ") or a cluster YAML: adds "
+                   "projected all-to-all bytes and time per MoE layer for every method")
+    g.add_argument("--backend", default="deepep-ht",
+                   help="comma list of all2all backends to project (" + ", ".join(BACKENDS) + "; default deepep-ht)")
+    g.add_argument("--tokens-per-rank", type=number(int, 1), default=128,
+                   help="tokens each rank holds per step (default 128, a decode step; 4096 for prefill)")
+    g.add_argument("--cost-shape", help="hidden and MoE intermediate size the bytes and FLOPs are projected at: "
+                   + ", ".join(COST_SHAPES) + ", or H:I (required with --cluster)")
+
+
+def cost_setup(a, ep_size: int, top_k: int):
+    """(callable for _measure, note) or (None, None) when --cluster is not given."""
+    if not getattr(a, "cluster", None):
+        return None
+    if not a.cost_shape:
+        raise ValueError("--cluster needs --cost-shape: " + ", ".join(COST_SHAPES) + " or H:I (hidden:intermediate)")
+    if a.cost_shape in COST_SHAPES:
+        hidden, inter = COST_SHAPES[a.cost_shape]
+    else:
+        try:
+            hidden, inter = (int(x) for x in a.cost_shape.split(":"))
+            assert hidden > 0 and inter > 0
+        except (ValueError, AssertionError):
+            raise ValueError(f"--cost-shape {a.cost_shape!r}: one of {', '.join(COST_SHAPES)} or H:I with two "
+                             f"positive integers") from None
+    cluster = load_cluster(a.cluster)
+    fits = load_fits()
+    backends = [b.strip() for b in a.backend.split(",") if b.strip()]
+    wires = {b: wire_for(cluster, b, ep_size, hidden, top_k, fits) for b in backends}
+    roof = roofline(cluster)
+    step_rows = a.tokens_per_rank * ep_size
+
+    def cost(arr, t2r, e2r, holds, copies, batch) -> dict:
+        topk = arr["topk_ids"].astype(np.int64)
+        T, L, K = topk.shape
+        dest = activation_ranks(topk, t2r, e2r, holds, copies, batch)
+        steps = np.arange(T) // step_rows if T >= step_rows else np.zeros(T, dtype=np.int64)
+        n = (T // step_rows) * step_rows if T >= step_rows else T  # whole steps only
+        out = {"cost_steps": int(steps[:n].max()) + 1 if n else 0}
+        for b, (wire, entry) in wires.items():
+            c = trace_cost(topk[:n], dest[:n], t2r[:n], steps[:n], ep_size, wire, hidden, inter, roof)
+            for k, v in c.items():
+                out[f"{b}:{k}"] = v
+            out[f"{b}:calibrated"] = bool(entry.get("calibrated"))
+        return out
+
+    cost.note = (f"projected on {cluster.name} ({a.cluster}): EP {ep_size} over {ep_size // wires[backends[0]][0].per_node} "
+                 f"node(s), {a.tokens_per_rank} tokens per rank per step, hidden {hidden}, intermediate {inter}; "
+                 + "; ".join(f"{b}: {'calibrated' if e.get('calibrated') else 'NOT calibrated (' + e.get('note', '') + ')'}"
+                             for b, (_, e) in wires.items()))
+    cost.backends = backends
+    return cost
+
+
+def activation_ranks(topk: np.ndarray, t2r: np.ndarray, e2r: np.ndarray, holds: np.ndarray, copies: str,
+                     batch: np.ndarray) -> np.ndarray:
+    """[T, L, K] int64 the rank that computes each activation, as metrics.evaluate decides it: the
+    copy on the token's rank where there is one, else the home (copies "own"), or vLLM's hashed
+    pick among the copies by the row's index in its step (copies "hashed"; batch: [T] step ids,
+    non-decreasing)."""
+    T, L, K = topk.shape
+    dest = np.empty_like(topk)
+    hashed = copies == "hashed" and not bool((holds.sum(axis=1) == 1).all())
+    if hashed:
+        _, b = np.unique(batch, return_inverse=True)
+        row_in_step = np.arange(T) - np.searchsorted(b, b)
+    for layer in range(L):
+        e, r = topk[:, layer], t2r[:, layer].astype(np.int64)
+        if hashed:
+            dest[:, layer] = _hashed_copies(e, holds[layer], row_in_step)
+            continue
+        local = holds[layer][r[:, None], e]
+        dest[:, layer] = np.where(local, r[:, None], e2r[layer][e])
+    return dest
+
+
+def print_costs(results: dict, backends: list[str]) -> None:
+    head = ("dispatch us", "combine us", "a2a us", "expert us", "RDMA B/tok", "NVL B/tok", "rows load")
+    keys = ("dispatch_us", "combine_us", "a2a_us", "expert_us", "rdma_bytes_per_token", "nvlink_bytes_per_token",
+            "expert_rows_load")
+    w = max(len(k) for k in results) + 2
+    for b in backends:
+        print(f"\nprojected per MoE layer, backend {b}:")
+        print(f"{'method':<{w}}" + "".join(f"{h:>12}" for h in head))
+        for name, m in results.items():
+            if f"{b}:a2a_us" not in m:
+                continue
+            print(f"{name:<{w}}" + "".join(f"{m[f'{b}:{k}']:>12.{0 if 'B/tok' in h else 1 if 'us' in h else 3}f}"
+                                           for k, h in zip(keys, head)))
+
+
+# what each backend's rows carry besides the values (bytes, bytes per top-k entry) and their
+# padding; DeepEP's from its code (docs/cluster-model.md), the others' as smoe's and vLLM's send them
+ROW_FORMATS = {
+    "deepep-ht": {"dispatch_dtype": "fp8", "dispatch_header": [8, 8], "dispatch_align": 16,
+                  "combine_dtype": "bf16", "combine_header": [8, 4], "combine_align": 16},
+    "deepep-ll": {"dispatch_dtype": "fp8", "dispatch_header": [16, 0], "combine_dtype": "bf16"},
+    "allgather-rs": {"dispatch_dtype": "bf16", "dispatch_header": [0, 8], "combine_dtype": "bf16"},
+    "nccl-a2a": {"dispatch_dtype": "bf16", "dispatch_header": [0, 8], "combine_dtype": "bf16"},
+    "smoe-p2p": {"dispatch_dtype": "bf16", "dispatch_header": [0, 8], "combine_dtype": "bf16"},
+    "smoe-hier": {"dispatch_dtype": "bf16", "dispatch_header": [4, 8], "combine_dtype": "bf16"},
+}
+LOGICAL_ROW = {"fp8": lambda H: H * (1 + 4 / 128), "bf16": lambda H: 2.0 * H}  # DeepEP's tests' bytes per row
+
+
+def calibration_cases(doc: dict, cluster, seed: int = 0) -> dict:
+    """{(backend, phase): [(rows, row_bytes, seconds, row)]} for every published row: DeepEP's
+    routing drawn as its test draws it, the model's rows for it, and the published time."""
+    from ..formats.cluster_spec import row_bytes
+    from ..placement.a2a_cost import deepep_logical_rows, random_routing
+
+    H, K = doc["hidden"], doc["top_k"]
+    rng = np.random.default_rng(seed)
+    cases: dict = {}
+    for row in doc["rows"]:
+        b, phase, N, T, E = row["backend"], row["phase"], row["ep"], row["tokens_per_rank"], row["experts"]
+        nodes = max(1, N // cluster.gpus_per_node)
+        per_node = N // nodes
+        tg = row.get("topk_groups", 0)
+        experts = random_routing(N * T, E, K, rng, groups=nodes if tg else 1, topk_groups=tg or 1)
+        src = np.repeat(np.arange(N), T)
+        dest = experts // (E // N)
+        link_node = per_node if (b != "deepep-ll" or row.get("ll_nvlink", True)) else 1  # pure RDMA: all remote
+        rows = backend_rows(dest, src, N, link_node, b)
+        if phase == "combine":
+            rows = rows[:, ::-1]
+        if "latency_us" in row:
+            seconds = row["latency_us"] * 1e-6
+        else:
+            logical = deepep_logical_rows(experts, src, E, N, per_node, row["counted"])
+            seconds = logical * LOGICAL_ROW[row["dtype"]](H) / (row["bandwidth_GBps"] * 1e9)
+        cases.setdefault((b, phase), []).append((rows, row_bytes(ROW_FORMATS[b], phase, H, K), seconds, row))
+    return cases
+
+
+def calibrate(doc: dict, seed: int = 0) -> tuple[dict, list[dict]]:
+    """Fits every calibrated backend's phases on ``doc`` (deepep-published.yaml). Returns the
+    backends.yaml document and one record per published row (model and published microseconds)."""
+    cluster = load_cluster(doc["cluster"])
+    nominal = LinkModel(10e-6, cluster.nvlink_Bps, cluster.rdma_Bps)
+    fits, table = {}, []
+    for (b, phase), cs in calibration_cases(doc, cluster, seed).items():
+        link, err = fit_link([(r, rb, s) for r, rb, s, _ in cs], nominal)
+        fits.setdefault(b, {"calibrated": True, **ROW_FORMATS[b]})[phase] = {
+            "latency_us": round(link.latency_s * 1e6, 3), "nvlink_share": round(link.nvlink_Bps / cluster.nvlink_Bps, 4),
+            "rdma_share": round(link.rdma_Bps / cluster.rdma_Bps, 4), "max_error": round(float(np.abs(err).max()), 4)}
+        for (_, _, s, row), e in zip(cs, err):
+            table.append({"backend": b, "phase": phase, "ep": row["ep"], "published_us": s * 1e6,
+                          "model_us": s * 1e6 * (1 + e), "error": float(e)})
+    ht = fits["deepep-ht"]
+    for b in BACKENDS:
+        if b not in fits:  # no published numbers: DeepEP's normal kernels' latency and link shares
+            fits[b] = {"calibrated": False, "note": "no published measurement; deepep-ht's fitted constants",
+                       **ROW_FORMATS[b], "dispatch": dict(ht["dispatch"]), "combine": dict(ht["combine"])}
+    out = {"fitted_on": f"{CALIBRATION_FILE.split('/')[-1]} ({doc['cluster']}), seed {seed}",
+           "shares_of": "the cluster spec's nvlink_GBps and rdma_GBps", "backends": fits}
+    return out, table
+
+
+def cmd_calibrate(a) -> int:
+    from ..formats.bounded import load_yaml
+
+    import yaml
+
+    doc = load_yaml(a.published, "calibration rows")
+    fits, table = calibrate(doc, a.seed)
+    print("| backend | phase | EP | published us | model us | error |\n|---|---|---|---|---|---|")
+    for t in table:
+        print(f"| {t['backend']} | {t['phase']} | {t['ep']} | {t['published_us']:.0f} | {t['model_us']:.0f} | "
+              f"{100 * t['error']:+.1f}% |")
+    for b, f in fits["backends"].items():
+        if f["calibrated"]:
+            for phase in ("dispatch", "combine"):
+                p = f[phase]
+                print(f"{b} {phase}: latency {p['latency_us']:.1f} us, NVLink {100 * p['nvlink_share']:.0f}% and RDMA "
+                      f"{100 * p['rdma_share']:.0f}% of nominal, worst row {100 * p['max_error']:.1f}%")
+    worst = max(abs(t["error"]) for t in table)
+    print(f"worst calibration row: {100 * worst:.1f}% ({'within' if worst <= 0.2 else 'OUTSIDE'} 20%)")
+    if a.output:
+        with open(a.output, "w") as f:
+            f.write("# Written by `smoe-place calibrate` (vllm_smoe/tools/cluster_cost.py); do not edit by hand.\n")
+            yaml.safe_dump(fits, f, sort_keys=False)
+        print(f"wrote {a.output}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"date": datetime.datetime.now().astimezone().isoformat(), "rows": table, "fits": fits}, f, indent=2)
+    return 0
+
+
+def add_calibrate_parser(sub) -> None:
+    c = sub.add_parser("calibrate", help="fit the all2all backends' constants to DeepEP's published numbers")
+    c.add_argument("--published", default=CALIBRATION_FILE, help="calibration rows (default: the shipped DeepEP table)")
+    c.add_argument("--seed", type=number(int, 0), default=0)
+    c.add_argument("-o", "--output", help=f"write the fits here (the shipped file: {BACKENDS_FILE})")
+    c.add_argument("--json", help="write the table and fits here")
+    c.set_defaults(fn=cmd_calibrate)
