@@ -217,16 +217,22 @@ def _coprime_stride(E: int, rng: np.random.Generator) -> int:
 
 
 def write_synthetic(path: str, shape_name: str, num_tokens: int, seed: int = 0, progress: bool = False,
-                    file_tokens: int | None = None, **knobs) -> str:
+                    file_tokens: int | None = None, num_layers: int | None = None, **knobs) -> str:
     """Generate ``num_tokens`` rows of ``SHAPES[shape_name]`` into the trace file ``path``, or, with
     ``file_tokens``, into the directory ``path`` as ``trace-00000.npz ...`` of ``file_tokens`` rows
-    each: one recording, like the recorder's rotated files (request and step ids run on)."""
+    each: one recording, like the recorder's rotated files (request and step ids run on).
+    num_layers: the shape's first MoE layers only (default all), for projections whose cost is per
+    layer and whose traces would not fit in memory at every layer."""
     import dataclasses
     import os
 
     if shape_name not in SHAPES:
         raise ValueError(f"unknown shape {shape_name!r}; choose one of {', '.join(SHAPES)}")
     shape = SHAPES[shape_name]
+    if num_layers is not None:
+        if not 1 <= num_layers <= shape.num_layers:
+            raise ValueError(f"--layers {num_layers}: {shape_name} has 1 .. {shape.num_layers} MoE layers")
+        shape = dataclasses.replace(shape, num_layers=num_layers)
     num_domains = knobs.get("num_domains", 4)
     chunk = knobs.get("chunk_tokens", 1 << 16)
     meta = TraceMeta(num_experts=shape.num_experts, top_k=shape.top_k, num_layers=shape.num_layers,
