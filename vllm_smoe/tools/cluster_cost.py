@@ -13,7 +13,7 @@ import numpy as np
 
 from ..formats.cluster_spec import (BACKENDS_FILE, CALIBRATION_FILE, DTYPES, cluster_names, load_cluster, load_fits,
                                     roofline, wire_for)
-from ..placement.a2a_cost import BACKENDS, LinkModel, backend_rows, fit_link, trace_cost
+from ..placement.a2a_cost import BACKENDS, LinkModel, backend_rows, fit_link, phase_seconds, trace_cost
 from ..placement.metrics import _hashed_copies
 from .cli_util import number
 
@@ -172,9 +172,14 @@ def calibrate(doc: dict, seed: int = 0) -> tuple[dict, list[dict]]:
         fits.setdefault(b, {"calibrated": True, **ROW_FORMATS[b]})[phase] = {
             "latency_us": round(link.latency_s * 1e6, 3), "nvlink_share": round(link.nvlink_Bps / cluster.nvlink_Bps, 4),
             "rdma_share": round(link.rdma_Bps / cluster.rdma_Bps, 4), "max_error": round(float(np.abs(err).max()), 4)}
-        for (_, _, s, row), e in zip(cs, err):
+        for i, ((_, _, s, row), e) in enumerate(zip(cs, err)):
+            # the row predicted by a fit to the other rows: how far the model carries off its data
+            held = [(r, rb, t) for j, (r, rb, t, _) in enumerate(cs) if j != i]
+            loo, _ = fit_link(held, nominal)
+            r, rb, _, _ = cs[i]
             table.append({"backend": b, "phase": phase, "ep": row["ep"], "published_us": s * 1e6,
-                          "model_us": s * 1e6 * (1 + e), "error": float(e)})
+                          "model_us": s * 1e6 * (1 + e), "error": float(e),
+                          "left_out_error": phase_seconds(r, rb, loo) / s - 1.0})
     ht = fits["deepep-ht"]
     for b in BACKENDS:
         if b not in fits:  # no published numbers: DeepEP's normal kernels' latency and link shares
@@ -192,10 +197,11 @@ def cmd_calibrate(a) -> int:
 
     doc = load_yaml(a.published, "calibration rows")
     fits, table = calibrate(doc, a.seed)
-    print("| backend | phase | EP | published us | model us | error |\n|---|---|---|---|---|---|")
+    print("| backend | phase | EP | published us | model us | error | error left out of the fit |\n"
+          "|---|---|---|---|---|---|---|")
     for t in table:
         print(f"| {t['backend']} | {t['phase']} | {t['ep']} | {t['published_us']:.0f} | {t['model_us']:.0f} | "
-              f"{100 * t['error']:+.1f}% |")
+              f"{100 * t['error']:+.1f}% | {100 * t['left_out_error']:+.1f}% |")
     for b, f in fits["backends"].items():
         if f["calibrated"]:
             for phase in ("dispatch", "combine"):

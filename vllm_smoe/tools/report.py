@@ -57,6 +57,26 @@ def write_report(out_dir: str, results: dict[str, dict], placement, topk_ids: np
     plt.close(fig)
     figs.append(("rank_loads.png", "Token load and expert (compute) load per rank, over the whole trace."))
 
+    backends = sorted({k.split(":")[0] for m in results.values() for k in m if k.endswith(":a2a_us")})
+    if backends:  # evaluate --cluster: projected time per MoE layer, all-to-all apart from experts
+        names = list(results)
+        fig, axes = plt.subplots(1, len(backends), figsize=(5 * len(backends), 4), squeeze=False)
+        for ax, b in zip(axes[0], backends):
+            a2a = [results[n].get(f"{b}:a2a_us", np.nan) for n in names]
+            exp = [results[n].get(f"{b}:expert_us", np.nan) for n in names]
+            ax.bar(range(len(names)), a2a, label="dispatch + combine")
+            ax.bar(range(len(names)), exp, bottom=a2a, label="experts (busiest rank)", alpha=0.6)
+            ax.set_xticks(range(len(names)))
+            ax.set_xticklabels(names, rotation=30, ha="right", fontsize=7)
+            ax.set_ylabel("projected us per MoE layer")
+            ax.set_title(f"{b}" + ("" if results[names[0]].get(f"{b}:calibrated") else " (not calibrated)"))
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "cluster_cost.png"), dpi=110)
+        plt.close(fig)
+        figs.append(("cluster_cost.png", "Projected time per MoE layer on the --cluster given, per backend "
+                     "(a projection: docs/cluster-model.md says what it assumes)."))
+
     C = _coactivation(topk_ids[:, 0, :], num_experts).astype(float)
     order = np.argsort(placement.expert2rank[0], kind="stable")
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.6))
