@@ -4,6 +4,9 @@ against DeepEP's published rows; cluster specs' errors."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -147,3 +150,38 @@ def test_cluster_spec_errors_name_file_and_field(tmp_path):
         load_cluster(str(bad))
     with pytest.raises(ValueError, match="no such shipped cluster"):
         load_cluster("h100x9")
+
+
+def test_evaluate_cluster_columns_for_every_method(tmp_path):
+    """evaluate --cluster adds each backend's projection to every method, in the JSON and the
+    table; the per-backend bytes follow the rules (allgather-rs the same for every placement)."""
+    from vllm_smoe.testbed import FIXTURE_TRACES
+    from vllm_smoe.tools.place_cli import main
+
+    placement = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny-4dom-ep8.yaml")
+    out = tmp_path / "e.json"
+    assert main(["evaluate", "--trace", FIXTURE_TRACES["heldout"], "--placement", placement, "--compare", "linear",
+                 "--max-tokens", "16384", "--cluster", "h100x8-ndr400", "--backend", "deepep-ll,allgather-rs",
+                 "--tokens-per-rank", "256", "--cost-shape", "7168:2048", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert set(res) == {"placement (coclust)", "linear", "linear+pred"}
+    for m in res.values():
+        assert m["cost_steps"] == 16384 // (256 * 8)
+        assert m["deepep-ll:a2a_us"] > 0 and m["deepep-ll:calibrated"] and not m["allgather-rs:calibrated"]
+        assert m["deepep-ll:rdma_bytes_per_token"] == 0  # EP 8 is one node
+    ag = {m["allgather-rs:nvlink_bytes_per_token"] for m in res.values()}
+    assert len(ag) == 1  # every token to every rank, whatever the placement
+    # fewer remote activations, fewer low-latency messages
+    assert res["placement (coclust)"]["deepep-ll:nvlink_bytes_per_token"] < res["linear"]["deepep-ll:nvlink_bytes_per_token"]
+
+
+def test_evaluate_cluster_flags_errors(tmp_path):
+    from vllm_smoe.testbed import FIXTURE_TRACES
+    from vllm_smoe.tools.place_cli import main
+
+    placement = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny-4dom-ep8.yaml")
+    base = ["evaluate", "--trace", FIXTURE_TRACES["heldout"], "--placement", placement, "--max-tokens", "4096",
+            "--cluster", "h100x8-ndr400"]
+    assert main(base) == 2  # no --cost-shape
+    assert main(base + ["--cost-shape", "7168:x"]) == 2
+    assert main(base + ["--cost-shape", "deepseek-v3", "--backend", "pplx"]) == 2
