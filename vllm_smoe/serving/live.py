@@ -13,8 +13,10 @@
 2. ``smoe_apply_placement(digest)``: every worker moves its expert weights to the new slots in
    place (vLLM's EPLB transfer, ``rearrange_expert_weights_inplace``, over the expert-parallel
    group; a local permutation where every rank holds every expert), reorders its routers' rows
-   the way the loader does, copies the new logical -> physical routes into the routers' EPLB
-   state, and swaps the token order's tables and the recorder's slot map, all in place.
+   the way the loader does, and the copies vLLM made of them after load (:mod:`.derived`; step 1
+   refuses a tensor beside a router with an expert-count extent that is no such copy), copies
+   the new logical -> physical routes into the routers' EPLB state, and swaps the token order's
+   tables and the recorder's slot map, all in place.
 
 Row i of a router then scores expert slot2expert[i] of the new placement, and physical slot p
 holds expert physical2expert[p]: the served model is the same function before and after, so
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .derived import Derived, derived_tensors
 from .load_plan import ROUTER_PARAM
 from .served import ServedPlacement, Worker, worker
 
@@ -91,8 +94,8 @@ def check_swap(state: Worker, snapshot) -> Swap:
         raise ValueError(f"{path}: field 'layers[].replicas': needs {plan.physical2expert.shape[1]} physical expert "
                          f"slots per layer, but the server allocated {old.physical2expert.shape[1]} at load; a "
                          f"placement with another number of copies per rank needs a restart")
-    packed = {layer: gate for layer, (_, gate) in enumerate(router_rows(state.model, old.moe_layers,
-                                                                        old.slot2expert.shape[1])) if gate is not None}
+    rows = router_rows(state.model, old.moe_layers, old.slot2expert.shape[1])
+    packed = {layer: gate for layer, (_, gate) in enumerate(rows) if gate is not None}
     dropped = list(packed)
     if dropped and not (state.gate_rows is not None and all(layer in state.gate_rows for layer in dropped)):
         raise ValueError(f"smoe live placement: the routers of MoE layers {dropped} were packed at load and their "
@@ -123,6 +126,7 @@ def check_swap(state: Worker, snapshot) -> Swap:
     if len(found) != len(old.moe_layers):
         raise ValueError(f"smoe live placement: found {len(found)} MoE layers, expected {len(old.moe_layers)} (pipeline "
                          f"parallel?)")
+    derived_rows(state, rows)  # refuses a tensor beside a router that a swap would leave stale
     weights = [list(experts.get_expert_weights()) for _, _, experts in found]
     transfer = None
     if _ep_split(state.vllm_config) and (old.physical2expert != plan.physical2expert).any():
@@ -173,13 +177,45 @@ def _move_experts(state: Worker, swap: Swap) -> int:
     return moved
 
 
+def derived_rows(state: Worker, rows) -> list[list[Derived]]:
+    """Per MoE layer: the tensors vLLM derived from its router's rows (:mod:`.derived`'s rule),
+    found while ``rows`` (:func:`router_rows`) are still in the served order; ValueError naming a
+    tensor with an expert-count extent that is not one."""
+    from .token_order import find_moe_experts
+
+    old = state.placement.plan
+    E, P = old.slot2expert.shape[1], old.physical2expert.shape[1]
+    names = {id(m): n for n, m in state.model.named_modules()}
+    found = {layer: (block, experts) for layer, block, experts in find_moe_experts(state.model, old.moe_layers)}
+    out = []
+    for layer, (params, packed) in enumerate(rows):
+        block, experts = found.get(layer, (None, None))
+        ids = {id(p) for p in params}
+        owners = [m for m in (block if block is not None else state.model).modules()
+                  if any(id(p) in ids for p in m._parameters.values())]
+        holders = [(names.get(id(m), ""), m) for m in (block, experts, packed, *owners) if m is not None]
+        if getattr(experts, "router", None) is not None:
+            holders.append((f"{names.get(id(experts), '')}.router", experts.router))
+        refs = list(params)
+        if packed is not None and state.gate_rows is not None and layer in state.gate_rows:
+            rows_now = state.gate_rows[layer]  # checkpoint order; served as the old placement orders it
+            refs.append(rows_now.index_select(0, torch.as_tensor(old.slot2expert[layer], device=rows_now.device)))
+        skip = list(params) + (list(experts.get_expert_weights()) if experts is not None else [])
+        out.append(derived_tensors(holders, refs, skip, E, P))
+    return out
+
+
 def _reorder_routers(state: Worker, new) -> None:
     old = state.placement.plan
-    for layer, (params, packed) in enumerate(router_rows(state.model, old.moe_layers, old.slot2expert.shape[1])):
+    rows = router_rows(state.model, old.moe_layers, old.slot2expert.shape[1])
+    derived = derived_rows(state, rows)  # matched against the rows as served: before any of them moves
+    for layer, (params, packed) in enumerate(rows):
         # new row i scores expert new.slot2expert[i], which the old order put at old.expert2slot[.]
         idx = old.expert2slot[layer][new.slot2expert[layer]]
         for p in params:
             p.data.copy_(p.data.index_select(0, torch.as_tensor(idx, device=p.device)))
+        for d in derived[layer]:
+            d.permute(torch.as_tensor(idx))
         if packed is not None:
             _repack(packed, state.gate_rows[layer], new.slot2expert[layer])
 
