@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ..formats.model_info import num_experts
 from .config import TABLE_PREDICTORS
+from .transports import locality_advice
 
 # vLLM's all2all backends that send each row only to the ranks holding its experts, so the token
 # order saves bytes on them; all are in vLLM's own whitelist for sequence-parallel MoE
@@ -239,8 +240,9 @@ def check_served_placement(path: str, cfg, vllm_config, snapshot=None):
 
 
 def advice(vllm_config, cfg, device_type: str) -> list[str]:
-    """Where the configuration cannot pay, why and what does (measured in BENCHMARKS.md): one
-    line each, logged at start. Configs only; nothing is refused here. cfg: the SmoeConfig."""
+    """Where the configuration cannot pay, why and what does (measured in BENCHMARKS.md; a
+    placement against its all2all transport: :func:`.transports.locality_advice`): one line
+    each, logged at start. Configs only; nothing is refused here. cfg: the SmoeConfig."""
     pc = vllm_config.parallel_config
     tp, dp = pc.tensor_parallel_size, pc.data_parallel_size
     local_dp = getattr(pc, "data_parallel_size_local", dp) or dp
@@ -266,11 +268,6 @@ def advice(vllm_config, cfg, device_type: str) -> list[str]:
         if seqs is not None and seqs < tp:
             out.append(f"--max-num-seqs {seqs} < {tp} ranks: every decode step has fewer tokens than ranks, so the "
                        f"static order cannot move a decode token")
-    elif cfg.placement is not None and tp > 1 and pc.enable_expert_parallel and dp == 1:
-        out.append("a placement at TP > 1 + EP with DP = 1: vLLM routes every row on every rank and all-reduces the "
-                   "MoE output, so the expert order changes which rank computes, not what crosses the link; "
-                   "locality pays with --data-parallel-size > 1 (request routing) or mode speculate across nodes")
-    elif cfg.placement is not None and dp > 1 and pc.enable_expert_parallel and not cfg.dp_routing:
-        out.append("--smoe-dp-routing off: requests land on DP ranks by vLLM's load balancer, so a DP placement's "
-                   "locality is left to chance (measured with routing: 0.61-0.67 of activations local at DP=2)")
+    else:  # a placement's locality against what carries the rows (transports.py)
+        out += locality_advice(vllm_config, cfg, device_type)
     return out
