@@ -166,6 +166,13 @@ class SmoeModelLoader(DefaultModelLoader):
             model = super().load_model(vllm_config, model_config, prefix)
         if cfg is None:
             return model
+        if cfg.mode == "speculate":  # load_weights sized the MoE buffers to a rank's chunk
+            from .moe_buffers import built_before_cap
+
+            early = built_before_cap(model)
+            if early:
+                logger.warning("smoe mode speculate: vLLM built the MoE kernels of %s (and %d more) before smoe sized "
+                               "their buffers to a rank's chunk: they hold the whole step", early[0], len(early) - 1)
         worker = Worker(model, vllm_config, cfg, served, self.gate_rows)  # what POST /smoe/placement swaps
         if cfg.mode == "speculate":
             from .token_order import install_token_order
@@ -177,6 +184,19 @@ class SmoeModelLoader(DefaultModelLoader):
             worker.recorder = install_recorder(model, vllm_config, cfg, self.plan, worker.order)
         start_worker(worker)
         return model
+
+    def load_weights(self, model, model_config) -> None:
+        # after vLLM built the model, before process_weights_after_loading builds its MoE kernels
+        # from each layer's max_num_tokens; a draft's too (its MoE runs sequence parallel as well)
+        from vllm.config import get_current_vllm_config
+
+        vllm_config = get_current_vllm_config()
+        cfg = SmoeConfig.from_additional_config(vllm_config.additional_config)
+        if cfg is not None and cfg.mode == "speculate":
+            from .moe_buffers import cap_max_num_tokens
+
+            cap_max_num_tokens(model, vllm_config.scheduler_config.max_num_batched_tokens)
+        super().load_weights(model, model_config)
 
     def _init_ep_weight_filter(self, model_config) -> None:
         super()._init_ep_weight_filter(model_config)

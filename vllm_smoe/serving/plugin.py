@@ -207,6 +207,12 @@ def _after_engine_config(engine_args, cfg, vllm_config) -> None:
 
             served = check_served_placement(cfg.placement, cfg, vllm_config)  # its tables parsed too
             logger.info("smoe: placement %s checked against %s", cfg.placement, vllm_config.model_config.model)
+            if cfg.mode == "speculate":  # what the loader sizes the MoE buffers to (moe_buffers)
+                from .moe_buffers import start_line
+
+                line = start_line(vllm_config, served.plan.physical2expert.shape[1])
+                if line is not None:
+                    logger.info("%s", line)
             pc = vllm_config.parallel_config
             placement = served.placement
             if pc.data_parallel_size > 1 and cfg.dp_routing and not pc.enable_expert_parallel:
