@@ -4,9 +4,11 @@
 - Each MoE layer's router gets a capture callback (``router.set_capture_fn``, vLLM's own hook,
   chained after the token order's when speculating) that copies the step's top-k ids into a
   preallocated buffer in place, so it keeps working where the forward runs compiled or as a
-  replayed graph. Under speculate each rank routes only its chunk of the reordered rows: the
-  chunks are all-gathered on the TP group and put back in the step's order
-  (``TokenOrder.gather_rows``, one [T, K] integer all-gather per MoE layer).
+  replayed graph. Only this DP rank's rows of the step are kept, in the step's order, whatever
+  vLLM's layout (:mod:`.record_rows`): every DP rank's rows under naive dispatch, each TP rank's
+  chunk under vLLM's sequence-parallel MoE (all-gathered on the TP group), speculate's chunks of
+  reordered rows (``TokenOrder.gather_rows``). A step some layer did not write (a layout that
+  fits no rule, a micro-batched step) is dropped whole and counted, never written from stale rows.
 - After each engine step (``execute_model`` of either model runner, V1 or V2, through
   :mod:`.runner_hooks`)
   the step's buffers are copied off the device without waiting for it (pinned memory and an
@@ -47,6 +49,8 @@ import numpy as np
 import torch
 
 from .config import SmoeConfig
+from .draft_rows import DraftRows, draft_counts
+from .record_rows import StepRows
 from ..formats.model_info import moe_layer_indices, num_experts, top_k
 from ..formats.trace import TraceMeta, TraceWriter, recover_dead_spills
 
@@ -78,7 +82,18 @@ class Recorder:
         self.slot2expert = None if plan is None else torch.as_tensor(plan.slot2expert)  # [L, E]
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         device = next(model.parameters()).device
-        self.buf = torch.zeros((max_tokens, self.L, self.K), dtype=torch.int32, device=device)
+        pc = vllm_config.parallel_config
+        pcp = getattr(pc, "prefill_context_parallel_size", 1)
+        if pcp > 1:  # its MoE rows are split and gathered over the PCP group too: no layout rule covers them
+            raise ValueError(f"smoe record: prefill_context_parallel_size {pcp} is not supported; record with "
+                             f"--prefill-context-parallel-size 1")
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        self.writes = get_tensor_model_parallel_rank() == 0
+        self.dp_rank = pc.data_parallel_rank
+        self.rows = StepRows(max_tokens, self.L, self.K, device, int(self.dp_rank or 0), pc.tensor_parallel_size,
+                             keep=self.writes)
+        self.buf = self.rows.buf
         self.order = order  # speculate's TokenOrder: each rank's router sees its chunk of reordered rows
         from .capability import current_capture, set_capture
         from .token_order import find_moe_experts, hookable_gate
@@ -91,11 +106,6 @@ class Recorder:
             gate = hookable_gate(block, experts, vllm_config)  # routes a monolithic kernel's rows again
             set_capture(experts, partial(self._capture, layer, prev),
                         f"smoe record: MoE layer {layer} ({type(block).__name__})", gate)
-        pc = vllm_config.parallel_config
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        self.writes = get_tensor_model_parallel_rank() == 0
-        self.dp_rank = pc.data_parallel_rank
         self.meta = TraceMeta(num_experts=self.E, top_k=self.K, num_layers=self.L, vocab_size=hf.vocab_size,
                               model=vllm_config.model_config.model, hidden_size=hf.hidden_size,
                               extra={"recorded_by": "vllm-smoe", "placement": cfg.placement,
@@ -110,6 +120,7 @@ class Recorder:
         self.prompt_len: dict[str, int] = {}  # vLLM request id -> prompt tokens, while it runs
         self.warned_skip = False
         self.unrecordable = 0  # tokens of steps that could not be recorded (no token ids)
+        self.unrouted = 0  # tokens of steps dropped because some layer wrote no rows for them (record_rows)
         self.next_req = 0
         self.step = 0
         self.chunk = 0
@@ -117,6 +128,7 @@ class Recorder:
         self.total = 0
         self.dropped = 0  # tokens of steps dropped because the writer fell behind
         self.skipped = 0  # tokens of requests left out by sampling
+        self.drafts = DraftRows()  # speculative decoding: a draft's row waits for its request's next step
         self.removed = 0  # files removed for the disk budget
         self.failed = 0  # tokens lost to failed writes (a full disk, a removed directory), whole steps
         self.failing: str | None = None  # the failure writes currently meet (logged once), None = none
@@ -211,10 +223,7 @@ class Recorder:
     def _capture(self, layer: int, prev, topk_ids: torch.Tensor) -> None:
         if prev is not None:
             prev(topk_ids)
-        if self.order is not None:  # this rank's chunk -> every row, in the step's order
-            topk_ids = self.order.gather_rows(layer, topk_ids)
-        n = topk_ids.shape[0]
-        self.buf[:n, layer].copy_(topk_ids)
+        self.rows.capture(layer, topk_ids, self.order)
 
     def _open(self) -> TraceWriter:
         # the start time keeps names unique when a restarted container reuses the same pids
@@ -229,7 +238,7 @@ class Recorder:
             ids, embeds = getattr(new, "prompt_token_ids", None), getattr(new, "prompt_embeds", None)
             self.prompt_len[new.req_id] = len(ids) if ids is not None else (0 if embeds is None else len(embeds))
         for r in getattr(scheduler_output, "finished_req_ids", ()) or ():
-            self.req_index.pop(r, None)  # ids stay unique: the counter never goes back
+            self.drafts.finished(self.req_index.pop(r, None))  # ids stay unique: the counter never goes back
             self.prompt_len.pop(r, None)
         n = int(scheduler_output.total_num_scheduled_tokens)
         if n == 0 or not self.writes or step is None:
@@ -249,15 +258,17 @@ class Recorder:
         self.skipped += int(counts[~keep].sum())
         if keep.any():
             ev = None
-            ids, pos, topk = (_host_copy(t) for t in (step.input_ids, step.positions, self.buf[:n]))
+            ids, pos, topk, written = (_host_copy(t) for t in (step.input_ids, step.positions, self.buf[:n],
+                                                               self.rows.written))
             if ids.is_pinned():
                 ev = torch.cuda.Event()
                 ev.record()
             req = np.array([self._req_id(r) if k else -1 for r, k in zip(req_ids, keep)], dtype=np.int32)
             # a request never seen as new (started before the recorder): every row taken as decode
             prompt = np.array([self.prompt_len.get(r, 0) for r in req_ids], dtype=np.int64)
+            self.drafts.note(step_id, draft_counts(scheduler_output, req_ids))
             try:
-                self.queue.put_nowait(("step", ids, pos, topk, ev, req, counts, keep, prompt, step_id,
+                self.queue.put_nowait(("step", ids, pos, topk, written, ev, req, counts, keep, prompt, step_id,
                                        self.slot2expert))
             except queue.Full:
                 self.dropped += int(counts[keep].sum())
@@ -266,6 +277,7 @@ class Recorder:
             extra = [f"{v} {what}" for v, what in ((self.skipped, "tokens not sampled"),
                                                    (self.dropped, "tokens dropped (writer behind)"),
                                                    (self.failed, "tokens dropped (writes failed)"),
+                                                   (self.unrouted, "tokens dropped (rows not routed here)"),
                                                    (self.removed, "files removed for the disk budget")) if v]
             logger.info("smoe record: %d tokens in %d steps written to %s%s", self.total, self.step,
                         self.cfg.record, "".join(", " + e for e in extra))
@@ -281,7 +293,7 @@ class Recorder:
         try:
             publish(self.metrics_dir, "record", self.dp_rank, {"written": self.total, "behind": self.dropped,
                                                                 "failed": self.failed,
-                                                                "unrecordable": self.unrecordable})
+                                                                "unrecordable": self.unrecordable + self.unrouted})
         except OSError as e:
             logger.warning("smoe: record metrics not published any more: %s", e)
             self.metrics_dir = None
@@ -302,19 +314,32 @@ class Recorder:
                 else:
                     self._write(*item[1:])
             except Exception:  # noqa: BLE001 - logged; the thread must outlive one bad step or a full disk
-                logger.exception("smoe record: %s not written", f"step {item[9]}" if item[0] == "step" else "swap")
+                logger.exception("smoe record: %s not written", f"step {item[10]}" if item[0] == "step" else "swap")
             finally:
                 self.queue.task_done()
 
-    def _write(self, ids, pos, topk, ev, req, counts, keep, prompt, step, slot2expert) -> None:
+    def _write(self, ids, pos, topk, written, ev, req, counts, keep, prompt, step, slot2expert) -> None:
         if ev is not None:
             ev.synchronize()
+        if not StepRows.complete(written, int(counts.sum())):  # some layer's rows are not this step's
+            with self.lock:
+                if not self.unrouted:
+                    logger.warning("smoe record: step %d dropped: MoE layers %s wrote rows %s of its %d (counted in "
+                                   "smoe:record_lost_tokens; warned once)", step,
+                                   [self.layers[i] for i in range(self.L) if written[i] < counts.sum()],
+                                   written.tolist(), int(counts.sum()))
+                self.unrouted += int(counts[keep].sum())
+            return
         if slot2expert is not None:  # physical slot -> logical expert, per layer
             topk = torch.stack([slot2expert[layer][topk[:, layer].long()] for layer in range(self.L)], dim=1)
         rows = np.repeat(keep, counts)
         pos = pos.numpy().astype(np.int32)[rows]
         is_prefill = pos < np.repeat(prompt, counts)[rows]
-        n = int(rows.sum())
+        fields = self.drafts.settle(step, {
+            "token_ids": ids.numpy().astype(np.int32)[rows], "request_ids": np.repeat(req, counts)[rows],
+            "positions": pos, "topk_ids": topk.numpy().astype(np.int16 if self.E < 32768 else np.int32)[rows],
+            "step_ids": np.full(int(rows.sum()), step, dtype=np.int32), "is_prefill": is_prefill}, counts, rows)
+        n = len(fields["token_ids"])
         with self.lock:
             if self.stopped:
                 self.failed += n
@@ -325,10 +350,7 @@ class Recorder:
                         os.makedirs(self.cfg.record, exist_ok=True)
                         logger.warning("smoe record: %s was removed; made it again and recording on", self.cfg.record)
                     self.writer = self._open()
-                self.writer.append(token_ids=ids.numpy().astype(np.int32)[rows],
-                                   request_ids=np.repeat(req, counts)[rows], positions=pos,
-                                   topk_ids=topk.numpy().astype(np.int16 if self.E < 32768 else np.int32)[rows],
-                                   step_ids=np.full(n, step, dtype=np.int32), is_prefill=is_prefill)
+                self.writer.append(**fields)
             except OSError as e:
                 self._write_failed(e, n)
                 return
@@ -399,13 +421,21 @@ class Recorder:
         if self.writes:
             self.queue.put(("swap", path))  # waits only if 64 steps are queued
 
+    def before_step(self, runner, scheduler_output) -> None:
+        """Before each served step's forward: no layer has written its rows yet."""
+        if self.writes:
+            self.rows.begin_step()
+
     def step_hooks(self) -> tuple:
         """The runner hooks this recorder attached (:func:`.runner_hooks.attach`)."""
-        return (self.after_step,)
+        return (self.before_step, self.after_step)
 
     def close(self) -> None:
         self.drain()
         with self.lock:
+            line = self.drafts.close()
+            if line:
+                logger.info("%s", line)
             if self.writer is not None:
                 self._close_writer()
                 logger.info("smoe record: closed at shutdown; %d tokens in %d steps recorded to %s in all",
@@ -420,7 +450,7 @@ def install_recorder(model, vllm_config, cfg: SmoeConfig, plan, order=None) -> R
     from . import runner_hooks
 
     rec = Recorder(model, vllm_config, cfg, plan, order)
-    runner_hooks.attach(after=rec.after_step)
+    runner_hooks.attach(before=rec.before_step, after=rec.after_step)
     runner_hooks.check_attached(vllm_config, current_platform.device_type)  # never record nothing silently
     logger.info("smoe record: capturing %d MoE layers into %s (%s of requests%s)", rec.L, cfg.record,
                 f"{cfg.record_sample:.0%}", "" if cfg.record_max_mb is None else f", at most {cfg.record_max_mb:g} MiB")
