@@ -137,6 +137,22 @@ def test_the_reader_parses_what_python_would_define(tmp_path):
     assert vs.describe(root, "vllm.nomodule:f") is None
 
 
+def test_a_name_a_module_imports_is_described_where_it_is_defined(tmp_path):
+    """vLLM's iterators call ``should_skip_weight`` through weight_utils' import of it, which is
+    what smoe replaces: absolute and relative imports are followed to the def."""
+    z = zipfile.ZipFile(_wheel(tmp_path))
+    z.extractall(tmp_path / "src")
+    fake = tmp_path / "src" / "vllm" / "fake"
+    (fake / "__init__.py").write_text("from .mod import helper as pkg_helper\n")
+    (fake / "user.py").write_text("from vllm.fake.mod import helper\nfrom .mod import Engine as E\n"
+                                  "from . import mod\nfrom .missing import gone\n")
+    root = str(tmp_path / "src")
+    assert vs.describe(root, "vllm.fake.user:helper")["params"] == ["x", "y"]
+    assert vs.describe(root, "vllm.fake.user:E")["kind"] == "class"  # a module's name only (not E.build)
+    assert vs.describe(root, "vllm.fake:pkg_helper")["params"] == ["x", "y"]
+    assert vs.describe(root, "vllm.fake.user:mod") is None and vs.describe(root, "vllm.fake.user:gone") is None
+
+
 def test_the_generator_reads_a_wheel_without_installing_it(tmp_path):
     version, symbols = vs.read_wheel(_wheel(tmp_path))
     assert version == "9.9.9"  # a build's local tag (+cpu) names the same release

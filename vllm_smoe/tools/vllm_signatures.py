@@ -48,12 +48,17 @@ def _decorator(node: ast.expr) -> str:
 
 
 def _defs(body: list[ast.stmt]) -> dict[str, ast.AST]:
-    """Name -> its last def or class in ``body``, looking into if/try blocks (a name defined in
-    both branches of an ``if`` is the later one, as a module run top to bottom leaves it)."""
+    """Name -> its last def, class or ``from ... import`` in ``body``, looking into if/try blocks (a
+    name defined in both branches of an ``if`` is the later one, as a module run top to bottom
+    leaves it). An import is its ``ast.ImportFrom`` with the imported name as ``_smoe_name``."""
     out: dict[str, ast.AST] = {}
     for node in body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             out[node.name] = node
+        elif isinstance(node, ast.ImportFrom):
+            for alias in node.names:  # a patch of a module's global replaces what it imported
+                out[alias.asname or alias.name] = imported = ast.ImportFrom(node.module, [alias], node.level)
+                imported._smoe_name = alias.name
         elif isinstance(node, ast.If):
             out.update(_defs(node.body))
             out.update(_defs(node.orelse))
@@ -73,6 +78,15 @@ def _describe(node: ast.AST, in_class: bool) -> dict:
     if kind is None:
         kind = ("__init__" if node.name == "__init__" else "method") if in_class else "function"
     return {"kind": kind, "params": _params(node.args), "signature": f"({ast.unparse(node.args)})"}
+
+
+def _source_module(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The module a ``from ... import`` in ``module`` reads (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    parts = module.split(".") if is_package else module.split(".")[:-1]
+    parts = parts[: len(parts) - (node.level - 1)]
+    return ".".join(parts + ([node.module] if node.module else []))
 
 
 def _module_file(root: str, module: str) -> str | None:
@@ -103,6 +117,9 @@ def describe(root: str, target: str, _cache: dict | None = None) -> dict | None:
             return None
         scope = node.body
     node = _defs(scope).get(attr)
+    if isinstance(node, ast.ImportFrom):  # described where it is defined
+        source = _source_module(module, path.endswith("__init__.py"), node)
+        return describe(root, f"{source}:{node._smoe_name}", cache) if source != module else None
     return None if node is None else _describe(node, in_class=bool(owners))
 
 
