@@ -237,6 +237,31 @@ def test_a_micro_batched_step_is_dropped(tmp_path, monkeypatch):
     assert rec.unrouted == 5 and any("micro-batched" in r for r in rec.rows.missed)
 
 
+def test_the_capture_traces_whole_under_torch_compile_at_one_rank(tmp_path, monkeypatch):
+    """On the CPU build at one rank vLLM calls the MoE forward directly (no opaque op), so
+    torch.compile traces the router's capture into the graph (fullgraph, dynamic rows): it must
+    hold no host bookkeeping there (a log call broke vLLM's compiled start), and the compiled
+    graph still writes each step's rows and counts."""
+    from vllm.forward_context import override_forward_context
+
+    ref, _ = _reference([9])
+    rec, routers = _recorder(monkeypatch, tmp_path, 0, 0)
+
+    def forward(x):
+        for layer, router in enumerate(routers):
+            router.capture_fn(x[:, layer])
+        return x + 1
+
+    compiled = torch.compile(forward, fullgraph=True, dynamic=True)
+    with override_forward_context(types.SimpleNamespace(dp_metadata=None)):
+        for n in (9, 4, 7):
+            rec.before_step(None, None)
+            compiled(ref[0][:n])
+            assert rec.rows.written.tolist() == [n] * L
+            assert torch.equal(rec.buf[:n], ref[0][:n])
+    rec.close()
+
+
 def test_prefill_context_parallelism_is_refused_by_value(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="prefill_context_parallel_size 2"):
         _recorder(monkeypatch, tmp_path, 0, 0, pcp=2)

@@ -27,16 +27,14 @@ replayed graph writes the counts it was captured with).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 logger = logging.getLogger("vllm.smoe")
 
 
-@dataclass(frozen=True)
-class Layout:
+class Layout(NamedTuple):  # a named tuple: the capture may be traced by torch.compile (CPU, one rank)
     name: str  # local, dp-slice, sp-gathered, sp-chunk
     start: int  # this DP rank's first row (of the TP-gathered rows for sp-chunk)
     count: int  # this DP rank's rows: its step, vLLM's DP / graph padding included
@@ -103,6 +101,7 @@ class StepRows:
         self.written.zero_()
 
     def _miss(self, reason: str) -> None:
+        """Host bookkeeping: called only where the capture runs eagerly (not traced by torch.compile)."""
         if reason not in self.missed:
             logger.warning("smoe record: router rows not recorded: %s; steps with such rows are dropped and "
                            "counted in smoe:record_lost_tokens (warned once)", reason)
@@ -112,7 +111,8 @@ class StepRows:
         """[count, K] this DP rank's rows of a router output in the step's order, or None."""
         from vllm.forward_context import get_forward_context, is_forward_context_available
 
-        if _micro_batched():
+        eager = not torch.compiler.is_compiling()  # host bookkeeping (logs, counts) only then
+        if eager and _micro_batched():  # DBO runs only where MoE is an opaque op, never traced
             self._miss("a micro-batched step (DBO / ubatching): each micro-batch routes part of the step")
             return None
         dpm = get_forward_context().dp_metadata if is_forward_context_available() else None
@@ -121,10 +121,11 @@ class StepRows:
         n = topk_ids.shape[0]
         where = locate(n, across, sizes, self.dp_rank, self.tp_size)
         if where is None:
-            self._miss(f"{n} rows fit no layout (rows per DP rank {across}, gathered sizes {sizes}, "
-                       f"DP rank {self.dp_rank}, TP {self.tp_size})")
+            if eager:
+                self._miss(f"{n} rows fit no layout (rows per DP rank {across}, gathered sizes {sizes}, "
+                           f"DP rank {self.dp_rank}, TP {self.tp_size})")
             return None
-        if where.name not in self.layouts:
+        if eager and where.name not in self.layouts:
             self.layouts.add(where.name)
             logger.info("smoe record: router rows in layout %s (%d rows per DP rank %s, gathered sizes %s)",
                         where.name, n, across, sizes)
@@ -136,7 +137,8 @@ class StepRows:
         speculate's :class:`~.token_order.TokenOrder` (its chunks, not vLLM's)."""
         if order is not None:
             if topk_ids.shape[0] * self.tp_size < order.rows:  # every TP rank sees the same shapes
-                self._miss(f"{topk_ids.shape[0]} rows per rank cannot hold speculate's {order.rows}-row step")
+                if not torch.compiler.is_compiling():
+                    self._miss(f"{topk_ids.shape[0]} rows per rank cannot hold speculate's {order.rows}-row step")
                 return
             rows = order.gather_rows(layer, topk_ids)
         else:
