@@ -132,7 +132,9 @@ def test_two_nodes_of_dp_tp_ep_hierarchical_exchange_gives_plain_tokens(tmp_path
     node 1 headless) of TP=2, expert parallel over all 4 ranks, smoe's DP placement built over
     nodes (one node per engine) with its request routing, and the sparse exchange hierarchical
     across the nodes (prefill-sized steps; decode steps go flat). 8 held-out prompts of 150
-    tokens from 8 clients give single-rank vLLM's greedy tokens."""
+    tokens from 8 clients give single-rank vLLM's greedy tokens. Recorded as it serves: under
+    vLLM's sequence-parallel MoE each TP rank routes only its chunk, and each engine's recording
+    equals transformers' router row for row (issue 62, item 3)."""
     pytest.importorskip("vllm")
     import signal
     import subprocess
@@ -152,7 +154,7 @@ def test_two_nodes_of_dp_tp_ep_hierarchical_exchange_gives_plain_tokens(tmp_path
     flags = ("--data-parallel-size", "2", "--data-parallel-size-local", "1", "--tensor-parallel-size", "2",
              "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(free_port()),
              "--enable-expert-parallel", "--plugin", "smoe", "--smoe-placement", str(placement),
-             "--smoe-log-interval", "0.2")
+             "--smoe-log-interval", "0.2", "--smoe-record", str(tmp_path / "rec"))
     # each node on a core of its own, as the emulated cluster runs them. With both nodes' TP
     # ranks on "0|1" (a rank of each engine on each core) the first step that one engine served
     # while the other ran its dummy batch hung in the exchange's all_to_all, two ranks sharing a
@@ -181,3 +183,44 @@ def test_two_nodes_of_dp_tp_ep_hierarchical_exchange_gives_plain_tokens(tmp_path
     assert "sparse all2all over 4 ranks on 2 node(s) (ranks' nodes [0, 0, 1, 1]): hierarchical" in logs
     assert max(int(x) for x in _re_all(r"(\d+) layer steps hierarchical", logs)) > 0
     assert sum(int(x) for x in _re_all(r"smoe dp routing: \d+ requests: (\d+) by the placement", logs)) > 0
+    # each TP rank routed its chunk of the step, gathered by the recorder
+    assert "smoe record: router rows in layout sp-chunk" in logs and "not recorded" not in logs
+    # every request recorded once, by the engine that ran it (the last one: the counters' request)
+    _assert_recorded_as_router(tmp_path / "rec", 2, prompts + [prompts[0][:1]],
+                               [len(lp) - 1 for _, lp in out] + [0])
+
+
+def _assert_recorded_as_router(rec_dir, dp_size, prompts, decoded):
+    """Each DP engine's recording: every request's rows in position order are one of ``prompts``
+    followed by ``decoded[i]`` generated tokens (all but the last), each request is recorded by
+    one engine only, and every row's top-k set equals transformers' router on those tokens."""
+    import glob
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vllm_smoe.formats.trace import read_traces
+    from vllm_smoe.testbed import FIXTURE_MODEL
+    from vllm_smoe.testbed.record import router_topk
+
+    model = AutoModelForCausalLM.from_pretrained(FIXTURE_MODEL, dtype=torch.float32).eval()
+    seen = []
+    for d in range(dp_size):
+        files = sorted(glob.glob(os.path.join(rec_dir, f"trace-dp{d}-*.npz")))
+        assert files, f"DP rank {d} recorded nothing"
+        meta, arr, _ = read_traces(files)
+        for r in np.unique(arr["request_ids"]):
+            rows = np.flatnonzero(arr["request_ids"] == r)
+            rows = rows[np.argsort(arr["positions"][rows])]
+            np.testing.assert_array_equal(arr["positions"][rows], np.arange(rows.size))  # no gaps, no repeats
+            seq = arr["token_ids"][rows]
+            i = max((k for k, p in enumerate(prompts) if seq[: len(p)].tolist() == list(p)),
+                    key=lambda k: len(prompts[k]), default=None)
+            assert i is not None and meta.extra["dp_rank"] == d, f"DP rank {d}: request {r} ran no prompt sent"
+            assert seq.size == len(prompts[i]) + decoded[i], (d, i)
+            want, _ = router_topk(model, torch.from_numpy(seq.astype(np.int64))[None], meta.top_k)
+            got = arr["topk_ids"][rows].astype(np.int32)
+            bad = int((np.sort(got, -1) != np.sort(want, -1)).any(-1).sum())
+            assert bad == 0, f"DP rank {d}, prompt {i}: {bad} of {got.size // got.shape[-1]} (token, layer) top-k differ"
+            seen.append(i)
+    assert sorted(seen) == list(range(len(prompts)))
