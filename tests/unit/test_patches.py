@@ -25,6 +25,9 @@ _SCAN = textwrap.dedent('''
     cli.install()
     cpu.in_worker()
     runner_hooks.attach()
+    from vllm_smoe.serving import expert_filter
+    from vllm_smoe.serving.patches import model_loader
+    model_loader.install(expert_filter.should_skip)  # the loader's, where a placement meets vLLM's EP filter
 
     def scan():
         found = {}

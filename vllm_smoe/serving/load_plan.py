@@ -41,6 +41,9 @@ ROUTER_PARAM = re.compile(r"^.*\.layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe
 # any tensor of a decoder layer's feed-forward block: one with an extent of E that smoe does not
 # know is refused at load rather than left in checkpoint order (a silent change of routing); a
 # vision tower's layers (Llama 4's ``vision_model.model.layers.<i>.mlp``) are not the decoder's
+# one expert's tensor in its own name, ``...layers.{i}.<moe>.experts.{e}.*``: the loader renames it
+# to the expert's slot, and a rank reads it only where one of its slots holds expert e
+EXPERT_PARAM = re.compile(r"^(?P<pre>.*\.layers\.(?P<layer>\d+)\.(?:[^.]+\.)*?)experts\.(?P<e>\d+)\.(?P<rest>.+)$")
 MOE_BLOCK_PARAM = re.compile(r"^(?!.*vis(?:ion|ual))"
                              r".*\.layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.(?P<rest>.+)$")
 
@@ -88,6 +91,12 @@ class LoadPlan:
     def held(self, rank: int) -> np.ndarray:
         """[L, E] bool: rank ``rank`` holds a copy (home or replica) of router output i."""
         return self.slot2rank[self.route2physical[:, rank]] == rank
+
+    def local_experts(self, rank: int) -> list[frozenset[int]]:
+        """Per MoE layer, the checkpoint expert ids held by rank ``rank``'s slots, copies included:
+        the per-expert tensors it must read (every other one lands in another rank's slot)."""
+        slots = self.local_slots(rank)
+        return [frozenset(int(e) for e in row[slots.start: slots.stop]) for row in self.physical2expert]
 
     def layer_of(self, decoder_layer: int) -> int | None:
         """MoE ordinal of a decoder layer index, None for dense layers."""

@@ -6,8 +6,8 @@ Each replacement is a :class:`Patch` in :data:`PATCHES`: the symbol, why, the up
 PR, what vLLM would need to offer for the patch to go, and the parameters of vLLM's original as
 it was checked (vLLM versions in ``checked_on``; what each release defines, read from its wheel,
 is stored in ``signatures.json`` and compared in CI). The replacements are thin and live here, one
-module per part of vLLM (``engine_args``, ``cli``, ``cpu``, ``runners``, ``dp_client``); what
-they run is smoe's, in the feature modules (``where``). Each lands only through :func:`replace`,
+module per part of vLLM (``engine_args``, ``cli``, ``cpu``, ``runners``, ``dp_client``,
+``model_loader``); what they run is smoe's, in the feature modules (``where``). Each lands only through :func:`replace`,
 which refuses a symbol not in the list, one whose target moved, and one whose original's
 parameters differ from what the patch was written for (recorded in :func:`mismatches`: with smoe
 asked for, the plugin checks every listed symbol imported by then and refuses, naming each that
@@ -216,6 +216,16 @@ PATCHES: tuple[Patch, ...] = (
         why='On CPU vLLM calls its fused-MoE forward directly, so torch.compile traces into the experts and the all2all; the expert-map fix and the sparse exchange have data-dependent sizes, so under smoe the CPU takes the opaque vllm::moe_forward / moe_forward_shared custom ops vLLM uses on GPUs.',
         upstream="none filed (vLLM's comment in _select_forward says CPU deliberately calls the op directly)",
         remove="a switch to use the opaque moe_forward op on CPU (or vLLM's CPU path tolerating data-dependent sizes)",
+    ),
+    Patch(
+        id='weight_utils_should_skip_weight',
+        target='vllm.model_executor.model_loader.weight_utils:should_skip_weight',
+        kind='function',
+        params=('weight_name', 'local_expert_ids'),
+        where='patches/model_loader.py; runs expert_filter.should_skip',
+        why="With --enable-ep-weight-filter, vLLM skips a per-expert tensor before reading it when its expert id is not in the loader's one set of local ids (its linear split, the same for every layer). A placement puts other experts, and copies, on a rank in each layer, so smoe's loader hands a per-layer set (expert_filter.PlacedExperts, the union as a set) and this asks it with the tensor's name; any other set goes to vLLM's function unchanged. Where not in force, vLLM tests the union: more is read, never less.",
+        upstream="none filed; the filter came with vllm-project/vllm#37136 https://github.com/vllm-project/vllm/pull/37136, is skipped under EPLB since #37322 https://github.com/vllm-project/vllm/pull/37322 (redundant slots hold other ranks' experts) and opt-in since #37351",
+        remove="vLLM's EP weight filter taking the model's expert map per layer (a static placement's or EPLB's physical-to-logical map), or a name predicate",
     ),
     Patch(
         id='dplb_get_core_engine_for_request',

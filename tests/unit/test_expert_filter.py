@@ -1,0 +1,195 @@
+"""Each rank reads only the expert tensors its placement gives it: vLLM's EP weight filter fed, per
+MoE layer, the checkpoint ids of the rank's placed slots (copies included), and the bytes a rank
+read, counted as they pass."""
+
+import os
+import types
+
+import numpy as np
+import pytest
+
+from vllm_smoe.serving.expert_filter import PlacedExperts, ReadTally, placed_experts, should_skip
+from vllm_smoe.serving.load_plan import LoadPlan, _physical_layout
+from tests.support import CONFIGS
+
+torch = pytest.importorskip("torch")
+
+
+def _plan(expert2rank, ep, replicas=None, moe_layers=None):
+    """A stand-in load plan from home ranks [L][E] and copies [L][R] (expert, rank)."""
+    e2r = np.asarray(expert2rank)
+    L, _ = e2r.shape
+    reps = np.full((L, 1, 2), -1) if replicas is None else np.asarray(replicas)
+    slot2expert = np.argsort(e2r, axis=1, kind="stable")
+    expert2slot = np.argsort(slot2expert, axis=1, kind="stable")
+    physical2expert, route2physical = _physical_layout(e2r, reps, ep, expert2slot)
+    return LoadPlan(tuple(moe_layers or range(L)), slot2expert, expert2slot, physical2expert, route2physical)
+
+
+def _homes(e2r, layer, rank):
+    return {e for e, r in enumerate(e2r[layer]) if r == rank}
+
+
+def test_each_rank_reads_its_home_experts_per_layer():
+    e2r = [[0, 1, 1, 0, 1, 0, 0, 1], [1, 0, 0, 1, 0, 1, 1, 0]]  # each rank holds every expert in some layer
+    plan = _plan(e2r, 2)
+    for rank in range(2):
+        got = plan.local_experts(rank)
+        assert got == [_homes(e2r, layer, rank) for layer in range(2)]
+        assert PlacedExperts(got, plan.moe_layers) == set(range(8))  # vLLM's one set for all layers: skips nothing
+    assert plan.local_experts(0)[0].isdisjoint(plan.local_experts(1)[0])
+
+
+def test_an_uneven_split_reads_what_vllms_split_holds():
+    """10 experts over 4 ranks: vLLM's linear split gives 3, 3, 2, 2 slots; the placement's ranks hold those."""
+    e2r = [[2, 0, 1, 3, 0, 1, 0, 3, 1, 2], [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]]
+    plan = _plan(e2r, 4)
+    for rank in range(4):
+        assert plan.local_experts(rank) == [_homes(e2r, layer, rank) for layer in range(2)]
+    assert [len(plan.local_experts(r)[0]) for r in range(4)] == [3, 3, 2, 2]
+    vllm_filter = pytest.importorskip("vllm.model_executor.model_loader.ep_weight_filter")
+    assert [len(vllm_filter.compute_local_expert_ids(10, 4, r)) for r in range(4)] == [3, 3, 2, 2]
+
+
+def test_copies_are_read_by_the_rank_that_holds_them():
+    """Layer 0: rank 0 holds copies of 1 and 3, rank 1 a copy of 0; layer 1 one copy (fillers add nothing)."""
+    e2r = [[0, 1, 0, 1, 0, 1, 0, 1], [1, 1, 0, 0, 1, 1, 0, 0]]
+    replicas = [[[1, 0], [3, 0], [0, 1]], [[0, 0], [-1, -1], [-1, -1]]]
+    plan = _plan(e2r, 2, replicas)
+    assert plan.num_redundant == 4
+    assert plan.local_experts(0) == [{0, 2, 4, 6, 1, 3}, {2, 3, 6, 7, 0}]
+    assert plan.local_experts(1) == [{1, 3, 5, 7, 0}, {0, 1, 4, 5}]
+
+
+_HEAVY = (".weight", ".weight_packed")
+
+
+def _fake_vllm(name, ids):  # vLLM's rule: only heavy per-expert tensors are ever skipped
+    import re
+
+    m = re.search(r"\.experts\.(\d+)\.", name)
+    return bool(ids is not None and m and name.endswith(_HEAVY) and int(m[1]) not in ids)
+
+
+def test_only_heavy_tensors_of_experts_on_other_ranks_are_skipped():
+    plan = _plan([[0, 1, 0, 1], [1, 0, 1, 0]], 2, moe_layers=(1, 3))  # decoder layers 0 and 2 dense
+    ids = PlacedExperts(plan.local_experts(0), plan.moe_layers)  # layer 1: {0, 2}; layer 3: {1, 3}
+    skipped = {
+        "model.layers.1.mlp.experts.1.down_proj.weight": True,
+        "model.layers.1.mlp.experts.2.down_proj.weight": False,
+        "model.layers.3.mlp.experts.2.gate_proj.weight_packed": True,
+        "model.layers.3.mlp.experts.1.gate_proj.weight": False,
+        "model.layers.1.mlp.experts.1.down_proj.weight_scale": False,  # scales: vLLM keeps them all
+        "model.layers.5.mlp.experts.1.down_proj.weight": False,  # not a placed layer (MTP, a draft's)
+        "model.experts.1.down_proj.weight": False,  # no layer: smoe does not place it
+        "model.layers.1.mlp.shared_experts.down_proj.weight": False,
+        "model.layers.1.mlp.gate.weight": False,
+        "model.layers.1.mlp.experts.gate_up_proj": False,  # stacked: read whole, sliced by vLLM
+    }
+    assert {n: should_skip(n, ids, _fake_vllm) for n in skipped} == skipped
+    # any other set is vLLM's business
+    assert should_skip("model.layers.1.mlp.experts.1.down_proj.weight", {0}, _fake_vllm) is True
+    assert should_skip("model.layers.1.mlp.experts.1.down_proj.weight", None, _fake_vllm) is False
+
+
+def test_vllms_own_rule_decides_what_is_heavy():
+    vllm_filter = pytest.importorskip("vllm.model_executor.model_loader.ep_weight_filter")
+    plan = _plan([[0, 1, 0, 1]], 2)
+    ids = PlacedExperts(plan.local_experts(0), plan.moe_layers)
+    skip = [n for n in ("model.layers.0.mlp.experts.1.w1.weight", "model.layers.0.mlp.experts.1.w1.weight_packed",
+                        "model.layers.0.mlp.experts.1.w1.input_scale", "model.layers.0.mlp.experts.0.w1.weight")
+            if should_skip(n, ids, vllm_filter.should_skip_weight)]
+    assert skip == ["model.layers.0.mlp.experts.1.w1.weight", "model.layers.0.mlp.experts.1.w1.weight_packed"]
+
+
+@pytest.mark.parametrize("replicas", [None, [[[1, 0], [0, 1]], [[0, 0], [1, 1]]]])
+def test_every_rank_still_gets_every_tensor_its_slots_hold(replicas):
+    """The filtered stream, renamed as the loader does, hands each of the rank's slots the same
+    tensors as the whole checkpoint (what vLLM's expert map keeps of it)."""
+    from vllm_smoe.serving.loader import permute_weights
+
+    plan = _plan([[0, 1, 1, 0], [1, 0, 0, 1]], 2, replicas)
+    weights = [(f"model.layers.{layer}.mlp.experts.{e}.{p}.weight", torch.full((2,), 10.0 * layer + e))
+               for layer in range(2) for e in range(4) for p in ("gate_proj", "down_proj")]
+    weights += [("model.layers.0.mlp.gate.weight", torch.zeros(4, 2)), ("model.layers.1.mlp.gate.weight",
+                                                                        torch.zeros(4, 2))]
+    for rank in range(2):
+        slots = plan.local_slots(rank) if plan.num_redundant else None
+        ids = PlacedExperts(plan.local_experts(rank), plan.moe_layers)
+        read = [(n, t) for n, t in weights if not should_skip(n, ids, _fake_vllm)]
+        assert len(read) < len(weights)
+
+        def kept(stream):  # what the rank's slots take (vLLM drops other slots' names; with copies
+            out = {}       # the loader names only this rank's slots)
+            for n, t in permute_weights(stream, plan, slots):
+                m = n.split(".experts.")
+                if len(m) == 1 or slots is not None or int(m[1].split(".")[0]) in plan.local_slots(rank):
+                    out[n] = t.tolist()
+            return out
+
+        assert kept(read) == kept(weights)
+
+
+def test_vllm_config_decides_whether_to_filter():
+    plan = _plan([[0, 1]], 2)
+    off = types.SimpleNamespace(enable_expert_parallel=True, enable_ep_weight_filter=False)
+    assert placed_experts(plan, 0, off) is None  # vLLM's opt-in, kept
+    assert placed_experts(plan, 0, types.SimpleNamespace(enable_expert_parallel=False,
+                                                        enable_ep_weight_filter=True)) is None
+
+
+def _fixture_plan(ep=2):
+    from transformers import AutoConfig
+
+    from vllm_smoe.serving.load_plan import make_load_plan
+    from vllm_smoe.testbed import FIXTURE_MODEL
+
+    path = os.path.join(CONFIGS, "tiny-4dom-ep2.yaml")
+    return make_load_plan(path, AutoConfig.from_pretrained(FIXTURE_MODEL), FIXTURE_MODEL, ep)
+
+
+def test_vllms_iterator_reads_half_the_fixtures_experts_per_rank_at_ep2():
+    """The fixture and configs/tiny-4dom-ep2.yaml through vLLM's own safetensors iterator: each rank
+    reads its 16 of 32 experts per layer, half the expert bytes, and the two ranks read each once."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+    from vllm_smoe.serving import patches
+    from vllm_smoe.serving.loader import _FUSED
+    from vllm_smoe.testbed import FIXTURE_MODEL
+
+    plan = _fixture_plan()
+    files = [os.path.join(FIXTURE_MODEL, "model.safetensors")]
+    on = types.SimpleNamespace(enable_expert_parallel=True, enable_ep_weight_filter=True)
+    whole = ReadTally(plan, _FUSED)
+    for _ in whole.count(safetensors_weights_iterator(files, False)):
+        pass
+    assert len(whole.experts) == 4 * 32 and whole.bytes > 0.7 * whole.total  # experts: most of it
+    assert whole.total > 0.99 * os.path.getsize(files[0])
+    per_rank = []
+    for rank in range(2):
+        ids = placed_experts(plan, rank, on)
+        assert len(ids) >= 28  # one set for every layer (their union: 29, 30 here) would skip almost nothing
+        tally = ReadTally(plan, _FUSED)
+        names = [n for n, _ in tally.count(safetensors_weights_iterator(files, False, local_expert_ids=ids))]
+        assert len(tally.experts) == 4 * 16 and tally.bytes == whole.bytes // 2
+        assert tally.total == whole.total - whole.bytes // 2
+        assert "model.embed_tokens.weight" in names and "model.layers.0.mlp.gate.weight" in names
+        per_rank.append(tally.experts)
+    assert per_rank[0].isdisjoint(per_rank[1]) and per_rank[0] | per_rank[1] == whole.experts
+    assert "weight_utils_should_skip_weight" in patches.applied()
+
+
+def test_the_read_line_names_the_bytes_and_experts():
+    from vllm_smoe.serving.loader import _FUSED
+
+    plan = _plan([[0, 1, 0, 1], [1, 1, 0, 0]], 2, moe_layers=(0, 1))
+    tally = ReadTally(plan, _FUSED)
+    weights = [("model.layers.0.mlp.experts.2.down_proj.weight", torch.zeros(250_000)),  # 1 MB
+               ("model.layers.1.mlp.experts.gate_up_proj", torch.zeros(4, 125_000)),  # 2 MB, every expert
+               ("model.layers.0.mlp.gate.weight", torch.zeros(4, 1000)),
+               ("model.layers.7.mlp.experts.0.down_proj.weight", torch.zeros(1000))]  # not a placed layer
+    assert [n for n, _ in tally.count(weights)] == [n for n, _ in weights]
+    assert tally.line(1, True) == ("smoe: rank 1 read 3.00 MB of expert weights (5 of 8 experts over 2 MoE layers), 3.02 MB in all; "
+                                   "vLLM's EP weight filter skipped the others, fed this rank's placed slots")
+    assert "pass --enable-ep-weight-filter" in tally.line(0, False)
