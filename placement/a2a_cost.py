@@ -125,6 +125,17 @@ def _pairs(dest: np.ndarray, src: np.ndarray, ep_size: int, per_node: int, backe
     return snd[ok], rcv[ok], who[ok]
 
 
+def messages(dest: np.ndarray, src: np.ndarray, ep_size: int, per_node: int, backend: str) -> np.ndarray:
+    """[N] float64 messages each rank's dispatch sends: one per (receiver) with rows, its rows
+    in one transfer; under deepep-ll one per row (each (token, expert) is its own RDMA put or
+    NVLink copy, internode_ll.cu l.255-276)."""
+    snd, rcv, _ = _pairs(dest, src, ep_size, per_node, backend)
+    if backend == "deepep-ll":
+        return np.bincount(snd, minlength=ep_size).astype(np.float64)
+    pair = np.unique(snd * ep_size + rcv)
+    return np.bincount(pair // ep_size, minlength=ep_size).astype(np.float64)
+
+
 def backend_rows(dest: np.ndarray, src: np.ndarray, ep_size: int, per_node: int, backend: str) -> np.ndarray:
     """Rows one step's dispatch sends, per link class, direction and rank: [2, 2, N] float64
     (``rows[NVLINK|RDMA, OUT|IN, r]``). dest: [T, K] int64 (-1 none); src: [T] int64. The combine
@@ -216,7 +227,8 @@ def step_cost(dest: np.ndarray, src: np.ndarray, experts: np.ndarray, ep_size: i
     t_exp, expert_rows = expert_seconds(dest, experts, ep_size, hidden, intermediate, roof, weight_bytes, act_bytes)
     return {"dispatch_s": phase_seconds(rows, wire.dispatch_row_bytes, wire.dispatch),
             "combine_s": phase_seconds(back, wire.combine_row_bytes, wire.combine),
-            "expert_s": t_exp, "rows": rows, "expert_rows": expert_rows}
+            "expert_s": t_exp, "rows": rows, "expert_rows": expert_rows,
+            "messages": messages(dest, src, ep_size, wire.per_node, wire.backend)}
 
 
 def trace_cost(topk_ids: np.ndarray, dest: np.ndarray, token2rank: np.ndarray, step_ids: np.ndarray,
@@ -230,12 +242,13 @@ def trace_cost(topk_ids: np.ndarray, dest: np.ndarray, token2rank: np.ndarray, s
     (``dispatch_us``, ``combine_us``, ``a2a_us`` = both, ``expert_us``, ``moe_us`` = all three),
     bytes per token and MoE layer on each link class (dispatch and combine, all ranks:
     ``nvlink_bytes_per_token``, ``rdma_bytes_per_token``), the busiest rank's RDMA bytes per
-    step and layer (``rdma_busiest_bytes``, the larger of in and out, both phases) and its share
-    of the expert rows (``expert_rows_load``: max / mean)."""
+    step and layer (``rdma_busiest_bytes``, the larger of in and out, both phases), its share
+    of the expert rows (``expert_rows_load``: max / mean) and the most messages a rank's dispatch
+    sends (``messages_busiest``, :func:`messages`)."""
     T, L, K = topk_ids.shape
     cuts = np.flatnonzero(np.diff(step_ids)) + 1
     bounds = np.concatenate([[0], cuts, [T]])
-    acc = dict.fromkeys(("dispatch_s", "combine_s", "expert_s", "nvl", "rdma", "busiest", "load"), 0.0)
+    acc = dict.fromkeys(("dispatch_s", "combine_s", "expert_s", "nvl", "rdma", "busiest", "load", "msgs"), 0.0)
     n = 0
     for a, b in zip(bounds[:-1], bounds[1:]):
         for layer in range(L):
@@ -247,6 +260,7 @@ def trace_cost(topk_ids: np.ndarray, dest: np.ndarray, token2rank: np.ndarray, s
             acc["nvl"] += c["rows"][NVLINK, OUT].sum() * per_row
             acc["rdma"] += c["rows"][RDMA, OUT].sum() * per_row
             acc["busiest"] += float(c["rows"][RDMA].max(axis=0).max()) * per_row
+            acc["msgs"] += float(c["messages"].max())
             er = c["expert_rows"]
             acc["load"] += float(er.max() / max(er.mean(), 1e-12))
             n += 1
@@ -255,7 +269,8 @@ def trace_cost(topk_ids: np.ndarray, dest: np.ndarray, token2rank: np.ndarray, s
     us["a2a_us"] = us["dispatch_us"] + us["combine_us"]
     us["moe_us"] = us["a2a_us"] + us["expert_us"]
     return {**us, "nvlink_bytes_per_token": acc["nvl"] / max(T * L, 1), "rdma_bytes_per_token": acc["rdma"] / max(T * L, 1),
-            "rdma_busiest_bytes": acc["busiest"] / n, "expert_rows_load": acc["load"] / n}
+            "rdma_busiest_bytes": acc["busiest"] / n, "expert_rows_load": acc["load"] / n,
+            "messages_busiest": acc["msgs"] / n}
 
 
 def fit_link(cases: list[tuple[np.ndarray, float, float]], nominal: LinkModel) -> tuple[LinkModel, np.ndarray]:

@@ -185,3 +185,14 @@ def test_evaluate_cluster_flags_errors(tmp_path):
     assert main(base) == 2  # no --cost-shape
     assert main(base + ["--cost-shape", "7168:x"]) == 2
     assert main(base + ["--cost-shape", "deepseek-v3", "--backend", "pplx"]) == 2
+
+
+def test_messages_per_rank():
+    from vllm_smoe.placement.a2a_cost import messages
+
+    dest, src = np.array([[5, 6, 6, -1], [5, 5, 1, -1]]), np.array([0, 0])
+    # per receiver: rank 0 sends to 5 and 6 (token 0), to 5 and 1 (token 1): 3 receivers
+    assert messages(dest, src, 8, 4, "nccl-a2a")[0] == 3
+    assert messages(dest, src, 8, 4, "deepep-ll")[0] == 6  # a put per (token, expert) row
+    ht = messages(dest, src, 8, 4, "deepep-ht")  # 0 -> 4 over RDMA, 0 -> 1; 4 forwards to 5, 6
+    assert ht[0] == 2 and ht[4] == 2
