@@ -86,8 +86,12 @@ def _bias_update(routers, outputs, num_experts: int, rate: float) -> None:
 def train_model(split: Split, tokenizer_dir: str, out_dir: str, steps: int = 1200, batch: int = 16,
                 seq_len: int = 128, lr: float = 3e-3, seed: int = 0, threads: int = 2,
                 log_every: int = 50, arch: str = "qwen3_moe", aux_loss_coef: float = 0.01,
-                bias_rate: float = 0.005) -> dict[str, float]:
+                bias_rate: float = 0.005, num_experts: int | None = None,
+                top_k: int | None = None) -> dict[str, float]:
     """Train a tiny MoE of ``arch`` on the four domains with its router's balancing; save to ``out_dir``.
+
+    Sizes are ``models.TINY``'s (those of the shipped fixtures); ``num_experts`` and ``top_k``
+    replace its routed experts and experts per token where given.
 
     Balancing: Qwen3-MoE adds transformers' own load-balancing loss (``output_router_logits``);
     DeepSeek-V2 the same Switch-style loss computed from its routers' outputs (transformers'
@@ -99,12 +103,15 @@ def train_model(split: Split, tokenizer_dir: str, out_dir: str, steps: int = 120
 
     from .models import TINY, make_config
 
+    sizes = {k: v for k, v in TINY.items() if k != "vocab_size"}
+    sizes.update({k: v for k, v in (("num_experts", num_experts), ("top_k", top_k)) if v is not None})
+    if not 1 <= sizes["top_k"] <= sizes["num_experts"]:
+        raise ValueError(f"top-k {sizes['top_k']} must be between 1 and the {sizes['num_experts']} experts")
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     torch.use_deterministic_algorithms(True)
     tok = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
     ids = encode_domains(tokenizer_dir, split.train)
-    sizes = {k: v for k, v in TINY.items() if k != "vocab_size"}
     cfg = make_config(arch, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
                       eos_token_id=tok.eos_token_id, **sizes)
     if arch == "qwen3_moe":

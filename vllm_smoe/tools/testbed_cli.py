@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from .cli_util import number, run_cli
-from ..testbed import FIXTURE_MODEL, FIXTURE_TRACES, FIXTURES
+from ..testbed import ALL_FIXTURE_TRACES, FIXTURE_MODEL, FIXTURE_TRACES, FIXTURES, TRACE_ONLY_FIXTURES
 
 
 def _cmd_build(a) -> int:
@@ -35,7 +35,8 @@ def _cmd_train(a) -> int:
         else:
             train_tokenizer(split, tok_dir, vocab_size=a.vocab_size)
         last = train_model(split, tok_dir, a.output, steps=a.steps, batch=a.batch, seq_len=a.seq_len,
-                           lr=a.lr, seed=a.seed, arch=a.arch)
+                           lr=a.lr, seed=a.seed, arch=a.arch, num_experts=a.experts, top_k=a.top_k,
+                           threads=a.threads)
     print(json.dumps(last))
     return 0
 
@@ -131,8 +132,10 @@ def _cmd_inflate(a) -> int:
 
 
 def _cmd_path(a) -> int:
-    model, traces = FIXTURES[a.fixture]
-    print(model if a.what == "model" else traces[a.what])
+    if a.what == "model" and a.fixture in TRACE_ONLY_FIXTURES:
+        raise ValueError(f"fixture {a.fixture}: its checkpoint is not shipped (only its traces are); reproduce it "
+                         f"with: {TRACE_ONLY_FIXTURES[a.fixture][1]}")
+    print(FIXTURES[a.fixture][0] if a.what == "model" else ALL_FIXTURE_TRACES[a.fixture][a.what])
     return 0
 
 
@@ -166,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--vocab-size", type=int, default=4096)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--experts", type=number(int, 1), default=32,
+                   help="routed experts per MoE layer (default 32, the shipped fixtures'; the traces-only fixture "
+                        "qwen3_moe_e64 has 64)")
+    t.add_argument("--top-k", type=number(int, 1), default=4,
+                   help="experts per token (default 4, the shipped fixtures'; qwen3_moe_e64 has 8)")
+    t.add_argument("--threads", type=number(int, 1), default=2,
+                   help="torch threads (default 2, what the shipped fixtures were trained with)")
     t.set_defaults(fn=_cmd_train)
 
     r = sub.add_parser("record", help="routing of a checkpoint on each domain's text, via transformers")
@@ -219,10 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("path", help="print where an embedded fixture or its traces live")
     q.add_argument("what", choices=("model", "train", "heldout"))
-    q.add_argument("--fixture", choices=tuple(FIXTURES), default="qwen3_moe",
-                   help="qwen3_moe (default), deepseek_v2 (MLA, a shared expert, dense first layer) or "
+    q.add_argument("--fixture", choices=tuple(ALL_FIXTURE_TRACES), default="qwen3_moe",
+                   help="qwen3_moe (default), deepseek_v2 (MLA, a shared expert, dense first layer), "
                         "deepseek_v3 (as V2, plus sigmoid grouped top-k with correction bias and a scaling "
-                        "factor)")
+                        "factor) or qwen3_moe_e64 (as qwen3_moe with 64 experts, top-8; traces only, its "
+                        "checkpoint is not shipped)")
     q.set_defaults(fn=_cmd_path)
     return p
 
