@@ -91,7 +91,7 @@ def vllm_runs(runs, tmp_dir, tp=1, timeout=1800):
     """Greedy generations of several engines in one child process (vLLM imported once; each
     engine and its workers stopped before the next). runs: dicts with "model", "prompts",
     "max_tokens" and optionally "extra" (vLLM's additional_config), "ep", "compiled" (bools), "dtype"
-    (default float32).
+    (default float32), "engine" (more arguments of vLLM's LLM).
     Returns [(result {"tokens", "logprobs"}, that run's log)], one per run, in order. Fails the
     test with the first traceback in the output when the process does not finish them all."""
     import json

@@ -4,7 +4,7 @@ usage: python vllm_generate.py MODEL_DIR PROMPTS_JSON MAX_TOKENS [ADDITIONAL_CON
        python vllm_generate.py --runs RUNS_JSON_FILE
 PROMPTS_JSON: a list of token-id lists. Prints "SMOE_RESULT {"tokens": [...], "logprobs": [...]}".
 RUNS_JSON_FILE: a JSON list of runs, each {"model", "prompts", "max_tokens", "extra" (the
-additional config or null), "ep", "compiled"}, served one after another by engines of this one
+additional config or null), "ep", "compiled", "engine" (more LLM arguments)}, served one after another by engines of this one
 process (vLLM is imported once, ~16 s on this host, and each engine and its workers are shut
 down before the next starts). Each run's output lies between "SMOE_RUN_BEGIN i" and
 "SMOE_RUN_END i" and holds its "SMOE_RESULT" line.
@@ -25,10 +25,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
 
 
-def generate(model, prompts, max_tokens, extra, ep, compiled, dtype="float32"):
+def generate(model, prompts, max_tokens, extra, ep, compiled, dtype="float32", engine=None):
     from vllm import LLM, SamplingParams
 
     kwargs = {"additional_config": extra} if extra else {}
+    kwargs.update(engine or {})
     with open(os.path.join(model, "config.json")) as f:
         if json.load(f).get("kv_lora_rank"):  # MLA: vLLM's AMX MLA backend refuses fp32 (server_process)
             kwargs["attention_backend"] = "CPU_MLA"
@@ -59,7 +60,7 @@ def main() -> None:
     for i, run in enumerate(runs):
         print(f"SMOE_RUN_BEGIN {i}", flush=True)
         llm = generate(run["model"], run["prompts"], run["max_tokens"], run.get("extra"), run.get("ep", ep),
-                       run.get("compiled", compiled), run.get("dtype", "float32"))
+                       run.get("compiled", compiled), run.get("dtype", "float32"), run.get("engine"))
         # the engine's workers stop (and log their last counters) before the next run begins
         core = getattr(llm.llm_engine, "engine_core", None)
         if core is not None:

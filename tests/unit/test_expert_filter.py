@@ -2,6 +2,7 @@
 MoE layer, the checkpoint ids of the rank's placed slots (copies included), and the bytes a rank
 read, counted as they pass."""
 
+import logging
 import os
 import types
 
@@ -193,3 +194,46 @@ def test_the_read_line_names_the_bytes_and_experts():
     assert tally.line(1, True) == ("smoe: rank 1 read 3.00 MB of expert weights (5 of 8 experts over 2 MoE layers), 3.02 MB in all; "
                                    "vLLM's EP weight filter skipped the others, fed this rank's placed slots")
     assert "pass --enable-ep-weight-filter" in tally.line(0, False)
+
+
+def _loader(monkeypatch, plan, rank, target=True, flag=True, ep=True):
+    pytest.importorskip("vllm")
+    import vllm.config
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    from vllm_smoe.serving.loader import SmoeModelLoader
+
+    pc = types.SimpleNamespace(enable_expert_parallel=ep, enable_ep_weight_filter=flag)
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config", lambda: types.SimpleNamespace(parallel_config=pc))
+    # vLLM's own: its linear split of checkpoint ids, one set for every layer
+    monkeypatch.setattr(DefaultModelLoader, "_init_ep_weight_filter",
+                        lambda self, mc: setattr(self, "local_expert_ids", {0, 1} if flag and ep else None))
+    monkeypatch.setattr(SmoeModelLoader, "_ep_rank", staticmethod(lambda: rank))
+    loader = SmoeModelLoader.__new__(SmoeModelLoader)
+    loader.plan, loader.target, loader.gate_rows, loader.local_expert_ids = plan, target, None, None
+    loader._init_ep_weight_filter(None)
+    return loader
+
+
+def test_the_loader_feeds_vllms_filter_the_placed_slots(monkeypatch, caplog):
+    plan = _plan([[0, 1, 1, 0], [1, 0, 0, 1]], 2)
+    loader = _loader(monkeypatch, plan, 1)
+    assert isinstance(loader.local_expert_ids, PlacedExperts)
+    assert list(loader.local_expert_ids.per_layer) == [{1, 2}, {0, 3}]
+    assert _loader(monkeypatch, plan, 1, target=False).local_expert_ids is None  # a draft reads its own whole
+    assert _loader(monkeypatch, plan, 1, flag=False).local_expert_ids is None
+    assert _loader(monkeypatch, plan, 1, ep=False).local_expert_ids is None
+
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    weights = [(f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight", torch.zeros(1000))
+               for layer in range(2) for e in range(4)]
+    weights += [(f"model.layers.{layer}.mlp.gate.weight", torch.zeros(4, 2)) for layer in range(2)]
+    loader = _loader(monkeypatch, plan, 1)
+    ids = loader.local_expert_ids
+    monkeypatch.setattr(DefaultModelLoader, "get_all_weights",
+                        lambda self, mc, m: iter([(n, t) for n, t in weights if not should_skip(n, ids, _fake_vllm)]))
+    with caplog.at_level(logging.INFO, logger="vllm.smoe"):
+        list(loader.get_all_weights(None, None))
+    assert ("smoe: rank 1 read 0.02 MB of expert weights (4 of 8 experts over 2 MoE layers), 0.02 MB in all; vLLM's EP weight filter "
+            "skipped the others, fed this rank's placed slots") in caplog.text

@@ -59,6 +59,9 @@ CASES = {
     "replicas": ({**SPEC, "placement": EP2_R4, "predictor": "tables"}, False, "predictor tables"),  # own copies
     "replicas-router": ({**SPEC, "placement": EP2_R4, "predictor": "router"}, False, "predictor router"),
 }
+# cases served with vLLM's EP weight filter on (fed each rank's placed slots): a rank reads its
+# placed experts only; the others, same placements, read every expert
+FILTERED = ("tables", "replicas")
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +71,11 @@ def served_tp2(tmp_path_factory, learned_ep2):
     pytest.importorskip("vllm")
     prompts = _prompts(32)
     runs = [{"model": FIXTURE_MODEL, "prompts": prompts, "max_tokens": 8, "extra": None, "ep": False}]
-    for smoe, compiled, _ in CASES.values():
+    for case, (smoe, compiled, _) in CASES.items():
         if smoe.get("placement") == "learned":  # an EP 2 placement whose tables carry the learned predictor
             smoe = {**smoe, "placement": learned_ep2}
         runs.append({"model": FIXTURE_MODEL, "prompts": prompts, "max_tokens": 8, "extra": {"smoe": smoe},
-                     "ep": True, "compiled": compiled})
+                     "ep": True, "compiled": compiled, "engine": {"enable_ep_weight_filter": case in FILTERED}})
     results = vllm_runs(runs, tmp_path_factory.mktemp("tp2"), tp=2)
     return prompts, results[0][0], dict(zip(CASES, results[1:]))
 
@@ -123,6 +126,12 @@ def test_tp2_ep_gives_plain_tp2_tokens(served_tp2, learned_ep2, case):
             assert set(exchange) == {"ep all_to_all"} and 8.0 <= exchange["ep all_to_all"] <= 12.0, per
     assert out["tokens"] == plain["tokens"]
     np.testing.assert_allclose(out["logprobs"], plain["logprobs"], rtol=0, atol=ATOL)
+    if case in FILTERED:  # each rank read the experts of its slots, copies too; the same placement unfiltered: all
+        whole = _expert_reads(results["tables-markov" if case == "tables" else "replicas-router"][1])
+        assert set(whole.values()) == {(whole[0][0], 128)}
+        per_layer = 16 + 2 * (smoe["placement"] == EP2_R4)  # home experts (+ copies) of a rank in a layer
+        assert _expert_reads(log) == {r: (pytest.approx(whole[0][0] * per_layer / 32, abs=0.01), 4 * per_layer)
+                                      for r in (0, 1)}
     if smoe.get("placement") == EP2_R4:
         assert "replicas: 36 physical expert slots per layer (4 redundant), rank 1 routes to its own copies" in log
     if says and not compiled and smoe.get("all2all", "sparse") == "sparse":
@@ -133,6 +142,12 @@ def test_tp2_ep_gives_plain_tp2_tokens(served_tp2, learned_ep2, case):
         key = smoe["predictor"] + ("-replicas" if smoe["placement"] == EP2_R4 else "") + \
             ("-allreduce" if smoe["reduce_scatter"] == "off" else "")
         _LOCAL[key], _PAIRS[key] = served["local_share"], served["remote_pairs_per_token"]
+
+
+def _expert_reads(log: str) -> dict[int, tuple[float, int]]:
+    """{rank: (MB of expert weights it read at load, experts)} from the loader's line."""
+    found = re.findall(r"smoe: rank (\d+) read ([\d.]+) MB of expert weights \((\d+) of 128 experts", log)
+    return {int(r): (float(mb), int(n)) for r, mb, n in found}
 
 
 def _collectives(log: str) -> dict[str, float]:

@@ -29,12 +29,13 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from .config import SmoeConfig
+from .expert_filter import ReadTally, placed_experts
+from .load_plan import EXPERT_PARAM as _EXPERT
 from .load_plan import MOE_BLOCK_PARAM, ROUTER_PARAM, LoadPlan, initial_physical_names
 from .served import Worker, placement_for, start_worker
 
 logger = logging.getLogger("vllm.smoe")  # under vLLM's logger: same handlers and level
 
-_EXPERT = re.compile(r"^(?P<pre>.*\.layers\.(?P<layer>\d+)\.(?:[^.]+\.)*?)experts\.(?P<e>\d+)\.(?P<rest>.+)$")
 # experts stacked in one tensor per projection, [E, ...]: Llama 4 and GPT-OSS (``experts.gate_up_proj``,
 # with GPT-OSS's per-expert biases and its MXFP4 ``_blocks`` / ``_scales``), Granite-MoE
 # (``input_linear`` / ``output_linear`` straight under the block)
@@ -201,8 +202,13 @@ class SmoeModelLoader(DefaultModelLoader):
     def _init_ep_weight_filter(self, model_config) -> None:
         super()._init_ep_weight_filter(model_config)
         if self.plan is not None:
-            # the filter selects experts by checkpoint id; after renaming, ids are slots
-            self.local_expert_ids = None
+            # vLLM's set is its linear split of checkpoint ids, one for every layer; a placement
+            # puts other experts (and copies) on this rank in each layer. A draft reads all of its own
+            from vllm.config import get_current_vllm_config
+
+            pc = get_current_vllm_config().parallel_config
+            ours = getattr(self, "target", True) and pc.enable_expert_parallel
+            self.local_expert_ids = placed_experts(self.plan, self._ep_rank(), pc) if ours else None
 
     def get_all_weights(self, model_config, model):
         weights = super().get_all_weights(model_config, model)
@@ -212,9 +218,14 @@ class SmoeModelLoader(DefaultModelLoader):
         counts: dict = {}
         slots = self.plan.local_slots(self._ep_rank()) if self.plan.num_redundant else None
         covered = np.zeros((len(self.plan.moe_layers), 2), dtype=bool)
-        yield from permute_weights(weights, self.plan, slots, counts, self.gate_rows, covered)
+        tally = ReadTally(self.plan, _FUSED)
+        yield from permute_weights(tally.count(weights), self.plan, slots, counts, self.gate_rows, covered)
         if getattr(self, "target", True):
             check_covered(self.plan, covered)
+            from vllm.config import get_current_vllm_config
+
+            if get_current_vllm_config().parallel_config.enable_expert_parallel:
+                logger.info("%s", tally.line(self._ep_rank(), self.local_expert_ids is not None))
         L, P = self.plan.physical2expert.shape
         start = initial_physical_names(self.plan.slot2expert.shape[1], P)
         moved = int(np.count_nonzero(self.plan.physical2expert != start))

@@ -254,7 +254,8 @@ PRIVATE_READS: tuple[tuple[str, str, str], ...] = (
     ("vllm.distributed.device_communicators.cpu_communicator:_CPUSHMDistributed", "serving/cpu_ep.py, sparse_a2a.py",
      "the shared-memory transport, run for the expert-parallel group; which transport a group uses"),
     ("vllm.model_executor.model_loader.default_loader:DefaultModelLoader._init_ep_weight_filter",
-     "serving/loader.py", "turned off after renaming: vLLM's expert filter reads checkpoint ids, smoe's are slots"),
+     "serving/loader.py", "overridden: vLLM's linear split of checkpoint ids replaced by the ids of this rank's placed "
+     "slots per layer (expert_filter), or none for a draft"),
     ("vllm.model_executor.layers.fused_moe.runner.moe_runner:_moe_forward", "serving/cpu_ep.py",
      "the direct MoE forward the CPU picks, swapped for the opaque custom op"),
     ("vllm.model_executor.layers.fused_moe.runner.moe_runner:_moe_forward_shared", "serving/cpu_ep.py",
