@@ -100,3 +100,18 @@ def test_group_limited_generator_golden_errors():
     # groups of 2: {0}, {5}, {2}, {7} are groups 0, 2, 1, 3, one expert each; the first two
     # columns win, 2 and 7 move into groups 0 and 2 and step along them until distinct
     assert _limit_groups(np.array([[0, 5, 2, 7]]), 8, 4, 2).tolist() == [[0, 5, 1, 4]]
+
+
+def test_synth_first_layers_only(tmp_path):
+    """num_layers keeps a shape's first MoE layers (projections that would not fit at all 58)."""
+    import pytest
+
+    from vllm_smoe.formats.trace import open_trace
+    from vllm_smoe.testbed.synthetic import write_synthetic
+
+    path = str(tmp_path / "t.npz")
+    write_synthetic(path, "deepseek-v3", 2048, seed=0, num_layers=2)
+    t = open_trace(path)
+    assert t.meta.num_layers == 2 and t["topk_ids"].shape == (2048, 2, 8)
+    with pytest.raises(ValueError, match="--layers 59"):
+        write_synthetic(str(tmp_path / "u.npz"), "deepseek-v3", 64, num_layers=59)

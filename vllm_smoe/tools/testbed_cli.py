@@ -107,7 +107,7 @@ def _cmd_synth(a) -> int:
         refuse_special(a.output, "-o")  # before generating: never a file renamed over a device node
     write_synthetic(a.output, a.shape, a.tokens, seed=a.seed, progress=True, hotness=a.hotness,
                     affinity=a.affinity, domain_skew=a.domain_skew, num_domains=a.domains, file_tokens=a.file_tokens,
-                    **grouped)
+                    num_layers=a.layers, **grouped)
     print(f"wrote {a.tokens} tokens of {a.shape} to {a.output} in {time.time() - t0:.1f} s")
     return 0
 
@@ -200,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--domain-skew", type=float, default=1.0)
     y.add_argument("--domains", type=int, default=4)
     y.add_argument("--seed", type=int, default=0)
+    y.add_argument("--layers", type=number(int, 1), help="the shape's first N MoE layers only (default: all)")
     y.add_argument("--file-tokens", type=number(int, 1),
                    help="write a directory of trace files of this many tokens each, like the recorder's "
                         "rotated files (default: one file)")
