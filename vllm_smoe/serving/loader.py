@@ -29,6 +29,7 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from .config import SmoeConfig
+from .draft import is_draft, log_draft
 from .expert_filter import ReadTally, placed_experts
 from .load_plan import EXPERT_PARAM as _EXPERT
 from .load_plan import MOE_BLOCK_PARAM, ROUTER_PARAM, LoadPlan, initial_physical_names
@@ -152,13 +153,12 @@ class SmoeModelLoader(DefaultModelLoader):
         self.gate_rows: dict | None = {} if current_platform.is_cpu() else None
 
     def load_model(self, vllm_config, model_config, prefix: str = ""):
+        if is_draft(vllm_config, model_config):  # vLLM loads it through our format: its own load, nothing of smoe's
+            return log_draft(super().load_model(vllm_config, model_config, prefix), vllm_config, model_config)
         cfg = SmoeConfig.from_additional_config(vllm_config.additional_config)
         served = placement_for(cfg, vllm_config)  # the one parse of this process (the exchange's too)
         if served is not None:
             self.plan = served.plan
-        # a speculative-decoding draft is loaded with the target's config too: it streams only its
-        # own checkpoint, so the target's MoE layers are not looked for in it
-        self.target = model_config is vllm_config.model_config
         if self.plan is not None and self.plan.num_redundant:
             with _redundant_slots(vllm_config.parallel_config, self.plan.num_redundant):
                 model = super().load_model(vllm_config, model_config, prefix)
