@@ -5,6 +5,8 @@
 - ``patches``: every replacement of a vLLM symbol, in one list, applied and checked at start;
 - ``loader``, ``load_plan``: the placement applied at load (expert weights renamed to slots);
 - ``recorder``: routing captured into buffers and written as traces, in any mode;
+- ``draft``, ``draft_rows``: speculative decoding: a draft model is left to vLLM; a recording
+  keeps the rows of the tokens sampling kept;
 - ``runner_hooks``: smoe's per-step hooks on vLLM's model runners;
 - ``cpu_ep``: vLLM's expert parallelism on its CPU build (experts honour ``expert_map``; the
   communicator with ``all_gatherv`` / ``reduce_scatterv``; rotary embedding for MLA);
