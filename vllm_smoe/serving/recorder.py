@@ -20,6 +20,9 @@
 - Disk budget (``record_max_mb``): whenever a file is closed, the directory's oldest trace files
   are removed until the closed ones fit (the open chunk adds at most ``record_chunk_tokens``).
 - Physical slots are mapped back to logical expert ids when a placement is applied.
+- Speculative decoding: a draft token's row is written once its request's next step shows that
+  sampling kept it (:mod:`.draft_rows`); a draft model's own routing is never recorded (the
+  loader leaves it to vLLM, :mod:`.draft`).
 - Only tensor-parallel rank 0 writes (other TP ranks see the same tokens); each data-parallel
   rank writes its own files, ``trace-dp{rank}-{start time}-{pid}-{chunk:05d}.npz``, rotated every
   ``record_chunk_tokens`` tokens, and closed by a background thread once no step has come for
