@@ -191,12 +191,13 @@ def test_the_read_line_names_the_bytes_and_experts():
                ("model.layers.0.mlp.gate.weight", torch.zeros(4, 1000)),
                ("model.layers.7.mlp.experts.0.down_proj.weight", torch.zeros(1000))]  # not a placed layer
     assert [n for n, _ in tally.count(weights)] == [n for n, _ in weights]
-    assert tally.line(1, True) == ("smoe: rank 1 read 3.00 MB of expert weights (5 of 8 experts over 2 MoE layers), 3.02 MB in all; "
-                                   "vLLM's EP weight filter skipped the others, fed this rank's placed slots")
+    assert tally.line(1, True) == ("smoe: rank 1 read 3.00 MB of expert weights (5 of 8 experts over 2 MoE layers), "
+                                   "3.02 MB in all; vLLM's EP weight filter skipped the others, fed this rank's "
+                                   "placed slots")
     assert "pass --enable-ep-weight-filter" in tally.line(0, False)
 
 
-def _loader(monkeypatch, plan, rank, target=True, flag=True, ep=True):
+def _loader(monkeypatch, plan, rank, flag=True, ep=True):
     pytest.importorskip("vllm")
     import vllm.config
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
@@ -210,7 +211,7 @@ def _loader(monkeypatch, plan, rank, target=True, flag=True, ep=True):
                         lambda self, mc: setattr(self, "local_expert_ids", {0, 1} if flag and ep else None))
     monkeypatch.setattr(SmoeModelLoader, "_ep_rank", staticmethod(lambda: rank))
     loader = SmoeModelLoader.__new__(SmoeModelLoader)
-    loader.plan, loader.target, loader.gate_rows, loader.local_expert_ids = plan, target, None, None
+    loader.plan, loader.gate_rows, loader.local_expert_ids = plan, None, None
     loader._init_ep_weight_filter(None)
     return loader
 
@@ -220,7 +221,6 @@ def test_the_loader_feeds_vllms_filter_the_placed_slots(monkeypatch, caplog):
     loader = _loader(monkeypatch, plan, 1)
     assert isinstance(loader.local_expert_ids, PlacedExperts)
     assert list(loader.local_expert_ids.per_layer) == [{1, 2}, {0, 3}]
-    assert _loader(monkeypatch, plan, 1, target=False).local_expert_ids is None  # a draft reads its own whole
     assert _loader(monkeypatch, plan, 1, flag=False).local_expert_ids is None
     assert _loader(monkeypatch, plan, 1, ep=False).local_expert_ids is None
 
@@ -235,5 +235,5 @@ def test_the_loader_feeds_vllms_filter_the_placed_slots(monkeypatch, caplog):
                         lambda self, mc, m: iter([(n, t) for n, t in weights if not should_skip(n, ids, _fake_vllm)]))
     with caplog.at_level(logging.INFO, logger="vllm.smoe"):
         list(loader.get_all_weights(None, None))
-    assert ("smoe: rank 1 read 0.02 MB of expert weights (4 of 8 experts over 2 MoE layers), 0.02 MB in all; vLLM's EP weight filter "
-            "skipped the others, fed this rank's placed slots") in caplog.text
+    assert ("smoe: rank 1 read 0.02 MB of expert weights (4 of 8 experts over 2 MoE layers), 0.02 MB in all; "
+            "vLLM's EP weight filter skipped the others, fed this rank's placed slots") in caplog.text

@@ -203,12 +203,12 @@ class SmoeModelLoader(DefaultModelLoader):
         super()._init_ep_weight_filter(model_config)
         if self.plan is not None:
             # vLLM's set is its linear split of checkpoint ids, one for every layer; a placement
-            # puts other experts (and copies) on this rank in each layer. A draft reads all of its own
+            # puts other experts (and copies) on this rank in each layer (a draft has no plan here)
             from vllm.config import get_current_vllm_config
 
             pc = get_current_vllm_config().parallel_config
-            ours = getattr(self, "target", True) and pc.enable_expert_parallel
-            self.local_expert_ids = placed_experts(self.plan, self._ep_rank(), pc) if ours else None
+            ep = pc.enable_expert_parallel
+            self.local_expert_ids = placed_experts(self.plan, self._ep_rank(), pc) if ep else None
 
     def get_all_weights(self, model_config, model):
         weights = super().get_all_weights(model_config, model)
