@@ -4,6 +4,7 @@
 - ``config``: smoe's one frozen settings object, read from ``additional_config``;
 - ``patches``: every replacement of a vLLM symbol, in one list, applied and checked at start;
 - ``loader``, ``load_plan``: the placement applied at load (expert weights renamed to slots);
+  ``expert_filter``: each rank reads only the experts of its placed slots (vLLM's EP weight filter);
 - ``recorder``: routing captured into buffers and written as traces, in any mode;
 - ``draft``, ``draft_rows``: speculative decoding: a draft model is left to vLLM; a recording
   keeps the rows of the tokens sampling kept;
