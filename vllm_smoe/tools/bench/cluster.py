@@ -363,6 +363,40 @@ PIPELINES = ("smoe-gather", "smoe-p2p", "smoe-p2p-slots", "vllm")
 NODE_PIPELINES = ("smoe-p2p", "smoe-p2p-slots", "smoe-hier", "vllm")
 
 
+def exchange_step(name: str, rank: int, per_node: int, hidden: int, step: dict, owner, gather, reduce_scatter,
+                  all_to_all, g) -> int:
+    """One step of pipeline ``name`` (:data:`NODE_PIPELINES`, smoe-gather) on ``rank`` of two
+    nodes of ``per_node`` ranks, over the given collectives (``SparseExchange``'s): this rank's
+    chunk of ``step`` (rows ``step["order"][rank * c: (rank + 1) * c]``, c = ceil(T / N); vLLM's
+    in arange order), random fp32 rows from ``g``. Returns the bytes it counts between nodes."""
+    import torch
+
+    from ...serving.sparse_a2a import SparseExchange
+
+    N = 2 * per_node
+    ids_all = torch.as_tensor(step["ids"]).long()
+    T, K = ids_all.shape
+    c = -(-T // N)
+    order = torch.arange(T) if name == "vllm" else torch.as_tensor(step["order"])
+    rows = order[rank * c: (rank + 1) * c]
+    ids = ids_all[rows]
+    x, w = torch.randn(len(rows), hidden, generator=g), torch.full((len(rows), K), 1.0 / K)
+    if name != "vllm":
+        ex = SparseExchange(rank, N, owner, gather, reduce_scatter, exact=True,
+                            all_to_all=None if name == "smoe-gather" else all_to_all,
+                            pad_bytes=1 << 40 if name.endswith("-slots") else 0,
+                            node_of=torch.arange(N) // per_node, hierarchical=name.startswith("smoe-hier"))
+        h, ww, ii = ex.dispatch(x, w, ids)
+        ex.combine(h * (ww * (owner[ii] == rank)).sum(1, keepdim=True))
+        return int(ex.stats[5])  # the bytes that cross between nodes
+    # vLLM's: every row to every rank (ids, weights too), full partial sums back;
+    # counted: what crosses to the other node's ranks, were each peer sent its share once
+    full = gather(x)
+    gather(w), gather(ids)
+    reduce_scatter(full.contiguous())
+    return (N - per_node) * x.shape[0] * (2 * hidden * x.element_size() + 8 * K)
+
+
 def _wire_worker(rank: int, spec_path: str) -> int:
     """One gloo rank of ``spec["per_node"]`` in its node's namespace: the MoE layer's exchange
     alone on the veth, smoe's sparse one and vLLM's allgather-reducescatter, each step as served
@@ -372,13 +406,10 @@ def _wire_worker(rank: int, spec_path: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from ...serving.sparse_a2a import SparseExchange
-
     with open(spec_path) as f:
         spec = json.load(f)
     plan, per_node = spec["plan"], spec["per_node"]
     N, dev = 2 * per_node, spec["dev"][rank // per_node]
-    node_of = torch.arange(N) // per_node
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{ADDR[0]}:{spec['port']}", rank=rank, world_size=N)
 
@@ -408,27 +439,7 @@ def _wire_worker(rank: int, spec_path: str) -> int:
         dist.barrier()
         t0 = time.perf_counter()
         for step in plan["steps"]:
-            ids_all = torch.as_tensor(step["ids"]).long()
-            T, K = ids_all.shape
-            c = -(-T // N)
-            order = torch.arange(T) if name == "vllm" else torch.as_tensor(step["order"])
-            rows = order[rank * c: (rank + 1) * c]
-            ids = ids_all[rows]
-            x, w = torch.randn(len(rows), H, generator=g), torch.full((len(rows), K), 1.0 / K)
-            if name != "vllm":
-                ex = SparseExchange(rank, N, owner, gather, reduce_scatter, exact=True,
-                                    all_to_all=None if name == "smoe-gather" else all_to_all,
-                                    pad_bytes=1 << 40 if name.endswith("-slots") else 0,
-                                    node_of=node_of, hierarchical=name.startswith("smoe-hier"))
-                h, ww, ii = ex.dispatch(x, w, ids)
-                ex.combine(h * (ww * (owner[ii] == rank)).sum(1, keepdim=True))
-                counted += int(ex.stats[5])  # the bytes that cross between nodes
-            else:  # vLLM's: every row to every rank (ids, weights too), full partial sums back;
-                # counted: what crosses to the other node's ranks, were each peer sent its share once
-                full = gather(x)
-                gather(w), gather(ids)
-                reduce_scatter(full.contiguous())
-                counted += (N - per_node) * x.shape[0] * (2 * H * x.element_size() + 8 * K)
+            counted += exchange_step(name, rank, per_node, H, step, owner, gather, reduce_scatter, all_to_all, g)
         dist.barrier()
         out[name] = {"counted": counted, "before": before, "after": tx(), "seconds": time.perf_counter() - t0}
     with open(spec["out"].format(rank=rank), "w") as f:
@@ -437,21 +448,27 @@ def _wire_worker(rank: int, spec_path: str) -> int:
     return 0
 
 
+def wire_plan(hidden: int, tokens: int = 64, steps: int = 24, per_node: int = 1) -> dict:
+    """:func:`wire_check`'s plan (JSON types): the fixture's held-out routing of layer 1, its
+    placement and predicted order over two nodes of ``per_node`` ranks (``smoe-bench comm``'s)."""
+    import argparse
+
+    from .comm import comm_plan
+
+    plan = comm_plan(argparse.Namespace(routing="testbed", layer=1, tokens=tokens, steps=steps, ranks=2 * per_node,
+                                        hidden=hidden))
+    return json.loads(json.dumps(plan, default=lambda o: o.tolist()))
+
+
 def wire_check(net: Net, hidden: int, work: str, tokens: int = 64, steps: int = 24, port: int = 29650,
                per_node: int = 1) -> dict:
     """smoe's byte counters (and the bytes vLLM's allgather-reducescatter is modelled to carry)
     against the veth, on the exchange alone: the fixture's held-out routing, its placement and
     predictor (as ``smoe-bench comm``), ``steps`` steps of ``tokens`` tokens at ``hidden``, over
     two nodes of ``per_node`` ranks each (the placement built for all of them)."""
-    import argparse
-
-    from .comm import comm_plan
-
     N = 2 * per_node
     pipelines = PIPELINES if per_node == 1 else NODE_PIPELINES
-    plan = comm_plan(argparse.Namespace(routing="testbed", layer=1, tokens=tokens, steps=steps, ranks=N,
-                                         hidden=hidden))
-    plan = json.loads(json.dumps(plan, default=lambda o: o.tolist()))
+    plan = wire_plan(hidden, tokens, steps, per_node)
     spec = {"plan": plan, "dev": net.dev, "port": port, "out": os.path.join(work, "wire-{rank}.json"),
             "per_node": per_node, "pipelines": pipelines}
     path = os.path.join(work, "wire-spec.json")
@@ -461,7 +478,8 @@ def wire_check(net: Net, hidden: int, work: str, tokens: int = 64, steps: int = 
                                "vllm_smoe.tools.bench.cluster", "--wire-worker", str(r), path],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, "GLOO_SOCKET_IFNAME": net.dev[r // per_node]}) for r in range(N)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
+    # a prefill-sized step on a slow host's prefill link (tens of Mbit/s) takes minutes a pipeline
+    logs = [p.communicate(timeout=3600)[0] for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError("wire check failed:\n" + "\n".join(log[-2000:] for log in logs))
     ranks = [json.load(open(spec["out"].format(rank=r))) for r in range(N)]
@@ -969,8 +987,14 @@ def run_exchange(a, work: str) -> int:
     host = host_speed() if any(t != "none" for t in a.target) else None
     net, runs, rc = Net(), {}, 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    constants = None
     try:
         net.up()
+        if a.wire_model:  # the host's constants first, unshaped (wire_model.measure_host)
+            from .wire_model import measure_host, model_run, model_table
+
+            constants = measure_host(net, hidden, work, a.ranks_per_node)
+            print(f"host constants: {json.dumps(constants)}", flush=True)
         for target in a.target:
             for phase, tokens in zip(("decode", "prefill"), a.exchange_tokens):
                 link = None if target == "none" else link_settings(host, target, phase)
@@ -980,6 +1004,10 @@ def run_exchange(a, work: str) -> int:
                 wc["link"] = link
                 for line in exchange_table(wc, f"{target}, {phase} link"):
                     print(line, flush=True)
+                if constants is not None:
+                    wc["model"] = model_run(net, hidden, work, a.ranks_per_node, wc, link, constants)
+                    for line in model_table(wc, f" ({target}, {phase} link)"):
+                        print(line, flush=True)
     except (KeyboardInterrupt, SystemExit) as e:
         rc = _interrupted(e)
     finally:
@@ -988,7 +1016,8 @@ def run_exchange(a, work: str) -> int:
         from .common import write_json
 
         write_json(a.json, {"date": datetime.datetime.now().astimezone().isoformat(), "uname": " ".join(os.uname()),
-                            "host": host, "args": {k: v for k, v in vars(a).items() if k != "fn"}, "runs": runs})
+                            "host": host, "args": {k: v for k, v in vars(a).items() if k != "fn"}, "runs": runs,
+                            **({"host_constants": constants} if constants is not None else {})})
     return rc
 
 
@@ -1167,6 +1196,10 @@ def add_parser(sub) -> None:
     p.add_argument("--exchange-only", action="store_true",
                    help="only the MoE exchange alone, once per --target with the decode link's shaping (no vLLM): "
                         "smoe's flat and hierarchical exchange and vLLM's allgather-reducescatter")
+    p.add_argument("--wire-model", action="store_true",
+                   help="with --exchange-only: also the cost model (placement/a2a_cost.py) of each run from the "
+                        "host's measured constants (tiny unshaped steps, the veth's rate; tools/bench/wire_model.py): "
+                        "bytes against the counted ones, time against the measured")
     p.add_argument("--ranks-per-node", type=number(int, 1, 15), default=1,
                    help="with --exchange-only: gloo ranks in each of the two namespaces")
     p.add_argument("--exchange-tokens", type=number(int, 1), nargs=2, default=[64, 512], metavar=("DECODE", "PREFILL"),
