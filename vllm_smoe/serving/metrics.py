@@ -35,7 +35,7 @@ ENV = "SMOE_METRICS_DIR"
 # the device counters of each source, in the order the workers keep them
 ORDER_FIELDS = ("local", "activations", "tokens", "hits")  # per MoE layer
 A2A_FIELDS = ("tokens", "pairs", "bytes", "local", "activations", "node_bytes")  # SparseExchange's COUNTERS
-RECORD_FIELDS = ("written", "behind", "failed", "unrecordable")  # tokens: written, lost (queue full, disk, no ids)
+RECORD_FIELDS = ("written", "behind", "failed", "unrecordable")  # tokens: written, lost (queue full, disk, no ids or a layer's rows)
 
 
 class Drift:
@@ -212,7 +212,8 @@ def families(snapshots: list[dict]):
                                       labels=["rank"])
         lost = CounterMetricFamily("smoe:record_lost_tokens", "served tokens the recorder did not write, by reason "
                                    "(behind: its queue was full; failed: a write failed, e.g. a full disk, and the "
-                                   "step was dropped whole; unrecordable: rows without token ids)",
+                                   "step was dropped whole; unrecordable: rows without token ids, or a step some MoE layer "
+                                   "wrote no rows for, which is dropped whole)",
                                    labels=["rank", "reason"])
         for s in record:
             written.add_metric([str(s["rank"])], s["written"])
