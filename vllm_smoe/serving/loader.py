@@ -220,12 +220,11 @@ class SmoeModelLoader(DefaultModelLoader):
         covered = np.zeros((len(self.plan.moe_layers), 2), dtype=bool)
         tally = ReadTally(self.plan, _FUSED)
         yield from permute_weights(tally.count(weights), self.plan, slots, counts, self.gate_rows, covered)
-        if getattr(self, "target", True):
-            check_covered(self.plan, covered)
-            from vllm.config import get_current_vllm_config
+        check_covered(self.plan, covered)  # a draft never gets here: it loads as vLLM loads it
+        from vllm.config import get_current_vllm_config
 
-            if get_current_vllm_config().parallel_config.enable_expert_parallel:
-                logger.info("%s", tally.line(self._ep_rank(), self.local_expert_ids is not None))
+        if get_current_vllm_config().parallel_config.enable_expert_parallel:
+            logger.info("%s", tally.line(self._ep_rank(), self.local_expert_ids is not None))
         L, P = self.plan.physical2expert.shape
         start = initial_physical_names(self.plan.slot2expert.shape[1], P)
         moved = int(np.count_nonzero(self.plan.physical2expert != start))
