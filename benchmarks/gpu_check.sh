@@ -56,6 +56,18 @@
 #  5. DP=8 + EP, mode place with a DP placement (smoe-place build --mode dp) and request routing
 #     vs vLLM's DP + EP: TTFT of long prompts and bytes per token; live re-placement
 #     (POST /smoe/placement) under CUDA graphs at TP=8 speculate.
+#  6. Issue 62's CUDA paths, none of which has run on a GPU (status in README.md, "On vLLM's CUDA
+#     build", one table): in step 3, speculate over deepep_low_latency must log the MoE-buffer line
+#     ("max_num_tokens N per rank") and its DeepEP RDMA buffer must match
+#     tests/unit/test_moe_buffers.py's number; in steps 3 and 5, --enable-ep-weight-filter must
+#     log each rank reading 1/8 of the expert bytes; --speculative-config with an EAGLE or MTP
+#     draft (never served: the CPU build has none for the fixture) must serve tokens equal to plain
+#     vLLM with the same draft in place and record modes, and the recording must equal
+#     --enable-return-routed-experts; at DP=2 x TP=4 + EP the recording must equal it too (vLLM's
+#     sequence-parallel MoE: the sp-chunk layout); a live swap on a Qwen3-Next checkpoint must
+#     keep greedy tokens equal to a fresh start with the new placement; the start-up advice over
+#     allgather_reducescatter at DP=8 must name deepep_high_throughput / deepep_low_latency.
+#     Run on vLLM 0.32.0 and 0.33.0 both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
