@@ -59,8 +59,8 @@ def _check(dest: np.ndarray, src: np.ndarray, ep_size: int, per_node: int) -> No
 
 
 def _rows(snd: np.ndarray, rcv: np.ndarray, ep_size: int, per_node: int) -> np.ndarray:
-    """[2 link, 2 out/in, N] float64 rows of (sender, receiver) pairs, one row each (pairs
-    already filtered by :func:`_pairs`)."""
+    """[2 link, 2 out/in, N] float64 rows of (sender, receiver) pairs, one row each. snd, rcv:
+    [P] int64 ranks, already filtered by :func:`_pairs` (no -1, no self pair)."""
     link = (snd // per_node != rcv // per_node).astype(np.int64)
     rows = np.zeros((2, 2, ep_size))
     rows[:, OUT] = np.bincount(link * ep_size + snd, minlength=2 * ep_size).reshape(2, ep_size)
@@ -130,6 +130,10 @@ def messages(dest: np.ndarray, src: np.ndarray, ep_size: int, per_node: int, bac
     in one transfer; under deepep-ll one per row (each (token, expert) is its own RDMA put or
     NVLink copy, internode_ll.cu l.255-276)."""
     snd, rcv, _ = _pairs(dest, src, ep_size, per_node, backend)
+    return _messages(snd, rcv, ep_size, backend)
+
+
+def _messages(snd: np.ndarray, rcv: np.ndarray, ep_size: int, backend: str) -> np.ndarray:
     if backend == "deepep-ll":
         return np.bincount(snd, minlength=ep_size).astype(np.float64)
     pair = np.unique(snd * ep_size + rcv)
@@ -179,13 +183,15 @@ def oracle_rows(dest: np.ndarray, ep_size: int, per_node: int, backend: str, lin
         total = np.maximum((nodes >= 0).sum(axis=1) - 1, 0)
     else:
         total = np.maximum((_distinct(dest) >= 0).sum(axis=1) - 1, 0)
-    if link == NVLINK:  # the rows a token must send inside nodes: none, where its node holds all
+    if link == NVLINK:  # no routing-only bound inside nodes: a token on the node that holds all of
+        # its experts may still send none over NVLink (its experts all on its own rank)
         return np.zeros(dest.shape[0])
     return total.astype(np.float64)
 
 
 def phase_seconds(rows: np.ndarray, row_bytes: float, link: LinkModel) -> float:
-    """Time of one phase: latency + the busiest (rank, direction)'s bytes on its slower class."""
+    """Seconds of one phase: latency + the busiest (rank, direction)'s bytes on each link class
+    over its bandwidth, the slower class. rows: [2 link, 2 out/in, N] float64; row_bytes: bytes."""
     b = rows * row_bytes
     return link.latency_s + max(float(b[NVLINK].max()) / link.nvlink_Bps, float(b[RDMA].max()) / link.rdma_Bps)
 
@@ -209,7 +215,8 @@ def expert_seconds(dest: np.ndarray, experts: np.ndarray, ep_size: int, hidden: 
 
 @dataclass(frozen=True)
 class Wire:
-    """One backend on one cluster: its rule, each phase's link model and bytes per row."""
+    """One backend on one cluster: its rule (``backend``, one of BACKENDS), ranks a node
+    (``per_node``), each phase's link model and bytes of one row it sends (dispatch, combine)."""
     backend: str
     per_node: int
     dispatch: LinkModel
@@ -222,13 +229,14 @@ def step_cost(dest: np.ndarray, src: np.ndarray, experts: np.ndarray, ep_size: i
               hidden: int, intermediate: int, roof: Roofline, weight_bytes: float, act_bytes: float) -> dict:
     """One MoE layer of one step: dispatch, expert compute (the busiest rank), combine, in
     seconds, and the rows behind them. dest, experts: [T, K] int64 (-1 none); src: [T] int64."""
-    rows = backend_rows(dest, src, ep_size, wire.per_node, wire.backend)
+    snd, rcv, _ = _pairs(dest, src, ep_size, wire.per_node, wire.backend)
+    rows = _rows(snd, rcv, ep_size, wire.per_node)
     back = rows[:, ::-1]
     t_exp, expert_rows = expert_seconds(dest, experts, ep_size, hidden, intermediate, roof, weight_bytes, act_bytes)
     return {"dispatch_s": phase_seconds(rows, wire.dispatch_row_bytes, wire.dispatch),
             "combine_s": phase_seconds(back, wire.combine_row_bytes, wire.combine),
             "expert_s": t_exp, "rows": rows, "expert_rows": expert_rows,
-            "messages": messages(dest, src, ep_size, wire.per_node, wire.backend)}
+            "messages": _messages(snd, rcv, ep_size, wire.backend)}
 
 
 def trace_cost(topk_ids: np.ndarray, dest: np.ndarray, token2rank: np.ndarray, step_ids: np.ndarray,
@@ -242,7 +250,7 @@ def trace_cost(topk_ids: np.ndarray, dest: np.ndarray, token2rank: np.ndarray, s
     (``dispatch_us``, ``combine_us``, ``a2a_us`` = both, ``expert_us``, ``moe_us`` = all three),
     bytes per token and MoE layer on each link class (dispatch and combine, all ranks:
     ``nvlink_bytes_per_token``, ``rdma_bytes_per_token``), the busiest rank's RDMA bytes per
-    step and layer (``rdma_busiest_bytes``, the larger of in and out, both phases), its share
+    step and layer (``rdma_busiest_bytes``: its bytes out, or in, over both phases, the larger), its share
     of the expert rows (``expert_rows_load``: max / mean) and the most messages a rank's dispatch
     sends (``messages_busiest``, :func:`messages`)."""
     T, L, K = topk_ids.shape
@@ -250,16 +258,18 @@ def trace_cost(topk_ids: np.ndarray, dest: np.ndarray, token2rank: np.ndarray, s
     bounds = np.concatenate([[0], cuts, [T]])
     acc = dict.fromkeys(("dispatch_s", "combine_s", "expert_s", "nvl", "rdma", "busiest", "load", "msgs"), 0.0)
     n = 0
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
         for layer in range(L):
-            c = step_cost(dest[a:b, layer], token2rank[a:b, layer], topk_ids[a:b, layer], ep_size, wire,
+            c = step_cost(dest[lo:hi, layer], token2rank[lo:hi, layer], topk_ids[lo:hi, layer], ep_size, wire,
                           hidden, intermediate, roof, weight_bytes, act_bytes)
             for k in ("dispatch_s", "combine_s", "expert_s"):
                 acc[k] += c[k]
             per_row = wire.dispatch_row_bytes + wire.combine_row_bytes
             acc["nvl"] += c["rows"][NVLINK, OUT].sum() * per_row
             acc["rdma"] += c["rows"][RDMA, OUT].sum() * per_row
-            acc["busiest"] += float(c["rows"][RDMA].max(axis=0).max()) * per_row
+            r = c["rows"][RDMA]  # [2 out/in, N]: dispatch; the combine sends the same rows back
+            db, cb = wire.dispatch_row_bytes, wire.combine_row_bytes
+            acc["busiest"] += float(np.maximum(r[OUT] * db + r[IN] * cb, r[IN] * db + r[OUT] * cb).max())
             acc["msgs"] += float(c["messages"].max())
             er = c["expert_rows"]
             acc["load"] += float(er.max() / max(er.mean(), 1e-12))
@@ -276,7 +286,8 @@ def trace_cost(topk_ids: np.ndarray, dest: np.ndarray, token2rank: np.ndarray, s
 def fit_link(cases: list[tuple[np.ndarray, float, float]], nominal: LinkModel) -> tuple[LinkModel, np.ndarray]:
     """The latency and bandwidths that best reproduce measured phase times (least squares on
     log(model / measured)). cases: (rows [2, 2, N], row_bytes, seconds) per measurement;
-    nominal: the starting point, and the bandwidths a link class no case uses keeps. Returns
+    nominal: the starting point, each link's upper bound (its line rate), and the bandwidth a
+    link class no case uses keeps. Returns
     the fitted model and [len(cases)] relative errors (model / measured - 1)."""
     from scipy.optimize import least_squares
 
@@ -288,11 +299,13 @@ def fit_link(cases: list[tuple[np.ndarray, float, float]], nominal: LinkModel) -
         lat, bw = np.exp(x[0]), np.exp(x[1:])
         return lat + np.max(np.where(used, peaks / bw, 0.0), axis=1)
 
-    x0s = [np.log([max(nominal.latency_s, 1e-7), nominal.nvlink_Bps, nominal.rdma_Bps]) + d
+    # a link carries at most its nominal bandwidth: the fit may not explain time away by more
+    hi = np.array([np.inf, np.log(nominal.nvlink_Bps), np.log(nominal.rdma_Bps)])
+    x0s = [np.minimum(np.log([max(nominal.latency_s, 1e-7), nominal.nvlink_Bps, nominal.rdma_Bps]) + d, hi - 1e-3)
            for d in (np.zeros(3), np.array([1.0, -0.5, -0.5]), np.array([-1.0, -1.0, -1.0]))]
     best = None
     for x0 in x0s:
-        r = least_squares(lambda x: np.log(model(x) / t), x0, method="trf")
+        r = least_squares(lambda x: np.log(model(x) / t), x0, method="trf", bounds=(-np.inf, hi))
         if best is None or r.cost < best.cost:
             best = r
     lat, nvl, rdma = np.exp(best.x)
@@ -320,10 +333,9 @@ def random_routing(num_tokens: int, num_experts: int, top_k: int, rng: np.random
     return out
 
 
-def deepep_logical_rows(experts: np.ndarray, src: np.ndarray, num_experts: int, ep_size: int, per_node: int,
-                        counted: str) -> float:
+def deepep_logical_rows(experts: np.ndarray, num_experts: int, ep_size: int, per_node: int, counted: str) -> float:
     """The rows DeepEP's tests divide by the time to print a bandwidth, mean per rank (they print
-    rank 0's; routing is uniform). experts: [T, K] int64 (-1 none), every rank's tokens; src: [T].
+    rank 0's; routing is uniform). experts: [T, K] int64 (-1 none), every rank's tokens.
     counted: "nvl_recv" (test_intranode: rows each rank receives, its own included), "rdma_send"
     (test_internode: (token, destination node) pairs, the own node included), "ll_send"
     (test_low_latency: valid top-k entries of the rank's own tokens)."""

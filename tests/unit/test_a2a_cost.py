@@ -196,3 +196,83 @@ def test_messages_per_rank():
     assert messages(dest, src, 8, 4, "deepep-ll")[0] == 6  # a put per (token, expert) row
     ht = messages(dest, src, 8, 4, "deepep-ht")  # 0 -> 4 over RDMA, 0 -> 1; 4 forwards to 5, 6
     assert ht[0] == 2 and ht[4] == 2
+
+
+def test_row_bytes_as_the_backends_send_them():
+    """DeepEP's message sizes at DeepSeek-V3 (hidden 7168, top-8), from its code."""
+    from vllm_smoe.formats.cluster_spec import row_bytes
+    from vllm_smoe.tools.cluster_cost import ROW_FORMATS
+
+    got = {(b, p): row_bytes(ROW_FORMATS[b], p, 7168, 8) for b in ("deepep-ht", "deepep-ll")
+           for p in ("dispatch", "combine")}
+    assert got == {("deepep-ht", "dispatch"): 7472, ("deepep-ht", "combine"): 14384,
+                   ("deepep-ll", "dispatch"): 7408, ("deepep-ll", "combine"): 14336}
+
+
+def test_expert_seconds_roofline_busiest_rank():
+    from vllm_smoe.placement.a2a_cost import Roofline, expert_seconds
+
+    dest = np.array([[0, 0], [0, 1], [1, -1]])
+    experts = np.array([[0, 1], [0, 2], [2, -1]])
+    roof = Roofline(flops=6.0 * 10 * 20 * 100, hbm_Bps=1e30)  # compute bound: 100 rows a second
+    t, rows = expert_seconds(dest, experts, 2, 10, 20, roof, 2.0, 2.0)
+    assert rows.tolist() == [3, 2] and t == pytest.approx(3 / 100)
+    roof = Roofline(flops=1e30, hbm_Bps=3 * 10 * 20 * 2.0)  # weight bound: one expert's weights a second
+    t, _ = expert_seconds(dest, experts, 2, 10, 20, roof, 2.0, 0.0)
+    assert t == pytest.approx(2.0)  # rank 0 reads experts 0 and 1, rank 1 expert 2 only
+
+
+def test_trace_cost_means_over_steps_and_layers():
+    from vllm_smoe.placement.a2a_cost import Roofline, Wire, trace_cost
+
+    link = LinkModel(1e-6, 1e9, 1e9)
+    wire = Wire("nccl-a2a", 2, link, link, 100.0, 200.0)
+    topk = np.array([[[0]], [[1]], [[1]], [[1]]])  # 4 tokens, 1 layer, top-1; 2 experts on 2 ranks
+    t2r = np.array([[0], [0], [1], [1]])
+    steps = np.array([0, 0, 1, 1])
+    c = trace_cost(topk, topk, t2r, steps, 2, wire, 4, 4, Roofline(1e30, 1e30))
+    # step 0: token 1 goes 0 -> 1 (1 row), step 1: nothing remote
+    assert c["dispatch_us"] == pytest.approx(1.0 + 0.5 * 100 / 1e9 * 1e6)
+    assert c["combine_us"] == pytest.approx(1.0 + 0.5 * 200 / 1e9 * 1e6)
+    assert c["nvlink_bytes_per_token"] == pytest.approx(300 / 4) and c["rdma_bytes_per_token"] == 0
+
+
+def test_cluster_steps_give_every_rank_its_tokens(tmp_path):
+    """Plain EP on the cluster's steps: each rank holds --tokens-per-rank tokens of every step,
+    whatever the recorded batches were (allgather-rs then moves the same rows at 32 and 64)."""
+    from vllm_smoe.testbed import FIXTURE_TRACES
+    from vllm_smoe.tools.place_cli import main
+
+    placement = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny-4dom-ep8.yaml")
+    times = {}
+    for tpr in (32, 64):
+        out = tmp_path / f"{tpr}.json"
+        assert main(["evaluate", "--trace", FIXTURE_TRACES["heldout"], "--placement", placement, "--max-tokens",
+                     "8192", "--compare", "linear", "--cluster", "h100x8-ndr400", "--backend", "allgather-rs", "--tokens-per-rank",
+                     str(tpr), "--cost-shape", "7168:2048", "--json", str(out)]) == 0
+        res = json.loads(out.read_text())
+        assert res["placement (coclust)"]["cost_steps"] == 8192 // (tpr * 8)
+        assert len(set(res["linear"]["rank_tokens"])) == 1  # plain EP: every rank its equal share of each step
+        times[tpr] = res["linear"]["allgather-rs:dispatch_us"]
+    assert times[64] > 1.5 * times[32]  # twice the rows per rank, a step's bytes double
+
+
+def test_cost_errors_exit_2(tmp_path):
+    from vllm_smoe.formats.cluster_spec import load_cluster, wire_for
+    from vllm_smoe.testbed import FIXTURE_TRACES
+    from vllm_smoe.tools.cluster_cost import check_calibration
+    from vllm_smoe.tools.place_cli import main
+
+    with pytest.raises(ValueError, match="at most 8 ranks"):
+        wire_for(load_cluster("gb200-nvl72"), "deepep-ht", 16, 7168, 8)
+    placement = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny-4dom-ep8.yaml")
+    base = ["evaluate", "--trace", FIXTURE_TRACES["heldout"], "--placement", placement, "--max-tokens", "4096",
+            "--cluster", "h100x8-ndr400", "--cost-shape", "deepseek-v3"]
+    assert main(base + ["--backend", ","]) == 2
+    assert main(base + ["--tokens-per-rank", "100000"]) == 2  # more than the trace holds
+    bad = tmp_path / "cal.yaml"
+    bad.write_text("cluster: h800x8-cx7\nhidden: 7168\ntop_k: 8\nrows:\n- {backend: deepep-ht, phase: dispatch, ep: 8}\n")
+    assert main(["calibrate", "--published", str(bad)]) == 2
+    with pytest.raises(ValueError, match=r"rows\[0\]\.tokens_per_rank"):
+        from vllm_smoe.formats.bounded import load_yaml
+        check_calibration(load_yaml(str(bad), "x"), str(bad))

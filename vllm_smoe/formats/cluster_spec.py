@@ -94,6 +94,10 @@ def wire_for(cluster: Cluster, backend: str, ep_size: int, hidden: int, top_k: i
     entry = fits["backends"].get(backend)
     if entry is None:
         raise ValueError(f"{BACKENDS_FILE}: no fit for backend {backend!r}")
+    if backend == "deepep-ht" and cluster.gpus_per_node > 8:
+        raise ValueError(f"--backend deepep-ht on {cluster.name}: DeepEP's normal kernels forward over NVLink "
+                         f"among at most 8 ranks (NUM_MAX_NVL_PEERS), not {cluster.gpus_per_node} "
+                         f"({cluster.path}: gpus_per_node); not modelled")
     per_node = min(cluster.gpus_per_node, ep_size)
     if ep_size % per_node:
         raise ValueError(f"--ep-size {ep_size} does not fill nodes of {cluster.gpus_per_node} GPUs "

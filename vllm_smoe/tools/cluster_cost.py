@@ -7,11 +7,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import sys
 
 import numpy as np
 
-from ..formats.cluster_spec import (BACKENDS_FILE, CALIBRATION_FILE, DTYPES, cluster_names, load_cluster, load_fits,
+from ..formats.cluster_spec import (BACKENDS_FILE, CALIBRATION_FILE, cluster_names, load_cluster, load_fits,
                                     roofline, wire_for)
 from ..placement.a2a_cost import BACKENDS, LinkModel, backend_rows, fit_link, phase_seconds, trace_cost
 from ..placement.metrics import _hashed_copies
@@ -20,8 +19,6 @@ from .cli_util import number
 # hidden and MoE intermediate sizes of the shapes a projection is made at
 COST_SHAPES = {"deepseek-v3": (7168, 2048), "qwen3-235b-a22b": (4096, 1536), "deepseek-v2-lite": (2048, 1408),
                "mixtral-8x7b": (4096, 14336)}
-COST_KEYS = ("dispatch_us", "combine_us", "a2a_us", "expert_us", "moe_us", "nvlink_bytes_per_token",
-             "rdma_bytes_per_token", "rdma_busiest_bytes", "expert_rows_load")
 
 
 def add_args(e: argparse.ArgumentParser) -> None:
@@ -37,7 +34,8 @@ def add_args(e: argparse.ArgumentParser) -> None:
 
 
 def cost_setup(a, ep_size: int, top_k: int):
-    """(callable for _measure, note) or (None, None) when --cluster is not given."""
+    """The projection of --cluster (a callable for _measure, with ``note``, ``backends`` and
+    ``steps``), or None when --cluster is not given."""
     if not getattr(a, "cluster", None):
         return None
     if not a.cost_shape:
@@ -54,29 +52,51 @@ def cost_setup(a, ep_size: int, top_k: int):
     cluster = load_cluster(a.cluster)
     fits = load_fits()
     backends = [b.strip() for b in a.backend.split(",") if b.strip()]
+    if not backends:
+        raise ValueError(f"--backend {a.backend!r}: name at least one of {', '.join(BACKENDS)}")
     wires = {b: wire_for(cluster, b, ep_size, hidden, top_k, fits) for b in backends}
     roof = roofline(cluster)
     step_rows = a.tokens_per_rank * ep_size
 
+    def whole_steps(T: int) -> int:
+        if T < step_rows:
+            raise ValueError(f"--tokens-per-rank {a.tokens_per_rank}: a step of EP {ep_size} holds {step_rows} "
+                             f"tokens, the evaluated trace only {T}; lower --tokens-per-rank or pass more "
+                             f"tokens (--max-tokens)")
+        return (T // step_rows) * step_rows
+
+    def steps(arr: dict) -> tuple[dict, np.ndarray]:
+        """The trace's rows (in order) cut into the cluster's steps of tokens_per_rank x N rows,
+        whole steps only: (rows, [n] step ids), the batches every placement is judged on."""
+        n = whole_steps(arr["token_ids"].size)
+        return {k: v[:n] for k, v in arr.items()}, np.arange(n) // step_rows
+
     def cost(arr, t2r, e2r, holds, copies, batch) -> dict:
+        """The projection of one placement: batch [T] are its steps (tp mode: :func:`steps`'s;
+        dp mode: the rows in scheduling order, cut into windows of tokens_per_rank x N)."""
         topk = arr["topk_ids"].astype(np.int64)
         T, L, K = topk.shape
         dest = activation_ranks(topk, t2r, e2r, holds, copies, batch)
-        steps = np.arange(T) // step_rows if T >= step_rows else np.zeros(T, dtype=np.int64)
-        n = (T // step_rows) * step_rows if T >= step_rows else T  # whole steps only
-        out = {"cost_steps": int(steps[:n].max()) + 1 if n else 0}
+        n = whole_steps(T)
+        steps = np.arange(n) // step_rows
+        out = {"cost_steps": int(steps[-1]) + 1}
         for b, (wire, entry) in wires.items():
-            c = trace_cost(topk[:n], dest[:n], t2r[:n], steps[:n], ep_size, wire, hidden, inter, roof)
+            c = trace_cost(topk[:n], dest[:n], t2r[:n], steps, ep_size, wire, hidden, inter, roof)
             for k, v in c.items():
                 out[f"{b}:{k}"] = v
             out[f"{b}:calibrated"] = bool(entry.get("calibrated"))
         return out
 
+    ll_note = ""
+    if "deepep-ll" in backends and a.tokens_per_rank > 256:
+        ll_note = (f"; deepep-ll at {a.tokens_per_rank} tokens per rank is outside what vLLM runs (its batched "
+                   f"backends take 256 a rank by default) and outside DeepEP's published rows (128)")
     cost.note = (f"projected on {cluster.name} ({a.cluster}): EP {ep_size} over {ep_size // wires[backends[0]][0].per_node} "
                  f"node(s), {a.tokens_per_rank} tokens per rank per step, hidden {hidden}, intermediate {inter}; "
                  + "; ".join(f"{b}: {'calibrated' if e.get('calibrated') else 'NOT calibrated (' + e.get('note', '') + ')'}"
-                             for b, (_, e) in wires.items()))
+                             for b, (_, e) in wires.items()) + ll_note)
     cost.backends = backends
+    cost.steps = steps
     return cost
 
 
@@ -131,6 +151,46 @@ ROW_FORMATS = {
 LOGICAL_ROW = {"fp8": lambda H: H * (1 + 4 / 128), "bf16": lambda H: 2.0 * H}  # DeepEP's tests' bytes per row
 
 
+_ROW_INTS = ("ep", "tokens_per_rank", "experts")
+
+
+def check_calibration(doc, path: str) -> None:
+    """Raises ValueError naming the file and field of a calibration file that cannot be fitted."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: a calibration file is a mapping")
+    for key in ("hidden", "top_k"):
+        if not isinstance(doc.get(key), int) or doc[key] < 1:
+            raise ValueError(f"{path}: field '{key}' must be a positive integer, got {doc.get(key)!r}")
+    if not isinstance(doc.get("cluster"), str):
+        raise ValueError(f"{path}: field 'cluster' must name a cluster spec")
+    rows = doc.get("rows")
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"{path}: field 'rows' must be a non-empty list")
+    for i, row in enumerate(rows):
+        where = f"{path}: rows[{i}]"
+        if not isinstance(row, dict):
+            raise ValueError(f"{where} must be a mapping")
+        if row.get("backend") not in ("deepep-ht", "deepep-ll"):
+            raise ValueError(f"{where}.backend must be deepep-ht or deepep-ll, got {row.get('backend')!r}")
+        if row.get("phase") not in ("dispatch", "combine"):
+            raise ValueError(f"{where}.phase must be dispatch or combine, got {row.get('phase')!r}")
+        for key in _ROW_INTS:
+            if not isinstance(row.get(key), int) or row[key] < 1:
+                raise ValueError(f"{where}.{key} must be a positive integer, got {row.get(key)!r}")
+        if row["experts"] % row["ep"]:
+            raise ValueError(f"{where}.experts {row['experts']} does not split over ep {row['ep']}")
+        if "latency_us" in row:
+            ok = isinstance(row["latency_us"], (int, float)) and row["latency_us"] > 0
+            if not ok:
+                raise ValueError(f"{where}.latency_us must be a positive number")
+        elif not (isinstance(row.get("bandwidth_GBps"), (int, float)) and row["bandwidth_GBps"] > 0
+                  and row.get("counted") in ("nvl_recv", "rdma_send", "ll_send") and row.get("dtype") in LOGICAL_ROW):
+            raise ValueError(f"{where}: give latency_us, or bandwidth_GBps with counted (nvl_recv | rdma_send | "
+                             f"ll_send) and dtype (fp8 | bf16)")
+    if not any(r["backend"] == "deepep-ht" for r in rows):
+        raise ValueError(f"{path}: no deepep-ht rows: the backends without published numbers borrow its fit")
+
+
 def calibration_cases(doc: dict, cluster, seed: int = 0) -> dict:
     """{(backend, phase): [(rows, row_bytes, seconds, row)]} for every published row: DeepEP's
     routing drawn as its test draws it, the model's rows for it, and the published time."""
@@ -155,7 +215,7 @@ def calibration_cases(doc: dict, cluster, seed: int = 0) -> dict:
         if "latency_us" in row:
             seconds = row["latency_us"] * 1e-6
         else:
-            logical = deepep_logical_rows(experts, src, E, N, per_node, row["counted"])
+            logical = deepep_logical_rows(experts, E, N, per_node, row["counted"])
             seconds = logical * LOGICAL_ROW[row["dtype"]](H) / (row["bandwidth_GBps"] * 1e9)
         cases.setdefault((b, phase), []).append((rows, row_bytes(ROW_FORMATS[b], phase, H, K), seconds, row))
     return cases
@@ -175,11 +235,10 @@ def calibrate(doc: dict, seed: int = 0) -> tuple[dict, list[dict]]:
         for i, ((_, _, s, row), e) in enumerate(zip(cs, err)):
             # the row predicted by a fit to the other rows: how far the model carries off its data
             held = [(r, rb, t) for j, (r, rb, t, _) in enumerate(cs) if j != i]
-            loo, _ = fit_link(held, nominal)
             r, rb, _, _ = cs[i]
+            left_out = phase_seconds(r, rb, fit_link(held, nominal)[0]) / s - 1.0 if held else None
             table.append({"backend": b, "phase": phase, "ep": row["ep"], "published_us": s * 1e6,
-                          "model_us": s * 1e6 * (1 + e), "error": float(e),
-                          "left_out_error": phase_seconds(r, rb, loo) / s - 1.0})
+                          "model_us": s * 1e6 * (1 + e), "error": float(e), "left_out_error": left_out})
     ht = fits["deepep-ht"]
     for b in BACKENDS:
         if b not in fits:  # no published numbers: DeepEP's normal kernels' latency and link shares
@@ -196,12 +255,14 @@ def cmd_calibrate(a) -> int:
     import yaml
 
     doc = load_yaml(a.published, "calibration rows")
+    check_calibration(doc, a.published)
     fits, table = calibrate(doc, a.seed)
     print("| backend | phase | EP | published us | model us | error | error left out of the fit |\n"
           "|---|---|---|---|---|---|---|")
     for t in table:
         print(f"| {t['backend']} | {t['phase']} | {t['ep']} | {t['published_us']:.0f} | {t['model_us']:.0f} | "
-              f"{100 * t['error']:+.1f}% | {100 * t['left_out_error']:+.1f}% |")
+              f"{100 * t['error']:+.1f}% | "
+              + ("-" if t["left_out_error"] is None else f"{100 * t['left_out_error']:+.1f}%") + " |")
     for b, f in fits["backends"].items():
         if f["calibrated"]:
             for phase in ("dispatch", "combine"):

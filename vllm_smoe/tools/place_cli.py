@@ -602,6 +602,11 @@ def _evaluate_all(a):
         print(f"evaluating {arr['token_ids'].size} of {total} tokens: {EVAL_WINDOWS} evenly spaced windows "
               f"(--max-tokens 0 for all)", file=sys.stderr)
     arr, batch = _batched(arr, a.batch_tokens)
+    cost = cost_setup(a, p.ep_size, p.top_k)
+    if cost is not None:
+        print(cost.note, file=sys.stderr)
+        if a.mode == "tp":  # the cluster's steps: every rank holds --tokens-per-rank of each
+            arr, batch = cost.steps(arr)
     hidden = meta.hidden_size or a.hidden_size
     results: dict[str, dict] = {}
     tables = load_tables(p) if p.predictor else None
@@ -613,9 +618,6 @@ def _evaluate_all(a):
             raise ValueError("--predictor learned with --compare: the peers' placements get no learned predictor "
                              "yet; compare with --predictor tables")
     label = f"placement ({p.method})"
-    cost = cost_setup(a, p.ep_size, p.top_k)
-    if cost is not None:
-        print(cost.note, file=sys.stderr)
     nodes = a.nodes or p.nodes  # the bytes split only: every placement is solved as the placement was
     if p.ep_size % nodes:
         raise ValueError(f"--nodes {nodes} does not divide the ep_size {p.ep_size} of {a.placement}")
