@@ -48,7 +48,8 @@ def draft_runs(tmp_path_factory):
             names.append((name, kind, extra))
     # vLLM 0.32's CPU build cannot start an engine in a process where an ngram engine ran (its kernel
     # overrides scan every module and trip over llvmlite's, which ngram's numba imports): the last one alone
-    results = vllm_runs(runs[:-1], d) + vllm_runs(runs[-1:], d)
+    # a hung engine costs 10 minutes of CI, not the default 30
+    results = vllm_runs(runs[:-1], d, timeout=600) + vllm_runs(runs[-1:], d, timeout=600)
     out: dict = {}
     for (name, kind, extra), (res, log) in zip(names, results):
         out.setdefault(name, {})[kind] = (res, log, (extra or {}).get("smoe", {}).get("record"))
