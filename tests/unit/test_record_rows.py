@@ -48,7 +48,7 @@ class _TPGroup:
         return torch.cat(self.chunks)
 
 
-def _recorder(monkeypatch, rec_dir, dp_rank, tp_rank, max_tokens=16, pcp=1):
+def _recorder(monkeypatch, rec_dir, dp_rank, tp_rank, max_tokens=16, pcp=1, speculative_config=None):
     import vllm.distributed
     from transformers import Qwen3MoeConfig
 
@@ -67,7 +67,8 @@ def _recorder(monkeypatch, rec_dir, dp_rank, tp_rank, max_tokens=16, pcp=1):
         model_config=types.SimpleNamespace(hf_text_config=hf, model="stand-in", enforce_eager=True),
         scheduler_config=types.SimpleNamespace(max_num_batched_tokens=max_tokens),
         parallel_config=types.SimpleNamespace(data_parallel_rank=dp_rank, tensor_parallel_size=TP,
-                                              prefill_context_parallel_size=pcp))
+                                              prefill_context_parallel_size=pcp),
+        speculative_config=speculative_config)
     cfg = SmoeConfig(mode="record", record=str(rec_dir), log_interval=1e9, metrics=False)
     return Recorder(torch.nn.Linear(2, 2), vc, cfg, None), [x.router for x in layers]
 

@@ -21,8 +21,10 @@
   are removed until the closed ones fit (the open chunk adds at most ``record_chunk_tokens``).
 - Physical slots are mapped back to logical expert ids when a placement is applied.
 - Speculative decoding: a draft token's row is written once its request's next step shows that
-  sampling kept it (:mod:`.draft_rows`); a draft model's own routing is never recorded (the
-  loader leaves it to vLLM, :mod:`.draft`).
+  sampling kept it (:mod:`.draft_rows`; where that step is dropped the row is left out, counted);
+  a draft model's own routing is never recorded (the loader leaves it to vLLM, :mod:`.draft`).
+  A vLLM whose scheduler output has no ``scheduled_spec_decode_tokens`` gets no step written
+  while speculating (which rows are drafts is unknown; logged once, counted).
 - Only tensor-parallel rank 0 writes (other TP ranks see the same tokens); each data-parallel
   rank writes its own files, ``trace-dp{rank}-{start time}-{pid}-{chunk:05d}.npz``, rotated every
   ``record_chunk_tokens`` tokens, and closed by a background thread once no step has come for
@@ -122,7 +124,9 @@ class Recorder:
         self.req_index: dict[str, int] = {}  # vLLM request id -> trace request id, while it runs
         self.prompt_len: dict[str, int] = {}  # vLLM request id -> prompt tokens, while it runs
         self.warned_skip = False
-        self.unrecordable = 0  # tokens of steps that could not be recorded (no token ids)
+        self.speculative = getattr(vllm_config, "speculative_config", None) is not None
+        self.warned_drafts = False
+        self.unrecordable = 0  # tokens of steps that could not be recorded (no token ids, drafts unknown)
         self.unrouted = 0  # tokens of steps dropped because some layer wrote no rows for them (record_rows)
         self.next_req = 0
         self.step = 0
@@ -249,13 +253,21 @@ class Recorder:
         req_ids, counts = step.req_ids, step.counts
         step_id = self.step
         self.step += 1
-        if counts.sum() != n or step.input_ids is None:
-            if not self.warned_skip:
+        drafts = draft_counts(scheduler_output, req_ids, self.speculative)
+        if drafts is None and not self.warned_drafts:
+            logger.error("smoe record: speculative decoding is on but this vLLM's scheduler output has no "
+                         "scheduled_spec_decode_tokens, so which rows are drafts is unknown: no step is recorded "
+                         "(counted in smoe:record_lost_tokens; logged once)")
+            self.warned_drafts = True
+        if counts.sum() != n or step.input_ids is None or drafts is None:
+            if drafts is not None and not self.warned_skip:
                 logger.warning("smoe record: step %d not recorded: %s (warned once)", step_id,
                                "rows came as embeddings, without token ids" if step.input_ids is None else
                                f"{n} tokens scheduled but {counts.sum()} in the batch")
                 self.warned_skip = True
             self.unrecordable += n
+            # the requests' held drafts: this was their next step, and it is not written
+            self.drafts.drop(step_id, np.array([self.req_index.get(r, -1) for r in req_ids], dtype=np.int64))
             return
         keep = np.array([sampled(r, self.cfg.record_sample) for r in req_ids], dtype=bool)
         self.skipped += int(counts[~keep].sum())
@@ -269,7 +281,8 @@ class Recorder:
             req = np.array([self._req_id(r) if k else -1 for r, k in zip(req_ids, keep)], dtype=np.int32)
             # a request never seen as new (started before the recorder): every row taken as decode
             prompt = np.array([self.prompt_len.get(r, 0) for r in req_ids], dtype=np.int64)
-            self.drafts.note(step_id, draft_counts(scheduler_output, req_ids))
+            # noted for every queued step: one the writer drops (queue full, rows not routed) it never settles
+            self.drafts.note(step_id, drafts, req)
             try:
                 self.queue.put_nowait(("step", ids, pos, topk, written, ev, req, counts, keep, prompt, step_id,
                                        self.slot2expert))
@@ -436,13 +449,15 @@ class Recorder:
     def close(self) -> None:
         self.drain()
         with self.lock:
-            line = self.drafts.close()
-            if line:
-                logger.info("%s", line)
-            if self.writer is not None:
-                self._close_writer()
-                logger.info("smoe record: closed at shutdown; %d tokens in %d steps recorded to %s in all",
-                            self.total, self.step, self.cfg.record)
+            try:
+                line = self.drafts.close()
+                if line:
+                    logger.info("%s", line)
+            finally:  # the open file is closed whatever the drafts' summary met
+                if self.writer is not None:
+                    self._close_writer()
+                    logger.info("smoe record: closed at shutdown; %d tokens in %d steps recorded to %s in all",
+                                self.total, self.step, self.cfg.record)
 
 
 def install_recorder(model, vllm_config, cfg: SmoeConfig, plan, order=None) -> Recorder:
