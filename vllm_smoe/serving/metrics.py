@@ -212,8 +212,9 @@ def families(snapshots: list[dict]):
                                       labels=["rank"])
         lost = CounterMetricFamily("smoe:record_lost_tokens", "served tokens the recorder did not write, by reason "
                                    "(behind: its queue was full; failed: a write failed, e.g. a full disk, and the "
-                                   "step was dropped whole; unrecordable: rows without token ids, or a step some MoE layer "
-                                   "wrote no rows for, which is dropped whole)",
+                                   "step was dropped whole; unrecordable: rows without token ids, a step some MoE layer "
+                                   "wrote no rows for, or a speculative step whose kept drafts vLLM did not say, each "
+                                   "dropped whole)",
                                    labels=["rank", "reason"])
         for s in record:
             written.add_metric([str(s["rank"])], s["written"])
