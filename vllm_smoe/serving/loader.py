@@ -30,7 +30,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from .config import SmoeConfig
 from .draft import is_draft, log_draft
-from .expert_filter import ReadTally, placed_experts
+from .expert_filter import ReadTally, needed_slots, placed_experts
 from .load_plan import EXPERT_PARAM as _EXPERT
 from .load_plan import MOE_BLOCK_PARAM, ROUTER_PARAM, LoadPlan, initial_physical_names
 from .served import Worker, placement_for, start_worker
@@ -209,6 +209,8 @@ class SmoeModelLoader(DefaultModelLoader):
             pc = get_current_vllm_config().parallel_config
             ep = pc.enable_expert_parallel
             self.local_expert_ids = placed_experts(self.plan, self._ep_rank(), pc) if ep else None
+            # read by vLLM's iterators by this name, which no signature check covers: get_all_weights
+            # checks afterwards that every slot of this rank got its expert's tensors
 
     def get_all_weights(self, model_config, model):
         weights = super().get_all_weights(model_config, model)
@@ -223,8 +225,12 @@ class SmoeModelLoader(DefaultModelLoader):
         check_covered(self.plan, covered)  # a draft never gets here: it loads as vLLM loads it
         from vllm.config import get_current_vllm_config
 
-        if get_current_vllm_config().parallel_config.enable_expert_parallel:
-            logger.info("%s", tally.line(self._ep_rank(), self.local_expert_ids is not None))
+        pc = get_current_vllm_config().parallel_config
+        rank = self._ep_rank() if pc.enable_expert_parallel else 0
+        # every (MoE layer, slot) of this rank got its expert's tensors, whichever filter ran
+        tally.check_slots(needed_slots(self.plan, rank, pc), rank)
+        if pc.enable_expert_parallel:
+            logger.info("%s", tally.line(rank, self.local_expert_ids))
         L, P = self.plan.physical2expert.shape
         start = initial_physical_names(self.plan.slot2expert.shape[1], P)
         moved = int(np.count_nonzero(self.plan.physical2expert != start))
