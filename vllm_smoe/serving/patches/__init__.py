@@ -262,6 +262,8 @@ PRIVATE_READS: tuple[tuple[str, str, str], ...] = (
      "as _moe_forward, for blocks with shared experts"),
     ("vllm.v1.engine.core_client:DPLBAsyncMPClient", "serving/dp_router.py",
      "the front end's DP load balancer whose engine choice smoe's request routing takes over"),
+    ("vllm.model_executor.model_loader.ep_weight_filter:compute_local_expert_ids", "serving/expert_filter.py",
+     "vLLM's linear split, kept for MoE layers outside the placement so a rank never reads more than vLLM would"),
 )
 
 # target -> (kind, parameter names) smoe's code relies on, for each of PRIVATE_READS: None where
@@ -274,6 +276,8 @@ PRIVATE_READ_SIGNATURES: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "vllm.model_executor.layers.fused_moe.runner.moe_runner:_moe_forward": ("function", None),
     "vllm.model_executor.layers.fused_moe.runner.moe_runner:_moe_forward_shared": ("function", None),
     "vllm.v1.engine.core_client:DPLBAsyncMPClient": ("class", None),
+    "vllm.model_executor.model_loader.ep_weight_filter:compute_local_expert_ids":
+        ("function", ("num_experts", "ep_size", "ep_rank", "placement")),
 }
 
 _BY_ID = {p.id: p for p in PATCHES}
