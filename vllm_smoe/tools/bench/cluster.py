@@ -36,6 +36,8 @@ import time
 
 import numpy as np
 
+from .veth import ADDR, HEADER_BYTES  # the emulated link's constants, shared with wire_model
+
 # A target: the accelerator's dense throughput in the serving dtype (FLOP/s), its memory
 # bandwidth (B/s), the link one way (B/s) and the link's one-way latency (s).
 TARGETS = {
@@ -47,8 +49,6 @@ TARGETS = {
                   what="H200 over PCIe 5 x16 (s-MoE's slow server)"),
 }
 BURST_PACKETS, BURST_SECONDS = 4, 50e-6  # tbf's bucket: a few frames, never a whole message
-HEADER_BYTES = 66  # Ethernet 14 + IPv4 20 + TCP 20 + timestamps 12, per packet on the veth
-ADDR = ("10.213.0.1", "10.213.0.2")
 UNCAPPED = 1000.0  # --max-expert-load of dp-ep-smoe-uncapped's placement: no cap in effect
 DEFAULT_WIDTHS = dict(hidden=1536, moe_intermediate=768, heads=24, kv_heads=12)
 
@@ -977,6 +977,47 @@ def _tear_down(net: Net) -> None:
     net.down()
 
 
+def measure_host(net, hidden: int, work: str, per_node: int, repeats: int = 3) -> dict:
+    """The host's constants, unshaped: each pipeline's time a collective from tiny-step wire
+    checks (median of ``repeats``), and the veth's payload rate (a 64 MiB TCP transfer,
+    :func:`measure_link`)."""
+    from .wire_model import TINY_TOKENS, _median_seconds, calibrate
+
+    net.shape(None)
+    lk = measure_link(net, nbytes=64 << 20)
+    tiny = [wire_check(net, hidden, work, tokens=TINY_TOKENS, per_node=per_node) for _ in range(repeats)]
+    seconds = _median_seconds(tiny)
+    plan = wire_plan(hidden, TINY_TOKENS, tiny[0]["steps"], per_node)
+    return {"tiny_tokens": TINY_TOKENS, "tiny_seconds": seconds, "link": lk, "local_bytes_s": lk["rate_bytes_s"],
+            "collective_s": calibrate(plan, per_node, {"seconds": seconds}, lk["rate_bytes_s"])}
+
+
+def model_run(net, hidden: int, work: str, per_node: int, wc: dict, link: dict | None, host: dict) -> dict:
+    """The model of wire check ``wc`` (just run on ``net`` shaped by ``link``) with ``host``'s
+    constants (:func:`measure_host`), compared; ``transport_*`` with gloo's bytes over a half-duplex
+    link (:data:`.wire_model.HALF_DUPLEX`). Records :func:`.wire_model.measure_overlap` on the link as it is now (a
+    diagnostic). Where the link has a delay, also a tiny-step run there, whose time per
+    collective checks :data:`.wire_model.HOPS` (``implied_hops``, not used by the model)."""
+    from .wire_model import (HALF_DUPLEX, HOPS, TINY_TOKENS, compare, implied_hops, measure_overlap,
+                             model_wire_check, payload_rate)
+
+    plan = wire_plan(hidden, wc["tokens_per_step"], wc["steps"], per_node)
+    rate = host["local_bytes_s"] if link is None else min(payload_rate(link), host["local_bytes_s"])
+    ov = measure_overlap(net, per_node, work, rate)
+    consts = {"collective_s": host["collective_s"], "local_bytes_s": host["local_bytes_s"], "rate_bytes_s": rate,
+              "delay_s": link["delay_s"] if link is not None and net.delay_applied else 0.0, "hops": dict(HOPS),
+              "overlap": dict(HALF_DUPLEX)}
+    out = {"constants": consts, "overlap_measurement": ov,
+           "pipelines": compare(model_wire_check(plan, per_node, consts), wc)}
+    if consts["delay_s"] > 0:
+        tiny = wire_check(net, hidden, work, tokens=TINY_TOKENS, per_node=per_node)
+        tplan = wire_plan(hidden, TINY_TOKENS, tiny["steps"], per_node)
+        out["tiny_shaped_seconds"] = tiny["seconds"]
+        out["implied_hops"] = implied_hops(tplan, per_node, tiny, host["collective_s"],
+                                           {**link, "delay_s": consts["delay_s"]}, host["local_bytes_s"])
+    return out
+
+
 def run_exchange(a, work: str) -> int:
     """``--exchange-only``: the MoE exchange alone (:func:`wire_check`) over two nodes of
     ``--ranks-per-node`` ranks, per target a decode-sized step on the link shaped to the target's
@@ -991,7 +1032,7 @@ def run_exchange(a, work: str) -> int:
     try:
         net.up()
         if a.wire_model:  # the host's constants first, unshaped (wire_model.measure_host)
-            from .wire_model import measure_host, model_run, model_table
+            from .wire_model import model_table
 
             constants = measure_host(net, hidden, work, a.ranks_per_node)
             print(f"host constants: {json.dumps(constants)}", flush=True)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .veth import ADDR, HEADER_BYTES
 from ...placement.a2a_cost import IN, NVLINK, OUT, RDMA, LinkModel, backend_rows, phase_seconds
 
 RULES = {"smoe-gather": "smoe-p2p", "smoe-p2p": "smoe-p2p", "smoe-p2p-slots": "smoe-p2p",
@@ -221,9 +222,7 @@ def implied_hops(plan: dict, per_node: int, tiny_shaped: dict, collective_s: dic
 
 def payload_rate(link: dict) -> float:
     """TCP payload bytes/s of a tbf link of ``link["rate_bytes_s"]`` (it charges whole frames:
-    MSS payload plus cluster.HEADER_BYTES)."""
-    from .cluster import HEADER_BYTES
-
+    MSS payload plus veth.HEADER_BYTES)."""
     return link["rate_bytes_s"] * MSS / (MSS + HEADER_BYTES)
 
 
@@ -269,8 +268,6 @@ def _overlap_worker(rank: int, spec_path: str) -> int:
 
     import torch
     import torch.distributed as dist
-
-    from .cluster import ADDR
 
     with open(spec_path) as f:
         spec = json.load(f)
@@ -346,21 +343,6 @@ def _median_seconds(runs: list[dict]) -> dict:
     return {n: float(np.median([r["seconds"][n] for r in runs])) for n in runs[0]["seconds"]}
 
 
-def measure_host(net, hidden: int, work: str, per_node: int, repeats: int = 3) -> dict:
-    """The host's constants, unshaped: each pipeline's time a collective from tiny-step wire
-    checks (median of ``repeats``), and the veth's payload rate (a 64 MiB TCP transfer,
-    :func:`cluster.measure_link`)."""
-    from .cluster import measure_link, wire_check, wire_plan
-
-    net.shape(None)
-    lk = measure_link(net, nbytes=64 << 20)
-    tiny = [wire_check(net, hidden, work, tokens=TINY_TOKENS, per_node=per_node) for _ in range(repeats)]
-    seconds = _median_seconds(tiny)
-    plan = wire_plan(hidden, TINY_TOKENS, tiny[0]["steps"], per_node)
-    return {"tiny_tokens": TINY_TOKENS, "tiny_seconds": seconds, "link": lk, "local_bytes_s": lk["rate_bytes_s"],
-            "collective_s": calibrate(plan, per_node, {"seconds": seconds}, lk["rate_bytes_s"])}
-
-
 # gloo over the emulated link does not carry a collective's two directions at once as a2a_cost
 # assumes (full duplex, as NVLink and InfiniBand do): during one of the wire check's all-to-alls the
 # veth's tx counters alternate between its two ends (two-way TCP over tbf's deep FIFO: one
@@ -369,31 +351,6 @@ def measure_host(net, hidden: int, work: str, per_node: int, repeats: int = 3) -
 # So the model gives a bracket: ``seconds`` both directions at once (a2a_cost), ``transport_seconds``
 # with gloo's bytes and every collective's two directions one after the other (half duplex)
 HALF_DUPLEX = {"all_to_all": 1.0, "all_gather": 1.0, "reduce_scatter": 1.0}
-
-
-def model_run(net, hidden: int, work: str, per_node: int, wc: dict, link: dict | None, host: dict) -> dict:
-    """The model of wire check ``wc`` (just run on ``net`` shaped by ``link``) with ``host``'s
-    constants (:func:`measure_host`), compared; ``transport_*`` with gloo's bytes over a half-duplex
-    link (:data:`HALF_DUPLEX`). Records :func:`measure_overlap` on the link as it is now (a
-    diagnostic). Where the link has a delay, also a tiny-step run there, whose time per
-    collective checks :data:`HOPS` (``implied_hops``, not used by the model)."""
-    from .cluster import wire_check, wire_plan
-
-    plan = wire_plan(hidden, wc["tokens_per_step"], wc["steps"], per_node)
-    rate = host["local_bytes_s"] if link is None else min(payload_rate(link), host["local_bytes_s"])
-    ov = measure_overlap(net, per_node, work, rate)
-    consts = {"collective_s": host["collective_s"], "local_bytes_s": host["local_bytes_s"], "rate_bytes_s": rate,
-              "delay_s": link["delay_s"] if link is not None and net.delay_applied else 0.0, "hops": dict(HOPS),
-              "overlap": dict(HALF_DUPLEX)}
-    out = {"constants": consts, "overlap_measurement": ov,
-           "pipelines": compare(model_wire_check(plan, per_node, consts), wc)}
-    if consts["delay_s"] > 0:
-        tiny = wire_check(net, hidden, work, tokens=TINY_TOKENS, per_node=per_node)
-        tplan = wire_plan(hidden, TINY_TOKENS, tiny["steps"], per_node)
-        out["tiny_shaped_seconds"] = tiny["seconds"]
-        out["implied_hops"] = implied_hops(tplan, per_node, tiny, host["collective_s"],
-                                           {**link, "delay_s": consts["delay_s"]}, host["local_bytes_s"])
-    return out
 
 
 def model_table(wc: dict, title: str = "") -> list[str]:
