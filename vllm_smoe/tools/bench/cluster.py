@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from .veth import ADDR, HEADER_BYTES  # the emulated link's constants, shared with wire_model
+from .veth import ADDR, HEADER_BYTES, run_ranks  # the emulated link's, shared with wire_model
 
 # A target: the accelerator's dense throughput in the serving dtype (FLOP/s), its memory
 # bandwidth (B/s), the link one way (B/s) and the link's one-way latency (s).
@@ -474,14 +474,8 @@ def wire_check(net: Net, hidden: int, work: str, tokens: int = 64, steps: int = 
     path = os.path.join(work, "wire-spec.json")
     with open(path, "w") as f:
         json.dump(spec, f)
-    procs = [subprocess.Popen(["ip", "netns", "exec", net.ns[r // per_node], sys.executable, "-m",
-                               "vllm_smoe.tools.bench.cluster", "--wire-worker", str(r), path],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "GLOO_SOCKET_IFNAME": net.dev[r // per_node]}) for r in range(N)]
     # a prefill-sized step on a slow host's prefill link (tens of Mbit/s) takes minutes a pipeline
-    logs = [p.communicate(timeout=3600)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise RuntimeError("wire check failed:\n" + "\n".join(log[-2000:] for log in logs))
+    run_ranks(net, per_node, "vllm_smoe.tools.bench.cluster", "--wire-worker", path, 3600, "wire check")
     ranks = [json.load(open(spec["out"].format(rank=r))) for r in range(N)]
     heads = range(0, N, per_node)  # each node's first rank read its veth
     res = {"tokens_per_step": tokens, "steps": steps, "hidden": hidden, "ranks_per_node": per_node,

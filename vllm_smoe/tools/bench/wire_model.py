@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .veth import ADDR, HEADER_BYTES
+from .veth import ADDR, HEADER_BYTES, run_ranks
 from ...placement.a2a_cost import IN, NVLINK, OUT, RDMA, LinkModel, backend_rows, phase_seconds
 
 RULES = {"smoe-gather": "smoe-p2p", "smoe-p2p": "smoe-p2p", "smoe-p2p-slots": "smoe-p2p",
@@ -316,22 +316,13 @@ def measure_overlap(net, per_node: int, work: str, rate_bytes_s: float, seconds:
     ``one_way`` checks the rate: k ~ 0)."""
     import json
     import os
-    import subprocess
-    import sys
 
     S = int(min(32 << 20, rate_bytes_s * seconds) // (per_node * per_node)) // 4 * 4
     spec = {"per_node": per_node, "bytes": S, "port": port, "out": os.path.join(work, "overlap.json")}
     path = os.path.join(work, "overlap-spec.json")
     with open(path, "w") as f:
         json.dump(spec, f)
-    N = 2 * per_node
-    procs = [subprocess.Popen(["ip", "netns", "exec", net.ns[r // per_node], sys.executable, "-m",
-                               "vllm_smoe.tools.bench.wire_model", "--overlap-worker", str(r), path],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "GLOO_SOCKET_IFNAME": net.dev[r // per_node]}) for r in range(N)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise RuntimeError("overlap measurement failed:\n" + "\n".join(log[-2000:] for log in logs))
+    run_ranks(net, per_node, "vllm_smoe.tools.bench.wire_model", "--overlap-worker", path, 600, "overlap measurement")
     with open(spec["out"]) as f:
         t = json.load(f)
     D = {k: overlap_bytes(k, per_node, S) for k in t}
