@@ -243,7 +243,7 @@ def numpy_order(tab: RandomTables, ids: np.ndarray) -> tuple[np.ndarray, np.ndar
 def kernel_step(ids, x, token2rank, token_conf, prior2rank, caps, perm, inv):
     """Speculate's per-step order as served: every layer's prediction, the Triton assignment +
     permutation (device_predict.assign_permute on CUDA), the rows in rank order and back."""
-    from vllm_smoe.serving import device_predict as dp
+    from vllm_smoe.serving.speculate import device_predict as dp
 
     T = ids.shape[0]
     pref, conf = dp.predict_token_tables(token2rank, token_conf, prior2rank, ids)
@@ -254,7 +254,7 @@ def kernel_step(ids, x, token2rank, token_conf, prior2rank, caps, perm, inv):
 
 def torch_step(ids, x, token2rank, token_conf, prior2rank, caps, perm, inv):
     """The same with the torch ops the kernel replaces (assign + permutation)."""
-    from vllm_smoe.serving import device_predict as dp
+    from vllm_smoe.serving.speculate import device_predict as dp
 
     T = ids.shape[0]
     pref, conf = dp.predict_token_tables(token2rank, token_conf, prior2rank, ids)
@@ -305,7 +305,7 @@ class Case:
     def __init__(self, tab: RandomTables, T: int, H: int, device, seed: int):
         import torch
 
-        from vllm_smoe.serving import device_predict as dp
+        from vllm_smoe.serving.speculate import device_predict as dp
 
         self.T, self.H, self.tab = T, H, tab
         self.ids_np = [tab.ids(T, seed), tab.ids(T, seed + 1)]
@@ -372,7 +372,7 @@ def check_predictor(tab: RandomTables, T: int, H: int, reps: int) -> dict:
     import torch
 
     from vllm_smoe.kernels import assign as KA
-    from vllm_smoe.serving import device_predict as dp
+    from vllm_smoe.serving.speculate import device_predict as dp
 
     if KA.triton is None:
         return {"ok": False, "error": "triton is not importable: device_predict.assign_permute would run the torch ops"}
@@ -506,7 +506,7 @@ def learned_step_order(net, ids, prev, caps, perm, inv, num_ranks: int):
     """Served order of the DeepSeek family with predictor learned and stack_order step: one order
     per step from the network (token_order.TokenOrder.preferences with step_order), assigned and
     permuted on the device."""
-    from vllm_smoe.serving import device_predict as dp
+    from vllm_smoe.serving.speculate import device_predict as dp
 
     pref, conf = dp.learned_step(dp.learned_logits(*net, ids, prev), num_ranks)
     dp.assign_permute(pref[None], conf[None], caps, perm, inv)
@@ -523,7 +523,7 @@ def check_learned(T: int, L: int = L_LAYERS, N: int = N_RANKS, V: int = VOCAB, D
 
     from vllm_smoe.placement import learned as lp
     from vllm_smoe.placement.assign import assign_tokens, chunk_caps
-    from vllm_smoe.serving import device_predict as dp
+    from vllm_smoe.serving.speculate import device_predict as dp
 
     dev = torch.device("cuda")
     m = random_learned(L, V, N, D, seed=T)

@@ -8,7 +8,7 @@ import sys, numpy as np
 from vllm_smoe.formats.trace import open_trace
 from vllm_smoe.formats.placement_file import load_placement, load_tables
 from vllm_smoe.formats.cluster_spec import load_cluster, wire_for
-from vllm_smoe.placement.a2a_cost import _pairs, _rows, NVLINK, RDMA, OUT, IN
+from vllm_smoe.placement.a2a_cost import _pairs, _rows, NVLINK, RDMA
 from vllm_smoe.placement.assign import contiguous_tokens
 from vllm_smoe.placement.online import simulate
 from vllm_smoe.placement.metrics import holds_from_expert2rank

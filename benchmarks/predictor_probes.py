@@ -58,7 +58,7 @@ def layer0(a) -> None:
     from vllm_smoe.formats.placement_file import load_placement, load_tables
     from vllm_smoe.formats.trace import open_trace
     from vllm_smoe.placement.learned import LEARNED_FIELDS
-    from vllm_smoe.serving import device_predict as dp
+    from vllm_smoe.serving.speculate import device_predict as dp
 
     p = load_placement(a.placement)
     tables = load_tables(p)
@@ -104,7 +104,7 @@ def context(a) -> None:
     from vllm_smoe.formats.placement_file import load_placement
     from vllm_smoe.formats.trace import open_trace
     from vllm_smoe.placement.learned import default_width, layer_targets
-    from vllm_smoe.serving import device_predict as dp
+    from vllm_smoe.serving.speculate import device_predict as dp
     from vllm_smoe.testbed import FIXTURE_TRACES
 
     p = load_placement(a.placement)
@@ -231,7 +231,7 @@ def _shares(probs: dict, topk: torch.Tensor, e2r: torch.Tensor, N: int, step: in
     and of the oracle, in steps of ``step`` rows at vLLM's chunk caps; "acts" the activations."""
     T, L, K = topk.shape
     E = e2r.shape[1]
-    from vllm_smoe.serving import device_predict as dp
+    from vllm_smoe.serving.speculate import device_predict as dp
 
     local = dict.fromkeys(["oracle", *probs, "acts"], 0)
     for s in range(0, T - step + 1, step):
@@ -257,7 +257,7 @@ def _shares(probs: dict, topk: torch.Tensor, e2r: torch.Tensor, N: int, step: in
 def hidden(a) -> None:
     from vllm_smoe.formats.placement_file import load_placement, load_tables
     from vllm_smoe.formats.trace import open_trace
-    from vllm_smoe.serving import device_predict as dp
+    from vllm_smoe.serving.speculate import device_predict as dp
 
     train, held = open_trace(a.train), open_trace(a.heldout)
     Xtr, gates = _hidden_inputs(a.model, train)

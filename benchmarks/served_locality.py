@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 
-import numpy as np
 
 
 def _subset(src: str, dst: str, keep) -> str:

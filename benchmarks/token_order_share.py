@@ -4,7 +4,7 @@
         --trace vllm_smoe/testbed/assets/traces/heldout.npz --step 64 [--json out.json]
 
 Cuts the trace into steps of ``--step`` tokens and runs the served device code
-(``vllm_smoe.serving.device_predict``: token tables, capped assignment at exactly vLLM's chunk
+(``vllm_smoe.serving.speculate.device_predict``: token tables, capped assignment at exactly vLLM's chunk
 sizes) for three orders: one per MoE layer (Qwen3-MoE-style blocks), one per step voted over all
 layers (the DeepSeek family, whose decoder layers keep rows split between layers), and the random
 predictor; when the tables carry a learned predictor (``smoe-place build --learned``), its order
@@ -31,7 +31,7 @@ import torch
 
 from vllm_smoe.formats.placement_file import load_placement, load_tables
 from vllm_smoe.placement.learned import LEARNED_FIELDS
-from vllm_smoe.serving import device_predict as dp
+from vllm_smoe.serving.speculate import device_predict as dp
 from vllm_smoe.formats.trace import open_trace
 
 

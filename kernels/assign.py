@@ -1,7 +1,7 @@
 """Speculate's capped assignment and token permutation in one Triton kernel, a pure-torch
 ``ref_*`` twin beside it.
 
-The torch version (:func:`vllm_smoe.serving.device_predict.assign` + ``permutation``) is
+The torch version (:func:`vllm_smoe.serving.speculate.device_predict.assign` + ``permutation``) is
 ~70 small ops per step (sorts, scans, scatters per preference; leaf aten ops counted with
 torch.profiler at L = 48, T = 256); this kernel is one launch
 with one program per layer that walks the step's tokens in blocks. The confidence order it

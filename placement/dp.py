@@ -7,7 +7,7 @@ balance mask leaves open, where a rank is masked while its routed work in the sl
 the last ``window`` requests would pass ``capacity`` x the fair share (the least loaded rank is
 never masked). A request with no preference (no rank scores strictly higher than the others
 left open) is left to the caller's own choice (vLLM's load balancer when serving). The engine's
-router (:mod:`vllm_smoe.serving.dp_router`) and ``smoe-place evaluate --mode dp`` call these same
+router (:mod:`vllm_smoe.serving.dp.router`) and ``smoe-place evaluate --mode dp`` call these same
 functions, so the offline simulation is the online rule.
 """
 

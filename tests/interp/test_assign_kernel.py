@@ -15,7 +15,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from vllm_smoe.kernels import assign as A  # noqa: E402
-from vllm_smoe.serving import device_predict as dp  # noqa: E402
+from vllm_smoe.serving.speculate import device_predict as dp
 
 
 def _case(L, T, P, N, seed, ties=False):

@@ -1,8 +1,8 @@
 """Collectives counted per served step: only inside served steps, once per outermost call, true
 on /metrics."""
 
-from vllm_smoe.serving.collectives import CollectiveCounts, group_of, per_step
-from vllm_smoe.serving.metrics import SmoeCollector, read_snapshots
+from vllm_smoe.serving.exchange.collectives import CollectiveCounts, group_of, per_step
+from vllm_smoe.serving.observe.metrics import SmoeCollector, read_snapshots
 
 
 def _values(fams):

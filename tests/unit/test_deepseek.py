@@ -59,7 +59,7 @@ def test_v3_placement_keeps_routing_groups_whole(tmp_path):
 
     from vllm_smoe.placement.groups import broken_group
     from vllm_smoe.formats.placement_file import load_placement
-    from vllm_smoe.serving.load_plan import make_load_plan
+    from vllm_smoe.serving.place.load_plan import make_load_plan
 
     model = FIXTURES["deepseek_v3"][0]
     cfg = AutoConfig.from_pretrained(model)

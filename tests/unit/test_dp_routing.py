@@ -251,7 +251,7 @@ def test_step_imbalance_matches_a_token_by_token_count(N, C, steps, seed):
 # ---- the front-end router around vLLM's balancer -------------------------------------------------
 
 def _router(num_engines=2, ep_size=2, window=64):
-    from vllm_smoe.serving.dp_router import RequestRouter
+    from vllm_smoe.serving.dp.router import RequestRouter
 
     t2r = np.full((1, 8, 2), -1, np.int16)
     t2r[0, :4, 0] = np.arange(4) % ep_size  # tokens 0-3 -> rank t % ep_size; 4-7 unseen
@@ -261,7 +261,7 @@ def _router(num_engines=2, ep_size=2, window=64):
 
 
 def test_router_folds_tp_ranks_into_engines_and_scores_a_nodes_own_engines():
-    from vllm_smoe.serving.dp_router import RequestRouter
+    from vllm_smoe.serving.dp.router import RequestRouter
 
     r = _router(num_engines=2, ep_size=4)  # TP=2: engine 0 = EP ranks 0, 1; engine 1 = 2, 3
     np.testing.assert_allclose(r.scores([0, 1, 2, 5]), [2.0, 1.0])
@@ -349,7 +349,7 @@ def test_token_votes_count_for_the_node_too():
     with pytest.raises(ValueError, match="nodes 3 does not divide"):
         token_votes(t2r, conf, 4, nodes=3)
     # a full engine's request goes to its node's other engine, not to the least loaded one
-    from vllm_smoe.serving.dp_router import RequestRouter
+    from vllm_smoe.serving.dp.router import RequestRouter
 
     flat = RequestRouter(t2r, conf.astype(np.float16), 4, 4, window=8)
     node = RequestRouter(t2r, conf.astype(np.float16), 4, 4, window=8, nodes=2)
@@ -455,7 +455,7 @@ def test_wrapped_balancer_routes_by_placement_keeps_explicit_ranks_and_vllms_boo
     pytest.importorskip("vllm")
     from vllm.v1.engine.core_client import DPLBAsyncMPClient
 
-    from vllm_smoe.serving.dp_router import install
+    from vllm_smoe.serving.dp.router import install
 
     install()
     route = DPLBAsyncMPClient.get_core_engine_for_request
@@ -486,7 +486,7 @@ def test_route_endpoint_answers_and_refuses_bad_bodies():
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from vllm_smoe.serving.dp_router import preferred_rank
+    from vllm_smoe.serving.dp.router import preferred_rank
     from vllm_smoe.serving.endpoints import SmoeEndpoints
 
     app = FastAPI()
@@ -568,7 +568,7 @@ def test_smoe_routes_take_the_key_from_vllm_api_key_too(monkeypatch):
 def test_sparse_exchange_counts_served_rows_only():
     import torch
 
-    from vllm_smoe.serving.sparse_a2a import SparseExchange
+    from vllm_smoe.serving.exchange.sparse_a2a import SparseExchange
 
     owner = torch.tensor([0, 0, 1, 1])
     N, H = 2, 3
@@ -593,7 +593,7 @@ def test_sequence_parallel_chunk_padding_is_not_counted():
 
     import torch
 
-    from vllm_smoe.serving.sparse_a2a import served_rows
+    from vllm_smoe.serving.exchange.sparse_a2a import served_rows
 
     def fc(T):
         return types.SimpleNamespace(attn_metadata=object(), is_padding=None,

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_smoe.serving.draft import is_draft, start_line
+from vllm_smoe.serving.place.draft import is_draft, start_line
 
 
 @dataclasses.dataclass
@@ -88,7 +88,8 @@ def test_the_loader_hands_a_draft_to_vllm_and_builds_nothing_around_it(monkeypat
     pytest.importorskip("vllm")
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    from vllm_smoe.serving import loader, served
+    from vllm_smoe.serving.place import loader
+    from vllm_smoe.serving import served
 
     model = _moe_model([64])
     calls = []

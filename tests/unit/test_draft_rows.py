@@ -1,6 +1,6 @@
 """Recording under speculative decoding: a draft token's row waits for its request's next step;
 rejected drafts' rows never reach the trace, nor drafts whose request's next step was dropped
-(:mod:`vllm_smoe.serving.draft_rows`)."""
+(:mod:`vllm_smoe.serving.record.draft_rows`)."""
 
 import threading
 import types
@@ -8,8 +8,8 @@ import types
 import numpy as np
 import pytest
 
-from vllm_smoe.serving import draft_rows
-from vllm_smoe.serving.draft_rows import DraftRows, draft_counts, draft_mask
+from vllm_smoe.serving.record import draft_rows
+from vllm_smoe.serving.record.draft_rows import DraftRows, draft_counts, draft_mask
 
 
 def test_draft_mask_is_the_last_drafts_of_each_request():
@@ -132,7 +132,7 @@ def test_close_waits_for_a_settle_still_running():
 def test_the_recorders_file_is_closed_whatever_the_drafts_summary_meets(tmp_path):
     import queue
 
-    from vllm_smoe.serving.recorder import Recorder
+    from vllm_smoe.serving.record.recorder import Recorder
 
     class Boom:
         def close(self):

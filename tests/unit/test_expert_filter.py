@@ -9,8 +9,8 @@ import types
 import numpy as np
 import pytest
 
-from vllm_smoe.serving.expert_filter import PlacedExperts, ReadTally, placed_experts, should_skip
-from vllm_smoe.serving.load_plan import LoadPlan, _physical_layout
+from vllm_smoe.serving.place.expert_filter import PlacedExperts, ReadTally, placed_experts, should_skip
+from vllm_smoe.serving.place.load_plan import LoadPlan, _physical_layout
 from tests.support import CONFIGS
 
 torch = pytest.importorskip("torch")
@@ -107,7 +107,7 @@ def test_vllms_own_rule_decides_what_is_heavy():
 def test_every_rank_still_gets_every_tensor_its_slots_hold(replicas):
     """The filtered stream, renamed as the loader does, hands each of the rank's slots the same
     tensors as the whole checkpoint (what vLLM's expert map keeps of it)."""
-    from vllm_smoe.serving.loader import permute_weights
+    from vllm_smoe.serving.place.loader import permute_weights
 
     plan = _plan([[0, 1, 1, 0], [1, 0, 0, 1]], 2, replicas)
     weights = [(f"model.layers.{layer}.mlp.experts.{e}.{p}.weight", torch.full((2,), 10.0 * layer + e))
@@ -140,7 +140,7 @@ def test_vllm_config_decides_whether_to_filter():
 def _fixture_plan(ep=2):
     from transformers import AutoConfig
 
-    from vllm_smoe.serving.load_plan import make_load_plan
+    from vllm_smoe.serving.place.load_plan import make_load_plan
     from vllm_smoe.testbed import FIXTURE_MODEL
 
     path = os.path.join(CONFIGS, "tiny-4dom-ep2.yaml")
@@ -154,7 +154,7 @@ def test_vllms_iterator_reads_half_the_fixtures_experts_per_rank_at_ep2():
     from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
 
     from vllm_smoe.serving import patches
-    from vllm_smoe.serving.loader import _FUSED
+    from vllm_smoe.serving.place.loader import _FUSED
     from vllm_smoe.testbed import FIXTURE_MODEL
 
     plan = _fixture_plan()
@@ -180,7 +180,7 @@ def test_vllms_iterator_reads_half_the_fixtures_experts_per_rank_at_ep2():
 
 
 def test_the_read_line_names_the_bytes_and_experts():
-    from vllm_smoe.serving.loader import _FUSED
+    from vllm_smoe.serving.place.loader import _FUSED
 
     plan = _plan([[0, 1, 0, 1], [1, 1, 0, 0]], 2, moe_layers=(0, 1))
     tally = ReadTally(plan, _FUSED)
@@ -201,7 +201,7 @@ def _loader(monkeypatch, plan, rank, flag=True, ep=True):
     import vllm.config
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    from vllm_smoe.serving.loader import SmoeModelLoader
+    from vllm_smoe.serving.place.loader import SmoeModelLoader
 
     pc = _pc(ep=ep, flag=flag)
     monkeypatch.setattr(vllm.config, "get_current_vllm_config", lambda: types.SimpleNamespace(parallel_config=pc))
@@ -254,7 +254,7 @@ def _expert_weights(E, layers, parts=_QUANT):
 
 
 def _read(plan, weights, ids, skip=None):
-    from vllm_smoe.serving.loader import _FUSED
+    from vllm_smoe.serving.place.loader import _FUSED
 
     tally = ReadTally(plan, _FUSED)
     skip = skip or (lambda n: should_skip(n, ids, _fake_vllm))
@@ -362,7 +362,7 @@ def test_unplaced_moe_layers_keep_vllms_linear_split():
 def test_unplaced_moe_layers_with_copies_keep_vllms_initial_slot_names():
     """With copies vLLM builds every MoE layer with the redundant slots (EPLB's start: slot p >= E
     holds expert (p - E) % E), so an unplaced layer's rank reads the names its slots take."""
-    from vllm_smoe.serving.load_plan import initial_physical_names
+    from vllm_smoe.serving.place.load_plan import initial_physical_names
 
     e2r = [[0, 1, 0, 1, 0, 1, 0, 1]]
     plan = _plan(e2r, 2, [[[1, 0], [0, 1]]], moe_layers=(1,))
@@ -385,7 +385,7 @@ def test_one_rank_with_expert_parallelism_reads_every_expert():
 def test_the_read_line_says_which_filter_was_in_force(monkeypatch):
     """vLLM's should_skip_weight not the one smoe was written for: smoe's per-layer test refused,
     vLLM tests the union over layers, and the line says so."""
-    from vllm_smoe.serving.loader import _FUSED
+    from vllm_smoe.serving.place.loader import _FUSED
     from vllm_smoe.serving.patches import model_loader
 
     plan = _plan([[0, 1, 0, 1]], 2)

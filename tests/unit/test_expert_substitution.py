@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from vllm_smoe.serving.load_plan import make_load_plan, plan_for
+from vllm_smoe.serving.place.load_plan import make_load_plan, plan_for
 from tests.support import derangement_yaml
 
 _TINY = {"model_type": "qwen3_moe", "num_hidden_layers": 1, "num_experts": 4, "num_experts_per_tok": 2}

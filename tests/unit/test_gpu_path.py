@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_smoe.serving import device_predict as dp
+from vllm_smoe.serving.speculate import device_predict as dp
 
 vllm = pytest.importorskip("vllm")
 
 from vllm_smoe.serving import runner_hooks as rh  # noqa: E402
-from vllm_smoe.serving.capability import ORDERED_BACKENDS, speculate_transport  # noqa: E402
+from vllm_smoe.serving.speculate.support import ORDERED_BACKENDS, speculate_transport
 
 
 # ---------------------------------------------------------------- runners
@@ -187,7 +187,7 @@ WORLD, T, H, E, K, N = 2, 64, 16, 8, 2, 2
 def _agree_worker(rank, port, results):
     import torch.distributed as dist
 
-    from vllm_smoe.serving.token_order import agree
+    from vllm_smoe.serving.speculate.token_order import agree
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -222,7 +222,7 @@ def test_router_predictor_ranks_build_one_permutation_from_perturbed_rows(gloo_s
 # ---------------------------------------------------------------- counters and missing ids
 
 def _order(T, N, rank, num_real, perm):
-    from vllm_smoe.serving.token_order import TokenOrder
+    from vllm_smoe.serving.speculate.token_order import TokenOrder
 
     o = TokenOrder.__new__(TokenOrder)
     c = -(-T // N)
@@ -250,7 +250,7 @@ def test_counters_skip_pad_rows_wherever_the_order_put_them():
 
 
 def test_a_step_without_token_ids_is_ordered_not_refused():
-    from vllm_smoe.serving.token_order import TokenOrder
+    from vllm_smoe.serving.speculate.token_order import TokenOrder
 
     o = TokenOrder.__new__(TokenOrder)
     o.__dict__.update(ids=torch.full((8,), 5), query=torch.zeros(8, dtype=torch.long),
@@ -271,7 +271,7 @@ def _speculate_setup(num_experts=8, backend="allgather_reducescatter", **model):
 
 
 def test_speculate_refuses_id_predictors_when_rows_may_be_embeddings():
-    from vllm_smoe.serving.capability import speculate_supported
+    from vllm_smoe.serving.speculate.support import speculate_supported
 
     cfg, placement = _speculate_setup(enable_prompt_embeds=True, is_multimodal_model=False)
     ok, reason = speculate_supported(cfg, placement, "tables", device_type="cpu")
@@ -280,7 +280,8 @@ def test_speculate_refuses_id_predictors_when_rows_may_be_embeddings():
 
 
 def test_speculate_refuses_micro_batches_and_monolithic_kernels():
-    from vllm_smoe.serving.capability import monolithic, speculate_supported
+    from vllm_smoe.serving.record.capture import monolithic
+    from vllm_smoe.serving.speculate.support import speculate_supported
 
     cfg, placement = _speculate_setup(backend="deepep_low_latency")
     cfg.parallel_config.use_ubatching = True
@@ -346,7 +347,7 @@ def test_routing_is_captured_where_vllm_routes_modular_or_monolithic():
     from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsSink
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
-    from vllm_smoe.serving.capability import current_capture, monolithic, set_capture
+    from vllm_smoe.serving.record.capture import current_capture, monolithic, set_capture
 
     assert isinstance(inspect.getattr_static(MoERunner, "is_monolithic"), property)  # what smoe reads
     assert "quant_method" not in dir(MoERunner)  # the attribute smoe read before is not on the layer
@@ -393,7 +394,7 @@ def test_the_gate_is_hooked_only_in_an_eager_model_off_rocm(monkeypatch):
     on ROCm GPT-OSS calls its gate's weights without the module."""
     from vllm.platforms import current_platform
 
-    from vllm_smoe.serving.token_order import hookable_gate
+    from vllm_smoe.serving.speculate.token_order import hookable_gate
 
     block = types.SimpleNamespace(router=torch.nn.Linear(4, 3))
     layer = _MoELayer(mono=True, replay=False)
@@ -409,7 +410,7 @@ def test_the_gate_is_hooked_only_in_an_eager_model_off_rocm(monkeypatch):
 def test_speculate_with_an_uneven_split_serves_on_cpu_and_is_refused_on_cuda():
     """vLLM's token-order all2all backends (DeepEP, ...) size every rank's experts as E / N; smoe's
     own exchange on the CPU build follows vLLM's uneven split."""
-    from vllm_smoe.serving.capability import speculate_supported
+    from vllm_smoe.serving.speculate.support import speculate_supported
 
     cfg, placement = _speculate_setup(num_experts=15, backend="deepep_low_latency")
     ok, reason = speculate_supported(cfg, placement, "tables", device_type="cuda")

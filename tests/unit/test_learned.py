@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from vllm_smoe.placement import learned as lp
 from vllm_smoe.placement.metrics import holds_from_expert2rank
-from vllm_smoe.serving import device_predict as dp
+from vllm_smoe.serving.speculate import device_predict as dp
 
 V, L, N, E, K = 12, 2, 2, 4, 2
 E2R = np.array([[0, 0, 1, 1]] * L)  # experts 0, 1 on rank 0; 2, 3 on rank 1, both layers
@@ -125,7 +125,7 @@ def test_served_order_predicts_as_offline_per_layer_and_per_step():
     """TokenOrder's own preference path (the step's ids and previous ids as _step_ids sets them
     from input_ids and positions) against the offline forward on the same rows."""
     from vllm_smoe.placement.predict import previous_ids
-    from vllm_smoe.serving.token_order import TokenOrder
+    from vllm_smoe.serving.speculate.token_order import TokenOrder
 
     rng = np.random.default_rng(3)
     m = _random_model(rng, 40, 6, 3, 4)
@@ -136,7 +136,7 @@ def test_served_order_predicts_as_offline_per_layer_and_per_step():
     tconf = np.where(t2r[..., 0] >= 0, rng.uniform(0.2, 1.0, (3, 40)), 0).astype(np.float16)
     prior = rng.integers(0, 4, (3, 2)).astype(np.int16)
     from vllm_smoe.placement.predict import empty_tables
-    from vllm_smoe.serving.token_order import device_tables
+    from vllm_smoe.serving.speculate.token_order import device_tables
 
     t = dataclasses.replace(empty_tables(3, 40, 8), token2rank=t2r, token_conf=tconf, prior2rank=prior,
                             **m.arrays())

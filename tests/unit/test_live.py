@@ -12,9 +12,9 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm_smoe.serving.live import Swap, _move_experts, _reorder_routers  # noqa: E402
+from vllm_smoe.serving.place.live import Swap, _move_experts, _reorder_routers
 from vllm_smoe.serving.served import ServedPlacement, Worker  # noqa: E402
-from vllm_smoe.serving.load_plan import LoadPlan, _physical_layout  # noqa: E402
+from vllm_smoe.serving.place.load_plan import LoadPlan, _physical_layout
 
 L, E, N, H = 2, 8, 2, 3
 
@@ -106,7 +106,7 @@ def test_swap_leaves_what_a_fresh_load_would(packed):
     served = Worker(model, vc, cfg, ServedPlacement("a.yaml", None, None, old),
                     gate_rows={m: gates[m] for m in range(L)} if packed else None)
     weights = [[model.model.layers[i].mlp.experts.w13] for i in (1, 3)]
-    from vllm_smoe.serving.live import packed_tensor
+    from vllm_smoe.serving.place.live import packed_tensor
 
     held = [packed_tensor(model.model.layers[i].mlp.gate) for i in (1, 3)]  # what a compiled graph reads
     assert all(t is not None for t in held) == bool(packed)
@@ -161,18 +161,19 @@ def test_placement_endpoint_checks_prepares_then_applies(tmp_path, monkeypatch):
     from fastapi.testclient import TestClient
 
     from vllm_smoe.formats.placement_file import read_snapshot
-    from vllm_smoe.serving import capability, endpoints
+    from vllm_smoe.serving import endpoints
+    from vllm_smoe.serving.place import check
 
     old, new, bad = (tmp_path / n for n in ("old.yaml", "new.yaml", "bad.yaml"))
     for f in (old, new, bad):
         _tiny_placement(f)
 
-    def check(path, cfg, vc, snapshot=None):
+    def check_fn(path, cfg, vc, snapshot=None):
         assert snapshot is not None and snapshot.path == path  # parsed from the bytes read once
         if path.endswith("bad.yaml"):
             raise ValueError(f"{path}: field 'ep_size' = 4 but experts are split over 2 ranks")
 
-    monkeypatch.setattr(capability, "check_served_placement", check)
+    monkeypatch.setattr(check, "check_served_placement", check_fn)
     stopped = []
     monkeypatch.setattr(endpoints, "_stop_server", lambda: stopped.append(1))
 
@@ -280,7 +281,7 @@ def test_a_swap_reads_its_files_once_and_only_from_allowed_directories(tmp_path)
 
 def test_worker_refuses_bytes_that_differ_from_the_digest(tmp_path, monkeypatch):
     from vllm_smoe.formats.placement_file import read_snapshot
-    from vllm_smoe.serving import live
+    from vllm_smoe.serving.place import live
 
     snap = read_snapshot(str(_tiny_placement(tmp_path / "a.yaml")))
     from vllm_smoe.serving import served
@@ -312,7 +313,7 @@ def test_placement_dirs_setting(tmp_path):
 def test_a_live_swap_of_an_uneven_split_is_refused_before_anything_moves(monkeypatch):
     """vLLM's EPLB transfer assumes P / N slots per rank: 7 experts over 2 ranks (4 + 3) must be
     refused by the check (a 400), not fail half-way through the move."""
-    from vllm_smoe.serving import capability, live
+    from vllm_smoe.serving.place import check, live
 
     def plan(e2r):
         e2r = np.asarray(e2r)
@@ -323,7 +324,7 @@ def test_a_live_swap_of_an_uneven_split_is_refused_before_anything_moves(monkeyp
 
     old, new = plan([[0, 0, 0, 0, 1, 1, 1]]), plan([[1, 0, 0, 0, 1, 1, 0]])
     assert [len(old.local_slots(r)) for r in range(2)] == [4, 3]
-    monkeypatch.setattr(capability, "check_served_placement",
+    monkeypatch.setattr(check, "check_served_placement",
                         lambda path, cfg, vc, snap: ServedPlacement(path, None, None, new))
     ep = SimpleNamespace(parallel_config=SimpleNamespace(enable_expert_parallel=True, tensor_parallel_size=2,
                                                          data_parallel_size=1))

@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm_smoe.serving.live import Swap, apply_swap, check_swap  # noqa: E402
-from vllm_smoe.serving.load_plan import LoadPlan, _physical_layout  # noqa: E402
+from vllm_smoe.serving.place.live import Swap, apply_swap, check_swap
+from vllm_smoe.serving.place.load_plan import LoadPlan, _physical_layout
 from vllm_smoe.serving.served import ServedPlacement, Worker  # noqa: E402
 
 L, E, N, H = 2, 8, 2, 16
@@ -128,9 +128,9 @@ def test_a_swap_reorders_the_copies_vllm_made_of_the_router(bf16x3, monkeypatch)
 
 
 def _checked(state, new, monkeypatch) -> Swap:
-    from vllm_smoe.serving import capability
+    from vllm_smoe.serving.place import check
 
-    monkeypatch.setattr(capability, "check_served_placement",
+    monkeypatch.setattr(check, "check_served_placement",
                         lambda path, cfg, vc, snap: ServedPlacement(path, None, None, new))
     return check_swap(state, SimpleNamespace(path="b.yaml"))
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import yaml
 
-from vllm_smoe.serving.load_plan import make_load_plan
+from vllm_smoe.serving.place.load_plan import make_load_plan
 from vllm_smoe.testbed import FIXTURE_MODEL
 from tests.support import CONFIGS, derangement_yaml
 
@@ -22,7 +22,7 @@ def test_permuted_checkpoint_is_the_same_function(tmp_path):
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from vllm_smoe.serving.loader import permute_weights
+    from vllm_smoe.serving.place.loader import permute_weights
 
     cfg = AutoConfig.from_pretrained(FIXTURE_MODEL)
     plan = make_load_plan(derangement_yaml(tmp_path / "p.yaml"), cfg, FIXTURE_MODEL, None)
@@ -111,7 +111,7 @@ def test_permuted_checkpoint_of_other_architectures_is_the_same_function(tmp_pat
     from transformers import AutoModelForCausalLM
 
     from vllm_smoe.formats.model_info import moe_layer_indices
-    from vllm_smoe.serving.loader import permute_weights
+    from vllm_smoe.serving.place.loader import permute_weights
 
     src = str(tmp_path / "src")
     cfg = _random_moe(arch, src)
@@ -145,7 +145,7 @@ def test_permuted_checkpoint_of_other_architectures_is_the_same_function(tmp_pat
 def test_an_unknown_per_expert_tensor_is_refused_not_left_in_order(tmp_path):
     """A tensor of an MoE layer's block with an extent of E that is neither an expert's, the
     router's nor a shared expert's is refused by name (it would keep checkpoint order)."""
-    from vllm_smoe.serving.loader import permute_weights
+    from vllm_smoe.serving.place.loader import permute_weights
 
     plan = make_load_plan(derangement_yaml(tmp_path / "p.yaml", ep=4, layers=1, experts=4, top_k=2), _TINY,
                           str(tmp_path), None)
@@ -167,7 +167,7 @@ def test_a_checkpoint_naming_its_router_or_experts_otherwise_is_refused(tmp_path
     """Every MoE layer must have had its router weight and its experts put in order; a checkpoint
     that names them in a way smoe does not know (DBRX's ``transformer.blocks.<i>.ffn``) is refused
     at the end of the stream, naming the layer, rather than served half placed."""
-    from vllm_smoe.serving.loader import check_covered, permute_weights
+    from vllm_smoe.serving.place.loader import check_covered, permute_weights
 
     plan = make_load_plan(derangement_yaml(tmp_path / "p.yaml", ep=4, layers=1, experts=4, top_k=2), _TINY,
                           str(tmp_path), None)
@@ -289,7 +289,7 @@ def test_replica_layout_routes_every_rank_to_the_same_experts():
 def test_slot_names_are_vllms_initial_redundant_layout():
     from vllm.distributed.eplb.eplb_state import EplbState
 
-    from vllm_smoe.serving.load_plan import initial_physical_names
+    from vllm_smoe.serving.place.load_plan import initial_physical_names
 
     for E, R in [(4, 2), (32, 4), (8, 20)]:
         assert initial_physical_names(E, E + R).tolist() == list(
@@ -298,8 +298,8 @@ def test_slot_names_are_vllms_initial_redundant_layout():
 
 def test_each_rank_loads_its_own_slots(tmp_path):
     """With replicas a rank receives, under each slot's name, exactly the expert its slot holds."""
-    from vllm_smoe.serving.load_plan import initial_physical_names
-    from vllm_smoe.serving.loader import permute_weights
+    from vllm_smoe.serving.place.load_plan import initial_physical_names
+    from vllm_smoe.serving.place.loader import permute_weights
 
     plan = make_load_plan(_replica_yaml(tmp_path / "r.yaml", 1), _TINY, str(tmp_path), 2)
     weights = [(f"model.layers.0.mlp.experts.{e}.down_proj.weight", torch.full((2, 2), float(e))) for e in range(4)]
@@ -318,7 +318,7 @@ def test_each_rank_loads_its_own_slots(tmp_path):
 
 def test_cpu_eplb_map_golden():
     """vLLM's map-and-record semantics: replica = Knuth hash of the token index mod count."""
-    from vllm_smoe.serving.cpu_ep import map_to_physical
+    from vllm_smoe.serving.exchange.cpu_ep import map_to_physical
 
     l2p = torch.tensor([[5, -1], [3, 7]])
     count = torch.tensor([1, 2])
@@ -338,7 +338,7 @@ def test_router_takes_the_routes_through_vllms_eplb_seam():
     from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
 
     from vllm_smoe.serving.patches.cpu import fix_cpu_eplb_map
-    from vllm_smoe.serving.loader import set_route
+    from vllm_smoe.serving.place.loader import set_route
 
     fix_cpu_eplb_map()
     torch.manual_seed(0)
@@ -358,7 +358,7 @@ def test_router_takes_the_routes_through_vllms_eplb_seam():
 def test_routes_refuse_a_layout_vllm_did_not_build():
     from types import SimpleNamespace as NS
 
-    from vllm_smoe.serving.loader import _check_slots
+    from vllm_smoe.serving.place.loader import _check_slots
 
     def runner(P, local, fused=0, naive=False):
         return NS(routed_experts=NS(global_num_experts=P, local_num_experts=local,

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from vllm_smoe.serving.metrics import SmoeCollector, families, publish, read_snapshots
+from vllm_smoe.serving.observe.metrics import SmoeCollector, families, publish, read_snapshots
 
 
 def _values(fams):
@@ -41,7 +41,7 @@ def test_collector_sums_ranks_golden(tmp_path):
 
 
 def test_drift_judges_whole_windows_against_the_placement():
-    from vllm_smoe.serving.metrics import Drift
+    from vllm_smoe.serving.observe.metrics import Drift
 
     d = Drift(0.6, 0.8, min_tokens=100)
     assert d.update(50, 80, 20) is None  # too few tokens yet
@@ -72,7 +72,7 @@ def test_metric_settings_are_validated(tmp_path):
 
 def test_server_makes_and_exports_its_directory_once(tmp_path, monkeypatch):
     from vllm_smoe.serving.config import SmoeConfig
-    from vllm_smoe.serving.metrics import ENV, metrics_dir, server_metrics_dir
+    from vllm_smoe.serving.observe.metrics import ENV, metrics_dir, server_metrics_dir
 
     monkeypatch.delenv(ENV, raising=False)
     cfg = SmoeConfig()

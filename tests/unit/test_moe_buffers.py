@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm_smoe.serving import moe_buffers as mb  # noqa: E402
+from vllm_smoe.serving.speculate import moe_buffers as mb
 
 E, TOPK, HIDDEN, INTER = 256, 8, 7168, 2048  # DeepSeek-V3
 GB = 10**9
@@ -219,7 +219,7 @@ def test_the_loader_caps_before_vllm_builds_the_kernels(h100, monkeypatch):
     import vllm.config as config_module
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    from vllm_smoe.serving.loader import SmoeModelLoader
+    from vllm_smoe.serving.place.loader import SmoeModelLoader
 
     seen = []
     monkeypatch.setattr(DefaultModelLoader, "load_weights",
@@ -243,13 +243,15 @@ def test_start_line_only_for_batched_backends():
 
 
 def test_the_plugin_logs_the_sizes_at_start(monkeypatch, caplog):
-    from vllm_smoe.serving import capability, metrics, plugin
+    from vllm_smoe.serving import advice, plugin
+    from vllm_smoe.serving.place import check
+    from vllm_smoe.serving.observe import metrics
     from vllm_smoe.serving.config import SmoeConfig
 
     plan = types.SimpleNamespace(physical2expert=torch.zeros((3, E)), num_redundant=0)
     served = types.SimpleNamespace(plan=plan, placement=types.SimpleNamespace(predictor=object()))
-    monkeypatch.setattr(capability, "check_served_placement", lambda *a, **k: served)
-    monkeypatch.setattr(capability, "advice", lambda *a, **k: [])
+    monkeypatch.setattr(check, "check_served_placement", lambda *a, **k: served)
+    monkeypatch.setattr(advice, "advice", lambda *a, **k: [])
     monkeypatch.setattr(metrics, "server_metrics_dir", lambda cfg: None)
     vc = _vllm_config(8, 8192)
     vc.parallel_config.__dict__.update(worker_extension_cls=None, data_parallel_size=1, enable_expert_parallel=True)

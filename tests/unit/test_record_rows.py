@@ -52,9 +52,9 @@ def _recorder(monkeypatch, rec_dir, dp_rank, tp_rank, max_tokens=16, pcp=1, spec
     import vllm.distributed
     from transformers import Qwen3MoeConfig
 
-    from vllm_smoe.serving import token_order
+    from vllm_smoe.serving.speculate import token_order
     from vllm_smoe.serving.config import SmoeConfig
-    from vllm_smoe.serving.recorder import Recorder
+    from vllm_smoe.serving.record.recorder import Recorder
 
     layers = [_Layer() for _ in range(L)]
     monkeypatch.setattr(token_order, "find_moe_experts", lambda model, moe: [(i, object(), x) for i, x in
@@ -273,7 +273,7 @@ def test_locate_picks_the_intended_rows_wherever_layouts_share_a_count():
     by hand) are the intended DP rank's step, also where two layouts have the same count."""
     from vllm.forward_context import _compute_sp_num_tokens
 
-    from vllm_smoe.serving.record_rows import locate
+    from vllm_smoe.serving.record.rows import locate
 
     for dp, tp in itertools.product((1, 2, 3), (1, 2, 4)):
         for across in itertools.product(range(10), repeat=dp):

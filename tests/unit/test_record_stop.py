@@ -29,7 +29,7 @@ def test_a_record_directory_always_records_or_is_refused(tmp_path):
 
 
 def test_sampling_keeps_whole_requests_by_a_stable_share():
-    from vllm_smoe.serving.recorder import sampled
+    from vllm_smoe.serving.record.recorder import sampled
 
     ids = [f"cmpl-{i:x}-0" for i in range(20000)]
     for share in (0.1, 0.5):
@@ -43,7 +43,7 @@ def test_sampling_keeps_whole_requests_by_a_stable_share():
 def test_disk_budget_removes_the_oldest_files_first(tmp_path):
     from types import SimpleNamespace
 
-    from vllm_smoe.serving.recorder import Recorder
+    from vllm_smoe.serving.record.recorder import Recorder
 
     for i in range(5):
         f = tmp_path / f"trace-dp0-x-{i:05d}.npz"

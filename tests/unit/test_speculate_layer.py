@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from vllm_smoe.placement.assign import assign_tokens
 from vllm_smoe.placement.assign import chunk_caps as np_chunk_caps
-from vllm_smoe.serving import device_predict as dp
-from vllm_smoe.serving.sparse_a2a import SparseExchange, owner_of, p2p_reduce_scatter
-from vllm_smoe.serving.token_order import chunk_rows, keep_chunk_residual, shuffled_reduce_scatter
+from vllm_smoe.serving.speculate import device_predict as dp
+from vllm_smoe.serving.exchange.sparse_a2a import SparseExchange, owner_of, p2p_reduce_scatter
+from vllm_smoe.serving.speculate.token_order import chunk_rows, keep_chunk_residual, shuffled_reduce_scatter
 from tests.support import CONFIGS, gloo_all_gather, gloo_reduce_scatter
 
 H, I, E, K, V = 32, 16, 16, 3, 500
@@ -242,7 +242,7 @@ def test_speculate_layer_world4_equals_the_reference(gloo_spawn):
 
 
 def test_owner_split_and_destinations():
-    from vllm_smoe.serving.sparse_a2a import destinations
+    from vllm_smoe.serving.exchange.sparse_a2a import destinations
 
     assert owner_of(8, 4).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
     assert owner_of(10, 4).tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]  # vLLM's uneven split
@@ -467,7 +467,7 @@ def test_table_and_router_predictions_make_no_host_sync():
 
 
 def test_ep_rank2node_golden():
-    from vllm_smoe.serving.topology import ep_rank2node
+    from vllm_smoe.serving.exchange.topology import ep_rank2node
 
     assert ep_rank2node(1, 2, 1) == [0, 1]  # DP across two nodes, one rank each
     assert ep_rank2node(2, 2, 1) == [0, 0, 1, 1]  # TP inside a node, DP across nodes
@@ -511,7 +511,7 @@ def test_input_gate_columns_reach_every_rank_alike(dtype, N, T):
     gate run on every row, and assigns the same next order; no host read on the way."""
     import types
 
-    from vllm_smoe.serving.token_order import TokenOrder, gate_ranks
+    from vllm_smoe.serving.speculate.token_order import TokenOrder, gate_ranks
 
     torch.manual_seed(N * 100 + T)
     H, E, K, L, rows_max = 16, 8, 2, 2, 32
@@ -576,7 +576,7 @@ def _exact_router_worker(rank, port, results):
     capped assignment, against vLLM's order over the reduced rows (the gate on their norm)."""
     import types
 
-    from vllm_smoe.serving.token_order import TokenOrder, exact_gate_scale
+    from vllm_smoe.serving.speculate.token_order import TokenOrder, exact_gate_scale
 
     world = 3
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -664,7 +664,7 @@ def test_router_logits_summed_before_the_reduce_give_the_exact_order(gloo_spawn)
 
 
 def test_exact_gate_scale_refuses_what_a_sum_of_partial_logits_cannot_give():
-    from vllm_smoe.serving.token_order import exact_gate_scale
+    from vllm_smoe.serving.speculate.token_order import exact_gate_scale
 
     H, E = 16, 8
     rms, gate = torch.nn.RMSNorm(H), torch.nn.Linear(H, E, bias=False)
@@ -706,7 +706,7 @@ class _OtherDecoder(_Decoder):
 
 
 def test_exact_router_seams_take_input_layernorm_or_say_why_not():
-    from vllm_smoe.serving.token_order import exact_router_seams
+    from vllm_smoe.serving.speculate.token_order import exact_router_seams
 
     H, E = 8, 4
     gate = torch.nn.Linear(H, E, bias=False)
@@ -743,7 +743,7 @@ def test_vllm_pad_mask_follows_the_token_order(monkeypatch, N, T, num_real):
     pytest.importorskip("vllm")
     import vllm.forward_context as fc
 
-    from vllm_smoe.serving.token_order import TokenOrder
+    from vllm_smoe.serving.speculate.token_order import TokenOrder
 
     c = -(-T // N)
     perm = torch.randperm(T, generator=torch.Generator().manual_seed(T * 10 + N))
@@ -776,7 +776,7 @@ def test_stack_order_takes_only_stacks_that_split_rows_in_their_layers():
     pytest.importorskip("vllm")
     from vllm.model_executor.models.deepseek_v2 import DeepseekV2DecoderLayer, DeepseekV2Model
 
-    from vllm_smoe.serving.token_order import stack_supported
+    from vllm_smoe.serving.speculate.token_order import stack_supported
 
     def layer(forward):
         cls = type("Layer", (torch.nn.Module,), {"forward": forward})
@@ -814,7 +814,7 @@ def test_one_row_steps_make_no_collective_for_an_order():
     under the shuffled reduce-scatter all-gathers no logits for it, and its order is the identity."""
     import types
 
-    from vllm_smoe.serving.token_order import TokenOrder
+    from vllm_smoe.serving.speculate.token_order import TokenOrder
 
     def no_gather(*a, **k):
         raise AssertionError("all_gather for a one-row step")
@@ -835,7 +835,7 @@ def test_one_row_steps_broadcast_no_order_over_the_all_reduce():
     needs none: the identity, no gate, no broadcast."""
     import types
 
-    from vllm_smoe.serving.token_order import TokenOrder
+    from vllm_smoe.serving.speculate.token_order import TokenOrder
 
     def never(*a, **k):
         raise AssertionError("a collective or a gate for a one-row step")

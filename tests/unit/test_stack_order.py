@@ -143,7 +143,7 @@ def _order(rank, L, Tmax, gate_in=None, router=False):
     post-attention norms) predictor input-gate over seeded random tables' guesses, or with
     ``router`` too predictor router (the gate's logits summed from the folded partial rows)."""
     from tests.unit.test_speculate_layer import _SoftmaxTopK
-    from vllm_smoe.serving.token_order import TokenOrder, exact_gate_scale
+    from vllm_smoe.serving.speculate.token_order import TokenOrder, exact_gate_scale
 
     o = TokenOrder.__new__(TokenOrder)
     c = -(-Tmax // WORLD)
@@ -184,7 +184,7 @@ def _check_gate_in(o, ref, moe_layers, kinds, T, case):
     ordered by the gate's ranks of that input, which rode through the all-gather: the ranks kept
     equal the gate's on the whole input (rows without a near-tie at the k-th expert), and every
     rank built the same order."""
-    from vllm_smoe.serving import device_predict as dp
+    from vllm_smoe.serving.speculate import device_predict as dp
 
     failures, last = [], None
     for m, i in enumerate(moe_layers):
@@ -219,7 +219,7 @@ def _check_gate_in(o, ref, moe_layers, kinds, T, case):
 def _check_router(o, ref, moe_layers, T, case):
     """router on the stack: each MoE layer's order is the assignment of the experts the gate picks
     on the rows the layer's MoE sees (the reference's), where no row has a near-tie at the k-th."""
-    from vllm_smoe.serving import device_predict as dp
+    from vllm_smoe.serving.speculate import device_predict as dp
 
     failures, compared = [], 0
     for m, i in enumerate(moe_layers):
@@ -307,7 +307,7 @@ def test_stack_order_per_layer_gives_the_plain_stack_and_each_layer_its_chunk(gl
 
 
 def test_stack_order_kind_takes_one_order_per_step_where_per_layer_cannot_follow():
-    from vllm_smoe.serving.token_order import stack_order_kind
+    from vllm_smoe.serving.speculate.token_order import stack_order_kind
 
     stack = types.SimpleNamespace(layers=[types.SimpleNamespace(use_sequence_parallel_moe=sp)
                                           for sp in (False, True, True)])

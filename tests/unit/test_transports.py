@@ -7,10 +7,10 @@ import typing
 
 import pytest
 
-from vllm_smoe.serving.capability import ORDERED_BACKENDS, advice, speculate_transport
+from vllm_smoe.serving.speculate.support import ORDERED_BACKENDS, speculate_transport
+from vllm_smoe.serving.advice import advice
 from vllm_smoe.serving.config import SmoeConfig
-from vllm_smoe.serving.transports import (EVERY_ROW, FIXED_SLOTS, IN_KERNEL, PER_DESTINATION, TRANSPORTS,
-                                          served_transport)
+from vllm_smoe.serving.exchange.transports import (EVERY_ROW, FIXED_SLOTS, IN_KERNEL, PER_DESTINATION, TRANSPORTS, served_transport)
 
 P = "p.yaml"
 PER_DEST_GPU = [b for b, t in TRANSPORTS.items() if t.moves == PER_DESTINATION and b != "smoe_sparse"]

@@ -34,7 +34,7 @@ def _trace(E, L=2, K=3, T=400, V=24, seed=0):
 
 def test_rank_sizes_are_vllms_split():
     vllm_map = pytest.importorskip("vllm.model_executor.layers.fused_moe.expert_map_manager")
-    from vllm_smoe.serving.sparse_a2a import owner_of
+    from vllm_smoe.serving.exchange.sparse_a2a import owner_of
 
     for E, N in [(60, 8), (15, 2), (32, 3), (64, 8), (7, 7), (10, 4), (128, 6)]:
         got = rank_sizes(E, N)
@@ -134,7 +134,7 @@ def test_the_file_the_load_plan_and_advise_take_vllms_split(tmp_path):
     from types import SimpleNamespace as NS
 
     from vllm_smoe.formats.placement_file import load_placement, write_placement
-    from vllm_smoe.serving.load_plan import make_load_plan
+    from vllm_smoe.serving.place.load_plan import make_load_plan
 
     tok, topk = _trace(15, L=2)
     c = RoutingCounts.from_arrays(tok, topk, 15, 24)

@@ -81,7 +81,7 @@ def test_dp2_serving_with_and_without_smoe_routing_gives_plain_tokens(tmp_path):
 
 
 def preferred_rank_of(ids):
-    from vllm_smoe.serving.dp_router import preferred_rank
+    from vllm_smoe.serving.dp.router import preferred_rank
 
     return preferred_rank(DP2, ids, 2)[0]
 

@@ -5,7 +5,6 @@ the target), the target as its own draft model (every proposal routed by a secon
 same MoE layers) and a random 64-expert draft of the 32-expert target (another expert count;
 nearly every proposal rejected)."""
 
-import os
 import subprocess
 import sys
 

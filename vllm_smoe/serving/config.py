@@ -21,7 +21,7 @@ class SmoeSettingsError(ValueError):
 _KEYS = ("mode", "placement", "placement_dirs", "record", "log_interval", "record_chunk_tokens", "predictor", "all2all", "dp_routing",
          "metrics_dir", "drift_threshold", "record_sample", "record_max_mb", "metrics", "reduce_scatter", "hierarchical",
          "stack_order")
-PREDICTORS = ("tables", "tables-markov", "learned", "router", "input-gate", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.serving.token_order)
+PREDICTORS = ("tables", "tables-markov", "learned", "router", "input-gate", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.serving.speculate.token_order)
 TABLE_PREDICTORS = ("tables", "tables-markov", "learned", "input-gate")  # those that read the placement's tables file
 ALL2ALL = ("sparse", "vllm")
 REDUCE_SCATTER = ("auto", "on", "off")  # speculate's shuffled reduce-scatter (SmoeConfig.reduce_scatter)
@@ -44,9 +44,9 @@ class SmoeConfig:
     = vLLM's allgather-reducescatter); None = the platform's default. On CUDA the transport is
     vLLM's ``--all2all-backend`` and ``sparse`` is refused (it would do nothing);
     dp_routing: with DP > 1 and a placement with tables, route each request to the DP engine its
-    prompt's tokens score best (:mod:`vllm_smoe.serving.dp_router`); False = vLLM's balancer.
+    prompt's tokens score best (:mod:`vllm_smoe.serving.dp.router`); False = vLLM's balancer.
     metrics_dir: where workers publish their counters for ``/metrics`` once per log interval
-    (:mod:`vllm_smoe.serving.metrics`); the server makes a fresh one when none is given.
+    (:mod:`vllm_smoe.serving.observe.metrics`); the server makes a fresh one when none is given.
     drift_threshold: warn (and set ``smoe:drift``) when a window's local activation ratio falls
     below this share of the placement's own (its YAML's ``metrics.lar``).
     record_sample: share of requests recorded (whole requests, chosen by a hash of vLLM's
@@ -54,13 +54,13 @@ class SmoeConfig:
     directory's trace files, oldest removed first (None = no limit). metrics: False publishes
     nothing for /metrics and turns off speculate's device counters, log line and drift (the
     sparse all2all's own counters keep counting). reduce_scatter: speculate, where the decoder
-    layer's seams allow it (:func:`vllm_smoe.serving.token_order.shuffle_seams`): the attention
+    layer's seams allow it (:func:`vllm_smoe.serving.speculate.token_order.shuffle_seams`): the attention
     output's all-reduce becomes a reduce-scatter of its rows already in the token order (s-MoE's
     shuffled reduce-scatter, half the attention's bytes over a network): ``auto`` where the
     tensor-parallel group spans nodes (within one, shared memory and NVLink's one-shot
     all-reduces cost no less), ``on`` wherever the seams allow, ``off`` never. hierarchical: the
     sparse all2all where a node holds more than one expert-parallel rank: a row crosses to another
-    node once per node and fans out inside it (:class:`vllm_smoe.serving.sparse_a2a.SparseExchange`);
+    node once per node and fans out inside it (:class:`vllm_smoe.serving.exchange.sparse_a2a.SparseExchange`);
     ``auto`` where the exchange runs point to point (a network), ``on`` wherever a node holds more
     than one rank, ``off`` never (each row to each rank that needs it). stack_order: speculate on
     models whose decoder layers keep the rows split between layers (the DeepSeek family):

@@ -34,7 +34,7 @@ import time
 from fastapi import APIRouter, HTTPException, Request  # FastAPI resolves the handler's annotations
 from fastapi.responses import JSONResponse
 
-EXTENSION = "vllm_smoe.serving.live.SmoeWorkerExtension"
+EXTENSION = "vllm_smoe.serving.place.live.SmoeWorkerExtension"
 PREPARE_S = 300.0  # collective_rpc timeout for parsing and checking a placement on every worker
 # the move's deadline: a fixed part plus the rank's changing expert bytes at a slow link's rate
 APPLY_BASE_S, APPLY_BYTES_PER_S = 60.0, 50e6
@@ -48,7 +48,7 @@ class SmoeEndpoints:
 
     def attach_router(self, app) -> None:
         router = APIRouter()
-        from .metrics import SmoeCollector, multiprocess_registry
+        from .observe.metrics import SmoeCollector, multiprocess_registry
 
         self.collector = SmoeCollector(None)  # its directory comes with the settings (init_state)
         registry = multiprocess_registry(self.collector)
@@ -86,7 +86,7 @@ class SmoeEndpoints:
                                                     and 0 <= i < 2**62 for i in ids):
                 raise HTTPException(status_code=400, detail="give 'prompt' (a string) or 'prompt_token_ids' "
                                                             "(a list of non-negative integers)")
-            from .dp_router import preferred_rank
+            from .dp.router import preferred_rank
 
             try:
                 rank, scores = preferred_rank(placement, ids, engines)
@@ -116,7 +116,7 @@ class SmoeEndpoints:
                 raise HTTPException(status_code=400, detail="give 'placement': the path of a placement YAML")
             path = os.path.abspath(path)
             from ..formats.placement_file import read_snapshot
-            from .capability import check_served_placement
+            from .place.check import check_served_placement
 
             async with live["lock"]:  # one swap at a time
                 if live["refused"]:
@@ -174,7 +174,7 @@ class SmoeEndpoints:
         state.smoe_max_tokens = int(vc.model_config.max_model_len)
         cfg = SmoeConfig.from_additional_config(vc.additional_config)
         if cfg is not None and hasattr(self, "collector"):
-            from .metrics import metrics_dir
+            from .observe.metrics import metrics_dir
 
             self.collector.directory = metrics_dir(cfg)  # what this server's workers publish
         state.smoe_live = None if cfg is None else {

@@ -177,7 +177,7 @@ def _after_engine_config(engine_args, cfg, vllm_config) -> None:
     the model, so a bad file stops the process before anything is served."""
     with _smoe_errors():  # smoe's own checks: one line and exit 2 under vllm serve
         if cfg is not None:  # /metrics: where this server's workers publish, before any engine starts
-            from .metrics import register_collector, server_metrics_dir
+            from .observe.metrics import register_collector, server_metrics_dir
 
             directory = server_metrics_dir(cfg)
             if directory is not None:
@@ -185,8 +185,8 @@ def _after_engine_config(engine_args, cfg, vllm_config) -> None:
         if cfg is not None and cfg.placement is not None:
             pc = vllm_config.parallel_config
             if not pc.worker_extension_cls:  # live re-placement's calls (POST /smoe/placement)
-                pc.worker_extension_cls = "vllm_smoe.serving.live.SmoeWorkerExtension"
-            elif pc.worker_extension_cls != "vllm_smoe.serving.live.SmoeWorkerExtension":
+                pc.worker_extension_cls = "vllm_smoe.serving.place.live.SmoeWorkerExtension"
+            elif pc.worker_extension_cls != "vllm_smoe.serving.place.live.SmoeWorkerExtension":
                 logger.warning("smoe: --worker-extension-cls %s is set, so live re-placement (POST "
                                "/smoe/placement) is off", pc.worker_extension_cls)
         if cfg is not None and cfg.record is not None:
@@ -198,17 +198,17 @@ def _after_engine_config(engine_args, cfg, vllm_config) -> None:
         if cfg is not None:
             from vllm.platforms import current_platform
 
-            from .capability import advice
+            from .advice import advice
 
             for line in advice(vllm_config, cfg, current_platform.device_type):
                 logger.warning("smoe: advice: %s", line)
         if cfg is not None and cfg.placement is not None:
-            from .capability import check_served_placement
+            from .place.check import check_served_placement
 
             served = check_served_placement(cfg.placement, cfg, vllm_config)  # its tables parsed too
             logger.info("smoe: placement %s checked against %s", cfg.placement, vllm_config.model_config.model)
             if cfg.mode == "speculate":  # what the loader sizes the MoE buffers to (moe_buffers)
-                from .moe_buffers import start_line
+                from .speculate.moe_buffers import start_line
 
                 line = start_line(vllm_config, served.plan.physical2expert.shape[1])
                 if line is not None:
@@ -244,7 +244,7 @@ def _check_engine_args(engine_args, cfg) -> None:
     without CUDA graphs, which vLLM itself decides only for DP > 1 (its kernels cannot be captured)."""
     from vllm.platforms import current_platform
 
-    from .capability import UNCAPTURABLE_BACKENDS
+    from .speculate.support import UNCAPTURABLE_BACKENDS
 
     if getattr(engine_args, "enable_return_routed_experts", False) and (cfg.record or cfg.mode == "speculate"):
         raise ValueError("smoe: --enable-return-routed-experts cannot be combined with --smoe-record or mode "
@@ -313,12 +313,12 @@ def register() -> None:
     from .patches import cpu
 
     cpu.at_start()
-    from .loader import register_loader
+    from .place.loader import register_loader
 
     register_loader()
     # vLLM's API servers (DP spawns several) build their engine clients from a config they are
     # handed, without create_engine_config: the balancer is wrapped here, and a client whose
     # config does not ask for smoe's routing keeps vLLM's choice untouched
-    from .dp_router import install as install_dp_router
+    from .dp.router import install as install_dp_router
 
     install_dp_router()

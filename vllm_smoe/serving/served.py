@@ -47,7 +47,7 @@ class ServedPlacement:
 
     def with_plan(self, vllm_config) -> "ServedPlacement":
         """The same placement with the load plan for ``vllm_config`` (the YAML is not parsed again)."""
-        from .load_plan import plan_for
+        from .place.load_plan import plan_for
 
         return ServedPlacement(self.path, self.placement, self._tables_bytes,
                                plan_for(self.path, vllm_config, self.placement), self.sha256, self._tables)

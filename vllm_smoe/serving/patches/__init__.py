@@ -160,7 +160,7 @@ PATCHES: tuple[Patch, ...] = (
         kind='classmethod',
         params=('cls',),
         where='patches/cpu.py (at_start); returns cpu_ep.SmoeCpuCommunicator',
-        why="With smoe asked for, returns 'vllm_smoe.serving.cpu_ep.SmoeCpuCommunicator': vLLM's CpuCommunicator has no all_gatherv/reduce_scatterv (which allgather_reducescatter calls under DP/SP) and uses shared memory only for tp/pp groups; smoe's subclass adds both ops, SHM for the EP group, bit-exact integer all-gather and the sparse all2all manager; the worker that asks for it also gets cpu_experts_apply, eplb_map_cpu and moe_runner_select_forward. Outside a config context it is vLLM's own.",
+        why="With smoe asked for, returns 'vllm_smoe.serving.exchange.cpu_ep.SmoeCpuCommunicator': vLLM's CpuCommunicator has no all_gatherv/reduce_scatterv (which allgather_reducescatter calls under DP/SP) and uses shared memory only for tp/pp groups; smoe's subclass adds both ops, SHM for the EP group, bit-exact integer all-gather and the sparse all2all manager; the worker that asks for it also gets cpu_experts_apply, eplb_map_cpu and moe_runner_select_forward. Outside a config context it is vLLM's own.",
         upstream="vllm-project/vllm#57837 '[WideEP][CPU]: Add a CPU-only Wide Expert Parallelism well-lit path' (open; the same all_gatherv/reduce_scatterv gap) https://github.com/vllm-project/vllm/issues/57837",
         remove='CpuCommunicator implements all_gatherv/reduce_scatterv and SHM for any same-node group, and vLLM lets a plugin pick the communicator / all2all manager',
     ),

@@ -1,4 +1,4 @@
-"""The CPU build's gaps (:mod:`vllm_smoe.serving.cpu_ep` says what each is), patched: vLLM's
+"""The CPU build's gaps (:mod:`vllm_smoe.serving.exchange.cpu_ep` says what each is), patched: vLLM's
 experts honour ``expert_map``, its EPLB map works without Triton, 3-D rope inputs rotate
 right, the MoE forward stays one opaque op under torch.compile, the communicator is smoe's, and
 sequence-parallel MoE runs at DP = 1 for speculate. Each entry is in :data:`..PATCHES`.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import cpu_ep
+from ..exchange import cpu_ep
 from . import replace, require
 
 _FIXED = False
@@ -152,7 +152,7 @@ def at_start() -> None:
         if cpu_ep.smoe_settings() is None:
             return orig_cls(cls)
         in_worker()  # asked for by a process that builds communicators: a worker
-        return "vllm_smoe.serving.cpu_ep.SmoeCpuCommunicator"
+        return "vllm_smoe.serving.exchange.cpu_ep.SmoeCpuCommunicator"
 
     replace("cpu_platform_communicator_cls", CpuPlatform, "get_device_communicator_cls",
             classmethod(get_device_communicator_cls))
@@ -160,7 +160,7 @@ def at_start() -> None:
 
     orig_sp = ParallelConfig.use_sequence_parallel_moe
 
-    from ..capability import ORDERED_BACKENDS
+    from ..speculate.support import ORDERED_BACKENDS
 
     def use_sequence_parallel_moe(self) -> bool:
         # smoe's token order needs vLLM's sequence-parallel MoE at DP=1 too (TP>1 + EP); vLLM

@@ -1,5 +1,5 @@
 """vLLM's front-end DP load balancer (``DPLBAsyncMPClient``), wrapped so smoe's request routing
-(:mod:`vllm_smoe.serving.dp_router`) chooses the engine of a request its placement scores.
+(:mod:`vllm_smoe.serving.dp.router`) chooses the engine of a request its placement scores.
 vLLM has no pluggable routing policy for its internal balancer (see :data:`..PATCHES`)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """vLLM's expert-parallel weight filter, asked per layer: ``weight_utils.should_skip_weight`` is
 handed the tensor's name and the loader's ``local_expert_ids`` and tests the expert id alone,
-while a placement gives a rank other experts in each layer (:mod:`vllm_smoe.serving.expert_filter`)."""
+while a placement gives a rank other experts in each layer (:mod:`vllm_smoe.serving.place.expert_filter`)."""
 
 from __future__ import annotations
 

@@ -371,7 +371,7 @@ def exchange_step(name: str, rank: int, per_node: int, hidden: int, step: dict, 
     in arange order), random fp32 rows from ``g``. Returns the bytes it counts between nodes."""
     import torch
 
-    from ...serving.sparse_a2a import SparseExchange
+    from ...serving.exchange.sparse_a2a import SparseExchange
 
     N = 2 * per_node
     ids_all = torch.as_tensor(step["ids"]).long()

@@ -34,7 +34,7 @@ def _comm_worker(rank, world, init, plan, reps, out):
     import torch
     import torch.distributed as dist
 
-    from ...serving.sparse_a2a import SparseExchange
+    from ...serving.exchange.sparse_a2a import SparseExchange
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)

@@ -13,7 +13,7 @@ def run_kernels(a) -> int:
     eager and as a CUDA-graph replay; times per step (median of --reps graph replays)."""
     import torch
 
-    from ...serving import device_predict as dp
+    from ...serving.speculate import device_predict as dp
 
     if not torch.cuda.is_available():
         raise ValueError("smoe-bench kernels needs a CUDA device (the CPU path is the torch ops)")

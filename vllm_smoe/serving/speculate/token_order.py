@@ -54,10 +54,10 @@ import time
 import numpy as np
 import torch
 
-from ..placement.learned import LEARNED_FIELDS
+from ...placement.learned import LEARNED_FIELDS
 from . import device_predict as dp
-from .config import TABLE_PREDICTORS
-from .served import worker
+from ..config import TABLE_PREDICTORS
+from ..served import worker
 
 logger = logging.getLogger("vllm.smoe")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -458,7 +458,7 @@ class TokenOrder:
         # a step with fewer tokens than ranks keeps them all in rank 0's chunk whatever the
         # prediction); read back once per log interval
         self.counts = torch.zeros((L, 7), dtype=torch.long, device=device)
-        from .metrics import Drift, metrics_dir
+        from ..observe.metrics import Drift, metrics_dir
 
         self.metrics_dir = metrics_dir(cfg)
         # the placement's own ratio is what a trained predictor should reach; random and one-rank
@@ -559,13 +559,13 @@ class TokenOrder:
         self.per_layer = self.markov or cfg.predictor == "router" or (cfg.predictor == "input-gate" and not self.ahead)
         self._last_log = time.monotonic()
         model.register_forward_pre_hook(self._step_ids, with_kwargs=True)
-        from . import runner_hooks
+        from .. import runner_hooks
 
         runner_hooks.attach(before=self._before_step, after=self._after_step)
         from vllm.platforms import current_platform
 
         runner_hooks.check_attached(vllm_config, current_platform.device_type)  # else counters would read 0
-        from .capability import set_capture
+        from ..record.capture import set_capture
 
         for (layer, block, _), experts in zip(self.blocks, self.experts):
             set_capture(experts, functools.partial(self._capture, layer), "smoe mode speculate",
@@ -662,7 +662,7 @@ class TokenOrder:
             self.bigrams = "bigram_keys" in self.tables
         self.slot2expert.copy_(torch.as_tensor(plan.slot2expert))
         self.holds.copy_(torch.as_tensor(np.stack([plan.held(r) for r in range(self.N)], axis=1)))  # held: a view
-        from .metrics import Drift
+        from ..observe.metrics import Drift
 
         self.drift = Drift(placement.metrics.get("lar") if self.judged else None, self.drift.threshold)
         rows = self.counts.tolist()  # between steps, once per swap: the new window starts here
@@ -1238,7 +1238,7 @@ class TokenOrder:
                            "%.2f x the placement's %.3f: the workload may have moved (smoe-place advise)",
                            self.rank, window["ratio"], window["tokens"], self.drift.threshold, self.drift.expected)
         if self.metrics_dir is not None:
-            from .metrics import publish
+            from ..observe.metrics import publish
 
             try:
                 publish(self.metrics_dir, "order", self.rank, {"layers": layers, "drift": self.drift.snapshot()})

@@ -28,12 +28,12 @@ import torch
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from .config import SmoeConfig
+from ..config import SmoeConfig
 from .draft import is_draft, log_draft
 from .expert_filter import ReadTally, needed_slots, placed_experts
 from .load_plan import EXPERT_PARAM as _EXPERT
 from .load_plan import MOE_BLOCK_PARAM, ROUTER_PARAM, LoadPlan, initial_physical_names
-from .served import Worker, placement_for, start_worker
+from ..served import Worker, placement_for, start_worker
 
 logger = logging.getLogger("vllm.smoe")  # under vLLM's logger: same handlers and level
 
@@ -168,7 +168,7 @@ class SmoeModelLoader(DefaultModelLoader):
         if cfg is None:
             return model
         if cfg.mode == "speculate":  # load_weights sized the MoE buffers to a rank's chunk
-            from .moe_buffers import built_before_cap
+            from ..speculate.moe_buffers import built_before_cap
 
             early = built_before_cap(model)
             if early:
@@ -176,11 +176,11 @@ class SmoeModelLoader(DefaultModelLoader):
                                "their buffers to a rank's chunk: they hold the whole step", early[0], len(early) - 1)
         worker = Worker(model, vllm_config, cfg, served, self.gate_rows)  # what POST /smoe/placement swaps
         if cfg.mode == "speculate":
-            from .token_order import install_token_order
+            from ..speculate.token_order import install_token_order
 
             worker.order = install_token_order(model, vllm_config, cfg, served)
         if cfg.record is not None:  # after the token order: its rows are split
-            from .recorder import install_recorder
+            from ..record.recorder import install_recorder
 
             worker.recorder = install_recorder(model, vllm_config, cfg, self.plan, worker.order)
         start_worker(worker)
@@ -194,7 +194,7 @@ class SmoeModelLoader(DefaultModelLoader):
         vllm_config = get_current_vllm_config()
         cfg = SmoeConfig.from_additional_config(vllm_config.additional_config)
         if cfg is not None and cfg.mode == "speculate":
-            from .moe_buffers import cap_max_num_tokens
+            from ..speculate.moe_buffers import cap_max_num_tokens
 
             cap_max_num_tokens(model, vllm_config.scheduler_config.max_num_batched_tokens)
         super().load_weights(model, model_config)
@@ -297,7 +297,7 @@ def _check_slots(experts, layer: int, P: int, N: int) -> None:
 
 def install_routes(model: torch.nn.Module, plan: LoadPlan, rank: int) -> None:
     """:func:`set_route` on every MoE router with this rank's ``route2physical[l, rank]``."""
-    from .token_order import find_moe_experts
+    from ..speculate.token_order import find_moe_experts
 
     found = find_moe_experts(model, plan.moe_layers)
     if len(found) != len(plan.moe_layers):

@@ -98,7 +98,7 @@ def smoe_settings():
     """smoe's settings of the vLLM config being built, or None when smoe was not asked for."""
     from vllm import config as vllm_config
 
-    from .config import SmoeConfig
+    from ..config import SmoeConfig
 
     current = getattr(vllm_config, "get_current_vllm_config_or_none", None)
     vc = current() if current is not None else vllm_config.get_current_vllm_config()

@@ -34,7 +34,7 @@ from collections import deque
 
 import numpy as np
 
-from ..placement.dp import CAPACITY, WINDOW, balance_mask, pick_rank, request_affinity, token_votes
+from ...placement.dp import CAPACITY, WINDOW, balance_mask, pick_rank, request_affinity, token_votes
 
 MAX_SPAN = 1 << 14  # the longest window kept (requests), whatever is in flight
 
@@ -151,8 +151,8 @@ def router_for(vllm_config, engine_ranks) -> RequestRouter | None:
     """The router a front-end client should use, or None (smoe not asked, routing off, no
     expert parallelism, no tables). A placement or tables file that no longer reads (changed
     since the server was checked at start) is logged as an error and routing stays vLLM's."""
-    from .config import SmoeConfig
-    from .served import placement_for
+    from ..config import SmoeConfig
+    from ..served import placement_for
 
     cfg = SmoeConfig.from_additional_config(vllm_config.additional_config)
     pc = vllm_config.parallel_config
@@ -221,7 +221,7 @@ def _choose(orig, client, request):
 
 def install() -> None:
     """Wrap vLLM's DP load balancer (idempotent; a no-op for clients whose config does not ask)."""
-    from .patches import dp_client
+    from ..patches import dp_client
 
     dp_client.install(_attach, _choose)
 
@@ -239,7 +239,7 @@ def preferred_rank(placement_path: str, prompt_token_ids, num_engines: int | Non
     key = (placement_path, num_engines or 0)
     scorer = _SCORERS.get(key)
     if scorer is None:
-        from ..formats.placement_file import load_placement, load_tables
+        from ...formats.placement_file import load_placement, load_tables
 
         placement = load_placement(placement_path)
         tables = load_tables(placement)

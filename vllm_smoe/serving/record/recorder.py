@@ -53,11 +53,11 @@ from functools import partial
 import numpy as np
 import torch
 
-from .config import SmoeConfig
+from ..config import SmoeConfig
 from .draft_rows import DraftRows, draft_counts
-from .record_rows import StepRows
-from ..formats.model_info import moe_layer_indices, num_experts, top_k
-from ..formats.trace import TraceMeta, TraceWriter, recover_dead_spills
+from .rows import StepRows
+from ...formats.model_info import moe_layer_indices, num_experts, top_k
+from ...formats.trace import TraceMeta, TraceWriter, recover_dead_spills
 
 logger = logging.getLogger("vllm.smoe")
 IDLE_CLOSE_S = 2.0
@@ -100,8 +100,8 @@ class Recorder:
                              keep=self.writes)
         self.buf = self.rows.buf
         self.order = order  # speculate's TokenOrder: each rank's router sees its chunk of reordered rows
-        from .capability import current_capture, set_capture
-        from .token_order import find_moe_experts, hookable_gate
+        from .capture import current_capture, set_capture
+        from ..speculate.token_order import find_moe_experts, hookable_gate
 
         found = find_moe_experts(model, tuple(self.layers))
         if len(found) != self.L:
@@ -140,7 +140,7 @@ class Recorder:
         self.failed = 0  # tokens lost to failed writes (a full disk, a removed directory), whole steps
         self.failing: str | None = None  # the failure writes currently meet (logged once), None = none
         self.stopped = False  # recording gave up (a directory it cannot write)
-        from .metrics import metrics_dir
+        from ..observe.metrics import metrics_dir
 
         self.metrics_dir = metrics_dir(cfg) if self.writes else None
         self.queue: queue.Queue = queue.Queue(maxsize=QUEUE_STEPS)
@@ -304,7 +304,7 @@ class Recorder:
         """The recorder's counters for /metrics (host ints; per DP rank, where one rank writes)."""
         if self.metrics_dir is None:
             return
-        from .metrics import publish
+        from ..observe.metrics import publish
 
         try:
             publish(self.metrics_dir, "record", self.dp_rank, {"written": self.total, "behind": self.dropped,
@@ -465,7 +465,7 @@ def install_recorder(model, vllm_config, cfg: SmoeConfig, plan, order=None) -> R
     token order (``order``, speculate) is in place."""
     from vllm.platforms import current_platform
 
-    from . import runner_hooks
+    from .. import runner_hooks
 
     rec = Recorder(model, vllm_config, cfg, plan, order)
     runner_hooks.attach(before=rec.before_step, after=rec.after_step)

@@ -76,7 +76,7 @@ class CollectiveCounts:
 
     def _report(self) -> None:
         if self.metrics_dir is not None:
-            from .metrics import publish
+            from ..observe.metrics import publish
 
             try:
                 publish(self.metrics_dir, "collectives", self.rank, self.snapshot())
@@ -104,8 +104,8 @@ def counts(rank: int | None = None, cfg=None) -> CollectiveCounts | None:
     """This process's counts; the first call with ``rank`` and smoe's settings ``cfg`` starts
     them (and hooks the served steps). None where nothing counts (no smoe settings)."""
     if _COUNTS[0] is None and cfg is not None and rank is not None:
-        from . import runner_hooks
-        from .metrics import metrics_dir
+        from .. import runner_hooks
+        from ..observe.metrics import metrics_dir
 
         c = CollectiveCounts(rank, cfg.log_interval, metrics_dir(cfg))
         runner_hooks.attach(before=c.before_step, after=c.after_step)

@@ -35,7 +35,7 @@ import torch
 
 from .derived import Derived, derived_tensors
 from .load_plan import ROUTER_PARAM
-from .served import ServedPlacement, Worker, worker
+from ..served import ServedPlacement, Worker, worker
 
 logger = logging.getLogger("vllm.smoe")
 
@@ -78,8 +78,8 @@ class Swap:
 def check_swap(state: Worker, snapshot) -> Swap:
     """The placement in ``snapshot`` (:class:`~vllm_smoe.formats.placement_file.Snapshot`), parsed once,
     if it can replace the served one live; ValueError otherwise."""
-    from .capability import check_served_placement
-    from .token_order import device_tables, find_moe_experts
+    from .check import check_served_placement
+    from ..speculate.token_order import device_tables, find_moe_experts
 
     path = snapshot.path
     fresh = check_served_placement(path, state.cfg, state.vllm_config, snapshot)
@@ -181,7 +181,7 @@ def derived_rows(state: Worker, rows) -> list[list[Derived]]:
     """Per MoE layer: the tensors vLLM derived from its router's rows (:mod:`.derived`'s rule),
     found while ``rows`` (:func:`router_rows`) are still in the served order; ValueError naming a
     tensor with an expert-count extent that is not one."""
-    from .token_order import find_moe_experts
+    from ..speculate.token_order import find_moe_experts
 
     old = state.placement.plan
     E, P = old.slot2expert.shape[1], old.physical2expert.shape[1]
@@ -270,7 +270,7 @@ def _set_routes(state: Worker, new) -> None:
         return
     from vllm.distributed import get_ep_group
 
-    from .token_order import find_moe_experts
+    from ..speculate.token_order import find_moe_experts
 
     rank = get_ep_group().rank_in_group
     for layer, _, experts in find_moe_experts(state.model, new.moe_layers):
@@ -309,7 +309,7 @@ class SmoeWorkerExtension:
         """Check the placement read as these bytes on this worker and allocate what the move
         needs: {"reason": '' = ready, else why (nothing changed), "bytes": expert bytes this rank
         holds in slots that change (the server's deadline for the move)}."""
-        from ..formats.placement_file import Snapshot
+        from ...formats.placement_file import Snapshot
 
         w = worker()
         if w is None or w.placement is None:

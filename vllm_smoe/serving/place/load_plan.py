@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..formats.model_info import expert_groups, moe_layer_indices, num_experts, top_k
-from ..formats.placement_file import Placement, load_placement, model_fingerprint
-from ..placement.groups import broken_group
-from ..placement.counts import rank_sizes
+from ...formats.model_info import expert_groups, moe_layer_indices, num_experts, top_k
+from ...formats.placement_file import Placement, load_placement, model_fingerprint
+from ...placement.groups import broken_group
+from ...placement.counts import rank_sizes
 
 # a router parameter of MoE layer ``layer`` as checkpoints and vLLM's models name it: the rows the
 # loader permutes into router order and a live swap permutes again. ``router``: Llama 4 and

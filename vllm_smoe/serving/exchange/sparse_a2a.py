@@ -77,7 +77,7 @@ COUNTERS = ("tokens", "pairs", "bytes", "local", "activations", "node_bytes")
 def owner_of(num_experts: int, world_size: int) -> torch.Tensor:
     """[E] int64 rank holding each physical expert under vLLM's linear split (E / N per rank, or
     the first E mod N ranks one more: :func:`vllm_smoe.placement.counts.rank_sizes`)."""
-    from ..placement.counts import rank_sizes
+    from ...placement.counts import rank_sizes
 
     return torch.repeat_interleave(torch.arange(world_size), torch.from_numpy(rank_sizes(num_experts, world_size)))
 
@@ -389,8 +389,8 @@ def make_manager(cpu_group, comm):
     from vllm.config import get_current_vllm_config
     from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase
 
-    from .config import SmoeConfig
-    from ..formats.model_info import moe_layer_indices, num_experts
+    from ..config import SmoeConfig
+    from ...formats.model_info import moe_layer_indices, num_experts
 
     class SparseAll2AllManager(All2AllManagerBase):
         def __init__(self):
@@ -404,7 +404,7 @@ def make_manager(cpu_group, comm):
             vc = get_current_vllm_config()
             cfg = SmoeConfig.from_additional_config(vc.additional_config)
             slots = num_experts(hf)  # physical expert slots: the placement's replicas add some
-            from .served import placement_for
+            from ..served import placement_for
 
             served = placement_for(cfg, vc)  # parsed here, before the model; the loader reads the same
             if served is not None:
@@ -438,7 +438,7 @@ def make_manager(cpu_group, comm):
             self.dp_rank = vc.parallel_config.data_parallel_rank
             self.num_moe_layers = len(moe_layer_indices(hf))
             self.log_interval = cfg.log_interval if cfg is not None else 10.0
-            from .metrics import Drift, metrics_dir
+            from ..observe.metrics import Drift, metrics_dir
 
             self.metrics_dir = metrics_dir(cfg) if cfg is not None else None
             # judged only where the placement's own ratio is what serving aims at: a DP placement
@@ -467,7 +467,7 @@ def make_manager(cpu_group, comm):
                                self.dp_rank, window["ratio"], window["tokens"], self.drift.threshold,
                                self.drift.expected)
             if self.metrics_dir is not None and c["tokens"]:
-                from .metrics import publish
+                from ..observe.metrics import publish
 
                 try:
                     publish(self.metrics_dir, "a2a", self.rank, {**c, "drift": self.drift.snapshot()})

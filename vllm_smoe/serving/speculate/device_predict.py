@@ -258,7 +258,7 @@ def assign_permute(pref: torch.Tensor, conf: torch.Tensor, caps: torch.Tensor, p
     first T columns). On CUDA one Triton kernel after one confidence sort
     (:func:`vllm_smoe.kernels.assign.assign_permute`, tested equal to these ops); elsewhere the
     torch ops. pref: [L, T, P]; conf: [L, T]; caps: [N]."""
-    from ..kernels import assign as kernel
+    from ...kernels import assign as kernel
 
     T = pref.shape[1]
     if pref.is_cuda and kernel.triton is not None:

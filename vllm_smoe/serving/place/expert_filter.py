@@ -93,7 +93,7 @@ def placed_experts(plan: LoadPlan, rank: int, parallel_config) -> PlacedExperts 
     size = ep_size(parallel_config)
     if size <= 1 or not getattr(parallel_config, "enable_ep_weight_filter", False):
         return None
-    from .patches.model_loader import install
+    from ..patches.model_loader import install
 
     in_force = install(should_skip)
     return PlacedExperts(plan.local_experts(rank), plan.moe_layers, unplaced_experts(plan, rank, size), in_force)

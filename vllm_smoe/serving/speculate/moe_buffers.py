@@ -16,7 +16,7 @@ loader, :func:`cap_max_num_tokens`); the scheduler keeps its token budget.
 
 from __future__ import annotations
 
-from ..formats.model_info import text_config
+from ...formats.model_info import text_config
 
 # vLLM 0.32's backends whose experts run in the batched format, with buffers sized by
 # max_num_tokens per dispatching rank (ParallelConfig.use_batched_dp_moe,

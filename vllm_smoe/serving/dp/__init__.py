@@ -1,0 +1,1 @@
+"""Whole requests routed to the data-parallel engine their experts live on."""

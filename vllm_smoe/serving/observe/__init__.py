@@ -1,0 +1,1 @@
+"""Counters, drift and smoe's families on vLLM's ``/metrics``."""

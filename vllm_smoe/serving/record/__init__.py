@@ -1,0 +1,1 @@
+"""Routing recorded from live serving, in any mode and layout, and written as traces."""
