@@ -148,7 +148,7 @@ def test_missing_meta(tmp_path):
 
 def test_lazy_open_reads_no_rows(tmp_path, monkeypatch):
     """open_trace reads headers only; row data is touched only by load/iter_chunks/validate."""
-    from vllm_smoe.formats import trace as trace_mod
+    from vllm_smoe.formats import trace_reader
 
     p = write_trace(tmp_path / "t.npz", META, **arrays(2000))
 
@@ -163,7 +163,7 @@ def test_lazy_open_reads_no_rows(tmp_path, monkeypatch):
         return real_frombuffer(buf, dtype, *a, **k)
 
     monkeypatch.setattr(np, "load", no_rows)
-    monkeypatch.setattr(trace_mod.np, "frombuffer", frombuffer)
+    monkeypatch.setattr(trace_reader.np, "frombuffer", frombuffer)
     t = open_trace(p)
     assert t.num_tokens == 2000 and t.meta == META
     with pytest.raises(AssertionError, match="row data read"):
@@ -269,20 +269,21 @@ def test_a_held_spill_is_never_taken_and_a_closing_writer_is_not_waited_for(tmp_
 
 def test_a_failed_close_keeps_the_spill_for_recovery(tmp_path, monkeypatch):
     import vllm_smoe.formats.trace as tr
+    import vllm_smoe.formats.trace_writer as writer
 
     rec = tmp_path / "rec"
     rec.mkdir()
     w = TraceWriter(rec / "t.npz", META)
     w.append(**arrays(6))
-    real = tr._assemble
+    real = writer.assemble
 
     def full_disk(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(tr, "_assemble", full_disk)
+    monkeypatch.setattr(writer, "assemble", full_disk)
     with pytest.raises(OSError):
         w.close()
-    monkeypatch.setattr(tr, "_assemble", real)
+    monkeypatch.setattr(writer, "assemble", real)
     assert [n for n in tr.recover_dead_spills(str(rec)) if n[2] == 6]  # the writer is done: lock released
     assert open_trace(rec / "t.npz").num_tokens == 6
 
@@ -300,13 +301,13 @@ def test_read_traces_checks_every_value_field_and_keeps_empty_shapes(tmp_path):
 
 
 def _failing_writes(monkeypatch, fail_on: set[int]):
-    """trace._write_all that, on the given calls (0-based), writes half the bytes and then fails
-    as a full disk does."""
+    """trace_writer._write_all that, on the given calls (0-based), writes half the bytes and then
+    fails as a full disk does."""
     import errno
 
-    from vllm_smoe.formats import trace
+    from vllm_smoe.formats import trace_writer
 
-    real, calls = trace._write_all, [0]
+    real, calls = trace_writer._write_all, [0]
 
     def write_all(f, data):
         k = calls[0]
@@ -316,7 +317,7 @@ def _failing_writes(monkeypatch, fail_on: set[int]):
             raise OSError(errno.ENOSPC, "No space left on device")
         real(f, data)
 
-    monkeypatch.setattr(trace, "_write_all", write_all)
+    monkeypatch.setattr(trace_writer, "_write_all", write_all)
 
 
 def test_a_failed_append_is_dropped_whole_and_writing_resumes(tmp_path, monkeypatch):
@@ -349,7 +350,7 @@ def test_a_writer_whose_every_append_failed_leaves_no_file(tmp_path, monkeypatch
 
 def test_a_short_write_is_finished_or_fails():
     """A raw write that takes part of the bytes is continued; one that takes none fails."""
-    from vllm_smoe.formats.trace import _write_all
+    from vllm_smoe.formats.trace_writer import _write_all
 
     class Raw:
         def __init__(self, budget):
