@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 test: install
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=25
 
 test-fast: install
 	$(BIN)/python -m pytest -q -ra -m "not vllm"
