@@ -11,8 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_smoe.tools.bench.cluster import (HEADER_BYTES, TARGETS, counters_agree, latency_summary, link_settings,
-                                     metric_sum, slo_rate, wire_delta)
+from vllm_smoe.tools.bench.cluster.link import TARGETS, link_settings
+from vllm_smoe.tools.bench.cluster.readings import counters_agree, metric_sum, wire_delta
+from vllm_smoe.tools.bench.cluster.slo import latency_summary, slo_rate
+from vllm_smoe.tools.bench.veth import HEADER_BYTES
 
 HOST = {"gemm_flops": 170e9, "read_bw": 6e9}
 
@@ -93,7 +95,7 @@ def test_cli_refuses_unknown_target_before_any_work(tmp_path):
 
 
 def test_socket_bytes_by_process():
-    from vllm_smoe.tools.bench.cluster import parse_ss, socket_delta
+    from vllm_smoe.tools.bench.cluster.readings import parse_ss, socket_delta
 
     text = """ESTAB 0      0               10.213.0.1:29708          10.213.0.2:35314 users:(("VLLM::Worker_TP",pid=5563,fd=5))
 \t bbr wscale:10,10 rto:208 mss:1448 bytes_sent:567 bytes_acked:567 bytes_received:142 segs_out:5
@@ -113,7 +115,8 @@ ESTAB 0      0      [::ffff:10.213.0.1]:37425 [::ffff:10.213.0.1]:48608 users:((
 def _wire_check_over_a_veth(tmp_path, **kw) -> dict:
     """:func:`wire_check` at hidden 256 over two namespaces made for it (skips where they cannot
     be made), the namespaces removed after."""
-    from vllm_smoe.tools.bench.cluster import Net, wire_check
+    from vllm_smoe.tools.bench.cluster.netns import Net
+    from vllm_smoe.tools.bench.cluster.wire import wire_check
 
     net = Net()
     try:
@@ -141,7 +144,7 @@ def test_point_to_point_exchange_counters_equal_the_veth(tmp_path):
 def test_hierarchical_exchange_crosses_nodes_once_per_node(tmp_path):
     """Two namespaces of two gloo ranks each: the hierarchical exchange's node counters are what
     crosses the veth, and fewer bytes cross than with each row sent to each rank."""
-    from vllm_smoe.tools.bench.cluster import exchange_table
+    from vllm_smoe.tools.bench.cluster.report import exchange_table
 
     res = _wire_check_over_a_veth(tmp_path, tokens=96, steps=6, per_node=2)
     for name, tol in (("smoe-p2p", 0.03), ("smoe-p2p-slots", 0.03), ("smoe-hier", 0.05)):
@@ -153,7 +156,8 @@ def test_hierarchical_exchange_crosses_nodes_once_per_node(tmp_path):
 
 
 def test_collectives_read_from_metrics_per_served_step():
-    from vllm_smoe.tools.bench.cluster import collective_counts, collectives_per_step, collectives_table
+    from vllm_smoe.tools.bench.cluster.readings import collective_counts, collectives_per_step
+    from vllm_smoe.tools.bench.cluster.report import collectives_table
 
     def text(ar, a2a, steps):
         return "\n".join([
@@ -173,7 +177,7 @@ def test_collectives_read_from_metrics_per_served_step():
 
 
 def test_every_configuration_loads_the_plugin_and_only_ep_ones_turn_ep_on():
-    from vllm_smoe.tools.bench.cluster import configurations
+    from vllm_smoe.tools.bench.cluster.configs import configurations
 
     for name, c in configurations("tp.yaml", "dp.yaml", "/m").items():
         f = list(c["flags"])
@@ -186,7 +190,7 @@ def test_every_configuration_loads_the_plugin_and_only_ep_ones_turn_ep_on():
 def test_counters_beside_the_veth_are_the_bytes_it_can_carry():
     """Where a node holds two ranks (dptp-*), bytes between them never reach the veth: the
     counters set beside it are the bytes between nodes; elsewhere every rank is its own node."""
-    from vllm_smoe.tools.bench.cluster import configurations
+    from vllm_smoe.tools.bench.cluster.configs import configurations
 
     cfgs = configurations("tp.yaml", "dp.yaml", "/m", None, "dptp.yaml")
     for name, c in cfgs.items():

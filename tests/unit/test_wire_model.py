@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_smoe.tools.bench.cluster import NODE_PIPELINES, PIPELINES, exchange_step, wire_plan
+from vllm_smoe.tools.bench.cluster.wire import NODE_PIPELINES, PIPELINES, exchange_step, wire_plan
 from vllm_smoe.tools.bench.wire_model import model_wire_check, step_transfers
 
 DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs")
@@ -53,7 +53,7 @@ class ThreadGroup:
 
 def counted_by_threads(plan: dict, per_node: int, name: str) -> int:
     """The bytes between nodes the wire check's workers count for ``name`` on ``plan``, each rank a
-    thread running :func:`cluster.exchange_step` as the worker does."""
+    thread running :func:`cluster.wire.exchange_step` as the worker does."""
     N = 2 * per_node
     group, counted, errors = ThreadGroup(N), [0] * N, []
     owner = torch.as_tensor(plan["baseline" if name == "vllm" else "smoe"]["expert2rank"]).long()

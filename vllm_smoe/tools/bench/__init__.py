@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     from .load import add_parser as add_load
 
     add_load(sub)
-    from .cluster import add_parser as add_cluster
+    from .cluster.cli import add_parser as add_cluster
 
     add_cluster(sub)
     from ..cli_util import run_cli

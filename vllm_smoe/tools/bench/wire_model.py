@@ -27,7 +27,7 @@ a2a_cost assumes k = 0; :func:`model_run` sets k = 1, :data:`HALF_DUPLEX`: the e
 carries a collective's two directions partly one after the other, so the two times bracket it).
 
 Pure apart from reading the plan; :func:`measure_host` and :func:`model_run` take the
-measurements (root, cluster.Net's namespaces).
+measurements (root, cluster.netns.Net's namespaces).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ CARRIERS = {"smoe-p2p": ("all_to_all",) * 2, "smoe-p2p-slots": ("all_to_all",) *
 
 
 def model_wire_check(plan: dict, per_node: int, host_constants: dict) -> dict:
-    """Each pipeline of the wire check on ``plan`` (:func:`cluster.wire_plan`) over two nodes of
+    """Each pipeline of the wire check on ``plan`` (:func:`cluster.wire.wire_plan`) over two nodes of
     ``per_node`` ranks: {pipeline: {bytes (between nodes, all steps: the exchange's counted
     bytes), seconds (all steps, a2a_cost's time: latency + busiest direction), latency_s,
     transfer_s, rule, collectives (a step), transport_bytes and transport_seconds (what gloo
@@ -245,7 +245,7 @@ def compare(model: dict, wc: dict) -> dict:
     return out
 
 
-# ----- the measurements around it (need cluster.Net's namespaces: root) -------------------------
+# ----- the measurements around it (need cluster.netns.Net's namespaces: root) -------------------
 
 TINY_TOKENS = 8  # a step whose bytes take microseconds on the unshaped veth: time = collectives
 OVERLAP_KINDS = ("all_to_all", "all_gather", "reduce_scatter", "one_way")

@@ -1,0 +1,92 @@
+"""``smoe-bench cluster``'s command line, and the package's internal entries (``python -m
+vllm_smoe.tools.bench.cluster --client | --markdown | --wire-worker | --probe-sink``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .client import client_main
+from .link import TARGETS
+from .netns import probe_sink
+from .report import markdown
+from .run import run
+from .wire import wire_worker
+
+
+def add_parser(sub) -> None:
+    import argparse
+
+    from ...cli_util import number
+
+    p = sub.add_parser("cluster", help="vLLM nodes in network namespaces over a link shaped to a real cluster's "
+                                       "proportions: every configuration end to end (needs root; JSON, plot)")
+    p.add_argument("--model", help="checkpoint (default: the trained Qwen3-MoE fixture widened with smoe-testbed "
+                                   "inflate to hidden 1536, expert FFN 768, 24/12 heads, with its training trace)")
+    p.add_argument("--trace", nargs="+", help="routing trace(s) smoe's placements are built from, as a user would")
+    p.add_argument("--placement", help="TP placement (instead of building one from --trace)")
+    p.add_argument("--dp-placement", help="DP placement (instead of building one from --trace)")
+    p.add_argument("--prompts-trace", help="prompts from this trace's requests (default: the fixture's held-out)")
+    p.add_argument("--target", nargs="+", default=["ib-ndr", "none"],
+                   help=f"link proportions: {', '.join(TARGETS)}, or none (no shaping: the veth's speed)")
+    p.add_argument("--rate", type=number(float, 0, lo_open=True), help="fixed link rate in bit/s instead of a target")
+    p.add_argument("--delay", type=number(float, 0), default=0.0, help="with --rate: one-way delay in s")
+    p.add_argument("--configs", default="tp,tp-ep,tp-ep-speculate,dp-ep,dp-ep-smoe",
+                   help="comma-separated, from: tp, tp-ep, tp-ep-place, tp-ep-speculate, tp-ep-speculate-ar (vLLM's "
+                        "attention all-reduce, not smoe's shuffled reduce-scatter), tp-ep-speculate-router, "
+                        "tp-ep-speculate-router-ar (predictor router), tp-ep-speculate-step (the DeepSeek "
+                        "family's one order per step), tp-ep-speculate-agrs, "
+                        "dp-ep, dp-ep-sparse, dp-ep-smoe, dp-ep-smoe-agrs, dptp-ep, dptp-ep-smoe, dptp-ep-smoe-flat "
+                        "(TP = 2 inside each node, DP = 2 across them)")
+    p.add_argument("--concurrency", type=number(int, 1), nargs="+", default=[1, 8, 32])
+    p.add_argument("--requests-per-level", type=number(int, 1), default=16)
+    p.add_argument("--decode-prompt", type=number(int, 1), default=32)
+    p.add_argument("--decode-output", type=number(int, 2), default=32)
+    p.add_argument("--prefill-prompt", type=number(int, 1), default=384)
+    p.add_argument("--prefill-output", type=number(int, 2), default=4)
+    p.add_argument("--prefill-requests", type=number(int, 0), default=8)
+    p.add_argument("--rates", type=number(float, 0, lo_open=True), nargs="*", default=[0.5, 1.0, 2.0, 4.0],
+                   help="Poisson request rates of the SLO ladder (req/s)")
+    p.add_argument("--poisson-requests", type=number(int, 1), default=16)
+    p.add_argument("--slo-scale", type=number(float, 1), default=3.0,
+                   help="p90 TBT bound = this x the best configuration's single-stream p90 TBT")
+    p.add_argument("--wire-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="first run the MoE exchange alone across the veth: smoe's counters against the wire")
+    p.add_argument("--exchange-only", action="store_true",
+                   help="only the MoE exchange alone, once per --target with the decode link's shaping (no vLLM): "
+                        "smoe's flat and hierarchical exchange and vLLM's allgather-reducescatter")
+    p.add_argument("--wire-model", action="store_true",
+                   help="with --exchange-only: also the cost model (placement/a2a_cost.py) of each run from the "
+                        "host's measured constants (tiny unshaped steps, the veth's rate; tools/bench/wire_model.py): "
+                        "bytes against the counted ones, time against the measured")
+    p.add_argument("--ranks-per-node", type=number(int, 1, 15), default=1,
+                   help="with --exchange-only: gloo ranks in each of the two namespaces")
+    p.add_argument("--exchange-tokens", type=number(int, 1), nargs=2, default=[64, 512], metavar=("DECODE", "PREFILL"),
+                   help="with --exchange-only: tokens a step on the decode link and on the prefill link")
+    p.add_argument("--memory-share", type=number(float, 0, 1, lo_open=True), default=0.3,
+                   help="--gpu-memory-utilization of each node (on CPU: the share of RAM for weights and KV cache)")
+    p.add_argument("--repeats", type=number(int, 1), default=1, help="starts of each configuration (spread)")
+    p.add_argument("--timeout", type=number(float, 1), default=600.0, help="seconds for a server start")
+    p.add_argument("--config-timeout", type=number(float, 1), default=1800.0, help="seconds for a configuration's load")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work", help="directory for logs and placements (default: a temp dir)")
+    p.add_argument("--plot", help="PNG: p90 TBT against offered rate, per target")
+    p.add_argument("--json")
+    p.set_defaults(fn=run)
+
+
+def main(argv=None) -> int:
+    """Internal entries: the client (inside namespace 0) and the link probe's sink."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--client"]:
+        return client_main(argv[1])
+    if argv[:1] == ["--markdown"]:
+        with open(argv[1]) as f:
+            print(markdown(json.load(f)))
+        return 0
+    if argv[:1] == ["--wire-worker"]:
+        return wire_worker(int(argv[1]), argv[2])
+    if argv[:1] == ["--probe-sink"]:
+        return probe_sink(int(argv[1]))
+    print("use: smoe-bench cluster ...", file=sys.stderr)
+    return 2
