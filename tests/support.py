@@ -69,22 +69,52 @@ def derangement_yaml(path, shift=1, ep=32, layers=4, experts=32, step=1, **model
     return str(path)
 
 
-def random_model_placed(tmp_dir, arch, experts, top_k, layers=2, ep=2):
-    """The README's way, offline: ``smoe-testbed build`` a random checkpoint of ``arch``, record
-    its routing (transformers), ``smoe-place build --ep-size ep``. Returns (model dir, placement)."""
+# (module, *args) -> the output path of that build, made once per test run (see ``built``)
+_BUILT: dict[tuple[str, ...], str] = {}
+_BUILD_DIR: list[str] = []  # the run's build directory, made at the first build
+
+
+def built(module, *args):
+    """The output of ``python -m vllm_smoe.tools.<module> *args -o PATH``, built once per test
+    run for each exact argument list and shared by every test that asks for it (smoe-place and
+    smoe-testbed are deterministic: seeded, one output per input). The output lies in a
+    directory of the whole run, removed at exit: read it, never change it. Fails the test with
+    the command's stderr when it exits non-zero."""
+    import atexit
+    import shutil
     import subprocess
     import sys
+    import tempfile
 
-    model, trace, placement = (os.path.join(str(tmp_dir), n) for n in (arch, "rec.npz", "p.yaml"))
-    for args in (("vllm_smoe.tools.testbed_cli", "build", "--arch", arch, "--experts", str(experts), "--top-k",
-                  str(top_k), "--layers", str(layers), "-o", model),
-                 ("vllm_smoe.tools.testbed_cli", "record", "--model", model, "--requests", "8", "--seq-len", "64",
-                  "-o", trace),
-                 ("vllm_smoe.tools.place_cli", "build", "--trace", trace, "--ep-size", str(ep), "--model", model,
-                  "-o", placement)):
-        r = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
-    return model, placement
+    key = (module, *map(str, args))
+    if key not in _BUILT:
+        if not _BUILD_DIR:
+            _BUILD_DIR.append(tempfile.mkdtemp(prefix="smoe-test-builds-"))
+            atexit.register(shutil.rmtree, _BUILD_DIR[0], True)
+        out = os.path.join(_BUILD_DIR[0], f"{len(_BUILT)}-{module}-{args[0]}")
+        if module == "place_cli":
+            out += ".yaml"
+        elif module == "testbed_cli" and args[0] == "record":
+            out += ".npz"
+        r = subprocess.run([sys.executable, "-m", f"vllm_smoe.tools.{module}", *key[1:], "-o", out],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, f"{' '.join(key)}:\n{r.stderr[-3000:]}"
+        _BUILT[key] = out
+    return _BUILT[key]
+
+
+def random_model(arch, experts, top_k, layers=2):
+    """``smoe-testbed build`` of a random ``arch`` checkpoint (the fixture's tokenizer), once per run."""
+    return built("testbed_cli", "build", "--arch", arch, "--experts", experts, "--top-k", top_k, "--layers", layers)
+
+
+def random_model_placed(tmp_dir, arch, experts, top_k, layers=2, ep=2):
+    """The README's way, offline: ``smoe-testbed build`` a random checkpoint of ``arch``, record
+    its routing (transformers), ``smoe-place build --ep-size ep``; each step once per test run
+    for the same arguments (``built``; tmp_dir is not used). Returns (model dir, placement)."""
+    model = random_model(arch, experts, top_k, layers)
+    trace = built("testbed_cli", "record", "--model", model, "--requests", 8, "--seq-len", 64)
+    return model, built("place_cli", "build", "--trace", trace, "--ep-size", ep, "--model", model)
 
 
 def vllm_runs(runs, tmp_dir, tp=1, timeout=1800):

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from tests.support import serve_engine_config
+from tests.support import built, serve_engine_config
 from tests.unit.test_hardening import _expect
 
 # vllm serve's flags as a user types them, and the refusal each gets
@@ -44,7 +44,7 @@ def test_serve_flags_are_refused_by_name_before_any_engine(args, words):
         serve_engine_config("--plugin", "smoe", *args)
 
 
-def test_dp_placement_with_tp_needs_one_node_per_engine(tmp_path):
+def test_dp_placement_with_tp_needs_one_node_per_engine():
     """DP=2 engines of TP=2: a --mode dp placement over 4 ranks is served only when its requests
     were put on engines first (--nodes 2); a flat one is refused, naming the build that fits."""
     pytest.importorskip("vllm")
@@ -52,10 +52,8 @@ def test_dp_placement_with_tp_needs_one_node_per_engine(tmp_path):
     from vllm_smoe.testbed import FIXTURE_TRACES
 
     flags = ("--plugin", "smoe", "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--enable-expert-parallel")
-    for nodes in ("1", "2"):
-        subprocess.run([sys.executable, "-m", "vllm_smoe.tools.place_cli", "build", "--trace", FIXTURE_TRACES["train"],
-                        "--ep-size", "4", "--mode", "dp", "--nodes", nodes, "-o", str(tmp_path / f"n{nodes}.yaml")],
-                       check=True, capture_output=True, text=True)
+    n1, n2 = (built("place_cli", "build", "--trace", FIXTURE_TRACES["train"], "--ep-size", 4, "--mode", "dp",
+                    "--nodes", nodes) for nodes in (1, 2))
     with pytest.raises(SmoeSettingsError, match=r"field 'nodes' = 1: .* --mode dp --ep-size 4 --nodes 2"):
-        serve_engine_config(*flags, "--smoe-placement", str(tmp_path / "n1.yaml"))
-    assert serve_engine_config(*flags, "--smoe-placement", str(tmp_path / "n2.yaml")) is not None
+        serve_engine_config(*flags, "--smoe-placement", n1)
+    assert serve_engine_config(*flags, "--smoe-placement", n2) is not None

@@ -1,16 +1,11 @@
 """The testbed checkpoints load in vLLM's CPU build and generate the same greedy tokens as
 transformers' own implementation (fp32)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
 from vllm_smoe.formats.trace import open_trace
-from tests.support import HELPER
+from tests.support import random_model, vllm_runs
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
@@ -28,13 +23,15 @@ def _prompts():
     return out
 
 
-def _vllm_greedy(model_dir, prompts):
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
-    r = subprocess.run([sys.executable, HELPER, str(model_dir), json.dumps(prompts), str(NEW_TOKENS)],
-                       capture_output=True, text=True, env=env, timeout=600)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("SMOE_RESULT ")]
-    assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-5000:]
-    return json.loads(lines[-1][len("SMOE_RESULT "):])["tokens"]
+@pytest.fixture(scope="module")
+def vllm_greedy(tmp_path_factory):
+    """vLLM's greedy tokens of the trained fixture and of each random checkpoint below, the
+    engines one after another in one process: {name: (model dir, prompts, tokens)}."""
+    models = {"fixture": (FIXTURE_MODEL, _prompts()),
+              "mixtral": (random_model("mixtral", 8, 2, layers=2), _prompts()[:2])}
+    runs = [{"model": str(m), "prompts": p, "max_tokens": NEW_TOKENS} for m, p in models.values()]
+    out = vllm_runs(runs, tmp_path_factory.mktemp("load"), timeout=600)
+    return {name: (m, p, res["tokens"]) for (name, (m, p)), (res, _) in zip(models.items(), out)}
 
 
 def _hf_greedy(model_dir, prompts):
@@ -52,9 +49,8 @@ def _hf_greedy(model_dir, prompts):
     return outs
 
 
-def test_trained_fixture_generates_like_transformers():
-    prompts = _prompts()
-    got = _vllm_greedy(FIXTURE_MODEL, prompts)
+def test_trained_fixture_generates_like_transformers(vllm_greedy):
+    _, prompts, got = vllm_greedy["fixture"]
     assert [len(g) for g in got] == [NEW_TOKENS] * len(prompts)
     assert got == _hf_greedy(FIXTURE_MODEL, prompts)
 
@@ -62,11 +58,6 @@ def test_trained_fixture_generates_like_transformers():
 # deepseek_v2 is left out: vLLM 0.32's CPU MLA decode kernel refuses its fixed block size 16
 # ("Unsupported block size: 16"), whatever the model shape.
 @pytest.mark.parametrize("arch", ["mixtral"])
-def test_random_checkpoints_generate_in_vllm(tmp_path, arch):
-    out = tmp_path / arch
-    r = subprocess.run([sys.executable, "-m", "vllm_smoe.tools.testbed_cli", "build", "--arch", arch, "-o", str(out),
-                        "--layers", "2", "--experts", "8", "--top-k", "2"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    prompts = _prompts()[:2]
-    got = _vllm_greedy(out, prompts)
+def test_random_checkpoints_generate_in_vllm(vllm_greedy, arch):
+    out, prompts, got = vllm_greedy[arch]  # smoe-testbed build --arch mixtral --layers 2 --experts 8 --top-k 2
     assert got == _hf_greedy(out, prompts)
