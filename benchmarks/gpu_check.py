@@ -243,22 +243,22 @@ def numpy_order(tab: RandomTables, ids: np.ndarray) -> tuple[np.ndarray, np.ndar
 def kernel_step(ids, x, token2rank, token_conf, prior2rank, caps, perm, inv):
     """Speculate's per-step order as served: every layer's prediction, the Triton assignment +
     permutation (device_predict.assign_permute on CUDA), the rows in rank order and back."""
-    from vllm_smoe.serving.speculate import device_predict as dp
+    from vllm_smoe.serving.speculate import device_predict
 
     T = ids.shape[0]
-    pref, conf = dp.predict_token_tables(token2rank, token_conf, prior2rank, ids)
-    dp.assign_permute(pref, conf, caps, perm, inv)
+    pref, conf = device_predict.predict_token_tables(token2rank, token_conf, prior2rank, ids)
+    device_predict.assign_permute(pref, conf, caps, perm, inv)
     y = x.index_select(0, perm[0, :T])
     return y, y.index_select(0, inv[0, :T])
 
 
 def torch_step(ids, x, token2rank, token_conf, prior2rank, caps, perm, inv):
     """The same with the torch ops the kernel replaces (assign + permutation)."""
-    from vllm_smoe.serving.speculate import device_predict as dp
+    from vllm_smoe.serving.speculate import device_predict
 
     T = ids.shape[0]
-    pref, conf = dp.predict_token_tables(token2rank, token_conf, prior2rank, ids)
-    p, i = dp.permutation(dp.assign(pref, conf, caps))
+    pref, conf = device_predict.predict_token_tables(token2rank, token_conf, prior2rank, ids)
+    p, i = device_predict.permutation(device_predict.assign(pref, conf, caps))
     perm[:, :T].copy_(p)
     inv[:, :T].copy_(i)
     y = x.index_select(0, perm[0, :T])
@@ -305,7 +305,7 @@ class Case:
     def __init__(self, tab: RandomTables, T: int, H: int, device, seed: int):
         import torch
 
-        from vllm_smoe.serving.speculate import device_predict as dp
+        from vllm_smoe.serving.speculate import device_predict
 
         self.T, self.H, self.tab = T, H, tab
         self.ids_np = [tab.ids(T, seed), tab.ids(T, seed + 1)]
@@ -313,7 +313,7 @@ class Case:
         self.ids = self.ids_dev[0].clone()  # the static buffer, changed in place before a replay
         g = torch.Generator(device=device).manual_seed(seed)
         self.x = torch.randn((T, H), dtype=torch.bfloat16, device=device, generator=g)
-        self.caps = dp.chunk_caps(T, tab.N, device)
+        self.caps = device_predict.chunk_caps(T, tab.N, device)
         self.bufs = {p: tuple(torch.full((tab.L, T + PAD), -7, dtype=torch.long, device=device) for _ in range(2))
                      for p in ("kernel", "torch")}
         self.refs = [None, None]
@@ -372,7 +372,7 @@ def check_predictor(tab: RandomTables, T: int, H: int, reps: int) -> dict:
     import torch
 
     from vllm_smoe.kernels import assign as KA
-    from vllm_smoe.serving.speculate import device_predict as dp
+    from vllm_smoe.serving.speculate import device_predict
 
     if KA.triton is None:
         return {"ok": False, "error": "triton is not importable: device_predict.assign_permute would run the torch ops"}
@@ -401,15 +401,15 @@ def check_predictor(tab: RandomTables, T: int, H: int, reps: int) -> dict:
     res["parts"] = parts
     # times (ms, CUDA events, median of reps): the whole step, and the assignment alone
     case.ids.copy_(case.ids_dev[0])
-    pref, conf = dp.predict_token_tables(*tab.dev, case.ids)
+    pref, conf = device_predict.predict_token_tables(*tab.dev, case.ids)
     pk, ik = case.bufs["kernel"]
     res["times_ms"] = {
         "eager_step_kernel": _cuda_ms(case.call("kernel"), reps),
         "eager_step_torch_ops": _cuda_ms(case.call("torch"), reps),
         "graph_step_kernel": _cuda_ms(graphs["kernel"].replay, reps),
         "graph_step_torch_ops": _cuda_ms(graphs["torch"].replay, reps),
-        "eager_assign_permute_kernel": _cuda_ms(lambda: dp.assign_permute(pref, conf, case.caps, pk, ik), reps),
-        "eager_assign_permute_torch_ops": _cuda_ms(lambda: dp.permutation(dp.assign(pref, conf, case.caps)), reps),
+        "eager_assign_permute_kernel": _cuda_ms(lambda: device_predict.assign_permute(pref, conf, case.caps, pk, ik), reps),
+        "eager_assign_permute_torch_ops": _cuda_ms(lambda: device_predict.permutation(device_predict.assign(pref, conf, case.caps)), reps),
     }
     t = res["times_ms"]
     res["speedup_graph_step"] = t["graph_step_torch_ops"] / max(t["graph_step_kernel"], 1e-9)
@@ -506,10 +506,10 @@ def learned_step_order(net, ids, prev, caps, perm, inv, num_ranks: int):
     """Served order of the DeepSeek family with predictor learned and stack_order step: one order
     per step from the network (token_order.TokenOrder.preferences with step_order), assigned and
     permuted on the device."""
-    from vllm_smoe.serving.speculate import device_predict as dp
+    from vllm_smoe.serving.speculate import device_predict
 
-    pref, conf = dp.learned_step(dp.learned_logits(*net, ids, prev), num_ranks)
-    dp.assign_permute(pref[None], conf[None], caps, perm, inv)
+    pref, conf = device_predict.learned_step(device_predict.learned_logits(*net, ids, prev), num_ranks)
+    device_predict.assign_permute(pref[None], conf[None], caps, perm, inv)
     return pref, conf
 
 
@@ -523,7 +523,7 @@ def check_learned(T: int, L: int = L_LAYERS, N: int = N_RANKS, V: int = VOCAB, D
 
     from vllm_smoe.placement import learned as lp
     from vllm_smoe.placement.assign import assign_tokens, chunk_caps
-    from vllm_smoe.serving.speculate import device_predict as dp
+    from vllm_smoe.serving.speculate import device_predict
 
     dev = torch.device("cuda")
     m = random_learned(L, V, N, D, seed=T)
@@ -539,11 +539,11 @@ def check_learned(T: int, L: int = L_LAYERS, N: int = N_RANKS, V: int = VOCAB, D
         for label, allow in (("fp32", False), ("tf32", True)):
             torch.backends.cuda.matmul.allow_tf32 = allow
             ids = torch.from_numpy(ids_np[0].astype(np.int32)).to(dev)
-            prev = dp.previous_ids(ids, pos)
-            z = dp.learned_logits(*net, ids, prev)
+            prev = device_predict.previous_ids(ids, pos)
+            z = device_predict.learned_logits(*net, ids, prev)
             zn = lp.forward(m, ids_np[0], prev.cpu().numpy())
-            pl, _ = dp.learned_layers(z, N)
-            ps, _ = dp.learned_step(z, N)
+            pl, _ = device_predict.learned_layers(z, N)
+            ps, _ = device_predict.learned_step(z, N)
             pln, _ = lp.preferences(zn, N)
             psn, _ = lp.step_preferences(zn, N)
             agree[label] = {"logits_max_abs_diff": float((z.cpu().numpy() - zn).__abs__().max()),
@@ -555,12 +555,12 @@ def check_learned(T: int, L: int = L_LAYERS, N: int = N_RANKS, V: int = VOCAB, D
     # the served step: static buffers, eager then a graph replayed after the ids change in place
     ids = torch.from_numpy(ids_np[0].astype(np.int32)).to(dev)
     prev = torch.empty(T, dtype=torch.long, device=dev)
-    caps = dp.chunk_caps(T, N, dev)
+    caps = device_predict.chunk_caps(T, N, dev)
     perm = torch.full((1, T + PAD), -7, dtype=torch.long, device=dev)
     inv = torch.full_like(perm, -7)
 
     def step():
-        prev.copy_(dp.previous_ids(ids, pos))
+        prev.copy_(device_predict.previous_ids(ids, pos))
         return learned_step_order(net, ids, prev, caps, perm, inv, N)
 
     def judge(out) -> bool:

@@ -58,7 +58,7 @@ def layer0(a) -> None:
     from vllm_smoe.formats.placement_file import load_placement, load_tables
     from vllm_smoe.formats.trace import open_trace
     from vllm_smoe.placement.learned import LEARNED_FIELDS
-    from vllm_smoe.serving.speculate import device_predict as dp
+    from vllm_smoe.serving.speculate import device_predict
 
     p = load_placement(a.placement)
     tables = load_tables(p)
@@ -84,15 +84,15 @@ def layer0(a) -> None:
         t = torch.from_numpy(topk[s: s + STEP])
         owner, cnt = _owner_counts(e2rt, t, N)
         K = t.shape[2]
-        caps = dp.chunk_caps(STEP, N)
-        z = dp.learned_logits(*net, i, dp.previous_ids(i, pos[s: s + STEP]))
+        caps = device_predict.chunk_caps(STEP, N)
+        z = device_predict.learned_logits(*net, i, device_predict.previous_ids(i, pos[s: s + STEP]))
         soft = torch.softmax(z.view(STEP, L, N), 2)
         co = M[1:][:, t[:, 0]].mean(2).permute(1, 0, 2)  # [T, L-1, N]
         scores = {"learned_per_step": None, "layer0_exact_plus_network": cnt[0] / K + soft[:, 1:].sum(1),
                   "layer0_exact_plus_cooccurrence": cnt[0] / K + co.sum(1)}
         for name, score in scores.items():
-            pref, conf = dp.learned_step(z, N) if score is None else _by_score(score)
-            local[name] += int((owner == dp.assign(pref[None], conf[None], caps)[..., None]).sum())
+            pref, conf = device_predict.learned_step(z, N) if score is None else _by_score(score)
+            local[name] += int((owner == device_predict.assign(pref[None], conf[None], caps)[..., None]).sum())
         acts += owner.numel()
     for name, v in local.items():
         print(f"{name:32s} {v / acts:.3f}")
@@ -104,7 +104,7 @@ def context(a) -> None:
     from vllm_smoe.formats.placement_file import load_placement
     from vllm_smoe.formats.trace import open_trace
     from vllm_smoe.placement.learned import default_width, layer_targets
-    from vllm_smoe.serving.speculate import device_predict as dp
+    from vllm_smoe.serving.speculate import device_predict
     from vllm_smoe.testbed import FIXTURE_TRACES
 
     p = load_placement(a.placement)
@@ -120,7 +120,7 @@ def context(a) -> None:
     def feats(tr):
         ids = torch.from_numpy(tr["token_ids"].astype(np.int64))
         req = torch.from_numpy(tr["request_ids"].astype(np.int64))
-        prev = dp.previous_ids(ids, torch.from_numpy(tr["positions"].astype(np.int64)))
+        prev = device_predict.previous_ids(ids, torch.from_numpy(tr["positions"].astype(np.int64)))
         x = emb[ids]
         xp = torch.where(prev[:, None] >= 0, emb[prev.clamp_min(0)], torch.zeros(1, emb.shape[1]))
         ctx = torch.zeros_like(x)  # mean of the earlier rows of the same request in the step
@@ -158,7 +158,7 @@ def context(a) -> None:
             for s in range(0, z.shape[0] - STEP + 1, STEP):
                 zz = z[s: s + STEP].permute(1, 0, 2)
                 pref = torch.argsort(-zz, dim=2, stable=True)[..., :2]
-                t2r = dp.assign(pref, torch.softmax(zz, 2).amax(2), dp.chunk_caps(STEP, N))
+                t2r = device_predict.assign(pref, torch.softmax(zz, 2).amax(2), device_predict.chunk_caps(STEP, N))
                 o = owner[:, s: s + STEP]
                 loc += int((o == t2r[..., None]).sum())
                 acts += o.numel()
@@ -231,13 +231,13 @@ def _shares(probs: dict, topk: torch.Tensor, e2r: torch.Tensor, N: int, step: in
     and of the oracle, in steps of ``step`` rows at vLLM's chunk caps; "acts" the activations."""
     T, L, K = topk.shape
     E = e2r.shape[1]
-    from vllm_smoe.serving.speculate import device_predict as dp
+    from vllm_smoe.serving.speculate import device_predict
 
     local = dict.fromkeys(["oracle", *probs, "acts"], 0)
     for s in range(0, T - step + 1, step):
         t = topk[s: s + step]
         owner = torch.stack([e2r[j][t[:, j]] for j in range(L)])  # [L, step, K]
-        caps = dp.chunk_caps(step, N)
+        caps = device_predict.chunk_caps(step, N)
         def scored(pe):  # [step, L, E] expert distribution -> (pref, conf) per layer
             return _by_score(torch.stack([torch.zeros(step, N).index_add_(1, e2r[j], pe[:, j]) for j in range(L)]))
 
@@ -245,11 +245,11 @@ def _shares(probs: dict, topk: torch.Tensor, e2r: torch.Tensor, N: int, step: in
             if name == "oracle":
                 pref, conf = scored(torch.zeros(step, L, E).scatter_(2, t, 1.0 / K))
             elif isinstance(probs[name], tuple):  # (table, predictor): the table where it is the surer
-                pref, conf = dp.learned_or_tables(*scored(probs[name][0][s: s + step]),
+                pref, conf = device_predict.learned_or_tables(*scored(probs[name][0][s: s + step]),
                                                   *scored(probs[name][1][s: s + step]))
             else:
                 pref, conf = scored(probs[name][s: s + step])
-            local[name] += int((owner == dp.assign(pref, conf, caps)[..., None]).sum())
+            local[name] += int((owner == device_predict.assign(pref, conf, caps)[..., None]).sum())
         local["acts"] += owner.numel()
     return local
 
@@ -257,7 +257,7 @@ def _shares(probs: dict, topk: torch.Tensor, e2r: torch.Tensor, N: int, step: in
 def hidden(a) -> None:
     from vllm_smoe.formats.placement_file import load_placement, load_tables
     from vllm_smoe.formats.trace import open_trace
-    from vllm_smoe.serving.speculate import device_predict as dp
+    from vllm_smoe.serving.speculate import device_predict
 
     train, held = open_trace(a.train), open_trace(a.heldout)
     Xtr, gates = _hidden_inputs(a.model, train)
@@ -295,7 +295,7 @@ def hidden(a) -> None:
             served = 0
             for s in range(0, len(ids_te) - STEP + 1, STEP):  # the served token tables, as in token_order_share
                 i = torch.from_numpy(ids_te[s: s + STEP])
-                t2r = dp.assign(*dp.predict_token_tables(*pref, i), dp.chunk_caps(STEP, N))
+                t2r = device_predict.assign(*device_predict.predict_token_tables(*pref, i), device_predict.chunk_caps(STEP, N))
                 owner = torch.stack([torch.from_numpy(p.expert2rank.astype(np.int64))[j][kte[s: s + STEP, j]]
                                      for j in range(L)])
                 served += int((owner == t2r[..., None]).sum())

@@ -31,7 +31,7 @@ import torch
 
 from vllm_smoe.formats.placement_file import load_placement, load_tables
 from vllm_smoe.placement.learned import LEARNED_FIELDS
-from vllm_smoe.serving.speculate import device_predict as dp
+from vllm_smoe.serving.speculate import device_predict
 from vllm_smoe.formats.trace import open_trace
 
 
@@ -80,7 +80,7 @@ def shares(placement_path: str, trace_path: str, step: int) -> dict[str, float]:
     if tables.learned is not None:
         learned = [torch.from_numpy(getattr(tables.learned, k)) for k in LEARNED_FIELDS]
     positions = torch.from_numpy(trace["positions"].astype(np.int64))
-    ceilings = _id_ceilings(ids, dp.previous_ids(torch.from_numpy(ids.astype(np.int64)), positions).numpy(),
+    ceilings = _id_ceilings(ids, device_predict.previous_ids(torch.from_numpy(ids.astype(np.int64)), positions).numpy(),
                             owners, N)
     local = {"per_layer": 0, "per_step": 0, "random": 0, **({"learned_per_layer": 0, "learned_per_step": 0}
                                                              if learned else {}), "oracle_per_layer": 0,
@@ -89,24 +89,24 @@ def shares(placement_path: str, trace_path: str, step: int) -> dict[str, float]:
     for s in range(0, len(ids) - step + 1, step):
         i = torch.from_numpy(ids[s: s + step].astype(np.int64))
         owner = torch.from_numpy(np.ascontiguousarray(owners[:, s: s + step]))  # [L, T, K] activation ranks
-        caps = dp.chunk_caps(step, N)
-        pref, conf = dp.predict_token_tables(*arrays, i)
-        orders = {"per_layer": dp.assign(pref, conf, caps)[..., None],
-                  "per_step": dp.assign(*dp.vote(pref, conf, N), caps)[None, :, None],
-                  "random": dp.assign(*dp.predict_random(i, 0, N), caps)[None, :, None]}
+        caps = device_predict.chunk_caps(step, N)
+        pref, conf = device_predict.predict_token_tables(*arrays, i)
+        orders = {"per_layer": device_predict.assign(pref, conf, caps)[..., None],
+                  "per_step": device_predict.assign(*device_predict.vote(pref, conf, N), caps)[None, :, None],
+                  "random": device_predict.assign(*device_predict.predict_random(i, 0, N), caps)[None, :, None]}
         if learned:  # the step's previous ids as serving takes them from its positions
-            z = dp.learned_logits(*learned, i, dp.previous_ids(i, positions[s: s + step]))
-            orders["learned_per_layer"] = dp.assign(*dp.learned_or_tables(pref, conf, *dp.learned_layers(z, N)),
+            z = device_predict.learned_logits(*learned, i, device_predict.previous_ids(i, positions[s: s + step]))
+            orders["learned_per_layer"] = device_predict.assign(*device_predict.learned_or_tables(pref, conf, *device_predict.learned_layers(z, N)),
                                                     caps)[..., None]
-            orders["learned_per_step"] = dp.assign(*dp.learned_step(z, N), caps)[None, :, None]
+            orders["learned_per_step"] = device_predict.assign(*device_predict.learned_step(z, N), caps)[None, :, None]
         held = torch.zeros((owners.shape[0], step, N))  # [L, T, N]: the step's activations on each rank
         held.scatter_add_(2, owner, torch.ones(owner.shape))
-        orders["oracle_per_layer"] = dp.assign(*_by_score(held), caps)[..., None]
-        orders["oracle_per_step"] = dp.assign(*_by_score(held.sum(0, keepdim=True)), caps)[..., None]
+        orders["oracle_per_layer"] = device_predict.assign(*_by_score(held), caps)[..., None]
+        orders["oracle_per_step"] = device_predict.assign(*_by_score(held.sum(0, keepdim=True)), caps)[..., None]
         for kind, (table, key) in ceilings.items():
             score = torch.from_numpy(table[:, key[s: s + step]])  # [L, T, N]
-            orders[f"ceiling_{kind}_per_layer"] = dp.assign(*_by_score(score), caps)[..., None]
-            orders[f"ceiling_{kind}_per_step"] = dp.assign(*_by_score(score.sum(0, keepdim=True)), caps)[..., None]
+            orders[f"ceiling_{kind}_per_layer"] = device_predict.assign(*_by_score(score), caps)[..., None]
+            orders[f"ceiling_{kind}_per_step"] = device_predict.assign(*_by_score(score.sum(0, keepdim=True)), caps)[..., None]
         for name, t2r in orders.items():
             local[name] += int((owner == t2r).sum())
         acts += owner.numel()

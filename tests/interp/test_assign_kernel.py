@@ -15,7 +15,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from vllm_smoe.kernels import assign as A  # noqa: E402
-from vllm_smoe.serving.speculate import device_predict as dp
+from vllm_smoe.serving.speculate import device_predict
 
 
 def _case(L, T, P, N, seed, ties=False):
@@ -30,7 +30,7 @@ def _check(pref, conf, caps):
     perm, inv = A.assign_permute(pref, order, caps, block=16)
     ref_perm, ref_inv = A.ref_assign_permute(pref, order, caps)
     assert torch.equal(perm, ref_perm) and torch.equal(inv, ref_inv)
-    t_perm, t_inv = dp.permutation(dp.assign(pref, conf, caps))  # what serves on CPU
+    t_perm, t_inv = device_predict.permutation(device_predict.assign(pref, conf, caps))  # what serves on CPU
     assert torch.equal(perm, t_perm) and torch.equal(inv, t_inv)
 
 
@@ -38,7 +38,7 @@ def _check(pref, conf, caps):
 @pytest.mark.parametrize("ties", [False, True])
 def test_kernel_equals_twin_and_served_ops_at_chunk_caps(L, T, P, N, ties):
     pref, conf = _case(L, T, P, N, L * 1000 + T * 7 + N, ties)
-    _check(pref, conf, dp.chunk_caps(T, N))
+    _check(pref, conf, device_predict.chunk_caps(T, N))
 
 
 def test_uneven_caps_and_an_empty_rank():
@@ -51,8 +51,8 @@ def test_writes_into_longer_served_rows():
     order = torch.argsort(-conf, dim=1, stable=True)
     perm = torch.full((3, 40), 7, dtype=torch.long)
     inv = torch.full((3, 40), 7, dtype=torch.long)
-    p, i = A.assign_permute(pref, order, dp.chunk_caps(21, 3), perm, inv, block=8)
-    assert torch.equal(p, A.ref_assign_permute(pref, order, dp.chunk_caps(21, 3))[0])
+    p, i = A.assign_permute(pref, order, device_predict.chunk_caps(21, 3), perm, inv, block=8)
+    assert torch.equal(p, A.ref_assign_permute(pref, order, device_predict.chunk_caps(21, 3))[0])
     assert (perm[:, 21:] == 7).all() and torch.equal(perm[:, :21], p) and torch.equal(inv[:, :21], i)
 
 
@@ -61,4 +61,4 @@ def test_writes_into_longer_served_rows():
        seed=st.integers(0, 2**16))
 def test_property_kernel_equals_twin(L, T, P, N, seed):
     pref, conf = _case(L, T, P, N, seed, ties=seed % 2 == 0)
-    _check(pref, conf, dp.chunk_caps(T, N))
+    _check(pref, conf, device_predict.chunk_caps(T, N))

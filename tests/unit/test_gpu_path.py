@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_smoe.serving.speculate import device_predict as dp
+from vllm_smoe.serving.speculate import device_predict
 
 vllm = pytest.importorskip("vllm")
 
@@ -187,7 +187,7 @@ WORLD, T, H, E, K, N = 2, 64, 16, 8, 2, 2
 def _agree_worker(rank, port, results):
     import torch.distributed as dist
 
-    from vllm_smoe.serving.speculate.token_order import agree
+    from vllm_smoe.serving.speculate.comm import agree
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -199,15 +199,15 @@ def _agree_worker(rank, port, results):
     # what a non-deterministic all-reduce does: rows equal up to the last bits, rank by rank
     x = x + (rank + 1) * 1e-3 * torch.randn(T, H, generator=torch.Generator().manual_seed(rank + 7))
     ids = torch.topk(x @ gate, K, dim=1).indices
-    pref, conf = dp.prefer_held(ids, held)
-    t2r = dp.assign(pref, conf, dp.chunk_caps(T, N))
+    pref, conf = device_predict.prefer_held(ids, held)
+    t2r = device_predict.assign(pref, conf, device_predict.chunk_caps(T, N))
 
     def broadcast(t, src):
         dist.broadcast(t, src)
         return t
 
     agreed = agree(t2r, broadcast)
-    results[rank] = (t2r.tolist(), dp.permutation(agreed)[0].tolist())
+    results[rank] = (t2r.tolist(), device_predict.permutation(agreed)[0].tolist())
     dist.destroy_process_group()
 
 
@@ -394,7 +394,7 @@ def test_the_gate_is_hooked_only_in_an_eager_model_off_rocm(monkeypatch):
     on ROCm GPT-OSS calls its gate's weights without the module."""
     from vllm.platforms import current_platform
 
-    from vllm_smoe.serving.speculate.token_order import hookable_gate
+    from vllm_smoe.serving.speculate.seams import hookable_gate
 
     block = types.SimpleNamespace(router=torch.nn.Linear(4, 3))
     layer = _MoELayer(mono=True, replay=False)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from vllm_smoe.placement import learned as lp
 from vllm_smoe.placement.metrics import holds_from_expert2rank
-from vllm_smoe.serving.speculate import device_predict as dp
+from vllm_smoe.serving.speculate import device_predict
 
 V, L, N, E, K = 12, 2, 2, 4, 2
 E2R = np.array([[0, 0, 1, 1]] * L)  # experts 0, 1 on rank 0; 2, 3 on rank 1, both layers
@@ -94,11 +94,11 @@ def test_device_twin_gives_the_offline_ranks(T, D, L_, N_, seed):
     m = _random_model(rng, Vr, D, L_, N_)
     ids, prev = rng.integers(0, Vr, T), rng.integers(-1, Vr, T)
     z = lp.forward(m, ids, prev)
-    zt = dp.learned_logits(*(torch.from_numpy(getattr(m, k)) for k in lp.LEARNED_FIELDS), torch.from_numpy(ids),
+    zt = device_predict.learned_logits(*(torch.from_numpy(getattr(m, k)) for k in lp.LEARNED_FIELDS), torch.from_numpy(ids),
                            torch.from_numpy(prev))
     np.testing.assert_allclose(zt.numpy(), z, rtol=1e-5, atol=1e-5)
     pref, conf = lp.preferences(z, N_)
-    tp, tc = dp.learned_layers(zt, N_)
+    tp, tc = device_predict.learned_layers(zt, N_)
     zz = z.reshape(T, L_, N_).transpose(1, 0, 2)
     top2 = np.sort(zz, axis=2)[..., ::-1]
     clear = (top2[..., 0] - top2[..., 1] > 1e-4) if N_ > 1 else np.ones((L_, T), bool)
@@ -112,7 +112,7 @@ def test_device_twin_gives_the_offline_ranks(T, D, L_, N_, seed):
     if N_ > 1:
         assert (pref[..., 0] != pref[..., 1]).all()
     sp_, sc = lp.step_preferences(z, N_)
-    tsp, tsc = dp.learned_step(zt, N_)
+    tsp, tsc = device_predict.learned_step(zt, N_)
     p = np.exp(zz - zz.max(axis=2, keepdims=True))
     score = np.sort((p / p.sum(axis=2, keepdims=True)).sum(axis=0), axis=1)[:, ::-1]
     sclear = score[:, 0] - score[:, 1] > 1e-4 if N_ > 1 else np.ones(T, bool)
@@ -136,7 +136,7 @@ def test_served_order_predicts_as_offline_per_layer_and_per_step():
     tconf = np.where(t2r[..., 0] >= 0, rng.uniform(0.2, 1.0, (3, 40)), 0).astype(np.float16)
     prior = rng.integers(0, 4, (3, 2)).astype(np.int16)
     from vllm_smoe.placement.predict import empty_tables
-    from vllm_smoe.serving.speculate.token_order import device_tables
+    from vllm_smoe.serving.location import device_tables
 
     t = dataclasses.replace(empty_tables(3, 40, 8), token2rank=t2r, token_conf=tconf, prior2rank=prior,
                             **m.arrays())
@@ -268,4 +268,4 @@ def test_a_step_without_rows_predicts_nothing():
     assert z.shape == (0, 6)
     assert lp.preferences(z, 2)[0].shape == (3, 0, 2) and lp.step_preferences(z, 2)[0].shape == (0, 2)
     zt = torch.from_numpy(z)
-    assert dp.learned_layers(zt, 2)[0].shape == (3, 0, 2) and dp.learned_step(zt, 2)[0].shape == (0, 2)
+    assert device_predict.learned_layers(zt, 2)[0].shape == (3, 0, 2) and device_predict.learned_step(zt, 2)[0].shape == (0, 2)

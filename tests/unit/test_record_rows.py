@@ -52,7 +52,7 @@ def _recorder(monkeypatch, rec_dir, dp_rank, tp_rank, max_tokens=16, pcp=1, spec
     import vllm.distributed
     from transformers import Qwen3MoeConfig
 
-    from vllm_smoe.serving.speculate import token_order
+    from vllm_smoe.serving.speculate import seams as token_order
     from vllm_smoe.serving.config import SmoeConfig
     from vllm_smoe.serving.record.recorder import Recorder
 

@@ -75,7 +75,7 @@ def test_router_predictor_uses_vllms_own_routing(grouped):
 
     from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
     from vllm_smoe.placement.predict import prefer_ranks
-    from vllm_smoe.serving.speculate.token_order import route_ahead
+    from vllm_smoe.serving.speculate.gates import route_ahead
 
     torch.manual_seed(0)
     E, K, H, T, N = 16, 4, 24, 37, 4
@@ -102,7 +102,7 @@ def test_input_gate_routes_the_layer_input_through_the_post_attention_norm():
 
     from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
     from vllm_smoe.placement.predict import prefer_ranks
-    from vllm_smoe.serving.speculate.token_order import gate_ranks
+    from vllm_smoe.serving.speculate.gates import gate_ranks
 
     torch.manual_seed(1)
     E, K, H, T, N = 12, 3, 20, 29, 3
@@ -157,7 +157,7 @@ def test_shuffled_reduce_scatter_seams():
     is not taken elsewhere."""
     import torch
 
-    from vllm_smoe.serving.speculate import token_order as to
+    from vllm_smoe.serving.speculate import seams as to
 
     class Qwen3MoeSparseMoeBlock(torch.nn.Module):  # a name the token order trusts to read only its chunk
         pass

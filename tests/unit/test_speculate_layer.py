@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from vllm_smoe.placement.assign import assign_tokens
 from vllm_smoe.placement.assign import chunk_caps as np_chunk_caps
-from vllm_smoe.serving.speculate import device_predict as dp
+from vllm_smoe.serving.speculate import device_predict
 from vllm_smoe.serving.exchange.sparse_a2a import SparseExchange, owner_of, p2p_reduce_scatter
-from vllm_smoe.serving.speculate.token_order import chunk_rows, keep_chunk_residual, shuffled_reduce_scatter
+from vllm_smoe.serving.speculate.comm import chunk_rows, keep_chunk_residual, shuffled_reduce_scatter
 from tests.support import CONFIGS, gloo_all_gather, gloo_reduce_scatter
 
 H, I, E, K, V = 32, 16, 16, 3, 500
@@ -71,10 +71,10 @@ def _a2a(out, inp, out_splits, in_splits):
 def _layer(rank, x, ids, predictor, exchange_kind, router, w13, w2, owner, exact=False, pad_bytes=1 << 30,
            node_of=None, mark_pad=False):
     T = x.shape[0]
-    pref, conf = (dp.predict_random(ids, 0, WORLD) if predictor == "random" else
-                  dp.predict_one_rank(ids) if predictor == "one-rank" else
+    pref, conf = (device_predict.predict_random(ids, 0, WORLD) if predictor == "random" else
+                  device_predict.predict_one_rank(ids) if predictor == "one-rank" else
                   (owner[_route(x, router)[1][:, :1]], torch.ones(T)))  # "oracle": the top-1's rank
-    perm, inv = dp.permutation(dp.assign(pref, conf, dp.chunk_caps(T, WORLD)))
+    perm, inv = device_predict.permutation(device_predict.assign(pref, conf, device_predict.chunk_caps(T, WORLD)))
     xs = x.index_select(0, perm)
     c = -(-T // WORLD)
     chunk = torch.nn.functional.pad(xs, (0, 0, 0, c * WORLD - T))[rank * c:(rank + 1) * c]
@@ -259,12 +259,12 @@ def test_device_assignment_and_prediction_equal_numpy(seed):
     pref = rng.integers(-1, N, (T, P))
     conf = rng.choice([0.1, 0.5, 0.9, 0.3, 0.0], T).astype(np.float32)  # ties: stable order matters
     want = assign_tokens(pref, conf, np.zeros(T, np.int64), N, rank_caps=np_chunk_caps(T, N)[None])
-    got = dp.assign(torch.from_numpy(pref), torch.from_numpy(conf), dp.chunk_caps(T, N)).numpy()
+    got = device_predict.assign(torch.from_numpy(pref), torch.from_numpy(conf), device_predict.chunk_caps(T, N)).numpy()
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.bincount(got, minlength=N), np_chunk_caps(T, N))
     if T % N == 0:  # the uniform chunk is capacity 1.0 of the offline assignment
         np.testing.assert_array_equal(got, assign_tokens(pref, conf, np.zeros(T, np.int64), N, 1.0))
-    perm, inv = dp.permutation(torch.from_numpy(got))
+    perm, inv = device_predict.permutation(torch.from_numpy(got))
     assert (torch.from_numpy(got)[perm].diff() >= 0).all() and (perm[inv] == torch.arange(T)).all()
 
 
@@ -280,12 +280,12 @@ def test_device_tables_prediction_equals_predict_layer():
         pref, conf, _ = predict_layer(t, layer, ids, pv)
         arrays = [torch.from_numpy(np.ascontiguousarray(getattr(t, k)[layer])) for k in
                   ("token2rank", "token_conf", "markov2rank", "markov_conf", "prior2rank")]
-        got = dp.predict_tables(*arrays, torch.from_numpy(ids), None if pv is None else torch.from_numpy(pv))
+        got = device_predict.predict_tables(*arrays, torch.from_numpy(ids), None if pv is None else torch.from_numpy(pv))
         np.testing.assert_array_equal(got[0].numpy(), pref)
         np.testing.assert_array_equal(got[1].numpy(), conf)
     # every layer at once from the token table: predict_layer without a previous layer
     arrays = [torch.from_numpy(getattr(t, k)) for k in ("token2rank", "token_conf", "prior2rank")]
-    pref_all, conf_all = dp.predict_token_tables(*arrays, torch.from_numpy(ids))
+    pref_all, conf_all = device_predict.predict_token_tables(*arrays, torch.from_numpy(ids))
     for layer in range(t.token2rank.shape[0]):
         pref, conf, _ = predict_layer(t, layer, ids, None)
         np.testing.assert_array_equal(pref_all[layer].numpy(), pref)
@@ -307,12 +307,12 @@ def test_device_bigram_prediction_equals_predict_layer():
     ids = np.concatenate([np.stack([pairs // V, pairs % V], 1).reshape(-1), rng.integers(0, V, 120)])
     pos = np.concatenate([np.arange(80), rng.integers(0, 500, 120)])
     keys = bigram_keys(previous_ids(ids, pos, np.zeros(ids.size, int)), ids, V)
-    query = dp.bigram_query(torch.from_numpy(ids), torch.from_numpy(pos), V)
+    query = device_predict.bigram_query(torch.from_numpy(ids), torch.from_numpy(pos), V)
     np.testing.assert_array_equal(query.numpy(), keys)
     assert np.isin(keys, t.bigram_keys).sum() >= 40  # the pairs are looked up
     big = (torch.from_numpy(t.bigram_keys), torch.from_numpy(t.bigram2rank), torch.from_numpy(t.bigram_conf), query)
     arrays = [torch.from_numpy(getattr(t, k)) for k in ("token2rank", "token_conf", "prior2rank")]
-    pref_all, conf_all = dp.predict_token_tables(*arrays, torch.from_numpy(ids), big)
+    pref_all, conf_all = device_predict.predict_token_tables(*arrays, torch.from_numpy(ids), big)
     prev = rng.integers(0, t.markov2rank.shape[1], ids.size)
     changed = 0
     for layer in range(L):
@@ -323,7 +323,7 @@ def test_device_bigram_prediction_equals_predict_layer():
         pv = prev if layer else None
         pref, conf, _ = predict_layer(t, layer, ids, pv, keys=keys)
         one = (big[0], big[1][layer: layer + 1], big[2][layer: layer + 1], query)
-        got = dp.predict_tables(*[torch.from_numpy(np.ascontiguousarray(getattr(t, k)[layer])) for k in
+        got = device_predict.predict_tables(*[torch.from_numpy(np.ascontiguousarray(getattr(t, k)[layer])) for k in
                                   ("token2rank", "token_conf", "markov2rank", "markov_conf", "prior2rank")],
                                 torch.from_numpy(ids), None if pv is None else torch.from_numpy(pv), one)
         np.testing.assert_array_equal(got[0].numpy(), pref)
@@ -356,11 +356,11 @@ def test_assignment_of_all_layers_at_once_equals_layer_by_layer():
     for T, N in [(1, 2), (5, 4), (64, 2), (333, 8)]:
         pref = torch.from_numpy(rng.integers(-1, N, (4, T, 2)))
         conf = torch.from_numpy(rng.choice([0.2, 0.7, 0.0], (4, T)).astype(np.float32))
-        caps = dp.chunk_caps(T, N)
-        both = dp.assign(pref, conf, caps)
+        caps = device_predict.chunk_caps(T, N)
+        both = device_predict.assign(pref, conf, caps)
         for layer in range(4):
-            assert torch.equal(both[layer], dp.assign(pref[layer], conf[layer], caps))
-        perm, inv = dp.permutation(both)
+            assert torch.equal(both[layer], device_predict.assign(pref[layer], conf[layer], caps))
+        perm, inv = device_predict.permutation(both)
         assert torch.equal(perm.gather(1, inv), torch.arange(T).expand(4, T))
 
 
@@ -372,12 +372,12 @@ def test_vote_of_layers_golden():
                          [[2, -1], [-1, -1], [1, -1], [1, -1]],
                          [[1, -1], [-1, -1], [1, -1], [2, -1]]])
     conf = torch.tensor([[0.5, 0.0, 0.9, 0.4], [0.5, 0.0, 0.1, 0.4], [0.5, 0.0, 0.1, 0.0]])
-    best, c = dp.vote(pref, conf, 3)
+    best, c = device_predict.vote(pref, conf, 3)
     assert best[0].tolist() == [2, 1] and best[2].tolist() == [0, 1] and best[3].tolist() == [0, 1]
     assert best[1].tolist() == [-1, -1] and c[1] == 0  # no layer has data: no preference
     assert abs(c[0] - 2004 / 6006) < 1e-6  # rank 2 got 2 * 1002 of at most 3 * 2 * 1001
-    assert torch.equal(dp.vote(pref, conf, 3)[0], best)  # same input, same order, on every rank
-    one = dp.vote(torch.tensor([[[2, -1]], [[2, -1]]]), torch.tensor([[0.3], [0.8]]), 3)[0]
+    assert torch.equal(device_predict.vote(pref, conf, 3)[0], best)  # same input, same order, on every rank
+    one = device_predict.vote(torch.tensor([[[2, -1]], [[2, -1]]]), torch.tensor([[0.3], [0.8]]), 3)[0]
     assert one.tolist() == [[2, -1]]  # a rank nobody voted for is no second preference
 
 
@@ -387,7 +387,7 @@ def test_vote_agrees_with_a_plain_count(seed):
     L, T, N = 5, 200, 4
     pref = torch.from_numpy(rng.integers(0, N, (L, T, 1)))
     conf = torch.ones(L, T)
-    best, _ = dp.vote(pref, conf, N)
+    best, _ = device_predict.vote(pref, conf, N)
     counts = np.stack([np.bincount(pref[:, t, 0].numpy(), minlength=N) for t in range(T)])
     np.testing.assert_array_equal(best[:, 0].numpy(), counts.argmax(1))  # argmax: first on ties
 
@@ -410,7 +410,7 @@ def test_device_prefer_ranks_equals_numpy(seed):
     N, K, T = int(rng.integers(1, 9)), int(rng.integers(1, 9)), int(rng.integers(1, 300))
     er = rng.integers(0, N, size=(T, K))
     pref, conf = prefer_ranks(er, N)
-    tp, tc = dp.prefer_ranks(torch.as_tensor(er), N)
+    tp, tc = device_predict.prefer_ranks(torch.as_tensor(er), N)
     np.testing.assert_array_equal(tp.numpy(), pref)
     np.testing.assert_allclose(tc.numpy(), conf)
 
@@ -428,12 +428,12 @@ def test_device_prefer_held_equals_numpy_with_copies(seed):
     held = np.zeros((N, E), bool)
     held[home, np.arange(E)] = True
     ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)])
-    tp, tc = dp.prefer_held(torch.as_tensor(ids), torch.as_tensor(held))
-    rp, rc = dp.prefer_ranks(torch.as_tensor(home[ids]), N)
+    tp, tc = device_predict.prefer_held(torch.as_tensor(ids), torch.as_tensor(held))
+    rp, rc = device_predict.prefer_ranks(torch.as_tensor(home[ids]), N)
     assert torch.equal(tp, rp) and torch.equal(tc, rc)
     held[rng.integers(0, N, E // 2), rng.integers(0, E, E // 2)] = True  # copies
     pref, conf = known_preferences(ids, held)
-    tp, tc = dp.prefer_held(torch.as_tensor(ids), torch.as_tensor(held))
+    tp, tc = device_predict.prefer_held(torch.as_tensor(ids), torch.as_tensor(held))
     np.testing.assert_array_equal(tp.numpy(), pref)
     np.testing.assert_allclose(tc.numpy(), conf)
 
@@ -455,15 +455,15 @@ def test_table_and_router_predictions_make_no_host_sync():
     ids, pos = torch.from_numpy(rng.integers(0, V, T)), torch.arange(T)
     topk, held = torch.from_numpy(rng.integers(0, E, (T, 4))), torch.from_numpy(rng.random((N, E)) < 0.4)
     with _NoHostSync():
-        query = dp.bigram_query(ids, pos, V)
-        pref, conf = dp.predict_token_tables(t2r, tconf, prior, ids, (keys, b2r, bconf, query))
-        one, c1 = dp.predict_tables(t2r[1], tconf[1], m2r, mconf, prior[1], ids, ids % E,
+        query = device_predict.bigram_query(ids, pos, V)
+        pref, conf = device_predict.predict_token_tables(t2r, tconf, prior, ids, (keys, b2r, bconf, query))
+        one, c1 = device_predict.predict_tables(t2r[1], tconf[1], m2r, mconf, prior[1], ids, ids % E,
                                     (keys, b2r[1:2], bconf[1:2], query))
-        rp, rc = dp.prefer_ranks(torch.from_numpy(rng.integers(0, N, (T, 4))), N)
-        hp, hc = dp.prefer_held(topk, held)
-        vp, vc = dp.vote(pref, conf, N)
+        rp, rc = device_predict.prefer_ranks(torch.from_numpy(rng.integers(0, N, (T, 4))), N)
+        hp, hc = device_predict.prefer_held(topk, held)
+        vp, vc = device_predict.vote(pref, conf, N)
         for p, c in ((pref, conf), (one, c1), (rp, rc), (hp, hc), (vp, vc)):
-            dp.permutation(dp.assign(p, c, dp.chunk_caps(T, N)))
+            device_predict.permutation(device_predict.assign(p, c, device_predict.chunk_caps(T, N)))
 
 
 def test_ep_rank2node_golden():
@@ -511,7 +511,8 @@ def test_input_gate_columns_reach_every_rank_alike(dtype, N, T):
     gate run on every row, and assigns the same next order; no host read on the way."""
     import types
 
-    from vllm_smoe.serving.speculate.token_order import TokenOrder, gate_ranks
+    from vllm_smoe.serving.speculate.token_order import TokenOrder
+    from vllm_smoe.serving.speculate.gates import gate_ranks
 
     torch.manual_seed(N * 100 + T)
     H, E, K, L, rows_max = 16, 8, 2, 2, 32
@@ -542,7 +543,7 @@ def test_input_gate_columns_reach_every_rank_alike(dtype, N, T):
             outs.append(TokenOrder.add_residual_ahead(s, y, 0))
         gathered = torch.cat(outs)[:T]
         back = [TokenOrder.restore_ahead(s, gathered, 0) for s in states]
-        orders = [dp.permutation(dp.assign(s.next_pref[:T][None], s.next_conf[:T][None], dp.chunk_caps(T, N)))[0]
+        orders = [device_predict.permutation(device_predict.assign(s.next_pref[:T][None], s.next_conf[:T][None], device_predict.chunk_caps(T, N)))[0]
                   for s in states]
     want_pref, want_conf = gate_ranks(norm, gate, _TopK(K), stream, holds[1], torch.arange(T))  # ids: the rows
     for s, rows, order in zip(states, back, orders):
@@ -576,7 +577,8 @@ def _exact_router_worker(rank, port, results):
     capped assignment, against vLLM's order over the reduced rows (the gate on their norm)."""
     import types
 
-    from vllm_smoe.serving.speculate.token_order import TokenOrder, exact_gate_scale
+    from vllm_smoe.serving.speculate.token_order import TokenOrder
+    from vllm_smoe.serving.speculate.gates import exact_gate_scale
 
     world = 3
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -646,8 +648,8 @@ def _exact_router_worker(rank, port, results):
                             f"routed elsewhere")
         if dtype == torch.float32 and bool(clear.all()):
             full_orders += 1
-            want = dp.permutation(dp.assign(*[a[None] for a in dp.prefer_held(want_ids, holds[1])],
-                                            dp.chunk_caps(T, world)))[0][0]
+            want = device_predict.permutation(device_predict.assign(*[a[None] for a in device_predict.prefer_held(want_ids, holds[1])],
+                                            device_predict.chunk_caps(T, world)))[0][0]
             if not torch.equal(perm, want):
                 failures.append(f"{dtype} T={T}: the order is not vLLM's exact one")
     if full_orders < 3:  # T = 2, 3 and 7 have no near-tie at these seeds (one row: test_one_row_steps...)
@@ -664,7 +666,7 @@ def test_router_logits_summed_before_the_reduce_give_the_exact_order(gloo_spawn)
 
 
 def test_exact_gate_scale_refuses_what_a_sum_of_partial_logits_cannot_give():
-    from vllm_smoe.serving.speculate.token_order import exact_gate_scale
+    from vllm_smoe.serving.speculate.gates import exact_gate_scale
 
     H, E = 16, 8
     rms, gate = torch.nn.RMSNorm(H), torch.nn.Linear(H, E, bias=False)
@@ -706,7 +708,7 @@ class _OtherDecoder(_Decoder):
 
 
 def test_exact_router_seams_take_input_layernorm_or_say_why_not():
-    from vllm_smoe.serving.speculate.token_order import exact_router_seams
+    from vllm_smoe.serving.speculate.seams import exact_router_seams
 
     H, E = 8, 4
     gate = torch.nn.Linear(H, E, bias=False)
@@ -776,7 +778,7 @@ def test_stack_order_takes_only_stacks_that_split_rows_in_their_layers():
     pytest.importorskip("vllm")
     from vllm.model_executor.models.deepseek_v2 import DeepseekV2DecoderLayer, DeepseekV2Model
 
-    from vllm_smoe.serving.speculate.token_order import stack_supported
+    from vllm_smoe.serving.speculate.seams import stack_supported
 
     def layer(forward):
         cls = type("Layer", (torch.nn.Module,), {"forward": forward})

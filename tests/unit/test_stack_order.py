@@ -143,7 +143,8 @@ def _order(rank, L, Tmax, gate_in=None, router=False):
     post-attention norms) predictor input-gate over seeded random tables' guesses, or with
     ``router`` too predictor router (the gate's logits summed from the folded partial rows)."""
     from tests.unit.test_speculate_layer import _SoftmaxTopK
-    from vllm_smoe.serving.speculate.token_order import TokenOrder, exact_gate_scale
+    from vllm_smoe.serving.speculate.token_order import TokenOrder
+    from vllm_smoe.serving.speculate.gates import exact_gate_scale
 
     o = TokenOrder.__new__(TokenOrder)
     c = -(-Tmax // WORLD)
@@ -184,7 +185,7 @@ def _check_gate_in(o, ref, moe_layers, kinds, T, case):
     ordered by the gate's ranks of that input, which rode through the all-gather: the ranks kept
     equal the gate's on the whole input (rows without a near-tie at the k-th expert), and every
     rank built the same order."""
-    from vllm_smoe.serving.speculate import device_predict as dp
+    from vllm_smoe.serving.speculate import device_predict
 
     failures, last = [], None
     for m, i in enumerate(moe_layers):
@@ -199,7 +200,7 @@ def _check_gate_in(o, ref, moe_layers, kinds, T, case):
     logits = gate(n)
     top = torch.topk(logits, K + 1, dim=1).values
     clear = top[:, K - 1] - top[:, K] > 1e-4
-    want = dp.prefer_held(router._compute_routing(n, logits, None)[1], o.holds[last])[0]
+    want = device_predict.prefer_held(router._compute_routing(n, logits, None)[1], o.holds[last])[0]
     same = (o.next_pref[:T] == want).all(dim=1)
     if not bool(same[clear].all()) or int(clear.sum()) < T // 2:
         failures.append(f"{case}: the gate's ranks of MoE layer {last}'s input differ on "
@@ -207,10 +208,10 @@ def _check_gate_in(o, ref, moe_layers, kinds, T, case):
     perms = _all_gather(o.perm[last, :T][None])
     if not all(torch.equal(p, perms[0]) for p in perms):
         failures.append(f"{case}: the ranks built different orders for MoE layer {last}")
-    pref, conf = dp.learned_or_tables(o.table_pref[last: last + 1, :T], o.table_conf[last: last + 1, :T],
+    pref, conf = device_predict.learned_or_tables(o.table_pref[last: last + 1, :T], o.table_conf[last: last + 1, :T],
                                       o.next_pref[:T][None], o.next_conf[:T][None])
     perm, inv = torch.zeros(1, T, dtype=torch.long), torch.zeros(1, T, dtype=torch.long)
-    dp.assign_permute(pref, conf, dp.chunk_caps(T, WORLD), perm, inv)
+    device_predict.assign_permute(pref, conf, device_predict.chunk_caps(T, WORLD), perm, inv)
     if not torch.equal(perm[0], o.perm[last, :T]):
         failures.append(f"{case}: MoE layer {last}'s order is not the assignment of the gate's and tables' ranks")
     return failures
@@ -219,7 +220,7 @@ def _check_gate_in(o, ref, moe_layers, kinds, T, case):
 def _check_router(o, ref, moe_layers, T, case):
     """router on the stack: each MoE layer's order is the assignment of the experts the gate picks
     on the rows the layer's MoE sees (the reference's), where no row has a near-tie at the k-th."""
-    from vllm_smoe.serving.speculate import device_predict as dp
+    from vllm_smoe.serving.speculate import device_predict
 
     failures, compared = [], 0
     for m, i in enumerate(moe_layers):
@@ -229,9 +230,9 @@ def _check_router(o, ref, moe_layers, T, case):
         top = torch.topk(logits, K + 1, dim=1).values
         if not bool((top[:, K - 1] - top[:, K] > 1e-4).all()):
             continue
-        pref, conf = dp.prefer_held(router._compute_routing(n, logits, None)[1], o.holds[m])
+        pref, conf = device_predict.prefer_held(router._compute_routing(n, logits, None)[1], o.holds[m])
         perm, inv = torch.zeros(1, T, dtype=torch.long), torch.zeros(1, T, dtype=torch.long)
-        dp.assign_permute(pref[None], conf[None], dp.chunk_caps(T, WORLD), perm, inv)
+        device_predict.assign_permute(pref[None], conf[None], device_predict.chunk_caps(T, WORLD), perm, inv)
         compared += 1
         if not torch.equal(perm[0], o.perm[m, :T]):
             failures.append(f"{case}: MoE layer {m}'s order is not the exact one")
@@ -307,7 +308,7 @@ def test_stack_order_per_layer_gives_the_plain_stack_and_each_layer_its_chunk(gl
 
 
 def test_stack_order_kind_takes_one_order_per_step_where_per_layer_cannot_follow():
-    from vllm_smoe.serving.speculate.token_order import stack_order_kind
+    from vllm_smoe.serving.speculate.seams import stack_order_kind
 
     stack = types.SimpleNamespace(layers=[types.SimpleNamespace(use_sequence_parallel_moe=sp)
                                           for sp in (False, True, True)])

@@ -21,7 +21,7 @@ class SmoeSettingsError(ValueError):
 _KEYS = ("mode", "placement", "placement_dirs", "record", "log_interval", "record_chunk_tokens", "predictor", "all2all", "dp_routing",
          "metrics_dir", "drift_threshold", "record_sample", "record_max_mb", "metrics", "reduce_scatter", "hierarchical",
          "stack_order")
-PREDICTORS = ("tables", "tables-markov", "learned", "router", "input-gate", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.serving.speculate.token_order)
+PREDICTORS = ("tables", "tables-markov", "learned", "router", "input-gate", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.serving.speculate.predictors)
 TABLE_PREDICTORS = ("tables", "tables-markov", "learned", "input-gate")  # those that read the placement's tables file
 ALL2ALL = ("sparse", "vllm")
 REDUCE_SCATTER = ("auto", "on", "off")  # speculate's shuffled reduce-scatter (SmoeConfig.reduce_scatter)
@@ -54,7 +54,7 @@ class SmoeConfig:
     directory's trace files, oldest removed first (None = no limit). metrics: False publishes
     nothing for /metrics and turns off speculate's device counters, log line and drift (the
     sparse all2all's own counters keep counting). reduce_scatter: speculate, where the decoder
-    layer's seams allow it (:func:`vllm_smoe.serving.speculate.token_order.shuffle_seams`): the attention
+    layer's seams allow it (:func:`vllm_smoe.serving.speculate.seams.shuffle_seams`): the attention
     output's all-reduce becomes a reduce-scatter of its rows already in the token order (s-MoE's
     shuffled reduce-scatter, half the attention's bytes over a network): ``auto`` where the
     tensor-parallel group spans nodes (within one, shared memory and NVLink's one-shot

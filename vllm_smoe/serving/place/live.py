@@ -79,7 +79,8 @@ def check_swap(state: Worker, snapshot) -> Swap:
     """The placement in ``snapshot`` (:class:`~vllm_smoe.formats.placement_file.Snapshot`), parsed once,
     if it can replace the served one live; ValueError otherwise."""
     from .check import check_served_placement
-    from ..speculate.token_order import device_tables, find_moe_experts
+    from ..location import device_tables
+    from ..speculate.seams import find_moe_experts
 
     path = snapshot.path
     fresh = check_served_placement(path, state.cfg, state.vllm_config, snapshot)
@@ -181,7 +182,7 @@ def derived_rows(state: Worker, rows) -> list[list[Derived]]:
     """Per MoE layer: the tensors vLLM derived from its router's rows (:mod:`.derived`'s rule),
     found while ``rows`` (:func:`router_rows`) are still in the served order; ValueError naming a
     tensor with an expert-count extent that is not one."""
-    from ..speculate.token_order import find_moe_experts
+    from ..speculate.seams import find_moe_experts
 
     old = state.placement.plan
     E, P = old.slot2expert.shape[1], old.physical2expert.shape[1]
@@ -270,7 +271,7 @@ def _set_routes(state: Worker, new) -> None:
         return
     from vllm.distributed import get_ep_group
 
-    from ..speculate.token_order import find_moe_experts
+    from ..speculate.seams import find_moe_experts
 
     rank = get_ep_group().rank_in_group
     for layer, _, experts in find_moe_experts(state.model, new.moe_layers):

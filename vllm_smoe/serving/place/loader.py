@@ -297,7 +297,7 @@ def _check_slots(experts, layer: int, P: int, N: int) -> None:
 
 def install_routes(model: torch.nn.Module, plan: LoadPlan, rank: int) -> None:
     """:func:`set_route` on every MoE router with this rank's ``route2physical[l, rank]``."""
-    from ..speculate.token_order import find_moe_experts
+    from ..speculate.seams import find_moe_experts
 
     found = find_moe_experts(model, plan.moe_layers)
     if len(found) != len(plan.moe_layers):

@@ -50,7 +50,7 @@ def set_capture(experts, fn, who: str, gate=None) -> None:
     FusedMoE routes its rows to. A modular kernel: vLLM's router capture function. A monolithic
     one: vLLM's routing sink, which the kernel fills (vLLM's routed-experts capture takes the same
     seam), where the kernel supports it and holds only this rank's rows (no EP, DP = 1); else,
-    given the block's ``gate`` module (:func:`.token_order.hookable_gate`), a forward hook on it that runs the
+    given the block's ``gate`` module (:func:`..speculate.seams.hookable_gate`), a forward hook on it that runs the
     router's pure routing step on the gate's rows and logits (one more top-k per layer: vLLM
     0.32's OAI Triton MXFP4 kernel, GPT-OSS's default on Hopper, routes inside and reports
     nothing); ValueError naming the kernel otherwise, rather than count or record nothing."""

@@ -101,7 +101,7 @@ class Recorder:
         self.buf = self.rows.buf
         self.order = order  # speculate's TokenOrder: each rank's router sees its chunk of reordered rows
         from .capture import current_capture, set_capture
-        from ..speculate.token_order import find_moe_experts, hookable_gate
+        from ..speculate.seams import find_moe_experts, hookable_gate
 
         found = find_moe_experts(model, tuple(self.layers))
         if len(found) != self.L:

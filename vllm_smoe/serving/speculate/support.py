@@ -1,7 +1,7 @@
 """Can ``mode: speculate`` serve this model under this vLLM config? ``(ok, reason)`` checks that
 need only configs (no torch, no model), so a server refuses before it loads anything. What needs
 the built model (the MoE block chunks and all-gathers its own rows) is checked at load
-(:func:`vllm_smoe.serving.speculate.token_order.block_supported`), before the first step."""
+(:func:`vllm_smoe.serving.speculate.seams.block_supported`), before the first step."""
 
 from __future__ import annotations
 

@@ -46,328 +46,23 @@ permutation), and the final norm gets them back in the original order.
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
-import re
 import time
 
 import numpy as np
 import torch
 
 from ...placement.learned import LEARNED_FIELDS
-from . import device_predict as dp
+from . import device_predict
+from . import ops  # noqa: F401  (registers torch.ops.smoe.*, which the hooks call)
+from .comm import agree, chunk_padding, chunk_real, chunk_rows, keep_chunk_residual, shuffled_reduce_scatter
+from .gates import exact_gate_scale, gate_logits, gate_ranks, route_ahead, sum_gathered, unit_rows
+from .seams import (CHUNK_ONLY_BLOCKS, block_supported, exact_router_seams, find_moe_experts, find_stack,
+                    gate_ahead, hookable_gate, shuffle_seams, stack_order_kind, tp_spans_nodes)
 from ..config import TABLE_PREDICTORS
-from ..served import worker
+from ..location import device_tables
 
 logger = logging.getLogger("vllm.smoe")
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
-# MoE blocks whose forward reads its input only through sequence_parallel_chunk (vLLM 0.32
-# qwen3_moe.py): the token order gathers just the rank's chunk for them
-CHUNK_ONLY_BLOCKS = ("Qwen3MoeSparseMoeBlock",)
-TABLE_NAMES = ("token2rank", "token_conf", "markov2rank", "markov_conf", "prior2rank")  # + bigrams when built
-
-
-def find_moe_experts(model: torch.nn.Module, moe_layers: tuple[int, ...]
-                     ) -> list[tuple[int, torch.nn.Module, torch.nn.Module]]:
-    """(MoE ordinal, block, FusedMoE) of every MoE block: the module that owns a FusedMoE (a
-    child with a ``router`` that takes a capture function), in layer order."""
-    found = {}
-    for name, module in model.named_modules():
-        for child in module.children():
-            router = getattr(child, "router", None)
-            if router is not None and hasattr(router, "set_capture_fn"):
-                m = _LAYER.search("." + name + ".")
-                if m is not None and int(m.group(1)) in moe_layers:
-                    found[moe_layers.index(int(m.group(1)))] = (module, child)
-    return [(layer, block, experts) for layer, (block, experts) in sorted(found.items())]
-
-
-def gate_ahead(block: torch.nn.Module, experts: torch.nn.Module) -> tuple[bool, str, torch.nn.Module | None]:
-    """``(ok, reason, gate)`` for predictor ``router``: the gate vLLM applies to this block's rows,
-    held either by the FusedMoE runner (``router_logits`` is then the rows themselves) or by the
-    block (``gate``; GPT-OSS and Llama 4 name it ``router``), and a router whose pure routing step
-    (``_compute_routing``) smoe can call on them."""
-    held = (getattr(experts, "gate", None), getattr(block, "gate", None), getattr(block, "router", None))
-    gate = next((g for g in held if isinstance(g, torch.nn.Module)), None)
-    if gate is None:
-        return False, (f"{type(block).__name__} has no gate module (neither the block's gate or router nor its "
-                       f"FusedMoE's gate)"), None
-    if not callable(getattr(experts.router, "_compute_routing", None)):
-        return False, f"{type(experts.router).__name__} has no _compute_routing (vLLM's BaseRouter API changed)", None
-    return True, "", gate
-
-
-def hookable_gate(block, experts, vllm_config):
-    """The gate module of an MoE block whose forward hook sees each step's rows and logits as
-    they are (:func:`.capability.set_capture`'s last resort), or None: only in an eager model (a
-    compiled one would trace the hook and freeze the host values it reads), and not on ROCm
-    (GPT-OSS calls its gate's weights directly there)."""
-    from vllm.platforms import current_platform
-
-    if not vllm_config.model_config.enforce_eager or current_platform.is_rocm():
-        return None
-    return gate_ahead(block, experts)[2]
-
-
-# the children a decoder layer may have for the stack order: one attention, whose rows smoe
-# restores and orders again, and row-wise modules that do not care about the order
-_STACK_LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-
-
-def find_stack(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The decoder stack: the module holding ``embed_tokens``, ``layers`` and ``norm``."""
-    for module in model.modules():
-        if all(hasattr(module, a) for a in ("embed_tokens", "layers", "norm")):
-            return module
-    return None
-
-
-def stack_supported(model: torch.nn.Module, name: str) -> tuple[bool, str]:
-    """Can one order per step, set at the first decoder layer and undone at the final norm, hold for this
-    model? Every decoder layer must mix tokens only in ``self_attn``."""
-    stack = find_stack(model)
-    if stack is None:
-        return False, f"{name} is called on rows its decoder layer already split, and no decoder stack " \
-                      f"(embed_tokens, layers, norm) was found to order the whole step"
-    # a stack that splits the step itself before its layers (vLLM 0.32's CUDA DeepSeek-V3.2 /
-    # GLM-5 model: sp_shard, its own pad mask) or norms it fused with a collective: smoe's hooks
-    # on the first layer, the attentions and the final norm would see other rows than they expect
-    try:
-        src = inspect.getsource(type(stack).forward)
-    except (OSError, TypeError):  # no source to read (a compiled or generated class)
-        return False, f"{name}: the source of {type(stack).__name__}.forward cannot be read to check how it splits rows"
-    split = [w for w in ("sp_shard(", "sequence_parallel_chunk(", "fused_allreduce_rms_norm(") if w in src]
-    if split:
-        return False, (f"{name}: {type(stack).__name__}.forward splits or norms the step's rows itself "
-                       f"({', '.join(w[:-1] for w in split)}), where smoe's one order per step cannot follow")
-    for i, layer in enumerate(stack.layers):
-        other = {n for n, _ in layer.named_children()} - _STACK_LAYER_CHILDREN
-        if other or not hasattr(layer, "self_attn"):
-            return False, (f"{name}: decoder layer {i} ({type(layer).__name__}) has modules {sorted(other)} "
-                           f"besides attention and row-wise ones; smoe cannot order its rows without model code")
-        # the layer must split its rows as vLLM's DeepSeek-V2 one does (reduce-scatter after the
-        # attention, the MoE block told so), keyed on the attribute smoe's one-row fix reads
-        try:
-            src = inspect.getsource(type(layer).forward)
-        except (OSError, TypeError):
-            src = ""
-        if not (hasattr(layer, "use_sequence_parallel_moe") and "already_sequence_parallel=True" in src
-                and "tensor_model_parallel_reduce_scatter(" in src):
-            return False, (f"{name}: decoder layer {i} ({type(layer).__name__}) does not reduce-scatter its rows "
-                           f"after the attention and pass already_sequence_parallel=True as vLLM's DeepSeek-V2 "
-                           f"layer does; smoe cannot order its rows without model code")
-    return True, ""
-
-
-def stack_order_kind(stack: torch.nn.Module, moe_layers: tuple[int, ...], wanted: str, dtype: torch.dtype
-                     ) -> tuple[bool, str]:
-    """``(step_order, reason)`` for a stack :func:`stack_supported` accepted: one order per step
-    (True) where config ``stack_order`` asks for it or an order per MoE layer cannot follow the
-    stack (the reason says why), else an order per MoE layer (False, ""). Per layer needs the
-    layers that split their rows to be exactly the placement's MoE layers, and in fp16 no layer
-    that rescales its attention output: vLLM's DeepSeek layers then divide it by the routed
-    scaling factor and the residual only once, at layer 0, which a residual folded into the
-    attention output would not follow."""
-    if wanted == "step":
-        return True, "stack_order: step"
-    split = {i for i, d in enumerate(stack.layers) if getattr(d, "use_sequence_parallel_moe", False)}
-    if split != set(moe_layers):
-        return True, (f"the decoder layers that split their rows ({sorted(split)}) are not the placement's MoE "
-                      f"layers ({list(moe_layers)})")
-    # vLLM's DeepSeek layers in fp16 divide the attention output by routed_scaling_factor (not
-    # DeepseekAttention's) and the residual once, at layer 0: a residual folded into the output
-    # would be divided at every layer
-    rescaled = [i for i, d in enumerate(stack.layers) if getattr(d, "routed_scaling_factor", 1.0) != 1.0
-                and type(getattr(d, "self_attn", None)).__name__ != "DeepseekAttention"]
-    if dtype == torch.float16 and rescaled:
-        return True, (f"float16: decoder layers {rescaled[:4]}{'...' if len(rescaled) > 4 else ''} rescale the "
-                      f"attention output apart from the residual, which an order per layer folds into it")
-    return False, ""
-
-
-def block_supported(block: torch.nn.Module, model: torch.nn.Module | None = None) -> tuple[bool, str, str]:
-    """``(ok, reason, kind)``: kind "block" when the MoE block chunks, computes and all-gathers
-    inside its own forward (ordered per layer around the block), "stack" when its decoder layer
-    splits the rows and the whole step is ordered once (``model`` is then checked)."""
-    name = type(block).__name__
-    if not getattr(block, "is_sequence_parallel", False):
-        return False, f"{name} does not run sequence parallel (vLLM's use_sequence_parallel_moe is off)", ""
-    forward = type(block).forward
-    if "already_sequence_parallel" in inspect.signature(forward).parameters:
-        if model is None:
-            return False, f"{name} is called on rows its decoder layer already split", ""
-        ok, reason = stack_supported(model, name)
-        return ok, reason, "stack" if ok else ""
-    src = inspect.getsource(forward)
-    if "sequence_parallel_chunk(" not in src or "all_gather(" not in src:
-        return False, (f"{name}.forward does not chunk and all-gather its own rows (its decoder layer "
-                       f"reduce-scatters instead), so smoe cannot order its tokens without model code"), ""
-    return True, "", "block"
-
-
-_O_PROJ_RETURNED = re.compile(r"(\w+)\s*(?:,\s*\w+)?\s*=\s*self\.o_proj\([^)]*\)\s*return\s+\1\s*$")
-
-
-def shuffle_seams(model: torch.nn.Module, moe_layers: tuple[int, ...], experts: list, tp_size: int
-                  ) -> tuple[list[tuple[int, torch.nn.Module, torch.nn.Module, torch.nn.Module]], str]:
-    """``(seams, reason)``: per MoE ordinal, the modules the shuffled reduce-scatter hooks
-    (``(layer, o_proj, post_attention_layernorm, FusedMoE)``), or ``[]`` and why not. It needs
-    decoder layers that add the attention output to the residual in ``post_attention_layernorm``
-    and return ``(mlp(hidden), residual)``, an attention whose output is its row-parallel
-    ``o_proj``'s (all-reduced there, so smoe can reduce-scatter instead), and a MoE block that
-    reads its rows only through its chunk (:data:`CHUNK_ONLY_BLOCKS`). experts: (ordinal, block,
-    FusedMoE) as :func:`find_moe_experts` gives."""
-    stack = find_stack(model)
-    if stack is None:
-        return [], "no decoder stack (embed_tokens, layers, norm) was found"
-    seams = []
-    for layer, block, fused in experts:
-        decoder = stack.layers[moe_layers[layer]]
-        name = type(decoder).__name__
-        if getattr(decoder, "mlp", None) is not block or type(block).__name__ not in CHUNK_ONLY_BLOCKS:
-            return [], f"{name}'s MoE block {type(block).__name__} is not one that reads only its chunk"
-        attn, norm = getattr(decoder, "self_attn", None), getattr(decoder, "post_attention_layernorm", None)
-        o_proj = getattr(attn, "o_proj", None)
-        if norm is None or o_proj is None:
-            return [], f"{name} has no self_attn.o_proj and post_attention_layernorm"
-        if getattr(o_proj, "reduce_results", None) is not True or getattr(o_proj, "tp_size", None) != tp_size:
-            return [], f"{name}'s o_proj does not all-reduce over the {tp_size} tensor-parallel ranks"
-        src = inspect.getsource(type(decoder).forward)
-        if ("self.post_attention_layernorm(hidden_states, residual)" not in src or
-                "self.mlp(hidden_states)" not in src or not re.search(r"return\s+hidden_states,\s*residual", src)):
-            return [], (f"{name}.forward does not add the attention output to the residual in "
-                        f"post_attention_layernorm and return (mlp(hidden_states), residual)")
-        if not _O_PROJ_RETURNED.search(inspect.getsource(type(attn).forward).rstrip()):
-            return [], f"{type(attn).__name__}.forward does not return its o_proj's output as it is"
-        seams.append((layer, o_proj, norm, fused))
-    return seams, ""
-
-
-def tp_spans_nodes(tp) -> bool:
-    """Does the tensor-parallel group ``tp`` (vLLM's GroupCoordinator) cross a network? On vLLM's
-    CPU build: its communicator is not on shared memory; elsewhere: a rank is on another node
-    (vLLM's ``in_the_same_node_as``, a collective on the group's CPU side, once at start)."""
-    comm = tp.device_communicator
-    if hasattr(comm, "dist_module"):  # CpuCommunicator: shared memory within a node, else gloo
-        from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
-
-        return not isinstance(comm.dist_module, _CPUSHMDistributed)
-    from vllm.distributed.parallel_state import in_the_same_node_as
-
-    return not all(in_the_same_node_as(tp.cpu_group, source_rank=0))
-
-
-def route_ahead(gate: torch.nn.Module, router, x: torch.Tensor, held: torch.Tensor,
-                input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Predictor router: vLLM's own gate and routing step on a block's rows, which every rank
-    holds whole before the block chunks them, so each token's ranks are known exactly rather than
-    predicted. x: [T, H]; held: [N, E] bool, rank holds a copy of router output e (home or
-    replica). Returns (pref [T, 2] int64, conf [T] float32) as :func:`device_predict.prefer_held`.
-    Costs one more
-    gate GEMM over T rows per layer (vLLM's own runs on the T / N rows of the chunk); the routing
-    step is the pure one (no capture, no EPLB bookkeeping). The gate is called through
-    ``forward``: its hooks (smoe's capture on a monolithic kernel's gate) belong to the block's
-    own pass over its chunk."""
-    _, ids = router._compute_routing(x, gate_logits(gate, x), None, input_ids=input_ids)
-    return dp.prefer_held(ids, held)
-
-
-def gate_ranks(norm: torch.nn.Module, gate: torch.nn.Module, router, x: torch.Tensor, held: torch.Tensor,
-               input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Predictor input-gate on rows x [n, H] of a layer's input (the residual stream before its
-    attention): :func:`route_ahead` on them after the layer's post-attention ``norm``, called
-    through ``forward`` (its hook, smoe's shuffled reduce-scatter seam, belongs to the layer's own
-    pass). Returns (pref [n, 2] int64, conf [n] float32) as :func:`device_predict.prefer_held`."""
-    return route_ahead(gate, router, norm.forward(x), held, input_ids)
-
-
-def gate_logits(gate: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The gate's logits [n, E] of rows x [n, H], called through ``forward`` (its hooks belong to
-    the block's own pass)."""
-    logits = gate.forward(x)
-    return logits[0] if isinstance(logits, tuple) else logits  # vLLM's linear layers: (output, bias)
-
-
-def exact_gate_scale(norm: torch.nn.Module, gate: torch.nn.Module, router, hidden: int, dtype: torch.dtype,
-                     device) -> tuple[torch.Tensor | None, str]:
-    """``(w, reason)`` for predictor ``router`` under the shuffled reduce-scatter: the routed
-    experts of a row x = residual + sum_r partial_r are the top-k of ``gate(norm(x))``; when the
-    norm is a per-row positive scale times a per-channel weight (RMSNorm and its kin:
-    ``norm(x) = s(x) * x * w``), the gate is linear without bias, and the routing step's top-k
-    does not change when the logits are scaled (softmax or sigmoid top-k without a correction
-    bias), they are also the top-k of ``sum_r gate(w * partial_r) + gate(w * residual)``, a sum
-    of [T, E] terms each rank can compute before the reduce. Probes the modules once at load
-    (a seeded random input) and returns w [H] in ``dtype`` (up to a common positive factor), or
-    None and why not."""
-    with torch.no_grad():
-        one = norm.forward(torch.ones(1, hidden, dtype=dtype, device=device))
-        w = (one[0] if isinstance(one, tuple) else one)[0]
-        x = torch.randn(8, hidden, generator=torch.Generator().manual_seed(0)).to(dtype=dtype, device=device)
-        y = norm.forward(x)
-        y = (y[0] if isinstance(y, tuple) else y).float()
-        # y = c * x * w per row, c > 0 (least squares; channels a widened model pads with zero
-        # weights are zero on both sides)
-        xw = x.float() * w.float()
-        c = (y * xw).sum(dim=1) / (xw * xw).sum(dim=1).clamp_min(1e-30)
-        err = (y - c[:, None] * xw).norm(dim=1) / y.norm(dim=1).clamp_min(1e-30)
-        if not bool(torch.all((c > 0) & (err <= 0.02) & (xw.abs().amax(dim=1) > 0))):
-            return None, (f"{type(norm).__name__} is not a per-row scale times a per-channel weight, so the gate's "
-                          f"logits cannot be summed from partial rows")
-        g0 = gate_logits(gate, torch.zeros(1, hidden, dtype=dtype, device=device)).float()
-        ga, gb, gab = (gate_logits(gate, v).float() for v in (x[:4], x[4:], x[:4] + x[4:]))
-        if bool(g0.abs().amax() > 0) or not torch.allclose(gab, ga + gb, rtol=0.05,
-                                                           atol=0.05 * float(gab.abs().amax())):
-            return None, (f"{type(gate).__name__} is not linear without bias, so its logits are not a sum over "
-                          f"partial rows")
-        E = gate_logits(gate, x).shape[1]
-        # float32, as served: the summed logits (unit_rows) reach the routing step in float32
-        z = torch.randn(16, E, generator=torch.Generator().manual_seed(1)).to(device=device)
-        h, ids = torch.zeros(16, hidden, dtype=dtype, device=device), torch.zeros(16, dtype=torch.long, device=device)
-        want = router._compute_routing(h, z, None, input_ids=ids)[1].sort(dim=1).values
-        for zz in (z * 0.25, z * 4.0, unit_rows(z)):  # unit_rows: what the routing step is given
-            if not torch.equal(router._compute_routing(h, zz, None, input_ids=ids)[1].sort(dim=1).values, want):
-                return None, (f"{type(router).__name__}'s experts change when the logits are scaled (a correction "
-                              f"bias or a scale-dependent rule), so the norm's per-row scale cannot be left out")
-    return w, ""
-
-
-def exact_router_seams(model: torch.nn.Module, moe_layers: tuple[int, ...], gates: list, hidden: int,
-                       dtype: torch.dtype, device) -> tuple[list[tuple[torch.nn.Module, torch.Tensor]], str]:
-    """``(seams, reason)`` for predictor ``router`` under the shuffled reduce-scatter: per MoE
-    ordinal, the decoder layer's ``input_layernorm`` (whose residual output is the layer's input,
-    every row whole on every rank) and the post-attention norm's per-channel weight
-    (:func:`exact_gate_scale`), or ``[]`` and why not. gates: (gate, router) per MoE ordinal."""
-    stack = find_stack(model)
-    seams = []
-    for layer, (gate, router) in enumerate(gates):
-        decoder = stack.layers[moe_layers[layer]]
-        src = inspect.getsource(type(decoder).forward)
-        if "residual = hidden_states" not in src or "self.input_layernorm(hidden_states, residual)" not in src:
-            return [], (f"{type(decoder).__name__}.forward does not take its input's residual stream from "
-                        f"input_layernorm(hidden_states, residual)")
-        w, reason = exact_gate_scale(decoder.post_attention_layernorm, gate, router, hidden, dtype, device)
-        if w is None:
-            return [], reason
-        seams.append((decoder.input_layernorm, w))
-    return seams, ""
-
-
-def unit_rows(logits: torch.Tensor) -> torch.Tensor:
-    """logits [T, E] over each row's largest magnitude (a positive per-row factor, which
-    :func:`exact_gate_scale` checked the routing step ignores): summed from partial rows they are
-    the gate's logits times the row's RMS, which can reach 100 or more on residual streams with
-    outliers, where a softmax or sigmoid in float32 rounds the weaker top-k to 0 or 1 and ties."""
-    return logits / logits.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
-
-
-def sum_gathered(parts: torch.Tensor, N: int) -> torch.Tensor:
-    """parts: [N * T, E] the ranks' terms after an all-gather -> [T, E] float32, summed rank by
-    rank in rank order (the same bits on every rank, which the same assignment needs)."""
-    parts = parts.view(N, -1, parts.shape[-1]).float()
-    total = parts[0].clone()
-    for r in range(1, N):
-        total += parts[r]
-    return total
 
 
 class TokenOrder:
@@ -684,9 +379,9 @@ class TokenOrder:
             return
         self.ids[: ids.shape[0]].copy_(ids)
         if self.learned:
-            self.prev[: ids.shape[0]].copy_(dp.previous_ids(ids, positions))
+            self.prev[: ids.shape[0]].copy_(device_predict.previous_ids(ids, positions))
         if self.bigrams:
-            self.query[: ids.shape[0]].copy_(dp.bigram_query(ids, positions, self.tables["token2rank"].shape[1]))
+            self.query[: ids.shape[0]].copy_(device_predict.bigram_query(ids, positions, self.tables["token2rank"].shape[1]))
 
     def before_step(self, scheduler_output) -> None:
         """Host side, before a served step's forward: its real token count on the device."""
@@ -886,40 +581,40 @@ class TokenOrder:
         """(pref [len(layers), T, P], conf [len(layers), T]) for the step's token ids."""
         if self.step_order:  # one order for every layer
             if self.predictor == "random":
-                pref, conf = dp.predict_random(ids, 0, self.N)
+                pref, conf = device_predict.predict_random(ids, 0, self.N)
             elif self.predictor == "one-rank":
-                pref, conf = dp.predict_one_rank(ids)
+                pref, conf = device_predict.predict_one_rank(ids)
             elif self.learned:  # expected local activations summed over every layer
-                pref, conf = dp.learned_step(self._learned_logits(ids), self.N)
+                pref, conf = device_predict.learned_step(self._learned_logits(ids), self.N)
             else:
                 t = self.tables
-                pref, conf = dp.vote(*dp.predict_token_tables(t["token2rank"], t["token_conf"], t["prior2rank"], ids,
+                pref, conf = device_predict.vote(*device_predict.predict_token_tables(t["token2rank"], t["token_conf"], t["prior2rank"], ids,
                                                               self._bigram(ids.shape[0])), self.N)
             return pref[None], conf[None]
         if self.predictor == "random":
-            both = [dp.predict_random(ids, layer, self.N) for layer in layers]
+            both = [device_predict.predict_random(ids, layer, self.N) for layer in layers]
             return torch.stack([p for p, _ in both]), torch.stack([c for _, c in both])
         if self.predictor == "one-rank":
-            pref, conf = dp.predict_one_rank(ids)
+            pref, conf = device_predict.predict_one_rank(ids)
             return pref.expand(len(layers), -1, -1), conf.expand(len(layers), -1)
         t = self.tables
         if self.learned:  # the network, or the token tables where they are the more confident
-            tables = dp.predict_token_tables(t["token2rank"], t["token_conf"], t["prior2rank"], ids,
+            tables = device_predict.predict_token_tables(t["token2rank"], t["token_conf"], t["prior2rank"], ids,
                                              self._bigram(ids.shape[0]))
-            return dp.learned_or_tables(*tables, *dp.learned_layers(self._learned_logits(ids), self.N))
+            return device_predict.learned_or_tables(*tables, *device_predict.learned_layers(self._learned_logits(ids), self.N))
         if not self.markov:  # always every layer: whole tables, no index copies
-            return dp.predict_token_tables(t["token2rank"], t["token_conf"], t["prior2rank"], ids,
+            return device_predict.predict_token_tables(t["token2rank"], t["token_conf"], t["prior2rank"], ids,
                                            self._bigram(ids.shape[0]))
         (layer,) = layers
         prev = self.slot2expert[layer - 1][self.prev_top1[: ids.shape[0]]] if layer > 0 else None
-        pref, conf = dp.predict_tables(*(t[k][layer] for k in ("token2rank", "token_conf", "markov2rank",
+        pref, conf = device_predict.predict_tables(*(t[k][layer] for k in ("token2rank", "token_conf", "markov2rank",
                                                                "markov_conf", "prior2rank")), ids, prev,
                                        self._bigram(ids.shape[0], layer))
         return pref[None], conf[None]
 
     def _learned_logits(self, ids: torch.Tensor) -> torch.Tensor:
         t = self.tables
-        return dp.learned_logits(*(t["learned_" + k] for k in LEARNED_FIELDS), ids, self.prev[: ids.shape[0]])
+        return device_predict.learned_logits(*(t["learned_" + k] for k in LEARNED_FIELDS), ids, self.prev[: ids.shape[0]])
 
     def _bigram(self, T: int, layer: int | None = None) -> tuple | None:
         """:func:`device_predict.bigram_override`'s argument for the step's T rows (every layer, or one)."""
@@ -938,9 +633,9 @@ class TokenOrder:
         elif self.ahead and layer > 0:
             # the ranks the previous block's all-gather brought (equal on every rank), or the
             # tables' where they are the more confident
-            pref, conf = dp.learned_or_tables(self.table_pref[layer: layer + 1, :T], self.table_conf[layer: layer + 1, :T],
+            pref, conf = device_predict.learned_or_tables(self.table_pref[layer: layer + 1, :T], self.table_conf[layer: layer + 1, :T],
                                               self.next_pref[:T][None], self.next_conf[:T][None])
-            dp.assign_permute(pref, conf, dp.chunk_caps(T, self.N, partial.device), self.perm[layer: layer + 1],
+            device_predict.assign_permute(pref, conf, device_predict.chunk_caps(T, self.N, partial.device), self.perm[layer: layer + 1],
                               self.inv[layer: layer + 1])
         elif self.per_layer or layer == 0:
             self._predict(partial, layer)
@@ -987,8 +682,8 @@ class TokenOrder:
         # reduces; the partial rows differ): zeros of their shape, no memory, as in the probe
         rows = partial.new_zeros(()).expand(T, partial.shape[1])
         _, ids = router._compute_routing(rows, logits, None, input_ids=self.ids[:T])
-        pref, conf = dp.prefer_held(ids, self.holds[layer])
-        dp.assign_permute(pref[None], conf[None], dp.chunk_caps(T, self.N, partial.device),
+        pref, conf = device_predict.prefer_held(ids, self.holds[layer])
+        device_predict.assign_permute(pref[None], conf[None], device_predict.chunk_caps(T, self.N, partial.device),
                           self.perm[layer: layer + 1], self.inv[layer: layer + 1])
 
     def fold_residual(self, normed: torch.Tensor, residual: torch.Tensor, layer: int, whole: bool
@@ -1058,10 +753,10 @@ class TokenOrder:
             if prev < 0:
                 self._predict(partial, layer)
             elif gated:  # input-gate's ranks, or the tables' where they are the more confident
-                pref, conf = dp.learned_or_tables(self.table_pref[layer: layer + 1, :T],
+                pref, conf = device_predict.learned_or_tables(self.table_pref[layer: layer + 1, :T],
                                                   self.table_conf[layer: layer + 1, :T],
                                                   self.next_pref[:T][None], self.next_conf[:T][None])
-                dp.assign_permute(pref, conf, dp.chunk_caps(T, self.N, dev), self.perm[layer: layer + 1],
+                device_predict.assign_permute(pref, conf, device_predict.chunk_caps(T, self.N, dev), self.perm[layer: layer + 1],
                                   self.inv[layer: layer + 1])
             out = partial.index_select(0, self.perm[layer, :T])
             out.index_add_(0, self.inv[layer].index_select(0, src), rows)
@@ -1157,7 +852,7 @@ class TokenOrder:
         self.rows = T
         layers = [layer] if self.per_layer or self.step_order else list(range(self.perm.shape[0]))
         rows = slice(layers[0], layers[-1] + 1)
-        caps = dp.chunk_caps(T, self.N, x.device)
+        caps = device_predict.chunk_caps(T, self.N, x.device)
         agreed = bool(self.gates and not self.ahead) or self.learned  # rank 0's assignment, broadcast
         if agreed and T == 1:  # no gate and no broadcast for it
             self._one_row(rows)
@@ -1172,7 +867,7 @@ class TokenOrder:
                 pref, conf = pref[None], conf[None]
             else:
                 pref, conf = self.preferences(layers, self.ids[:T])
-            perm, inv = dp.permutation(agree(dp.assign(pref, conf, caps), self.broadcast))
+            perm, inv = device_predict.permutation(agree(device_predict.assign(pref, conf, caps), self.broadcast))
             self.perm[rows, :T].copy_(perm)
             self.inv[rows, :T].copy_(inv)
         else:
@@ -1182,7 +877,7 @@ class TokenOrder:
                 self.table_conf[:, :T].copy_(conf)
                 if not self.stack:  # the first layer's order now (the stack: every layer's, some redone)
                     pref, conf, rows = pref[:1], conf[:1], slice(0, 1)
-            dp.assign_permute(pref, conf, caps, self.perm[rows], self.inv[rows])
+            device_predict.assign_permute(pref, conf, caps, self.perm[rows], self.inv[rows])
 
     def restore(self, y: torch.Tensor, layer: int) -> torch.Tensor:
         if self.step_pad is not None:  # the runner's step mask back in the forward context
@@ -1259,206 +954,6 @@ class TokenOrder:
                      f"order cannot move them)")
         logger.info("smoe: speculate (predictor %s): rank %d served %.3f of its expert activations locally "
                     "(%d tokens)%s", self.predictor, self.rank, local / acts, tokens // self.inv.shape[0], wire)
-
-
-# The two ops keep per-step state on TokenOrder (perm, inv, top-1, counters) rather than in their
-# signatures; their order is fixed by data: restore_tokens consumes what order_tokens fed the block.
-@torch.library.custom_op("smoe::order_tokens", mutates_args=())
-def order_tokens(x: torch.Tensor, layer: int, predict: bool) -> torch.Tensor:
-    return worker().order.order(x, layer, predict)
-
-
-@order_tokens.register_fake
-def _(x, layer, predict):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("smoe::restore_tokens", mutates_args=())
-def restore_tokens(y: torch.Tensor, layer: int) -> torch.Tensor:
-    return worker().order.restore(y, layer)
-
-
-@restore_tokens.register_fake
-def _(y, layer):
-    return torch.empty_like(y)
-
-
-@torch.library.custom_op("smoe::reduce_scatter_tokens", mutates_args=())
-def reduce_scatter_tokens(partial: torch.Tensor, layer: int) -> torch.Tensor:
-    return worker().order.reduce_scatter(partial, layer)
-
-
-@reduce_scatter_tokens.register_fake
-def _(partial, layer):
-    return torch.empty_like(partial)
-
-
-@torch.library.custom_op("smoe::note_layer_input", mutates_args=())
-def note_layer_input(normed: torch.Tensor, x: torch.Tensor, layer: int) -> torch.Tensor:
-    return worker().order.note_layer_input(normed, x, layer)
-
-
-@note_layer_input.register_fake
-def _(normed, x, layer):
-    return torch.empty_like(normed)
-
-
-@torch.library.custom_op("smoe::fold_residual", mutates_args=())
-def fold_residual(normed: torch.Tensor, residual: torch.Tensor, layer: int, whole: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    return worker().order.fold_residual(normed, residual, layer, whole)
-
-
-@fold_residual.register_fake
-def _(normed, residual, layer, whole):
-    return torch.empty_like(normed), torch.empty_like(residual)
-
-
-@torch.library.custom_op("smoe::fold_residual_ahead", mutates_args=())
-def fold_residual_ahead(normed: torch.Tensor, residual: torch.Tensor, layer: int, prev: int
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    return worker().order.fold_residual_ahead(normed, residual, layer, prev)
-
-
-@fold_residual_ahead.register_fake
-def _(normed, residual, layer, prev):
-    return normed.new_empty((normed.shape[0], normed.shape[1] + 3)), torch.empty_like(residual)
-
-
-@torch.library.custom_op("smoe::order_folded", mutates_args=())
-def order_folded(partial: torch.Tensor, layer: int, prev: int, whole: bool, gated: bool) -> torch.Tensor:
-    return worker().order.order_folded(partial, layer, prev, whole, gated)
-
-
-@order_folded.register_fake
-def _(partial, layer, prev, whole, gated):
-    return partial.new_empty(partial.shape)  # contiguous, as index_select's
-
-
-@torch.library.custom_op("smoe::split_residual", mutates_args=())
-def split_residual(x: torch.Tensor, residual: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return worker().order.split_residual(x, residual, layer)
-
-
-@split_residual.register_fake
-def _(x, residual, layer):
-    return torch.empty_like(x), torch.empty_like(residual)
-
-
-@torch.library.custom_op("smoe::add_residual", mutates_args=())
-def add_residual(y: torch.Tensor, layer: int) -> torch.Tensor:
-    return worker().order.add_residual(y, layer)
-
-
-@add_residual.register_fake
-def _(y, layer):
-    return torch.empty_like(y)
-
-
-@torch.library.custom_op("smoe::add_residual_ahead", mutates_args=())
-def add_residual_ahead(y: torch.Tensor, layer: int) -> torch.Tensor:
-    return worker().order.add_residual_ahead(y, layer)
-
-
-@add_residual_ahead.register_fake
-def _(y, layer):
-    return y.new_empty((y.shape[0], y.shape[1] + 3))
-
-
-@torch.library.custom_op("smoe::restore_tokens_ahead", mutates_args=())
-def restore_tokens_ahead(y: torch.Tensor, layer: int) -> torch.Tensor:
-    return worker().order.restore_ahead(y, layer)
-
-
-@restore_tokens_ahead.register_fake
-def _(y, layer):
-    return y.new_empty((y.shape[0], y.shape[1] - 3))
-
-
-def chunk_rows(T: int, rank: int, N: int) -> tuple[int, int]:
-    """Rank ``rank``'s rows [start, stop) of T rows split as vLLM's sequence_parallel_chunk does
-    (ceil(T / N) each, the last ones short or empty)."""
-    c = -(-T // N)
-    start = min(rank * c, T)
-    return start, min(start + c, T)
-
-
-def chunk_real(perm: torch.Tensor, T: int, rank: int, n: int, num_real: torch.Tensor) -> torch.Tensor:
-    """Which of rank ``rank``'s ``n`` chunk rows of the token order are real tokens: [n] bool.
-    perm: [>= T] int64, row i of the order is step row perm[i]; the chunk's rows past T are its
-    padding, and step rows at or past ``num_real`` (a 0-d device tensor) are vLLM's pad rows,
-    wherever the order put them. Static shapes, no host read."""
-    q, src = _chunk_sources(perm, T, rank, n)
-    return (q < T) & (src < num_real)
-
-
-def chunk_padding(perm: torch.Tensor, T: int, rank: int, n: int, step_pad: torch.Tensor) -> torch.Tensor:
-    """vLLM's pad-row mask for rank ``rank``'s ``n`` chunk rows of the token order: [n] bool, True
-    where the row is the chunk's own padding (past T) or a step row ``step_pad`` (vLLM's [>= T]
-    bool mask of the step, in step order) marks. Static shapes, no host read."""
-    q, src = _chunk_sources(perm, T, rank, n)
-    return (q >= T) | step_pad.index_select(0, src)
-
-
-def _chunk_sources(perm: torch.Tensor, T: int, rank: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, src): [n] int64 rank ``rank``'s chunk rows' places in the token order, and the step
-    rows they hold (the chunk's padding past T reads the last row)."""
-    q = torch.arange(n, device=perm.device) + rank * n
-    return q, perm.index_select(0, q.clamp(max=T - 1))
-
-
-def shuffled_reduce_scatter(partial: torch.Tensor, perm: torch.Tensor, rank: int, N: int, reduce_scatter
-                            ) -> torch.Tensor:
-    """s-MoE's shuffled reduce-scatter of one tensor-parallel partial sum. partial: [T, H] this
-    rank's share (summed over ranks it is the all-reduce's result); perm: [T] int64, row i of the
-    token order is step row perm[i]; reduce_scatter: ``[N * c, H] -> [c, H]`` summed over the
-    group, c = ceil(T / N). Returns [T, H]: this rank's chunk of the token order, reduced, at the
-    step rows it came from (``perm[start:stop]``); every other row zero. Static shapes."""
-    T, H = partial.shape
-    c = -(-T // N)
-    rows = partial.new_zeros((N * c, H))
-    torch.index_select(partial, 0, perm, out=rows[:T])
-    mine = reduce_scatter(rows)
-    start, stop = chunk_rows(T, rank, N)
-    out = partial.new_zeros((T, H))
-    out.index_copy_(0, perm[start:stop], mine[: stop - start])
-    return out
-
-
-def keep_chunk_residual(x: torch.Tensor, residual: torch.Tensor, perm: torch.Tensor, rank: int, N: int,
-                        kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """After the add + norm on :func:`shuffled_reduce_scatter`'s output: x, residual [T, H], exact
-    on this rank's chunk rows. Writes the chunk's residual rows, in chunk order, to
-    ``kept[:ceil(T / N)]`` (zero past them; kept: [>= ceil(T / N), H]) for the experts' output to
-    add before the block's all-gather. Returns (x's chunk rows at their step rows, the rest zero;
-    a zero residual: the all-gathered rows then carry the whole residual stream)."""
-    T = x.shape[0]
-    start, stop = chunk_rows(T, rank, N)
-    src = perm[start:stop]
-    kept[: -(-T // N)].zero_()
-    kept[: stop - start].copy_(residual.index_select(0, src))
-    out = torch.zeros_like(x)
-    out.index_copy_(0, src, x.index_select(0, src))
-    return out, torch.zeros_like(residual)
-
-
-def agree(token2rank: torch.Tensor, broadcast) -> torch.Tensor:
-    """Rank 0's assignment on every rank. token2rank: [T] or [L, T] int64; broadcast: the TP
-    group's ``broadcast(tensor, src)`` (in place). Returns the same shape, int64."""
-    t = token2rank.to(torch.int32).contiguous()
-    return broadcast(t, 0).long()
-
-
-def device_tables(tables, device, learned: bool = False) -> dict[str, torch.Tensor]:
-    """The predictor tables (``placement.predict.PredictorTables``) as the ops read them: name ->
-    tensor on ``device``, floats as float32 (the learned predictor's per-id rows as float16); with
-    ``learned``, the learned predictor's arrays too (the tables must carry them)."""
-    names = TABLE_NAMES + (("bigram_keys", "bigram2rank", "bigram_conf") if tables.has_bigrams else ())
-    if learned:
-        names += tuple("learned_" + k for k in LEARNED_FIELDS)
-    out = {k: torch.as_tensor(getattr(tables, k)).to(device) for k in names}
-    # the learned predictor's per-id rows stay float16 (its largest arrays; read as float32)
-    return {k: v.float() if v.is_floating_point() and not k.endswith("_proj") else v for k, v in out.items()}
 
 
 def install_token_order(model, vllm_config, cfg, served) -> TokenOrder:
