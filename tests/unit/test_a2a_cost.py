@@ -156,7 +156,7 @@ def test_evaluate_cluster_columns_for_every_method(tmp_path):
     """evaluate --cluster adds each backend's projection to every method, in the JSON and the
     table; the per-backend bytes follow the rules (allgather-rs the same for every placement)."""
     from vllm_smoe.testbed import FIXTURE_TRACES
-    from vllm_smoe.tools.place_cli import main
+    from vllm_smoe.tools.place import main
 
     placement = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny-4dom-ep8.yaml")
     out = tmp_path / "e.json"
@@ -177,7 +177,7 @@ def test_evaluate_cluster_columns_for_every_method(tmp_path):
 
 def test_evaluate_cluster_flags_errors(tmp_path):
     from vllm_smoe.testbed import FIXTURE_TRACES
-    from vllm_smoe.tools.place_cli import main
+    from vllm_smoe.tools.place import main
 
     placement = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny-4dom-ep8.yaml")
     base = ["evaluate", "--trace", FIXTURE_TRACES["heldout"], "--placement", placement, "--max-tokens", "4096",
@@ -241,7 +241,7 @@ def test_cluster_steps_give_every_rank_its_tokens(tmp_path):
     """Plain EP on the cluster's steps: each rank holds --tokens-per-rank tokens of every step,
     whatever the recorded batches were (allgather-rs then moves the same rows at 32 and 64)."""
     from vllm_smoe.testbed import FIXTURE_TRACES
-    from vllm_smoe.tools.place_cli import main
+    from vllm_smoe.tools.place import main
 
     placement = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny-4dom-ep8.yaml")
     times = {}
@@ -261,7 +261,7 @@ def test_cost_errors_exit_2(tmp_path):
     from vllm_smoe.formats.cluster_spec import load_cluster, wire_for
     from vllm_smoe.testbed import FIXTURE_TRACES
     from vllm_smoe.tools.cluster_cost import check_calibration
-    from vllm_smoe.tools.place_cli import main
+    from vllm_smoe.tools.place import main
 
     with pytest.raises(ValueError, match="at most 8 ranks"):
         wire_for(load_cluster("gb200-nvl72"), "deepep-ht", 16, 7168, 8)

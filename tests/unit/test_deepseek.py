@@ -26,7 +26,7 @@ def _config(arch):
 
 def _build(arch, out, ep_size, *extra):
     model, traces = FIXTURES[arch]
-    r = subprocess.run([sys.executable, "-m", "vllm_smoe.tools.place_cli", "build", "--trace", traces["train"],
+    r = subprocess.run([sys.executable, "-m", "vllm_smoe.tools.place", "build", "--trace", traces["train"],
                         "--ep-size", str(ep_size), "--model", model, "-o", str(out), *extra],
                        capture_output=True, text=True)
     return r
@@ -74,7 +74,7 @@ def test_v3_placement_keeps_routing_groups_whole(tmp_path):
     assert r.returncode == 2 and "--groups 2" in r.stderr and "n_group" in r.stderr
     # built without the model (no groups): coclust splits groups, and the loader refuses it
     free = tmp_path / "free.yaml"
-    r = subprocess.run([sys.executable, "-m", "vllm_smoe.tools.place_cli", "build", "--trace",
+    r = subprocess.run([sys.executable, "-m", "vllm_smoe.tools.place", "build", "--trace",
                         FIXTURES["deepseek_v3"][1]["train"], "--ep-size", "8", "-o", str(free)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -62,7 +62,7 @@ def test_unreadable_inputs_name_their_file(tmp_path):
     _damage_member_data(bad)
     _expect(_run("vllm_smoe.tools.trace_cli", "validate", bad), bad, "damaged data")
     _expect(_run("vllm_smoe.tools.trace_cli", "validate", tmp_path), tmp_path, "is a directory")
-    _expect(_run("vllm_smoe.tools.place_cli", "build", "--trace", bad, "--ep-size", "2", "-o", tmp_path / "p.yaml"),
+    _expect(_run("vllm_smoe.tools.place", "build", "--trace", bad, "--ep-size", "2", "-o", tmp_path / "p.yaml"),
             bad)
     if os.geteuid() != 0:  # root reads anything
         locked = _small_trace(tmp_path / "locked.npz")
@@ -84,13 +84,13 @@ def test_bad_output_paths_fail_first_and_leave_nothing(tmp_path, cmd, flag, wher
     out = target[where]
     if cmd[0] == "report" and where == "a-directory":
         out = tmp_path / "file"  # report writes a directory: a file is what it cannot use
-    r = _run("vllm_smoe.tools.place_cli", *cmd, out)
+    r = _run("vllm_smoe.tools.place", *cmd, out)
     _expect(r, out, flag)
     assert "placing" not in r.stderr  # refused before the solve
     assert sorted(os.listdir(tmp_path)) == ["dir", "file"] and os.listdir(tmp_path / "dir") == []
 
 
-@pytest.mark.parametrize("cmd", [["vllm_smoe.tools.place_cli", "build", "--trace", TRAIN, "--ep-size", "2", "-o"],
+@pytest.mark.parametrize("cmd", [["vllm_smoe.tools.place", "build", "--trace", TRAIN, "--ep-size", "2", "-o"],
                                  ["vllm_smoe.tools.testbed_cli", "synth", "--tokens", "64", "-o"]])
 def test_outputs_never_replace_a_fifo_or_device_node(tmp_path, cmd):
     """Outputs are renamed into place: over a FIFO or device node that would leave a regular
@@ -132,7 +132,7 @@ def _alias_bomb(levels: int = 9) -> str:
 def test_hostile_yaml_is_refused_cheaply_without_echoing_it(tmp_path, text, words):
     p = tmp_path / "p.yaml"
     p.write_text(text)
-    r = _run("vllm_smoe.tools.place_cli", "evaluate", "--trace", HELDOUT, "--placement", p)
+    r = _run("vllm_smoe.tools.place", "evaluate", "--trace", HELDOUT, "--placement", p)
     _expect(r, p, words)
     assert len(r.stderr) < 400  # one line: nothing of the file is quoted back
 
@@ -204,20 +204,20 @@ def test_recovery_takes_only_the_formats_field_names(tmp_path):
     (["evaluate", "--trace", HELDOUT, "--placement", EP2, "--capacity", "inf"], "argument --capacity"),
 ])
 def test_non_finite_and_zero_options_are_refused(tmp_path, args, words):
-    _expect(_run("vllm_smoe.tools.place_cli", *args, *(["-o", tmp_path / "p.yaml"] if args[0] == "build" else [])), words)
+    _expect(_run("vllm_smoe.tools.place", *args, *(["-o", tmp_path / "p.yaml"] if args[0] == "build" else [])), words)
     assert not os.listdir(tmp_path)
 
 
 def test_empty_traces_and_nan_capacity_in_a_yaml_are_refused(tmp_path):
     empty = _small_trace(tmp_path / "empty.npz", T=0)
-    _expect(_run("vllm_smoe.tools.place_cli", "build", "--trace", empty, "--ep-size", "2", "-o", tmp_path / "p.yaml"),
+    _expect(_run("vllm_smoe.tools.place", "build", "--trace", empty, "--ep-size", "2", "-o", tmp_path / "p.yaml"),
             empty, "holds no tokens")
     shutil.copy(EP2, tmp_path / "nan.yaml")
     shutil.copy(os.path.join(REPO, "configs", yaml.safe_load(open(EP2))["predictor"]), tmp_path)
     doc = yaml.safe_load(open(tmp_path / "nan.yaml"))
     doc["capacity"] = float("nan")
     (tmp_path / "nan.yaml").write_text(yaml.safe_dump(doc))
-    _expect(_run("vllm_smoe.tools.place_cli", "evaluate", "--trace", HELDOUT, "--placement", tmp_path / "nan.yaml"),
+    _expect(_run("vllm_smoe.tools.place", "evaluate", "--trace", HELDOUT, "--placement", tmp_path / "nan.yaml"),
             tmp_path / "nan.yaml", "field 'capacity'")
 
 
@@ -225,7 +225,7 @@ def test_empty_traces_and_nan_capacity_in_a_yaml_are_refused(tmp_path):
 @pytest.mark.parametrize("flag,value", [("--replicas", "-4"), ("--theta", "5"), ("--max-expert-load", "0.5"),
                                         ("--hidden-size", "0"), ("--ep-size", "0"), ("--nodes", "-1")])
 def test_out_of_range_options_name_their_flag(tmp_path, flag, value):
-    _expect(_run("vllm_smoe.tools.place_cli", "build", "--trace", TRAIN, "--ep-size", "2", flag, value,
+    _expect(_run("vllm_smoe.tools.place", "build", "--trace", TRAIN, "--ep-size", "2", flag, value,
                  "-o", tmp_path / "p.yaml"), f"argument {flag}")
 
 
@@ -242,13 +242,13 @@ def test_placement_yaml_mistakes_name_the_field(tmp_path, edit, words):
     edit(doc)
     p = tmp_path / "p.yaml"
     p.write_text(yaml.safe_dump(doc))
-    _expect(_run("vllm_smoe.tools.place_cli", "evaluate", "--trace", HELDOUT, "--placement", p), p, words)
+    _expect(_run("vllm_smoe.tools.place", "evaluate", "--trace", HELDOUT, "--placement", p), p, words)
 
 
 def test_binary_yaml_and_duplicate_top_k_are_refused(tmp_path):
     p = tmp_path / "p.yaml"
     p.write_bytes(bytes(range(256)) * 4)
-    _expect(_run("vllm_smoe.tools.place_cli", "evaluate", "--trace", HELDOUT, "--placement", p), p)
+    _expect(_run("vllm_smoe.tools.place", "evaluate", "--trace", HELDOUT, "--placement", p), p)
     dup = _small_trace(tmp_path / "dup.npz", dup=True)
     _expect(_run("vllm_smoe.tools.trace_cli", "validate", dup), dup, "field 'topk_ids' at token 5", "twice")
 

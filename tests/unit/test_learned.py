@@ -230,7 +230,7 @@ def test_simulate_runs_the_learned_predictor_and_refuses_tables_without_one(tmp_
 
 def test_place_build_learned_and_its_refusals(tmp_path, capsys):
     from vllm_smoe.formats.placement_file import load_placement, load_tables
-    from vllm_smoe.tools.place_cli import main as place
+    from vllm_smoe.tools.place import main as place
     from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
 
     out = str(tmp_path / "p.yaml")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import yaml
 
-from vllm_smoe.tools.place_cli import main
+from vllm_smoe.tools.place import main
 from vllm_smoe.formats.placement_file import load_placement, load_tables, write_placement
 from vllm_smoe.testbed.synthetic import write_synthetic
 from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
@@ -79,7 +79,7 @@ def test_report_draws_pngs_and_html(built, tmp_path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "vllm_smoe.tools.place_cli", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "vllm_smoe.tools.place", *args], capture_output=True, text=True)
 
 
 @pytest.mark.parametrize("args, words", [
@@ -352,7 +352,7 @@ def test_embeddings_of_fp8_checkpoints_are_dequantised(tmp_path, fmt, scale):
 
 def test_two_concurrent_builds_of_one_output_leave_a_consistent_pair(tmp_path):
     out = tmp_path / "p.yaml"
-    procs = [subprocess.Popen([sys.executable, "-m", "vllm_smoe.tools.place_cli", "build", "--trace", TRAIN, "--ep-size",
+    procs = [subprocess.Popen([sys.executable, "-m", "vllm_smoe.tools.place", "build", "--trace", TRAIN, "--ep-size",
                                str(ep), "-o", str(out), "--metrics-tokens", "2048"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for ep in (2, 4)]
     assert [p.wait(300) for p in procs] == [0, 0]
@@ -389,7 +389,7 @@ def test_a_rebuild_keeps_tables_other_yamls_name(tmp_path):
 
 
 def test_evaluate_bounds_its_sample(built, tmp_path, capsys):
-    from vllm_smoe.tools.place_cli import _windows
+    from vllm_smoe.placement.spans import eval_windows as _windows
 
     assert _windows(100, 0) == [(0, 100)] and _windows(100, 100) == [(0, 100)]
     assert _windows(160, 32) == [(10 * i, 10 * i + 2) for i in range(16)]  # 16 evenly spaced windows
@@ -637,7 +637,7 @@ def test_advise_a_dp_placement_from_every_engines_recording(tmp_path, capsys):
 
 
 def test_advise_splits_each_dp_engine_into_halves():
-    from vllm_smoe.tools.place_cli import _late_half
+    from vllm_smoe.placement.spans import late_half as _late_half
 
     # engine 0 ran steps 0..3, engine 1 steps 4..9 (its recording offset after engine 0's)
     batch = np.array([0, 0, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9])
@@ -656,7 +656,9 @@ def test_advise_reads_which_engine_recorded_each_row(tmp_path):
     """Two engines' rotated files in any order, and engines of unequal length: every row is
     labelled with its engine, and each engine's own second half is what advise judges."""
     from vllm_smoe.formats.trace import TraceMeta, write_trace
-    from vllm_smoe.tools.place_cli import _batched, _late_half, _stream
+    from vllm_smoe.placement.spans import late_half as _late_half
+    from vllm_smoe.placement.stream import by_step as _batched
+    from vllm_smoe.tools.place.read import stream as _stream
 
     meta = TraceMeta(num_experts=4, top_k=2, num_layers=1, vocab_size=8)
     # file -> (rows, first step): a recorder's rotated chunks go on counting its steps and requests
@@ -678,7 +680,7 @@ def test_advise_reads_which_engine_recorded_each_row(tmp_path):
 
 def test_a_trace_names_the_dp_engine_that_recorded_it(tmp_path):
     from vllm_smoe.formats.trace import TraceMeta, open_trace, write_trace
-    from vllm_smoe.tools.place_cli import _engine
+    from vllm_smoe.tools.place.read import engine as _engine
 
     rows = dict(token_ids=np.zeros(2, np.int32), request_ids=np.zeros(2, np.int32),
                 positions=np.arange(2, dtype=np.int32), topk_ids=np.array([[[0, 1]], [[1, 2]]], np.int16))
@@ -732,14 +734,14 @@ def test_auto_judges_in_sample_when_the_trace_is_short(tmp_path, capsys):
     (1 << 20, 1 << 16, 1 << 17, [(131072 + i * 917504 // 16, 131072 + i * 917504 // 16 + 4096) for i in range(16)]),
 ])
 def test_judge_windows_golden(total, metrics, instances, want):
-    from vllm_smoe.tools.place_cli import _judge_windows
+    from vllm_smoe.placement.spans import judge_windows as _judge_windows
 
     assert _judge_windows(total, metrics, instances) == want
 
 
 def test_positions_index_the_kept_rows():
     from hypothesis import given, strategies as st
-    from vllm_smoe.tools.place_cli import _positions, _union
+    from vllm_smoe.placement.spans import span_positions as _positions, union_spans as _union
 
     @given(st.lists(st.tuples(st.integers(0, 200), st.integers(1, 30)), min_size=1, max_size=6), st.data())
     def check(spans, data):
@@ -850,10 +852,10 @@ def test_keep_heap_sets_glibc_s_top_pad():
 
 
 def test_smoe_place_main_keeps_the_heap_first(monkeypatch):
-    from vllm_smoe.tools import place_cli
+    from vllm_smoe.tools import place
 
     calls = []
-    monkeypatch.setattr(place_cli, "keep_heap", lambda: calls.append(1))
+    monkeypatch.setattr(place, "keep_heap", lambda: calls.append(1))
     with pytest.raises(SystemExit):  # argparse refuses a build without --trace, after main's first line
         main(["build"])
     assert calls == [1]

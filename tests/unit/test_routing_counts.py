@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_smoe.tools.parallel import fork_map
-from vllm_smoe.tools.place_cli import main
+from vllm_smoe.tools.place import main
 from vllm_smoe.placement.counts import count_matrix, layer_counts
 from vllm_smoe.placement.layout import place_model
 from vllm_smoe.placement.predict import build_predictor
