@@ -654,7 +654,7 @@ class Serving:
                 from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
 
                 out = self.dir / "placement-ep2.yaml"
-                r = subprocess.run([sys.executable, "-m", "vllm_smoe.tools.place_cli", "build", "--trace",
+                r = subprocess.run([sys.executable, "-m", "vllm_smoe.tools.place", "build", "--trace",
                                     FIXTURE_TRACES["train"], "--ep-size", "2", "--model", FIXTURE_MODEL,
                                     "-o", str(out)],
                                    capture_output=True, text=True, timeout=180, cwd=REPO)

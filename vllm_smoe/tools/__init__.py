@@ -1,6 +1,7 @@
 """smoe's command lines and what only they need (no vLLM import at start).
 
-- ``place_cli``: ``smoe-place`` (build, evaluate, advise, report) and ``report`` (its figures);
+- ``place``: ``smoe-place`` (build, evaluate, advise, report), one module per part, over the pure
+  pipeline in ``vllm_smoe.placement``; ``report``: its figures;
 - ``trace_cli``: ``smoe-trace`` (validate, info, recover);
 - ``testbed_cli``: ``smoe-testbed`` (tiny models, training, inflating, synthetic traces);
 - ``bench``: ``smoe-bench``, one module per family of subcommands over ``bench.common``;

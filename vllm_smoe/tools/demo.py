@@ -51,7 +51,7 @@ def _serve(model: str, prompts, log: str, *flags: str, max_tokens: int = 16, env
 
 
 def main() -> int:
-    from .place_cli import main as place_main
+    from .place import main as place_main
     from ..testbed import FIXTURE_MODEL, FIXTURE_TRACES
     from .testbed_cli import main as testbed_main
     from ..formats.trace import read_traces

@@ -148,7 +148,7 @@ def run(a) -> int:
     import tempfile
 
     from ..cli_util import check_output_file
-    from ..place_cli import main as place
+    from ..place import main as place
     from ..server_process import VllmServer
     from ...testbed import FIXTURE_MODEL, FIXTURE_TRACES
     from ...formats.trace import read_traces, write_trace

@@ -154,7 +154,7 @@ def run_place_scale(a) -> int:
         tokens = sum(t.num_tokens for t in traces)
         with tempfile.TemporaryDirectory() as d:
             yaml_path = os.path.join(d, "p.yaml")
-            base = [sys.executable, "-m", "vllm_smoe.tools.place_cli"]
+            base = [sys.executable, "-m", "vllm_smoe.tools.place"]
             jobs = ["--jobs", str(a.jobs)] if a.jobs else []
             row = {"trace": spec, "tokens": tokens, "files": len(traces), "ep_size": a.ep_size,
                    "build": _measure_command(base + ["build", "--trace", spec, "--ep-size", str(a.ep_size), "-o",
@@ -179,7 +179,7 @@ def run_predictors(a) -> int:
     domain), scored on the held-out trace (that domain only)."""
     import tempfile
 
-    from .. import place_cli
+    from ..place import main as smoe_place
     from ..cli_util import check_output_file
     from ...placement.online import PREDICTORS as SIM
     from ...testbed import FIXTURE_MODEL, FIXTURE_TRACES
@@ -200,7 +200,7 @@ def run_predictors(a) -> int:
                          f"{list(meta.domains)}")
 
     def place(*args):
-        if place_cli.main(list(args)) != 0:
+        if smoe_place(list(args)) != 0:
             raise ValueError(f"smoe-bench predictors: smoe-place {' '.join(args)} failed (its error above)")
     splits = [("in-domain", None)] + [(f"without {d}", i) for i, d in enumerate(meta.domains)]
     rows = []
@@ -247,7 +247,7 @@ def run_migrate(a) -> int:
     candidate and the limited ones, the slots each moves and the share of the gain kept."""
     import tempfile
 
-    from .. import place_cli
+    from ..place import main as smoe_place
     from ..cli_util import check_output_file
     from ...formats.trace import read_traces, write_trace
     from ...placement.migrate import BALANCE_WEIGHT
@@ -264,7 +264,7 @@ def run_migrate(a) -> int:
     shifts = [(tuple(range(D // 2)), tuple(range(D // 2, D))), (tuple(range(D // 2, D)), tuple(range(D // 2)))]
 
     def place(*args):
-        if place_cli.main([str(x) for x in args]) != 0:
+        if smoe_place([str(x) for x in args]) != 0:
             raise ValueError(f"smoe-bench migrate: smoe-place {' '.join(map(str, args))} failed (its error above)")
     rows = []
     with tempfile.TemporaryDirectory() as work:
