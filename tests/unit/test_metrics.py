@@ -56,6 +56,38 @@ def test_drift_judges_whole_windows_against_the_placement():
     assert v[("smoe:expected_local_activation_ratio", ())] == 0.6 and v[("smoe:drift", ())] == 1.0
 
 
+def test_one_observer_reads_judges_and_publishes_for_either_source(tmp_path, caplog):
+    """The token order's and the sparse all2all's counters go through one Observer: read on the
+    log interval, judged for drift (the warning naming the rank as each source does), published
+    with the drift window; a directory gone stops publishing with one warning."""
+    import logging
+
+    import torch
+
+    from vllm_smoe.serving.observe.counters import Observer
+    from vllm_smoe.serving.observe.metrics import Drift
+
+    o = Observer("order", 1, 0.0, str(tmp_path), Drift(0.6, 0.8, min_tokens=10), who="rank 1",
+                 hint=" (smoe-place advise)")
+    assert o.due() and o.read(torch.tensor([[1, 2], [3, 4]])) == [[1, 2], [3, 4]]
+    with caplog.at_level(logging.WARNING, logger="vllm.smoe"):
+        o.judge(10, 100, 20)
+    assert ("smoe: drift: rank 1 kept 0.100 of its last 20 tokens' expert activations local, below 0.80 x the "
+            "placement's 0.600: the workload may have moved (smoe-place advise)") in caplog.text
+    o.publish({"layers": [[1, 2, 1, 1]]})
+    (snap,) = read_snapshots(str(tmp_path))
+    assert snap["source"] == "order" and snap["rank"] == 1 and snap["drift"]["window"]["drifted"]
+    quiet = Observer("a2a", 0, 3600.0, None, Drift(0.6, 0.8, min_tokens=10))
+    assert not quiet.due()  # the interval has not passed
+    caplog.clear()
+    quiet.judge(10, 100, 20)  # who=None: judged, no warning
+    assert quiet.drift.window["drifted"] and "drift" not in caplog.text
+    o.metrics_dir = str(tmp_path / "gone" / "x")
+    with caplog.at_level(logging.WARNING, logger="vllm.smoe"):
+        o.publish({})
+    assert o.metrics_dir is None and "metrics not published any more" in caplog.text
+
+
 def test_metric_settings_are_validated(tmp_path):
     from vllm_smoe.serving.config import SmoeConfig
 

@@ -25,7 +25,6 @@ what that transport carries, its slots' padding included.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 import torch
@@ -437,43 +436,32 @@ def make_manager(cpu_group, comm):
             self.log_dp = vc.parallel_config.data_parallel_size > 1
             self.dp_rank = vc.parallel_config.data_parallel_rank
             self.num_moe_layers = len(moe_layer_indices(hf))
-            self.log_interval = cfg.log_interval if cfg is not None else 10.0
+            from ..observe.counters import Observer
             from ..observe.metrics import Drift, metrics_dir
 
-            self.metrics_dir = metrics_dir(cfg) if cfg is not None else None
             # judged only where the placement's own ratio is what serving aims at: a DP placement
             # with smoe's request routing (speculate judges its own order)
             expected = None
             if served is not None and self.log_dp and cfg.dp_routing:
                 p = served.placement
                 expected = p.metrics.get("lar") if p.method == "dp-coclust" else None
-            self.drift = Drift(expected, cfg.drift_threshold if cfg is not None else 0.8)
             self.rank = comm.rank_in_group
+            self.observer = Observer("a2a", self.rank, cfg.log_interval if cfg is not None else 10.0,
+                                     metrics_dir(cfg) if cfg is not None else None,
+                                     Drift(expected, cfg.drift_threshold if cfg is not None else 0.8),
+                                     who=f"dp rank {self.dp_rank}" if self.log_dp else None)
             self.sp_rank = None
-            self._last_log = time.monotonic()
 
         def _maybe_log(self):
-            now = time.monotonic()
-            if now - self._last_log < self.log_interval:
+            if not self.observer.due():
                 return
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                return  # reading device counters would break a CUDA graph capture
-            self._last_log = now
-            c = self.exchange.counters()
-            window = self.drift.update(c["local"], c["activations"], c["tokens"] // max(1, self.num_moe_layers))
-            if self.log_dp and window is not None and window["drifted"]:
-                logger.warning("smoe: drift: dp rank %d kept %.3f of its last %d tokens' expert activations local, "
-                               "below %.2f x the placement's %.3f: the workload may have moved",
-                               self.dp_rank, window["ratio"], window["tokens"], self.drift.threshold,
-                               self.drift.expected)
-            if self.metrics_dir is not None and c["tokens"]:
-                from ..observe.metrics import publish
-
-                try:
-                    publish(self.metrics_dir, "a2a", self.rank, {**c, "drift": self.drift.snapshot()})
-                except OSError as e:  # the server is shutting down and took its directory along
-                    logger.warning("smoe: metrics not published any more: %s", e)
-                    self.metrics_dir = None
+            stats = self.observer.read(self.exchange.stats)  # vLLM's CPU build: read now, never None
+            if stats is None:
+                return
+            c = dict(zip(COUNTERS, stats))
+            self.observer.judge(c["local"], c["activations"], c["tokens"] // max(1, self.num_moe_layers))
+            if c["tokens"]:
+                self.observer.publish(c)
             if self.log_dp and c["activations"]:
                 logger.info("smoe: dp rank %d served %.3f of its requests' expert activations locally (%d tokens, "
                             "served steps); sparse all2all: %.3f remote (token, rank) pairs and %.0f B per token and "
@@ -494,7 +482,7 @@ def make_manager(cpu_group, comm):
             out = self.exchange.dispatch(hidden_states, topk_weights, topk_ids, rows,
                                          served_rows(fc, hidden_states.shape[0], is_sequence_parallel,
                                                      self._sp_rank(), max(0, self.dp_rank or 0)))
-            if self.log_dp or self.metrics_dir is not None:
+            if self.log_dp or self.observer.metrics_dir is not None:
                 self._maybe_log()
             return out
 

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 
 import numpy as np
 import torch
@@ -74,7 +73,7 @@ class TokenOrder:
 
         self.tp = get_tp_group()
         self.N, self.rank = self.tp.world_size, self.tp.rank_in_group
-        self.predictor, self.log_interval = cfg.predictor, cfg.log_interval
+        self.predictor = cfg.predictor
         device = next(model.parameters()).device
         experts = find_moe_experts(model, plan.moe_layers)
         self.blocks = [(layer, block, e.router) for layer, block, e in experts]
@@ -153,14 +152,16 @@ class TokenOrder:
         # a step with fewer tokens than ranks keeps them all in rank 0's chunk whatever the
         # prediction); read back once per log interval
         self.counts = torch.zeros((L, 7), dtype=torch.long, device=device)
+        from ..observe.counters import Observer
         from ..observe.metrics import Drift, metrics_dir
 
-        self.metrics_dir = metrics_dir(cfg)
         # the placement's own ratio is what a trained predictor should reach; random and one-rank
         # orders are not judged against it
         self.count = cfg.metrics  # off: no device counters, no log line, no drift
         self.judged = cfg.predictor in TABLE_PREDICTORS + ("router",)
-        self.drift = Drift(expected if self.judged else None, cfg.drift_threshold)
+        self.observer = Observer("order", self.rank, cfg.log_interval, metrics_dir(cfg),
+                                 Drift(expected if self.judged else None, cfg.drift_threshold),
+                                 who=f"rank {self.rank}", hint=" (smoe-place advise)")
         self.steps = self.small_steps = 0  # served steps; those with fewer tokens than ranks
         self.rows = 0  # rows of the current step, pad rows included (host int, from the op's input shape)
         # the step's real tokens (the rest of the rows are vLLM's padding), written before each
@@ -252,7 +253,6 @@ class TokenOrder:
         # layer); the others predict every layer at the first MoE layer of the step
         self.markov = cfg.predictor == "tables-markov"
         self.per_layer = self.markov or cfg.predictor == "router" or (cfg.predictor == "input-gate" and not self.ahead)
-        self._last_log = time.monotonic()
         model.register_forward_pre_hook(self._step_ids, with_kwargs=True)
         from .. import runner_hooks
 
@@ -357,12 +357,9 @@ class TokenOrder:
             self.bigrams = "bigram_keys" in self.tables
         self.slot2expert.copy_(torch.as_tensor(plan.slot2expert))
         self.holds.copy_(torch.as_tensor(np.stack([plan.held(r) for r in range(self.N)], axis=1)))  # held: a view
-        from ..observe.metrics import Drift
-
-        self.drift = Drift(placement.metrics.get("lar") if self.judged else None, self.drift.threshold)
         rows = self.counts.tolist()  # between steps, once per swap: the new window starts here
         local, acts, tokens = (sum(row[i] for row in rows) for i in (4, 5, 6))
-        self.drift.restart(local, acts, tokens // len(rows))
+        self.observer.restart(placement.metrics.get("lar") if self.judged else None, local, acts, tokens // len(rows))
 
     def _step_ids(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -894,52 +891,18 @@ class TokenOrder:
             self.prev_top1[:T].copy_(top1.index_select(0, inv))
         return y.index_select(0, inv)
 
-    def _read_counts(self) -> list | None:
-        """The device counters as lists, once per log interval. On CUDA without waiting for the
-        device: a pinned copy started at one interval is read at the next (so values lag one
-        interval; None until the first copy has landed)."""
-        if self.counts.device.type != "cuda":
-            return self.counts.tolist()
-        pending = getattr(self, "_pending", None)
-        host = torch.empty(self.counts.shape, dtype=self.counts.dtype, pin_memory=True)
-        host.copy_(self.counts, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._pending = (host, event)
-        if pending is None or not pending[1].query():
-            return None
-        return pending[0].tolist()
-
     def _maybe_log(self) -> None:
-        if not self.count:
+        if not self.count or not self.observer.due():
             return
-        now = time.monotonic()
-        if now - self._last_log < self.log_interval:
-            return
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return  # reading device counters would break a CUDA graph capture
-        self._last_log = now
-        rows = self._read_counts()
+        rows = self.observer.read(self.counts)
         if rows is None:
             return
         layers = [row[:4] for row in rows]  # what metrics publish: every served token
         local, acts, tokens = (sum(row[i] for row in layers) for i in range(3))
         if not acts:
             return
-        window = self.drift.update(*(sum(row[i] for row in rows) for i in (4, 5)),
-                                   sum(row[6] for row in rows) // len(rows))
-        if window is not None and window["drifted"]:
-            logger.warning("smoe: drift: rank %d kept %.3f of its last %d tokens' expert activations local, below "
-                           "%.2f x the placement's %.3f: the workload may have moved (smoe-place advise)",
-                           self.rank, window["ratio"], window["tokens"], self.drift.threshold, self.drift.expected)
-        if self.metrics_dir is not None:
-            from ..observe.metrics import publish
-
-            try:
-                publish(self.metrics_dir, "order", self.rank, {"layers": layers, "drift": self.drift.snapshot()})
-            except OSError as e:  # the server is shutting down and took its directory along
-                logger.warning("smoe: metrics not published any more: %s", e)
-                self.metrics_dir = None
+        self.observer.judge(*(sum(row[i] for row in rows) for i in (4, 5)), sum(row[6] for row in rows) // len(rows))
+        self.observer.publish({"layers": layers})
         from vllm.distributed import get_ep_group
 
         exchange = getattr(getattr(get_ep_group().device_communicator, "all2all_manager", None), "exchange", None)
