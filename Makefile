@@ -26,8 +26,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $@
 
+# PYTHONDONTWRITEBYTECODE emptied: where the environment sets it, every vLLM process the served
+# tests start (engines, workers, API servers: a few hundred) would compile smoe's modules again.
 test: install
-	$(BIN)/python -m pytest -q -ra --durations=25
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -ra --durations=25
 
 test-fast: install
 	$(BIN)/python -m pytest -q -ra -m "not vllm"
