@@ -2,6 +2,7 @@
 symbol smoe replaces is listed, each listed original has the parameters the patch was written
 for, and a symbol that differs is refused, named, before anything is served."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -11,6 +12,7 @@ import pytest
 
 pytest.importorskip("vllm")  # the list is checked against the installed vLLM
 
+from tests.support import REPO  # noqa: E402
 from vllm_smoe.serving import patches  # noqa: E402
 
 # Applies every patch smoe can make (start-time and lazy ones), then looks for smoe's code on
@@ -25,7 +27,7 @@ _SCAN = textwrap.dedent('''
     cli.install()
     cpu.in_worker()
     runner_hooks.attach()
-    from vllm_smoe.serving import expert_filter
+    from vllm_smoe.serving.place import expert_filter
     from vllm_smoe.serving.patches import model_loader
     model_loader.install(expert_filter.should_skip)  # the loader's, where a placement meets vLLM's EP filter
 
@@ -150,3 +152,73 @@ def test_a_server_refuses_to_start_naming_each_changed_symbol(monkeypatch):
     assert all(s in str(e.value) for s in said)
     # a server that does not ask for smoe is left alone
     assert plugin._before_engine_config(types.SimpleNamespace(additional_config={})) is None
+
+
+# ---- changes to vLLM that replace no symbol (patches/interventions.py) ----
+
+def _where_files(iv):
+    import re
+
+    return re.findall(r"[\w/]+\.py", iv.where)
+
+
+def test_every_intervention_says_why_how_it_goes_and_where_it_lives():
+    from vllm_smoe.serving.patches import interventions
+
+    ids = [iv.id for iv in interventions.INTERVENTIONS]
+    assert len(ids) == len(set(ids))
+    serving = os.path.join(REPO, "vllm_smoe", "serving")
+    for iv in interventions.INTERVENTIONS:
+        assert iv.what and iv.why and iv.upstream and iv.remove and iv.modes and iv.checked_on, iv.id
+        assert set(iv.modes) <= {"place", "record", "speculate"}, iv.id
+        files = _where_files(iv)
+        assert files and all(os.path.exists(os.path.join(serving, f)) for f in files), (iv.id, iv.where)
+
+
+def test_every_fact_an_intervention_relies_on_holds_in_the_installed_vllm():
+    from vllm_smoe.serving.patches import interventions
+
+    assert interventions.mismatches({"place", "record", "speculate"}, models=True) == []
+
+
+def test_a_fact_that_no_longer_holds_is_named_with_its_intervention(monkeypatch):
+    from vllm_smoe.serving.patches import interventions as ivs
+
+    bad = ivs.Intervention("fake", "w", "plugin.py", "y", "u", "r", ("speculate",), checks=(
+        ivs.Check("vllm.forward_context:ForwardContext", attr="no_such_field"),
+        ivs.Check("vllm.model_executor.layers.linear:RowParallelLinear.forward", source=("no such line",)),
+        ivs.Check("vllm.model_executor.layers.fused_moe.router.base_router:BaseRouter._compute_routing",
+                  params=("self",)),
+        ivs.Check("vllm.forward_context:NoSuchThing"),
+        ivs.Check("vllm.model_executor.models.qwen3_moe:Qwen3MoeSparseMoeBlock.forward", source=("gone(",),
+                  model=True)))
+    monkeypatch.setattr(ivs, "INTERVENTIONS", (bad,))
+    lines = ivs.mismatches({"speculate"})
+    assert len(lines) == 4 and all(line.startswith("fake (plugin.py): ") for line in lines)
+    assert "no_such_field" in lines[0] and "no such line" in lines[1] and "('self',)" in lines[2]
+    assert "not in this vLLM" in lines[3]
+    assert ivs.mismatches({"place"}) == []  # only the modes that make it
+    (model,) = ivs.model_mismatches({"speculate"})
+    assert "Qwen3MoeSparseMoeBlock.forward" in model and "gone(" in model
+
+
+def test_a_server_refuses_to_start_when_an_intervention_cannot_hold(monkeypatch):
+    from vllm_smoe.serving import plugin
+    from vllm_smoe.serving.config import SmoeSettingsError
+    from vllm_smoe.serving.patches import interventions
+
+    monkeypatch.setattr(patches, "mismatches", lambda check_all=False: [])
+    monkeypatch.setattr(interventions, "mismatches",
+                        lambda modes, models=False: [f"x ({sorted(modes)}): vllm.a:B has no attribute 'c'"])
+    with pytest.raises(SmoeSettingsError, match="has no attribute 'c'") as e:
+        plugin._before_engine_config(types.SimpleNamespace(additional_config={"smoe": {}}))
+    assert "['place']" in str(e.value)  # the modes this config makes
+
+
+def test_the_readme_table_lists_every_intervention():
+    from vllm_smoe.serving.patches import interventions
+
+    readme = open(os.path.join(REPO, "README.md")).read()
+    for iv in interventions.INTERVENTIONS:
+        row = f"| {iv.what} | `serving/{iv.where}` | {iv.why} | {iv.remove} |"
+        assert row in readme, f"README's table of changes to vLLM lacks (or has another) row for {iv.id}:\n{row}"

@@ -161,10 +161,15 @@ def _before_engine_config(engine_args):
         if cfg is not None:
             from . import patches
 
+            from .patches import interventions
+
             bad = patches.mismatches(check_all=True)  # every patched symbol, lazily patched ones too
+            bad += interventions.mismatches(interventions.modes_of(cfg))  # the changes that replace no symbol
             if bad:
                 raise ValueError("smoe was written for another vLLM; these symbols it patches or reads "
                                  "differ here: " + "; ".join(bad))
+            for line in interventions.model_mismatches(interventions.modes_of(cfg)):
+                logger.warning("smoe: %s; speculate will refuse such a model at load", line)
             cfg.check_files()
             # normalised paths
             engine_args.additional_config = {**engine_args.additional_config, "smoe": cfg.to_dict()}
