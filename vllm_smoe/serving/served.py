@@ -7,8 +7,10 @@ Two objects, one per process each:
   it checks the engine arguments; the DP router and the HTTP routes take it from there. A worker
   reads it in smoe's loader (the exchange, built earlier with the communicator, reads the same
   one) and hands it to the token order and the recorder.
-- :class:`Worker` (worker processes): what the loader built around the model: the token order,
-  the recorder, the checkpoint-order router rows a live swap repacks, the swap under way.
+- :class:`Worker` (worker processes): what the loader built around the model: the placement's
+  device copy (:class:`~.location.DeviceLocation`, which the token order, the routers and the
+  recorder read), the token order, the recorder, the checkpoint-order router rows a live swap
+  repacks, the swap under way.
 
 A live swap replaces a worker's placement whole (:meth:`Worker.serve`); the API server keeps the
 one it started with (its DP router and ``/smoe/route`` score with those tables until a restart).
@@ -92,6 +94,7 @@ class Worker:
     cfg: object  # SmoeConfig
     placement: ServedPlacement | None
     gate_rows: dict | None = None  # MoE ordinal -> router weight in checkpoint order (CPU build)
+    location: object | None = None  # DeviceLocation (a placement served): the maps every consumer reads
     order: object | None = None  # TokenOrder (mode speculate)
     recorder: object | None = None  # Recorder (record on)
     pending: dict = field(default_factory=dict)  # digest -> checked Swap, between prepare and apply

@@ -15,8 +15,9 @@
    group; a local permutation where every rank holds every expert), reorders its routers' rows
    the way the loader does, and the copies vLLM made of them after load (:mod:`.derived`; step 1
    refuses a tensor beside a router with an expert-count extent that is no such copy), copies
-   the new logical -> physical routes into the routers' EPLB state, and swaps the token order's
-   tables and the recorder's slot map, all in place.
+   and updates the worker's :class:`~..location.DeviceLocation` in place: its slot map, held
+   experts, tables and the logical -> physical routes the routers' EPLB state holds, which the
+   token order, the routers and the recorder read.
 
 Row i of a router then scores expert slot2expert[i] of the new placement, and physical slot p
 holds expert physical2expert[p]: the served model is the same function before and after, so
@@ -112,14 +113,15 @@ def check_swap(state: Worker, snapshot) -> Swap:
     if compiled is not None and int(compiled) != 0 and (cc.inductor_compile_config or {}).get("freezing"):
         raise ValueError("smoe live placement: inductor freezing bakes the weights into the compiled model, so moved "
                          "experts would not be seen; restart with the new placement")
-    order = state.order
-    if order is not None and order.tables is not None:
+    location = state.location
+    if location is not None and location.tables is not None:
         if fresh.tables is None:
             raise ValueError(f"{path}: field 'predictor' is empty; the served token order predicts with tables")
-        new = device_tables(fresh.tables, "cpu", order.learned)  # the tensors swap() would copy in
+        new = device_tables(fresh.tables, "cpu", location.learned)  # the tensors update() would copy in
         graphs = cc.cudagraph_mode is not None and cc.cudagraph_mode.name != "NONE"  # piecewise ones capture them too
-        differ = sorted(k for k in set(new) | set(order.tables)
-                        if k not in new or k not in order.tables or tuple(new[k].shape) != tuple(order.tables[k].shape))
+        served = location.tables
+        differ = sorted(k for k in set(new) | set(served)
+                        if k not in new or k not in served or tuple(new[k].shape) != tuple(served[k].shape))
         if differ and graphs and next(state.model.parameters()).is_cuda:
             raise ValueError(f"{path}: field 'predictor': tables {differ} differ in shape from the served ones, which "
                              f"captured CUDA graphs read; build with the same options or restart")
@@ -266,30 +268,19 @@ def _repack(gate: torch.nn.Module, rows: torch.Tensor, slot2expert) -> None:
         gate.cpu_linear = old_fn  # the closure (and the compiled graph) keeps reading ``old``
 
 
-def _set_routes(state: Worker, new) -> None:
-    if not new.num_redundant:
-        return
-    from vllm.distributed import get_ep_group
-
-    from ..speculate.seams import find_moe_experts
-
-    rank = get_ep_group().rank_in_group
-    for layer, _, experts in find_moe_experts(state.model, new.moe_layers):
-        state = experts.router.eplb_state
-        state.logical_to_physical_map.copy_(torch.as_tensor(new.route2physical[layer, rank])[:, None])
-
-
 def apply_swap(state: Worker, swap: Swap) -> dict:
-    """Move weights, routers, routes, tables; ``state`` then serves the new placement."""
+    """Move the weights, reorder the routers, update the device location (slot map, held
+    experts, routes, tables); ``state`` then serves the new placement."""
     t0 = time.monotonic()
     path, new = swap.served.path, swap.served.plan
     moved = _move_experts(state, swap)
     _reorder_routers(state, new)
-    _set_routes(state, new)
+    if state.location is not None:
+        state.location.update(new, swap.served.tables if state.location.tables is not None else None)
     if state.order is not None:
-        state.order.swap(new, swap.served.placement, swap.served.tables)
+        state.order.swap(swap.served.placement)
     if state.recorder is not None:
-        state.recorder.swap(new, path)
+        state.recorder.swap(path)
     old = state.placement.path
     state.serve(swap.served)
     seconds = time.monotonic() - t0

@@ -175,14 +175,19 @@ class SmoeModelLoader(DefaultModelLoader):
                 logger.warning("smoe mode speculate: vLLM built the MoE kernels of %s (and %d more) before smoe sized "
                                "their buffers to a rank's chunk: they hold the whole step", early[0], len(early) - 1)
         worker = Worker(model, vllm_config, cfg, served, self.gate_rows)  # what POST /smoe/placement swaps
+        if served is not None:  # the placement's maps on the device, the routers' routes among them
+            from ..location import location_for
+
+            worker.location = location_for(model, vllm_config, cfg, served,
+                                           self._ep_rank() if served.plan.num_redundant else 0)
         if cfg.mode == "speculate":
             from ..speculate.token_order import install_token_order
 
-            worker.order = install_token_order(model, vllm_config, cfg, served)
+            worker.order = install_token_order(model, vllm_config, cfg, served, worker.location)
         if cfg.record is not None:  # after the token order: its rows are split
             from ..record.recorder import install_recorder
 
-            worker.recorder = install_recorder(model, vllm_config, cfg, self.plan, worker.order)
+            worker.recorder = install_recorder(model, vllm_config, cfg, worker.location, worker.order)
         start_worker(worker)
         return model
 

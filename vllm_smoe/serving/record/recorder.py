@@ -79,12 +79,12 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 class Recorder:
-    def __init__(self, model: torch.nn.Module, vllm_config, cfg: SmoeConfig, plan, order=None):
+    def __init__(self, model: torch.nn.Module, vllm_config, cfg: SmoeConfig, location=None, order=None):
         hf = vllm_config.model_config.hf_text_config  # a vision-language model's language model
         self.cfg = cfg
         self.layers = moe_layer_indices(hf)
         self.E, self.K, self.L = num_experts(hf), top_k(hf), len(self.layers)
-        self.slot2expert = None if plan is None else torch.as_tensor(plan.slot2expert)  # [L, E]
+        self.location = location  # DeviceLocation (a placement served): its slot map, None = slots are experts
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         device = next(model.parameters()).device
         pc = vllm_config.parallel_config
@@ -285,7 +285,7 @@ class Recorder:
             self.drafts.note(step_id, drafts, req)
             try:
                 self.queue.put_nowait(("step", ids, pos, topk, written, ev, req, counts, keep, prompt, step_id,
-                                       self.slot2expert))
+                                       self.slot_map()))
             except queue.Full:
                 self.dropped += int(counts[keep].sum())
         now = time.monotonic()
@@ -429,11 +429,17 @@ class Recorder:
         while self.queue.unfinished_tasks and time.monotonic() < end:
             time.sleep(0.005)
 
-    def swap(self, plan, path: str) -> None:
-        """A live re-placement (:mod:`.live`), between two steps: steps from now on map slots
-        through the new placement (each queued step carries its own map), and the writer thread
-        rotates to a file naming it once the steps before are written."""
-        self.slot2expert = torch.as_tensor(plan.slot2expert)
+    def slot_map(self) -> torch.Tensor | None:
+        """[L, E] int64 on the host, physical slot -> logical expert as served now (the device
+        location's; a swap replaces it, so a queued step keeps the map it was served with), None
+        without a placement (slots are experts)."""
+        return None if self.location is None else self.location.host_slot2expert
+
+    def swap(self, path: str) -> None:
+        """A live re-placement (:mod:`.live`), between two steps, once the device location holds
+        it: steps from now on map slots through the new placement (each queued step carries the
+        map it was served with), and the writer thread rotates to a file naming it once the
+        steps before are written."""
         if self.writes:
             self.queue.put(("swap", path))  # waits only if 64 steps are queued
 
@@ -460,14 +466,14 @@ class Recorder:
                                 self.total, self.step, self.cfg.record)
 
 
-def install_recorder(model, vllm_config, cfg: SmoeConfig, plan, order=None) -> Recorder:
+def install_recorder(model, vllm_config, cfg: SmoeConfig, location=None, order=None) -> Recorder:
     """Hook the routers of ``model`` and the runner's step; called by the smoe loader after the
     token order (``order``, speculate) is in place."""
     from vllm.platforms import current_platform
 
     from .. import runner_hooks
 
-    rec = Recorder(model, vllm_config, cfg, plan, order)
+    rec = Recorder(model, vllm_config, cfg, location, order)
     runner_hooks.attach(before=rec.before_step, after=rec.after_step)
     runner_hooks.check_attached(vllm_config, current_platform.device_type)  # never record nothing silently
     logger.info("smoe record: capturing %d MoE layers into %s (%s of requests%s)", rec.L, cfg.record,

@@ -48,7 +48,6 @@ from __future__ import annotations
 import functools
 import logging
 
-import numpy as np
 import torch
 
 from ...placement.learned import LEARNED_FIELDS
@@ -59,7 +58,6 @@ from .gates import exact_gate_scale, gate_logits, gate_ranks, route_ahead, sum_g
 from .seams import (CHUNK_ONLY_BLOCKS, block_supported, exact_router_seams, find_moe_experts, find_stack,
                     gate_ahead, hookable_gate, shuffle_seams, stack_order_kind, tp_spans_nodes)
 from ..config import TABLE_PREDICTORS
-from ..location import device_tables
 
 logger = logging.getLogger("vllm.smoe")
 
@@ -68,7 +66,7 @@ class TokenOrder:
     """Per-worker state: device tables, the step's token ids, per-layer inverse permutations,
     the previous layer's top-1, and device-side counters read only when logging."""
 
-    def __init__(self, model, vllm_config, cfg, tables, plan, expected: float | None = None):
+    def __init__(self, model, vllm_config, cfg, plan, location, expected: float | None = None):
         from vllm.distributed import get_tp_group
 
         self.tp = get_tp_group()
@@ -130,12 +128,7 @@ class TokenOrder:
                 self.gates.append((gate, e.router))
         L, E = plan.slot2expert.shape
         self.learned = cfg.predictor == "learned"
-        self.tables = None if tables is None else device_tables(tables, device, self.learned)
-        self.bigrams = self.tables is not None and "bigram_keys" in self.tables
-        self.slot2expert = torch.as_tensor(plan.slot2expert, device=device)
-        # [L, N, E]: rank r holds a copy (home or replica) of router output e
-        self.holds = torch.as_tensor(np.stack([plan.held(r) for r in range(self.N)], axis=1), device=device)
-        self.held = self.holds[:, self.rank]  # [L, E]: this rank's
+        self._read_location(location)
         T = vllm_config.scheduler_config.max_num_batched_tokens
         self.ids = torch.zeros(T, dtype=torch.long, device=device)
         self.query = torch.full((T,), -1, dtype=torch.long, device=device)  # bigram keys of the step's rows
@@ -338,25 +331,21 @@ class TokenOrder:
     def _after_step(self, runner, scheduler_output, step) -> None:
         self.after_step()
 
-    def swap(self, plan, placement, tables=None) -> None:
-        """A live re-placement (:mod:`.live`), between two steps: the new placement's tables,
-        slot map and held experts, copied into the tensors the ops read (their addresses stay, so
-        captured graphs read the new values); a table of another shape (bigrams) is replaced,
-        which :func:`.live.check_swap` refuses under CUDA graphs. Drift restarts its window
-        against the new placement's own ratio."""
-        if self.tables is not None:
-            new = device_tables(tables, self.slot2expert.device, self.learned)
-            for k, v in new.items():
-                old = self.tables.get(k)
-                if old is not None and old.shape == v.shape:
-                    old.copy_(v)  # casts to the served dtype
-                else:
-                    self.tables[k] = v
-            for k in set(self.tables) - set(new):
-                del self.tables[k]
-            self.bigrams = "bigram_keys" in self.tables
-        self.slot2expert.copy_(torch.as_tensor(plan.slot2expert))
-        self.holds.copy_(torch.as_tensor(np.stack([plan.held(r) for r in range(self.N)], axis=1)))  # held: a view
+    def _read_location(self, location) -> None:
+        """The served placement's device maps and tables (:class:`~..location.DeviceLocation`,
+        updated in place by a live swap): read here, owned there."""
+        self.location = location
+        self.tables = location.tables  # name -> tensor, None without a table predictor
+        self.bigrams = self.tables is not None and "bigram_keys" in self.tables
+        self.slot2expert = location.slot2expert  # [L, E] int64
+        self.holds = location.holds  # [L, N, E] bool: rank r holds a copy (home or replica) of router output e
+        self.held = self.holds[:, self.rank]  # [L, E]: this rank's (a view)
+
+    def swap(self, placement) -> None:
+        """A live re-placement (:mod:`.live`), between two steps, once the device location holds
+        the new placement (its tables, slot map and held experts, changed in place; a table of
+        another shape replaced): drift restarts its window against the new placement's own ratio."""
+        self._read_location(self.location)
         rows = self.counts.tolist()  # between steps, once per swap: the new window starts here
         local, acts, tokens = (sum(row[i] for row in rows) for i in (4, 5, 6))
         self.observer.restart(placement.metrics.get("lar") if self.judged else None, local, acts, tokens // len(rows))
@@ -919,11 +908,11 @@ class TokenOrder:
                     "(%d tokens)%s", self.predictor, self.rank, local / acts, tokens // self.inv.shape[0], wire)
 
 
-def install_token_order(model, vllm_config, cfg, served) -> TokenOrder:
+def install_token_order(model, vllm_config, cfg, served, location) -> TokenOrder:
     """Called by smoe's model loader once the weights are in place; ``served``: the process's
-    :class:`~.served.ServedPlacement` (its tables and load plan)."""
-    tables = served.tables if cfg.predictor in TABLE_PREDICTORS else None
-    order = TokenOrder(model, vllm_config, cfg, tables, served.plan, expected=served.placement.metrics.get("lar"))
+    :class:`~.served.ServedPlacement` (its load plan and expected ratio), ``location``: its
+    :class:`~..location.DeviceLocation` (the maps and tables on the device)."""
+    order = TokenOrder(model, vllm_config, cfg, served.plan, location, expected=served.placement.metrics.get("lar"))
     logger.info("smoe: mode speculate: token order over %d ranks around %d MoE blocks (%s), %s, predictor %s; "
                 "attention output: %s", order.N, len(order.blocks), type(order.blocks[0][1]).__name__,
                 (f"one order per step ({order.step_reason})" if order.step_order else
