@@ -13,6 +13,18 @@ CONFIGS = os.path.join(REPO, "configs")
 HELPER = os.path.join(TESTS, "helpers", "vllm_generate.py")
 
 
+# Functions giving the prompt lists (token ids) that served tests compare with a plain ``vllm
+# serve`` of the trained fixture, registered when their module is imported: one server answers
+# them all (tests/vllm/conftest.py, ``plain_served``).
+PLAIN_PROMPTS: list = []
+
+
+def plain_prompts(make):
+    """Registers ``make`` (no arguments -> a list of prompts) with PLAIN_PROMPTS; returns it."""
+    PLAIN_PROMPTS.append(make)
+    return make
+
+
 def gloo_all_gather(x, dim=0):
     """[W * n, ...] every rank's x in rank order, on the default (gloo) group; dim must be 0 (the
     signature of vLLM's group all_gather, which smoe's ops call)."""
@@ -143,8 +155,8 @@ def vllm_runs(runs, tmp_dir, tp=1, timeout=1800):
         line = [ln for ln in m.group(1).splitlines() if ln.startswith("SMOE_RESULT ")] if m else []
         if not line:  # the root cause sits above the engine's last words
             log = r.stdout.splitlines()
-            first = next((k for k, ln in enumerate(log) if "Traceback" in ln
-                          and "Tokenizer" not in "".join(log[k:k + 12])), max(0, len(log) - 40))
+            first = next((k for k, ln in enumerate(log) if "Traceback" in ln  # not vLLM's warm-up's
+                          and "skip_tokenizer_init" not in "".join(log[k:k + 20])), max(0, len(log) - 40))
             pytest.fail(f"run {i} of {len(runs)} ({runs[i].get('extra')}) gave no result; vLLM exited with "
                         f"{r.returncode}:\n" + "\n".join(log[first: first + 60]) + "\n...\n" + "\n".join(log[-20:]))
         out.append((json.loads(line[0][len("SMOE_RESULT "):]), m.group(1)))
