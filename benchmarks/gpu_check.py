@@ -504,7 +504,7 @@ def random_learned(L: int, V: int, N: int, D: int, seed: int):
 
 def learned_step_order(net, ids, prev, caps, perm, inv, num_ranks: int):
     """Served order of the DeepSeek family with predictor learned and stack_order step: one order
-    per step from the network (token_order.TokenOrder.preferences with step_order), assigned and
+    per step from the network (predictors.Learned.step_preferences, layout stack-step), assigned and
     permuted on the device."""
     from vllm_smoe.serving.speculate import device_predict
 
@@ -588,7 +588,7 @@ def check_learned(T: int, L: int = L_LAYERS, N: int = N_RANKS, V: int = VOCAB, D
     parts["graph_ids1"] = judge(out)
     res["parts"] = parts
     res["times_ms"] = {"eager_step": _cuda_ms(step, 20), "graph_step": _cuda_ms(g.replay, 20)}
-    # parity is measured, not demanded bit-exact (served ranks take rank 0's order, token_order.agree);
+    # parity is measured, not demanded bit-exact (served ranks take rank 0's order, comm.agree);
     # fp32 on the device should still agree with numpy on nearly every token
     res["ok"] = all(parts.values()) and agree["fp32"]["step_top1_agree"] >= 0.999
     if not res["ok"]:

@@ -253,8 +253,10 @@ def test_a_step_without_token_ids_is_ordered_not_refused():
     from vllm_smoe.serving.speculate.token_order import TokenOrder
 
     o = TokenOrder.__new__(TokenOrder)
+    from vllm_smoe.serving.speculate.predictors import Learned
+
     o.__dict__.update(ids=torch.full((8,), 5), query=torch.zeros(8, dtype=torch.long),
-                      prev=torch.zeros(8, dtype=torch.long), bigrams=True, learned=True)
+                      prev=torch.zeros(8, dtype=torch.long), bigrams=True, predictor=Learned())
     o._step_ids(None, (), {"input_ids": None, "positions": torch.arange(3), "inputs_embeds": torch.zeros(3, 4)})
     assert o.ids.tolist() == [0, 0, 0, 5, 5, 5, 5, 5] and o.query[:3].tolist() == [-1, -1, -1]
     assert o.prev[:3].tolist() == [-1, -1, -1]  # learned: no previous ids either

@@ -125,7 +125,9 @@ def test_served_order_predicts_as_offline_per_layer_and_per_step():
     """TokenOrder's own preference path (the step's ids and previous ids as _step_ids sets them
     from input_ids and positions) against the offline forward on the same rows."""
     from vllm_smoe.placement.predict import previous_ids
-    from vllm_smoe.serving.speculate.token_order import TokenOrder
+    from vllm_smoe.serving.speculate.layout_block import BlockOrder
+    from vllm_smoe.serving.speculate.layout_stack import StackStepOrder
+    from vllm_smoe.serving.speculate.predictors import Learned
 
     rng = np.random.default_rng(3)
     m = _random_model(rng, 40, 6, 3, 4)
@@ -150,10 +152,11 @@ def test_served_order_predicts_as_offline_per_layer_and_per_step():
     assert 0 < (tab_conf > lp.preferences(lp.forward(m, ids, prev), 4)[1]).mean() < 1  # both sources used
     spref, sconf = lp.step_preferences(lp.forward(m, ids, prev), 4)
     for stack in (False, True):  # one order per step (the DeepSeek family's stack_order step) or per layer
-        o = TokenOrder.__new__(TokenOrder)
+        layout = StackStepOrder if stack else BlockOrder
+        o = layout.__new__(layout)
         o.__dict__.update(ids=torch.zeros(64, dtype=torch.long), query=torch.zeros(64, dtype=torch.long),
-                          prev=torch.zeros(64, dtype=torch.long), bigrams=False, learned=True, tables=tables,
-                          predictor="learned", stack=stack, step_order=stack, markov=False, N=4)
+                          prev=torch.zeros(64, dtype=torch.long), bigrams=False, tables=tables,
+                          predictor=Learned(), N=4)
         o._step_ids(None, (), {"input_ids": torch.from_numpy(ids), "positions": torch.from_numpy(positions)})
         np.testing.assert_array_equal(o.prev[:T].numpy(), prev)
         got_p, got_c = o.preferences([0, 1, 2], o.ids[:T])

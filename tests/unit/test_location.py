@@ -49,6 +49,7 @@ def test_a_swap_updates_the_one_device_location_every_consumer_reads():
     from vllm_smoe.serving.observe.counters import Observer
     from vllm_smoe.serving.observe.metrics import Drift
     from vllm_smoe.serving.record.recorder import Recorder
+    from vllm_smoe.serving.speculate.predictors import TokenTables
     from vllm_smoe.serving.speculate.token_order import TokenOrder
 
     # one copy each per layer: rank 1 holds a replica of expert 0, rank 0 one of expert 3 (and back)
@@ -63,7 +64,7 @@ def test_a_swap_updates_the_one_device_location_every_consumer_reads():
     location = DeviceLocation(old, "cpu", N, RANK, routers, _tables(0))
     # the consumers, as the loader builds them around the location
     order = TokenOrder.__new__(TokenOrder)
-    order.__dict__.update(rank=RANK, judged=True, counts=torch.zeros((L, 7), dtype=torch.long),
+    order.__dict__.update(rank=RANK, predictor=TokenTables(), counts=torch.zeros((L, 7), dtype=torch.long),
                           observer=Observer("order", RANK, 10.0, None, Drift(0.5, 0.8)))
     order._read_location(location)
     recorder = Recorder.__new__(Recorder)

@@ -511,8 +511,10 @@ def test_input_gate_columns_reach_every_rank_alike(dtype, N, T):
     gate run on every row, and assigns the same next order; no host read on the way."""
     import types
 
-    from vllm_smoe.serving.speculate.token_order import TokenOrder
     from vllm_smoe.serving.speculate.gates import gate_ranks
+    from vllm_smoe.serving.speculate.layout_block import ShuffledOrder
+    from vllm_smoe.serving.speculate.predictors import InputGate
+    from vllm_smoe.serving.speculate.token_order import TokenOrder
 
     torch.manual_seed(N * 100 + T)
     H, E, K, L, rows_max = 16, 8, 2, 2, 32
@@ -528,9 +530,10 @@ def test_input_gate_columns_reach_every_rank_alike(dtype, N, T):
             ids=torch.arange(rows_max), kept=torch.zeros(c, H, dtype=dtype),
             perm=torch.zeros(L, rows_max, dtype=torch.long), inv=torch.zeros(L, rows_max, dtype=torch.long),
             next_pref=torch.full((rows_max, 2), -1), next_conf=torch.zeros(rows_max), step_pad=None)
+        s.predictor = InputGate(s.gates, s.next_norm)
         s.perm[0, :T], s.inv[0, :T] = perm0, torch.argsort(perm0)
         for name in ("add_residual", "restore"):
-            setattr(s, name, types.MethodType(getattr(TokenOrder, name), s))
+            setattr(s, name, types.MethodType(getattr(ShuffledOrder, name), s))
         return s
 
     states = [rank_state(r) for r in range(N)]
@@ -540,7 +543,7 @@ def test_input_gate_columns_reach_every_rank_alike(dtype, N, T):
             start, stop = chunk_rows(T, r, N)
             y = torch.zeros(c, H, dtype=dtype)  # the experts' output of the chunk; its kept residual is zero here
             y[: stop - start] = stream[perm0[start:stop]]
-            outs.append(TokenOrder.add_residual_ahead(s, y, 0))
+            outs.append(ShuffledOrder.add_residual_ahead(s, y, 0))
         gathered = torch.cat(outs)[:T]
         back = [TokenOrder.restore_ahead(s, gathered, 0) for s in states]
         orders = [device_predict.permutation(device_predict.assign(s.next_pref[:T][None], s.next_conf[:T][None], device_predict.chunk_caps(T, N)))[0]
@@ -577,8 +580,9 @@ def _exact_router_worker(rank, port, results):
     capped assignment, against vLLM's order over the reduced rows (the gate on their norm)."""
     import types
 
-    from vllm_smoe.serving.speculate.token_order import TokenOrder
     from vllm_smoe.serving.speculate.gates import exact_gate_scale
+    from vllm_smoe.serving.speculate.layout_block import ShuffledOrder
+    from vllm_smoe.serving.speculate.predictors import SummedRouter
 
     world = 3
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -619,10 +623,11 @@ def _exact_router_worker(rank, port, results):
             gates=[(gate, router)] * L, exact=[(None, w)] * L, holds=holds, ids=torch.arange(64),
             base=torch.randn(64, E), perm=torch.zeros(L, 64, dtype=torch.long),
             inv=torch.zeros(L, 64, dtype=torch.long))
+        s.predictor = SummedRouter(s.gates, s.exact)
         normed = torch.randn(T, H).to(dtype)
         with torch.no_grad(), _NoHostSync():
-            out = TokenOrder.note_layer_input(s, normed, x_in, 1)
-            TokenOrder._exact_order(s, partials[rank], 1)
+            out = ShuffledOrder.note_layer_input(s, normed, x_in, 1)
+            s.predictor.exact_order(s, partials[rank], 1)
         served = router.last.clone()
         if not torch.equal(out, normed) or out.data_ptr() == normed.data_ptr():
             failures.append(f"{dtype} T={T}: note_layer_input does not return a copy of the normed rows")
@@ -745,6 +750,7 @@ def test_vllm_pad_mask_follows_the_token_order(monkeypatch, N, T, num_real):
     pytest.importorskip("vllm")
     import vllm.forward_context as fc
 
+    from vllm_smoe.serving.speculate.predictors import TokenTables
     from vllm_smoe.serving.speculate.token_order import TokenOrder
 
     c = -(-T // N)
@@ -756,6 +762,7 @@ def test_vllm_pad_mask_follows_the_token_order(monkeypatch, N, T, num_real):
         monkeypatch.setattr(fc, "is_forward_context_available", lambda: True)
         monkeypatch.setattr(fc, "get_forward_context", lambda: ctx)
         s = types.SimpleNamespace(N=N, rank=rank, stack=False, step_order=False, markov=False, num_real=torch.tensor(0),
+                                  order_row=lambda layer: layer, predictor=TokenTables(),
                                   perm=torch.zeros(2, T + 3, dtype=torch.long),
                                   inv=torch.zeros(2, T + 3, dtype=torch.long),
                                   chunk_pad=torch.zeros(c + 2, dtype=torch.bool), step_pad=None)
@@ -816,6 +823,8 @@ def test_one_row_steps_make_no_collective_for_an_order():
     under the shuffled reduce-scatter all-gathers no logits for it, and its order is the identity."""
     import types
 
+    from vllm_smoe.serving.speculate.layout_block import ShuffledOrder
+    from vllm_smoe.serving.speculate.predictors import SummedRouter
     from vllm_smoe.serving.speculate.token_order import TokenOrder
 
     def no_gather(*a, **k):
@@ -824,11 +833,11 @@ def test_one_row_steps_make_no_collective_for_an_order():
     s = types.SimpleNamespace(exact=[(None, torch.ones(4))], ahead=False, per_layer=True, rank=0, N=2, rows=0,
                               perm=torch.full((2, 8), 5), inv=torch.full((2, 8), 5),
                               tp=types.SimpleNamespace(all_gather=no_gather, reduce_scatter=lambda x, d: x[:1]))
-    for name in ("_exact_order", "_one_row"):
-        setattr(s, name, types.MethodType(getattr(TokenOrder, name), s))
+    s.predictor = SummedRouter([], s.exact)
+    s._one_row = types.MethodType(TokenOrder._one_row, s)
     partial = torch.randn(1, 4)
     with _NoHostSync():
-        out = TokenOrder.reduce_scatter(s, partial, 1)
+        out = ShuffledOrder.reduce_scatter(s, partial, 1)
     assert s.perm[1, 0] == 0 and s.inv[1, 0] == 0 and s.rows == 1 and torch.equal(out, partial)
 
 
@@ -837,13 +846,14 @@ def test_one_row_steps_broadcast_no_order_over_the_all_reduce():
     needs none: the identity, no gate, no broadcast."""
     import types
 
+    from vllm_smoe.serving.speculate.predictors import Learned, Router
     from vllm_smoe.serving.speculate.token_order import TokenOrder
 
     def never(*a, **k):
         raise AssertionError("a collective or a gate for a one-row step")
 
-    for gates, learned in (([(never, None)], False), ([], True)):
-        s = types.SimpleNamespace(per_layer=True, stack=False, step_order=False, N=2, gates=gates, ahead=False, learned=learned,
+    for predictor in (Router([(never, None)]), Learned()):
+        s = types.SimpleNamespace(predictor=predictor, predicted_layers=lambda layer: [layer], N=2,
                                   broadcast=never, preferences=never, perm=torch.full((2, 8), 5),
                                   inv=torch.full((2, 8), 5), rows=0)
         s._one_row = types.MethodType(TokenOrder._one_row, s)

@@ -143,10 +143,11 @@ def _order(rank, L, Tmax, gate_in=None, router=False):
     post-attention norms) predictor input-gate over seeded random tables' guesses, or with
     ``router`` too predictor router (the gate's logits summed from the folded partial rows)."""
     from tests.unit.test_speculate_layer import _SoftmaxTopK
-    from vllm_smoe.serving.speculate.token_order import TokenOrder
     from vllm_smoe.serving.speculate.gates import exact_gate_scale
+    from vllm_smoe.serving.speculate.layout_stack import StackLayerOrder
+    from vllm_smoe.serving.speculate.predictors import InputGate, Predictor, SummedRouter
 
-    o = TokenOrder.__new__(TokenOrder)
+    o = StackLayerOrder.__new__(StackLayerOrder)
     c = -(-Tmax // WORLD)
     g = torch.Generator().manual_seed(5)
     gate = torch.nn.Linear(H, E, bias=False)
@@ -161,12 +162,14 @@ def _order(rank, L, Tmax, gate_in=None, router=False):
                       next_pref=torch.full((Tmax, 2), -1), next_conf=torch.zeros(Tmax),
                       table_pref=torch.randint(0, WORLD, (L, Tmax, 2), generator=g),
                       table_conf=torch.rand(L, Tmax, generator=g) * 0.6, stack=True, exact=[])
+    o.predictor = InputGate(o.gates, o.next_norm) if gate_in is not None else Predictor()
     if router:
         o.ahead = False
         for norm in gate_in:
             w, why = exact_gate_scale(norm, gate, o.gates[0][1], H, torch.float32, "cpu")
             assert w is not None, why
             o.exact.append((None, w))
+        o.predictor = SummedRouter(o.gates, o.exact)
 
     def predict(self, x, layer):
         T = x.shape[0]
@@ -266,7 +269,8 @@ def _worker(rank, port, results):
             norms = [hooked.layers[i].post_attention_layernorm for i in moe_layers]
             o = _order(rank, len(moe_layers), 16, None if gated == "random" else norms, gated == "router")
             served._WORKER = types.SimpleNamespace(order=o)
-            o._hook_stack(hooked, moe_layers)
+            o.plan = types.SimpleNamespace(moe_layers=moe_layers, stack=hooked)
+            o.hook(hooked)
             with torch.no_grad(), _NoHostSync():
                 got = hooked(positions, x)
             case = f"layers {kinds} {gated} T={T}"
