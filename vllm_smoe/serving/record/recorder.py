@@ -118,8 +118,7 @@ class Recorder:
                                      "dp_rank": int(self.dp_rank or 0),
                                      # how speculate ordered the rows: advise keeps rank names agreeing
                                      # across layers for a server ordering once per step
-                                     **({} if order is None else {"token_order": "step" if order.step_order
-                                                                  else "layer"})})
+                                     **({} if order is None else {"token_order": order.rows_ordered})})
         self.started = time.strftime("%Y%m%dT%H%M%S")
         self.req_index: dict[str, int] = {}  # vLLM request id -> trace request id, while it runs
         self.prompt_len: dict[str, int] = {}  # vLLM request id -> prompt tokens, while it runs

@@ -106,6 +106,8 @@ class StackStepOrder(StackOrder):
     """Layout ``stack-step``: one order per step, set at the first decoder layer's input and kept
     through the stack; every MoE layer's block reads row 0 of ``perm`` / ``inv``."""
 
+    rows_ordered = "step"
+
     def hook_stack(self, stack, split):
         # on the first layer's input, not on embed_tokens: drafters may share the embedding
         stack.layers[0].register_forward_pre_hook(self._first_layer, with_kwargs=True)

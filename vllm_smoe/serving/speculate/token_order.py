@@ -50,6 +50,7 @@ class TokenOrder:
     chunk_pad [c] bool vLLM's pad mask of this rank's ordered chunk rows."""
 
     first_guesses = 0  # input-gate: the layers whose order its first prediction writes now (0 = every one)
+    rows_ordered = "layer"  # a recording's meta.token_order: one order per MoE layer ("layer") or per step
 
     def __init__(self, model, vllm_config, cfg, plan, location, predictor, expected: float | None = None):
         from vllm.distributed import get_tp_group
