@@ -52,7 +52,7 @@ def stream(specs, windows=None, counts: bool = True, desc: str = "counting", sam
     the counts keep the first ``sample_tokens`` rows whole (for the bytes objective). With
     ``engines``, the rows also get ``engine`` [n] int64: the DP engine that recorded each
     (:func:`engine`), whose recordings ran side by side where one engine's follow each other.
-    Returns (meta, RoutingCounts or None, {field: rows} sorted by step, batch ids [n], files, total)."""
+    Returns (meta, RoutingCounts or None, {field: rows} in trace order, the files read, total rows)."""
     meta, traces = open_traces(specs)
     files = [t.path for t in traces]
     total = sum(t.num_tokens for t in traces)
