@@ -1,7 +1,5 @@
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -56,13 +54,12 @@ def test_recorded_routing_matches_transformers_router():
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v2"])
-def test_build_random_checkpoint(tmp_path, arch):
+def test_build_random_checkpoint(arch):
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / arch
-    r = subprocess.run([sys.executable, "-m", "vllm_smoe.tools.testbed_cli", "build", "--arch", arch, "-o", str(out),
-                        "--layers", "2", "--experts", "8", "--top-k", "2"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    from tests.support import random_model
+
+    out = random_model(arch, 8, 2, layers=2)  # smoe-testbed build --layers 2 --experts 8 --top-k 2, once per run
     m = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     o = m(torch.tensor([[5, 6, 7]]), output_router_logits=True)
     assert o.logits.shape[-1] == m.config.vocab_size
