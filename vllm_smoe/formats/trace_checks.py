@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from .trace_reader import Member, Trace
 
 # the fields whose rows check_chunk checks
-VALUE_FIELDS = ("token_ids", "topk_ids", "positions", "domain", "topk_weights")
+VALUE_FIELDS = ("token_ids", "topk_ids", "positions", "request_ids", "step_ids", "domain", "topk_weights")
 
 
 def check_shapes(path: str, meta: TraceMeta, members: dict[str, Member]) -> None:
@@ -75,10 +75,12 @@ def check_chunk(trace: Trace, ch: Mapping[str, np.ndarray], start: int) -> None:
             twice = (srt[..., 1:] == srt[..., :-1]).any(axis=-1)
             if twice.any():
                 bad("topk_ids", twice, "an expert appears twice in one token's top-k")
-    if "positions" in ch:
-        pos = ch["positions"]
-        if pos.size and pos.min() < 0:
-            bad("positions", pos < 0, "negative position")
+    # the recorder writes request ordinals and vLLM's step counter, both counted up from 0
+    for name, what in (("positions", "position"), ("request_ids", "request id"), ("step_ids", "step id")):
+        if name in ch:
+            a = ch[name]
+            if a.size and a.min() < 0:
+                bad(name, a < 0, f"negative {what}")
     if "domain" in ch:
         d = ch["domain"]
         if d.size and (d.min() < 0 or d.max() >= len(meta.domains)):

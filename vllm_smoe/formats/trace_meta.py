@@ -25,6 +25,9 @@ FIELD2SPEC: dict[str, tuple[tuple[np.dtype, ...], int]] = {
 REQUIRED_FIELDS = ("token_ids", "request_ids", "positions", "topk_ids")
 OPTIONAL_FIELDS = ("step_ids", "is_prefill", "domain", "topk_weights")
 _META_REQUIRED = ("num_experts", "top_k", "num_layers", "vocab_size")
+# characters of the meta JSON a reader takes (and a writer writes): smoe's own is under 1 kB plus
+# the domain names; a reader that trusts a header's string size would allocate whatever it claims
+MAX_META_CHARS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -57,10 +60,16 @@ class TraceMeta:
 
     @classmethod
     def from_json(cls, text: str, where: str = "meta") -> "TraceMeta":
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: field 'meta' must be a JSON string, got {type(text).__name__}")
+        if len(text) > MAX_META_CHARS:
+            raise ValueError(f"{where}: field 'meta' is {len(text)} characters, over the {MAX_META_CHARS} smoe reads")
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}: field 'meta' is not valid JSON ({e})") from None
+        except RecursionError:
+            raise ValueError(f"{where}: field 'meta' is nested too deeply") from None
         if not isinstance(d, dict):
             raise ValueError(f"{where}: field 'meta' must be a JSON object, got {type(d).__name__}")
         for key in _META_REQUIRED:

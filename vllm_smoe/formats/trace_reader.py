@@ -5,6 +5,7 @@ compressed members, so traces larger than memory can be validated and scanned.""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import zipfile
 import zlib
@@ -15,7 +16,7 @@ import numpy as np
 
 from .bounded import regular_file, short
 from .trace_checks import check_shapes, check_values
-from .trace_meta import OPTIONAL_FIELDS, REQUIRED_FIELDS, TraceMeta
+from .trace_meta import MAX_META_CHARS, OPTIONAL_FIELDS, REQUIRED_FIELDS, TraceMeta
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,22 @@ class Trace:
             zf.close()
 
 
+# deflate expands a byte to at most 1032 (its longest match, 258 bytes, coded in 2 bits)
+_DEFLATE_MAX_RATIO = 1032
+
+
+def _check_member_size(path: str, name: str, info: zipfile.ZipInfo) -> None:
+    """The size the zip directory declares for a member against the bytes it really has: stored
+    members hold exactly their size, deflated ones at most 1032 times their compressed bytes."""
+    real = info.compress_size
+    if info.compress_type == zipfile.ZIP_STORED and info.file_size != real:
+        raise ValueError(f"{path}: field {short(name)}: the zip declares {info.file_size} bytes but the member "
+                         f"stores {real}")
+    if info.compress_type == zipfile.ZIP_DEFLATED and info.file_size > _DEFLATE_MAX_RATIO * real + 1024:
+        raise ValueError(f"{path}: field {short(name)}: the zip declares {info.file_size} bytes, more than its "
+                         f"{real} compressed bytes can hold")
+
+
 def _inspect_members(path: str) -> tuple[TraceMeta, dict[str, Member]]:
     if not os.path.exists(path):
         raise ValueError(f"{path}: no such trace file")
@@ -138,21 +155,26 @@ def _inspect_members(path: str) -> tuple[TraceMeta, dict[str, Member]]:
                     shape, fortran, dtype = _read_npy_header(fp)
                 except ValueError as e:
                     raise ValueError(f"{path}: field {short(name)}: unreadable .npy header ({e})") from None
-                claimed = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                claimed = math.prod(shape) * dtype.itemsize  # Python ints: a forged shape cannot wrap to 0
                 if claimed > info.file_size:  # before anything is allocated for it
                     raise ValueError(f"{path}: field {short(name)}: its header claims {claimed} bytes but the member "
                                      f"holds {info.file_size}")
+                _check_member_size(path, name, info)
                 if name == "meta":
                     if shape != () or dtype.kind != "U":
                         raise ValueError(
                             f"{path}: field 'meta' must be a 0-d string array holding JSON, "
                             f"got shape {shape} dtype {dtype}"
                         )
+                    chars = dtype.itemsize // 4
+                    if chars > MAX_META_CHARS:  # before a byte of it is read
+                        raise ValueError(f"{path}: field 'meta': its header claims a string of {chars} characters, "
+                                         f"over the {MAX_META_CHARS} smoe reads")
                     meta_text = str(np.frombuffer(fp.read(dtype.itemsize), dtype=dtype)[0])
                     continue
             if dtype.hasobject:
                 raise ValueError(f"{path}: field {name!r} has object dtype; not allowed")
-            row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize if shape else 0
+            row = math.prod(shape[1:]) * dtype.itemsize if shape else 0
             members[name] = Member(info.filename, tuple(shape), dtype, fortran, row)
     if meta_text is None:
         raise ValueError(f"{path}: missing required field 'meta'")

@@ -11,7 +11,7 @@ import tempfile
 
 import numpy as np
 
-from .trace_meta import FIELD2SPEC, REQUIRED_FIELDS, TraceMeta
+from .trace_meta import FIELD2SPEC, MAX_META_CHARS, REQUIRED_FIELDS, TraceMeta
 from .trace_spill import SPILL_INDEX, SPILL_PREFIX, assemble, try_lock
 
 
@@ -49,6 +49,9 @@ class TraceWriter:
         from .bounded import refuse_special
 
         refuse_special(self.path, "output")  # before any spill data: it could never be renamed there
+        if len(meta.to_json()) > MAX_META_CHARS:  # no reader would take the file
+            raise ValueError(f"{self.path}: its meta is {len(meta.to_json())} characters of JSON, over the "
+                             f"{MAX_META_CHARS} a reader takes")
         self._dir = tempfile.mkdtemp(prefix=SPILL_PREFIX, dir=parent)
         self._lock = try_lock(self._dir)  # a fresh directory: always ours
         self._files: dict[str, object] = {}

@@ -33,7 +33,7 @@ def _recover_main(dirs: Sequence[str], force: bool) -> int:
                 continue
             try:
                 out, n = recover_spill(sd, force=force)
-            except ValueError as e:
+            except (ValueError, OSError) as e:  # named, and the next spill is still tried
                 print(f"error: {e}", file=sys.stderr)
                 status = 2
                 continue
