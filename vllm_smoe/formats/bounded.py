@@ -33,6 +33,10 @@ def regular_file(path: str, what: str, max_bytes: int | None = None) -> int:
         raise ValueError(f"{path}: {what} not found") from None
     except OSError as e:
         raise ValueError(f"{path}: {what}: cannot read ({e.strerror})") from None
+    return _checked_size(st, path, what, max_bytes)
+
+
+def _checked_size(st: os.stat_result, path: str, what: str, max_bytes: int | None) -> int:
     if not stat.S_ISREG(st.st_mode):
         raise ValueError(f"{path}: {what} is {kind_of(st.st_mode)}, not a regular file")
     if max_bytes is not None and st.st_size > max_bytes:
@@ -82,11 +86,18 @@ def _children(node, yaml) -> list:
 
 
 def read_bytes(path: str, what: str, max_bytes: int) -> bytes:
-    """The bytes of a regular file of at most ``max_bytes``, read once."""
+    """The bytes of a regular file of at most ``max_bytes``, read once. What is read is checked
+    again once open (non-blocking, so a FIFO or device put there after the check is refused, not
+    waited on): a path can change between a check and an open."""
     regular_file(path, what, max_bytes)
     try:
-        with open(path, "rb") as f:
-            data = f.read(max_bytes + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except OSError as e:
+        raise ValueError(f"{path}: {what}: cannot read ({e.strerror})") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            _checked_size(os.fstat(f.fileno()), path, what, max_bytes)
+            data = f.read(max_bytes + 1)  # a regular file: O_NONBLOCK changes nothing
     except OSError as e:
         raise ValueError(f"{path}: {what}: cannot read ({e.strerror})") from None
     if len(data) > max_bytes:  # grew since the check
@@ -126,7 +137,11 @@ def load_yaml(path: str, what: str, max_bytes: int = MAX_YAML_BYTES, max_depth: 
             finally:
                 self.depth -= 1
 
-    loader = Loader(text)
+    try:
+        loader = Loader(text)  # refuses characters YAML does not allow (a NUL byte) here already
+    except yaml.reader.ReaderError as e:
+        raise ValueError(f"{path}: {what}: not YAML text (unacceptable character #x{e.character:04x} at "
+                         f"position {e.position})") from None
     try:
         node = loader.get_single_node()
         if node is None:

@@ -360,11 +360,25 @@ class Snapshot:
         return load_placement(self.path, self.yaml)
 
 
-def read_snapshot(path: str, allowed_dirs: tuple[str, ...] | None = None) -> Snapshot:
+def yaml_bound(like: Placement) -> int:
+    """Bytes a placement YAML of ``like``'s shape (its layers, experts and ranks) can need: 16 per
+    value of its layers (each expert's home rank, and a copy of each expert on every other rank
+    as two values; 16 bytes covers block style with deep indentation), plus 256 KiB for the rest
+    (model, metrics, built_from, comments). Checked before parsing, which costs about 10 µs and
+    150 bytes of memory per byte of YAML."""
+    from .bounded import MAX_YAML_BYTES
+
+    L, E, N = like.num_layers, like.num_experts, like.ep_size
+    return min(MAX_YAML_BYTES, (256 << 10) + L * E * (1 + 2 * (N - 1)) * 16)
+
+
+def read_snapshot(path: str, allowed_dirs: tuple[str, ...] | None = None, like: Placement | None = None) -> Snapshot:
     """Resolve ``path`` (symlinks too), refuse it unless it and its tables file lie inside one of
-    ``allowed_dirs`` (None = anywhere), and read both once: a :class:`Snapshot`. ValueError names
-    the file; contents are never echoed."""
-    from .bounded import MAX_YAML_BYTES, read_bytes
+    ``allowed_dirs`` (None = anywhere), and read both once: a :class:`Snapshot`. ``like``: a
+    placement of the same model (the served one): a YAML larger than one of its shape can need
+    (:func:`yaml_bound`) is refused before it is read. ValueError names the file; contents are
+    never echoed."""
+    from .bounded import MAX_YAML_BYTES, read_bytes, regular_file
 
     real = os.path.realpath(path)
 
@@ -375,7 +389,13 @@ def read_snapshot(path: str, allowed_dirs: tuple[str, ...] | None = None) -> Sna
                              f"from ({', '.join(allowed_dirs)}; --smoe-placement-dirs adds others)")
 
     inside(real, "placement file")
-    data = read_bytes(real, "placement file", MAX_YAML_BYTES)
+    cap = MAX_YAML_BYTES if like is None else yaml_bound(like)
+    size = regular_file(real, "placement file", MAX_YAML_BYTES)
+    if size > cap:
+        raise ValueError(f"{path}: placement file is {size} bytes, over the {cap} a placement of this model "
+                         f"({like.num_layers} layers x {like.num_experts} experts over {like.ep_size} ranks) can "
+                         f"need; not read")
+    data = read_bytes(real, "placement file", cap)
     placement = load_placement(real, data)
     tables = None
     if placement.predictor is not None:
