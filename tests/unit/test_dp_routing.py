@@ -521,11 +521,12 @@ def test_smoe_routes_honour_vllms_api_key_and_size_caps():
     from fastapi.testclient import TestClient
 
     from vllm_smoe.serving import endpoints
+    from vllm_smoe.serving.place import swap as endpoints_swap
 
     app = FastAPI()
     endpoints.SmoeEndpoints().attach_router(app)
     app.state.smoe_route = (DP2, 2, None)
-    app.state.smoe_live = {"path": DP2, "swaps": 0, "last": None}
+    app.state.smoe_live = endpoints_swap.LiveState(None, None, None, DP2)
     app.state.smoe_auth = endpoints._auth(argparse.Namespace(api_key=["SECRET", "OTHER"]))
     app.state.smoe_max_tokens = 64
     c = TestClient(app)

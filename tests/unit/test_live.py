@@ -135,7 +135,7 @@ def test_swap_leaves_what_a_fresh_load_would(packed):
 
 
 def test_servers_that_cannot_swap_say_why():
-    from vllm_smoe.serving.endpoints import EXTENSION, _live_refused
+    from vllm_smoe.serving.place.swap import EXTENSION, live_refused as _live_refused
 
     def vc(**kw):
         pc = dict(data_parallel_size=1, pipeline_parallel_size=1, enable_eplb=False, _api_process_count=1,
@@ -154,7 +154,6 @@ def test_placement_endpoint_checks_prepares_then_applies(tmp_path, monkeypatch):
     """The route's protocol against a stand-in engine: a bad file never reaches the workers, a
     worker's refusal is answered and the ready ones free what they allocated, a swap answers
     with what moved and GET follows it, a failed apply refuses every later swap and stops."""
-    import asyncio
     import time
 
     from fastapi import FastAPI
@@ -162,7 +161,7 @@ def test_placement_endpoint_checks_prepares_then_applies(tmp_path, monkeypatch):
 
     from vllm_smoe.formats.placement_file import read_snapshot
     from vllm_smoe.serving import endpoints
-    from vllm_smoe.serving.place import check
+    from vllm_smoe.serving.place import check, swap
 
     old, new, bad = (tmp_path / n for n in ("old.yaml", "new.yaml", "bad.yaml"))
     for f in (old, new, bad):
@@ -175,7 +174,7 @@ def test_placement_endpoint_checks_prepares_then_applies(tmp_path, monkeypatch):
 
     monkeypatch.setattr(check, "check_served_placement", check_fn)
     stopped = []
-    monkeypatch.setattr(endpoints, "_stop_server", lambda: stopped.append(1))
+    monkeypatch.setattr(swap, "_stop_server", lambda: stopped.append(1))
 
     class Engine:
         def __init__(self):
@@ -196,8 +195,7 @@ def test_placement_endpoint_checks_prepares_then_applies(tmp_path, monkeypatch):
     app = FastAPI()
     endpoints.SmoeEndpoints().attach_router(app)
     cfg = SimpleNamespace(placement_dirs=(str(tmp_path),))
-    app.state.smoe_live = {"engine": engine, "vllm_config": None, "cfg": cfg, "path": str(old),
-                           "lock": asyncio.Lock(), "swaps": 0, "last": None, "refused": ""}
+    app.state.smoe_live = swap.LiveState(engine, None, cfg, str(old))
     with TestClient(app) as c:  # one event loop for every request, as in a server
         assert c.post("/smoe/placement", content=b"{").status_code == 400
         assert c.post("/smoe/placement", json={"path": str(new)}).status_code == 400
@@ -216,7 +214,7 @@ def test_placement_endpoint_checks_prepares_then_applies(tmp_path, monkeypatch):
         snap = read_snapshot(str(new))
         assert engine.calls == [("smoe_prepare_placement", (str(new), snap.yaml, None, snap.sha256)),
                                 ("smoe_apply_placement", (snap.sha256,))]
-        assert engine.deadline == endpoints.apply_deadline(10**9) < 100  # the slowest rank's bytes, not 30 min
+        assert engine.deadline == swap.apply_deadline(10**9) < 100  # the slowest rank's bytes, not 30 min
         assert c.get("/smoe/placement").json()["placement"] == str(new) and c.get("/smoe/placement").json()["swaps"] == 1
         engine.fail = True
         r = c.post("/smoe/placement", json={"placement": str(old)})

@@ -35,7 +35,8 @@ class SmoeConfig:
     vLLM's CPU expert parallelism), ``record`` (write routing traces; a placement may be applied
     too), ``speculate`` (token order by predicted rank around vLLM's sequence-parallel MoE).
     placement: YAML from ``smoe-place build``; placement_dirs: directories a live swap
-    (``POST /smoe/placement``) takes files from, resolved (None = the placement's own directory);
+    (``POST /smoe/placement``) takes files from, resolved: the placement's own directory and those
+    given (each must exist, checked at start);
     record: directory for trace chunks;
     log_interval: seconds between log lines; record_chunk_tokens: tokens per file;
     predictor: speculate's token -> rank predictor (every rank then takes exactly the
@@ -133,8 +134,9 @@ class SmoeConfig:
         if dirs is not None and placement is None:
             raise ValueError(f"{where}: field 'placement_dirs' is given but field 'placement' is not (live swaps "
                              f"replace a served placement)")
-        if placement:
-            dirs = tuple(os.path.realpath(x) for x in (dirs or [os.path.dirname(os.path.abspath(placement))]))
+        if placement:  # those given add to the served placement's own directory
+            own = os.path.realpath(os.path.dirname(os.path.abspath(placement)))
+            dirs = tuple(dict.fromkeys([*(os.path.realpath(x) for x in dirs or ()), own]))
         predictor = d.get("predictor", "tables")
         if predictor not in PREDICTORS:
             raise ValueError(f"{where}: field 'predictor' must be one of {', '.join(PREDICTORS)}, got {predictor!r}")
@@ -201,11 +203,16 @@ class SmoeConfig:
         return cls.from_dict(additional_config["smoe"])
 
     def check_files(self) -> None:
-        """Fail before serving: the placement parses, the record directory is writable."""
+        """Fail before serving: the placement parses, the directories live swaps take files from
+        exist, the record directory is writable."""
         if self.placement is not None:
             from .served import placement_for
 
             placement_for(self)  # parsed once: what every later check in this process reads
+        for d in self.placement_dirs or ():
+            if not os.path.isdir(d):
+                raise ValueError(f"{d}: field 'placement_dirs' (--smoe-placement-dirs) names "
+                                 f"{'a file' if os.path.exists(d) else 'nothing'}, not a directory")
         if self.metrics_dir is not None and not (os.path.isdir(self.metrics_dir)
                                                  and os.access(self.metrics_dir, os.W_OK | os.X_OK)):
             raise ValueError(f"{self.metrics_dir}: field 'metrics_dir' is not a writable directory")

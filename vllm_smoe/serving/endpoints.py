@@ -14,10 +14,13 @@ as it is (no chat template): send the token ids the server will see for chat req
 (:mod:`.live`): checked first (400 with the file and field named, the old placement stays),
 then weights, routers and tables swapped between two engine steps; the answer comes when every
 worker is done: ``{"placement", "previous", "moved_slots", "seconds"}``. ``GET /smoe/placement``
-answers the served one. Swaps are taken one at a time; requests keep running. The file is
-resolved and read once, here, and only from the directories the server takes placements from
-(``--smoe-placement-dirs``; default: the served placement's); workers parse those bytes. A move
-that misses its deadline (:func:`apply_deadline`) stops the server instead of hanging it.
+answers the served one. The swap itself is :func:`.place.swap.swap` (one at a time; requests
+keep running; the file read once, here, from the served placement's directory and those
+``--smoe-placement-dirs`` adds; workers parse those bytes). A move that misses its deadline
+stops the server instead of hanging it, and a stopping server ends a swap that waits.
+
+``GET /health`` is vLLM's (the endpoint plugin's route override), and 503 while a swap's move
+is past its deadline or has failed (:meth:`.place.swap.LiveState.unhealthy`).
 
 Every route honours vLLM's ``--api-key`` / ``VLLM_API_KEY`` exactly as ``/v1`` does (vLLM's own
 check, which guards only its prefixes): 401 without the key. Bodies are capped in size, and a
@@ -27,17 +30,10 @@ text prompt is tokenized off the event loop and capped at the model's length.
 import asyncio
 import json
 import logging
-import os
-import signal
-import time
 
 from fastapi import APIRouter, HTTPException, Request  # FastAPI resolves the handler's annotations
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
-EXTENSION = "vllm_smoe.serving.place.live.SmoeWorkerExtension"
-PREPARE_S = 300.0  # collective_rpc timeout for parsing and checking a placement on every worker
-# the move's deadline: a fixed part plus the rank's changing expert bytes at a slow link's rate
-APPLY_BASE_S, APPLY_BYTES_PER_S = 60.0, 50e6
 MAX_BODY = 1 << 20  # bytes of a request body besides its prompt (a path, a few fields)
 logger = logging.getLogger("vllm.smoe")
 
@@ -45,6 +41,7 @@ logger = logging.getLogger("vllm.smoe")
 class SmoeEndpoints:
     name = "smoe"
     required_tasks = ("generate",)
+    unhealthy_said = ""  # the last reason /health answered 503 for, logged once
 
     def attach_router(self, app) -> None:
         router = APIRouter()
@@ -99,65 +96,46 @@ class SmoeEndpoints:
             if (denied := _denied(raw)) is not None:
                 return denied
             live = raw.app.state.smoe_live
-            if live is None or live["path"] is None:
+            if live is None or live.path is None:
                 raise HTTPException(status_code=404, detail="this server runs without an smoe placement")
-            return {"placement": live["path"], "swaps": live["swaps"], "last_swap": live["last"]}
+            return {"placement": live.path, "swaps": live.swaps, "last_swap": live.last}
 
         @router.post("/smoe/placement")
         async def post_placement(raw: Request):
             if (denied := _denied(raw)) is not None:
                 return denied
             live = raw.app.state.smoe_live
-            if live is None or live["path"] is None:
+            if live is None or live.path is None:
                 raise HTTPException(status_code=404, detail="this server runs without an smoe placement "
                                                             "(--plugin smoe --smoe-placement P): nothing to swap")
             path = (await _json_object(raw, MAX_BODY)).get("placement")
             if not isinstance(path, str) or not path:
                 raise HTTPException(status_code=400, detail="give 'placement': the path of a placement YAML")
-            path = os.path.abspath(path)
-            from ..formats.placement_file import read_snapshot
-            from .place.check import check_served_placement
+            from .place.swap import SwapError, swap
 
-            async with live["lock"]:  # one swap at a time
-                if live["refused"]:
-                    raise HTTPException(status_code=409, detail=live["refused"])
-                try:  # read once (resolved, inside the allowed directories); the API server's own
-                    # check first: a bad file never reaches the engine
-                    snap = await asyncio.to_thread(read_snapshot, path, live["cfg"].placement_dirs)
-                    await asyncio.to_thread(check_served_placement, snap.path, live["cfg"], live["vllm_config"],
-                                            snap)
-                except ValueError as e:
-                    raise HTTPException(status_code=400, detail=str(e)) from None
-                engine = live["engine"]
-                t0 = time.monotonic()
-                # every worker parses these bytes, never the path, and allocates the transfer
-                # buffers; apply then only moves, so whatever can be refused is refused, on every
-                # worker, before a byte moves
-                ready = await engine.collective_rpc("smoe_prepare_placement", timeout=PREPARE_S,
-                                                    args=(snap.path, snap.yaml, snap.tables, snap.sha256))
-                reasons = [r["reason"] for r in ready if r["reason"]]
-                if reasons:  # the ranks that were ready free what they allocated
-                    await engine.collective_rpc("smoe_cancel_placement", timeout=PREPARE_S)
-                    raise HTTPException(status_code=400, detail=reasons[0])
-                deadline = apply_deadline(max(r["bytes"] for r in ready))
-                try:  # shielded: a client that goes away does not leave the swap half-recorded here
-                    done = await asyncio.shield(engine.collective_rpc("smoe_apply_placement", timeout=deadline,
-                                                                      args=(snap.sha256,)))
-                except Exception as e:  # noqa: BLE001 - the weights are in an unknown state: stop serving
-                    live["refused"] = (f"a live swap to {path} failed while weights moved ({type(e).__name__}: "
-                                       f"{e}; its deadline was {deadline:.0f} s); this server "
-                                       f"stops rather than answer from a half-moved model")
-                    logger.error("smoe: %s", live["refused"])
-                    asyncio.get_running_loop().call_later(0.5, _stop_server)  # after the answer is out
-                    raise HTTPException(status_code=500, detail=live["refused"]) from None
-                answer = {"placement": path, "previous": live["path"],
-                          "moved_slots": done[0]["moved_slots"],
-                          # expert weight bytes written into changed slots, all ranks together
-                          "moved_bytes": sum(r["bytes"] for r in ready),
-                          "seconds": time.monotonic() - t0, "worker_seconds": max(d["seconds"] for d in done)}
-                live["path"], live["last"] = path, answer
-                live["swaps"] += 1
-            return answer
+            try:
+                return await swap(live, path)
+            except SwapError as e:
+                raise HTTPException(status_code=e.status, detail=e.detail) from None
+
+        try:  # vLLM's own check, which this route answers first
+            from vllm.entrypoints.serve.instrumentator.health import health as vllm_health
+        except ImportError:  # another vLLM: its /health stays as it is
+            vllm_health = None
+        if vllm_health is not None:
+            @router.get("/health", response_class=Response)
+            async def health(raw: Request) -> Response:
+                """vLLM's /health, and 503 while a live swap leaves the model in doubt: its move past
+                the deadline (the server stops unless it ends) or failed (the server is stopping)."""
+                answer = await vllm_health(raw)
+                live = getattr(raw.app.state, "smoe_live", None)
+                why = live.unhealthy() if live is not None and answer.status_code == 200 else ""
+                if not why:
+                    return answer
+                if why != self.unhealthy_said:
+                    self.unhealthy_said = why
+                    logger.warning("smoe: /health answers 503: %s", why)
+                return Response(status_code=503)
 
         app.include_router(router)
 
@@ -177,9 +155,12 @@ class SmoeEndpoints:
             from .observe.metrics import metrics_dir
 
             self.collector.directory = metrics_dir(cfg)  # what this server's workers publish
-        state.smoe_live = None if cfg is None else {
-            "engine": engine_client, "vllm_config": vc, "cfg": cfg, "path": cfg.placement, "lock": asyncio.Lock(),
-            "swaps": 0, "last": None, "refused": _live_refused(vc)}
+        if cfg is None:
+            state.smoe_live = None
+        else:
+            from .place.swap import LiveState
+
+            state.smoe_live = LiveState.start(engine_client, vc, cfg)
         placement = cfg.placement if cfg is not None else None
         tokenizer = None
         if placement is not None:
@@ -190,17 +171,6 @@ class SmoeEndpoints:
             elif not vc.model_config.skip_tokenizer_init:
                 tokenizer = engine_client.renderer.get_tokenizer()
         state.smoe_route = (placement, vc.parallel_config.data_parallel_size, tokenizer)
-
-
-def apply_deadline(moved_bytes: int) -> float:
-    """Seconds a swap's weight move may take before the server gives up and stops (a rank that
-    cannot finish would otherwise hold every other rank in the transfer, behind a healthy
-    /health): generous for a slow link, never the collective timeout's half hour."""
-    return APPLY_BASE_S + moved_bytes / APPLY_BYTES_PER_S
-
-
-def _stop_server() -> None:
-    os.kill(os.getpid(), signal.SIGTERM)  # vLLM's API server shuts its engines down on SIGTERM
 
 
 def _auth(args):
@@ -240,25 +210,6 @@ async def _json_object(raw: Request, max_bytes: int) -> dict:
     except (ValueError, RecursionError):
         raise HTTPException(status_code=400, detail="body must be JSON (not too deeply nested)") from None
     return body if isinstance(body, dict) else {}
-
-
-def _live_refused(vllm_config) -> str:
-    """Why this server cannot swap placements live ('' = it can)."""
-    pc = vllm_config.parallel_config
-    if pc.data_parallel_size > 1:
-        return ("live re-placement needs --data-parallel-size 1: DP engines step on their own, so no moment lies "
-                "between the steps of all of them; restart with the new placement")
-    if pc.pipeline_parallel_size > 1:
-        return "live re-placement needs --pipeline-parallel-size 1; restart with the new placement"
-    if pc.enable_eplb:
-        return ("--enable-eplb moves experts at run time, so the served layout is no longer the placement's; "
-                "restart with the new placement")
-    if getattr(pc, "_api_process_count", 1) > 1:
-        return ("live re-placement needs one API server (--api-server-count 1): each would swap on its own; "
-                "restart with the new placement")
-    if pc.worker_extension_cls != EXTENSION:
-        return f"--worker-extension-cls {pc.worker_extension_cls} replaces smoe's, which live re-placement calls"
-    return ""
 
 
 def endpoints() -> SmoeEndpoints:

@@ -53,8 +53,8 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
                    help="enable the smoe plugin for this server (its --smoe-* flags need it)")
     g.add_argument("--smoe-placement", default=None, help="placement YAML written by smoe-place build")
     g.add_argument("--smoe-placement-dirs", default=None,
-                   help=f"directories POST /smoe/placement takes placement files from, '{os.pathsep}'-separated "
-                        f"(default: the served placement's directory)")
+                   help=f"directories POST /smoe/placement takes placement files from besides the served "
+                        f"placement's own, '{os.pathsep}'-separated; each must exist")
     g.add_argument("--smoe-record", default=None, help="directory to write routing traces into")
     g.add_argument("--smoe-record-sample", type=float, default=None,
                    help="with --smoe-record: share of requests recorded, whole requests (default 1.0)")
@@ -122,6 +122,10 @@ def _fold_flags(engine_args, args):
     """``EngineArgs.from_cli_args``: the ``--smoe-*`` flags folded into ``additional_config``."""
     with _smoe_errors():
         flags = _smoe_from_args(args)
+        if isinstance(engine_args.additional_config, str):  # vLLM keeps what is not a JSON object as text
+            if flags is None and "smoe" not in engine_args.additional_config:
+                return engine_args  # not smoe's: vLLM names it
+            _refuse_additional_config(engine_args.additional_config)
         given = (engine_args.additional_config or {}).get("smoe")
         if given is not None and not isinstance(given, dict):
             raise ValueError(f"--additional-config: field 'smoe' must be a mapping of smoe's settings, got "
@@ -136,6 +140,20 @@ def _fold_flags(engine_args, args):
         # before smoe's hooks are in place there: hand them the folded config too
         args.additional_config = extra
     return engine_args
+
+
+def _refuse_additional_config(text: str) -> None:
+    """A ``--additional-config`` that is not a JSON object: ValueError saying so in one line."""
+    import json
+
+    from ..formats.bounded import short
+
+    try:
+        json.loads(text)
+        why = "is not a JSON object"
+    except (json.JSONDecodeError, RecursionError) as e:
+        why = f"is not valid JSON ({getattr(e, 'msg', 'nested too deeply')}, column {getattr(e, 'colno', '?')})"
+    raise ValueError(f"--additional-config {why}: {short(text)}")
 
 
 def _load_config(engine_args, load_config):
