@@ -20,7 +20,7 @@ class SmoeSettingsError(ValueError):
     ``vllm serve`` prints it as one line and exits 2 (:mod:`vllm_smoe.serving.plugin`)."""
 _KEYS = ("mode", "placement", "placement_dirs", "record", "log_interval", "record_chunk_tokens", "predictor", "all2all", "dp_routing",
          "metrics_dir", "drift_threshold", "record_sample", "record_max_mb", "metrics", "reduce_scatter", "hierarchical",
-         "stack_order")
+         "stack_order", "auto_replace")
 PREDICTORS = ("tables", "tables-markov", "learned", "router", "input-gate", "random", "one-rank")  # online token -> rank predictors (vllm_smoe.serving.speculate.predictors)
 TABLE_PREDICTORS = ("tables", "tables-markov", "learned", "input-gate")  # those that read the placement's tables file
 ALL2ALL = ("sparse", "vllm")
@@ -86,6 +86,7 @@ class SmoeConfig:
     reduce_scatter: str = "auto"
     hierarchical: str = "auto"
     stack_order: str = "layer"
+    auto_replace: "AutoSettings | None" = None  # noqa: F821 (place.auto's, imported where parsed)
 
     @property
     def needs_loader(self) -> bool:
@@ -186,6 +187,12 @@ class SmoeConfig:
         chunk = d.get("record_chunk_tokens", 1 << 18)
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
             raise ValueError(f"{where}: field 'record_chunk_tokens' must be a positive integer, got {chunk!r}")
+        from .place.auto import AutoSettings
+
+        auto = AutoSettings.from_value(d.get("auto_replace"), where)
+        if auto is not None and (placement is None or record is None):
+            raise ValueError(f"{where}: field 'auto_replace' needs field 'placement' (the served one it replaces) "
+                             f"and field 'record' (the recording it builds candidates from)")
         return cls(mode=mode, placement=os.path.abspath(placement) if placement else None, placement_dirs=dirs,
                    record=os.path.abspath(record) if record else None, log_interval=float(interval),
                    record_chunk_tokens=chunk, predictor=predictor,
@@ -193,7 +200,7 @@ class SmoeConfig:
                    metrics_dir=os.path.abspath(metrics_dir) if metrics_dir else None, drift_threshold=float(drift),
                    record_sample=float(sample), record_max_mb=None if budget is None else float(budget),
                    metrics=metrics, reduce_scatter=reduce_scatter, hierarchical=hierarchical,
-                   stack_order=stack_order)
+                   stack_order=stack_order, auto_replace=auto)
 
     @classmethod
     def from_additional_config(cls, additional_config: object) -> "SmoeConfig | None":

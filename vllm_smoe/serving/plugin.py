@@ -35,6 +35,7 @@ _FLAGS = {  # CLI dest -> key in additional_config["smoe"]
     "smoe_predictor": "predictor",
     "smoe_all2all": "all2all",
     "smoe_dp_routing": "dp_routing",
+    "smoe_auto_replace": "auto_replace",
     "smoe_record_sample": "record_sample",
     "smoe_record_max_mb": "record_max_mb",
     "smoe_metrics": "metrics",
@@ -95,11 +96,16 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
                    help="with --data-parallel-size > 1 and a placement with tables: send each request to the DP "
                         "engine its prompt's tokens score best under the placement (default on), or leave every "
                         "request to vLLM's load balancer (off)")
+    g.add_argument("--smoe-auto-replace", choices=["on", "off"], default=None, type=str,
+                   help="re-place automatically: when drift holds, build a candidate from the recording "
+                        "(--smoe-record) off the serving path and swap it in live when it beats the served "
+                        "placement on recent traffic (default off; its settings: additional_config smoe.auto_replace, "
+                        "see the README). Needs VLLM_PLUGINS=smoe (the swap runs in smoe's endpoint plugin)")
 
 
 def _smoe_from_args(args: argparse.Namespace) -> dict | None:
     given = {key: getattr(args, dest) for dest, key in _FLAGS.items() if getattr(args, dest, None) is not None}
-    for key in ("dp_routing", "metrics"):
+    for key in ("dp_routing", "metrics", "auto_replace"):
         if key in given:
             given[key] = given[key] == "on"
     if "placement_dirs" in given:
@@ -133,6 +139,8 @@ def _fold_flags(engine_args, args):
     if flags is not None:
         extra = dict(engine_args.additional_config or {})
         merged = dict(extra.get("smoe") or {})
+        if flags.get("auto_replace") is True and isinstance(merged.get("auto_replace"), dict):
+            flags = {k: v for k, v in flags.items() if k != "auto_replace"}  # on: with the settings given there
         merged.update(flags)  # flags win over --additional-config
         extra["smoe"] = merged
         engine_args.additional_config = extra

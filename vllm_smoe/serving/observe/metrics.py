@@ -35,6 +35,9 @@ ENV = "SMOE_METRICS_DIR"
 # the device counters of each source, in the order the workers keep them
 ORDER_FIELDS = ("local", "activations", "tokens", "hits")  # per MoE layer
 A2A_FIELDS = ("tokens", "pairs", "bytes", "local", "activations", "node_bytes")  # SparseExchange's COUNTERS
+# the automatic re-placement's counters (serving/place/auto.py; one API server publishes them)
+AUTO_FIELDS = ("checks", "drifted_checks", "candidates", "swaps", "moved_slots", "moved_bytes", "build_seconds",
+               "build_cpu_seconds", "swap_seconds", "failures")
 RECORD_FIELDS = ("written", "behind", "failed", "unrecordable")  # tokens: written, lost (queue full, disk, no ids or a layer's rows)
 
 
@@ -137,6 +140,12 @@ def _valid(s: object) -> bool:
         return _counts([s.get(k) for k in A2A_FIELDS], len(A2A_FIELDS))
     if s.get("source") == "record":
         return _counts([s.get(k) for k in RECORD_FIELDS], len(RECORD_FIELDS))
+    if s.get("source") == "auto":
+        num = (int, float)
+        rejected = s.get("rejected")
+        return (all(isinstance(s.get(k), num) and not isinstance(s.get(k), bool) for k in AUTO_FIELDS)
+                and isinstance(rejected, dict) and all(isinstance(k, str) and isinstance(v, int)
+                                                       for k, v in rejected.items()))
     if s.get("source") == "collectives":
         rows = s.get("counts")
         return (_counts([s.get("steps")], 1) and isinstance(rows, list)
@@ -222,6 +231,7 @@ def families(snapshots: list[dict]):
                 lost.add_metric([str(s["rank"]), k], s[k])
         yield written
         yield lost
+    yield from _auto_families([s for s in snapshots if s.get("source") == "auto"])
     coll = [s for s in snapshots if s.get("source") == "collectives"]
     if coll:
         n = CounterMetricFamily("smoe:collectives", "collectives a worker's communicators issued in served steps "
@@ -259,13 +269,12 @@ def _drift_families(snapshots: list[dict]):
     and whether the window fell below threshold x expected."""
     from prometheus_client.core import GaugeMetricFamily
 
-    judged = [s["drift"] for s in snapshots if s.get("drift") and s["drift"].get("window")]
-    windows = [d["window"] for d in judged]
-    if not windows:
+    from ..place.auto import pooled_drift
+
+    drift = pooled_drift(snapshots)  # the automatic re-placement reads this same verdict
+    if drift is None:
         return
-    drift = judged[0]
-    acts = sum(w["activations"] for w in windows)
-    ratio = sum(w["local"] for w in windows) / max(1, acts)
+    ratio = drift["ratio"]
     g = GaugeMetricFamily("smoe:window_local_activation_ratio", "local activation ratio over each rank's last "
                           "complete window of served tokens, over all ranks")
     g.add_metric([], ratio)
@@ -276,8 +285,39 @@ def _drift_families(snapshots: list[dict]):
         e.add_metric([], drift["expected"])
         yield e
         d = GaugeMetricFamily("smoe:drift", "1 when the window ratio is below drift_threshold x expected, else 0")
-        d.add_metric([], float(ratio < drift["threshold"] * drift["expected"]))
+        d.add_metric([], float(drift["drifted"]))
         yield d
+
+
+_AUTO_HELP = {
+    "checks": "intervals the automatic re-placement read the drift verdict",
+    "drifted_checks": "of those, intervals that read drifted",
+    "candidates": "candidate placements built from the recording",
+    "swaps": "candidates swapped in live",
+    "moved_slots": "expert slots those swaps moved",
+    "moved_bytes": "expert weight bytes those swaps moved, all ranks",
+    "build_seconds": "wall-clock seconds of the candidate builds",
+    "build_cpu_seconds": "CPU seconds of the candidate builds (their processes)",
+    "swap_seconds": "seconds serving waited for those swaps",
+    "failures": "failures of the controller itself (serving went on)",
+}
+
+
+def _auto_families(snapshots: list[dict]):
+    """The automatic re-placement's counters (``smoe:auto_*``), from the API server's snapshot."""
+    from prometheus_client.core import CounterMetricFamily
+
+    if not snapshots:
+        return
+    s = snapshots[0]  # one API server runs it (live swaps are refused with several)
+    for k in AUTO_FIELDS:
+        c = CounterMetricFamily(f"smoe:auto_{k}", _AUTO_HELP[k])
+        c.add_metric([], s[k])
+        yield c
+    r = CounterMetricFamily("smoe:auto_rejected", "candidates not swapped in, by reason", labels=["reason"])
+    for reason, v in sorted(s["rejected"].items()):
+        r.add_metric([reason], v)
+    yield r
 
 
 class SmoeCollector:

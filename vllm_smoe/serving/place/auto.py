@@ -1,0 +1,223 @@
+"""Automatic re-placement: when drift holds, a candidate is built from the recent recording off
+the serving path, judged on held-out recent traffic, and swapped in through the live-swap path.
+
+State and policy live here (:class:`AutoReplace`: pure, a clock passed in); the candidate build
+is a low-priority child process with its own limits (:mod:`.auto_build`); :func:`run` is the
+loop the API server runs, which swaps through the same function as ``POST /smoe/placement``
+(all ranks or none, the deadline). Every decision is logged and counted (published as the
+``auto`` source of the metrics directory, served on ``/metrics``). Nothing here raises into
+serving: a failure of the controller is counted and logged, and serving goes on.
+
+Why no DP placements: a ``--mode dp`` placement is served by DP engines that step on their
+own, which a live swap cannot move together (``POST /smoe/placement`` answers 409 at DP > 1);
+such a server is refused at start with ``auto_replace``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+logger = logging.getLogger("vllm.smoe")
+
+SOURCE = "auto"  # the metrics directory's source name for the controller's counters
+REASONS = ("margin", "build_failed", "invalid", "swap_refused", "no_recording")  # why a candidate was not swapped
+
+
+@dataclass(frozen=True)
+class AutoSettings:
+    """hold_s: seconds the pooled drift verdict must read drifted before a candidate is built;
+    cooldown_s: seconds after a swap (or a rejected candidate) before the next build; max_moves:
+    share of expert slots a swap may move (advise --max-moves); margin: the candidate's held-out
+    local activation ratio must exceed the served one's by this share; window_tokens: recent
+    recorded tokens the build reads (advise --max-tokens); build_timeout_s, build_mem_mb,
+    build_cpu_s: the build process's wall-clock, address-space and CPU-time limits."""
+    hold_s: float = 60.0
+    cooldown_s: float = 600.0
+    max_moves: float = 0.25
+    margin: float = 0.02
+    window_tokens: int = 1 << 18
+    build_timeout_s: float = 600.0
+    build_mem_mb: int = 4096
+    build_cpu_s: float = 600.0
+
+    @classmethod
+    def from_value(cls, v: object, where: str) -> "AutoSettings | None":
+        """``auto_replace`` as settings give it: false/None (off), true (defaults) or a mapping of
+        the fields above; ValueError naming the field otherwise."""
+        if v is None or v is False:
+            return None
+        if v is True:
+            return cls()
+        if not isinstance(v, dict):
+            raise ValueError(f"{where}: field 'auto_replace' must be true, false or a mapping of "
+                             f"{', '.join(cls.__dataclass_fields__)}, got {v!r}")
+        unknown = sorted(set(v) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"{where}: field 'auto_replace': unknown field(s) {unknown}; known: "
+                             f"{', '.join(cls.__dataclass_fields__)}")
+        out = {}
+        for name, f in cls.__dataclass_fields__.items():
+            x = v.get(name, f.default)
+            whole = f.type in (int, "int")
+            ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and (
+                isinstance(x, int) if whole else True)
+            lo_ok = ok and (x >= 0 if name in ("hold_s", "cooldown_s", "margin") else x > 0)
+            if not lo_ok or (name == "max_moves" and x > 1):
+                kind = "a positive integer" if whole else ("a number in (0, 1]" if name == "max_moves" else
+                                                           "a non-negative number" if name in
+                                                           ("hold_s", "cooldown_s", "margin") else "a positive number")
+                raise ValueError(f"{where}: field 'auto_replace.{name}' must be {kind}, got {x!r}")
+            out[name] = int(x) if whole else float(x)
+        return cls(**out)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def pooled_drift(snapshots: list[dict]) -> dict | None:
+    """The drift verdict ``smoe:drift`` publishes: the ranks' last complete windows pooled
+    (local / activations over all of them) against the placement's expected ratio x threshold.
+    snapshots: :func:`~..observe.metrics.read_snapshots`'s. Returns {"ratio", "expected",
+    "threshold", "drifted" (None: no expected ratio, nothing judged)} or None (no window yet)."""
+    judged = [s["drift"] for s in snapshots if s.get("drift") and s["drift"].get("window")]
+    windows = [d["window"] for d in judged]
+    if not windows:
+        return None
+    ratio = sum(w["local"] for w in windows) / max(1, sum(w["activations"] for w in windows))
+    expected, threshold = judged[0].get("expected"), judged[0]["threshold"]
+    drifted = None if expected is None else ratio < threshold * expected
+    return {"ratio": ratio, "expected": expected, "threshold": threshold, "drifted": drifted}
+
+
+class AutoReplace:
+    """The controller's state and policy. :meth:`observe` takes each interval's drift verdict
+    and says when to build; :meth:`judge` takes the build's held-out numbers; the rest record
+    what happened. ``counters`` is what ``/metrics`` publishes (cumulative)."""
+
+    def __init__(self, settings: AutoSettings, now: float):
+        self.settings = settings
+        self.drift_since: float | None = None  # when the current run of drifted verdicts began
+        self.quiet_until = now  # no build before (a cool-down after a swap or a rejection)
+        self.counters = {"checks": 0, "drifted_checks": 0, "candidates": 0, "swaps": 0, "moved_slots": 0,
+                         "moved_bytes": 0, "build_seconds": 0.0, "build_cpu_seconds": 0.0,
+                         "swap_seconds": 0.0, "failures": 0,
+                         "rejected": {r: 0 for r in REASONS}}
+        self.last: dict | None = None  # the last decision, as logged
+
+    def observe(self, drifted: bool | None, now: float) -> bool:
+        """One interval's verdict (None: not judged, which breaks a run of drifted ones). True
+        when drift has held for ``hold_s`` and the cool-down is over: build a candidate now."""
+        self.counters["checks"] += 1
+        if not drifted:
+            self.drift_since = None
+            return False
+        self.counters["drifted_checks"] += 1
+        if self.drift_since is None:
+            self.drift_since = now
+        return now - self.drift_since >= self.settings.hold_s and now >= self.quiet_until
+
+    def judge(self, served_lar: float, candidate_lar: float) -> tuple[bool, str]:
+        """(swap?, why): the candidate's held-out ratio against the served one's plus the margin."""
+        need = served_lar * (1.0 + self.settings.margin)
+        if candidate_lar > need:
+            return True, f"held-out local activation ratio {candidate_lar:.4f} > {need:.4f} (served {served_lar:.4f} " \
+                         f"x (1 + margin {self.settings.margin:g}))"
+        return False, f"held-out local activation ratio {candidate_lar:.4f} <= {need:.4f} (served " \
+                      f"{served_lar:.4f} x (1 + margin {self.settings.margin:g}))"
+
+    def built(self, seconds: float, cpu_seconds: float = 0.0) -> None:
+        self.counters["candidates"] += 1
+        self.counters["build_seconds"] += seconds
+        self.counters["build_cpu_seconds"] += cpu_seconds
+
+    def rejected(self, reason: str, detail: str, now: float) -> None:
+        """No swap this time: counted by reason; the next build waits a cool-down (the traffic
+        that made this candidate would make the same one)."""
+        assert reason in REASONS, reason
+        self.counters["rejected"][reason] += 1
+        self.quiet_until = now + self.settings.cooldown_s
+        self.drift_since = None
+        self._say({"decision": "rejected", "reason": reason, "detail": detail})
+
+    def swapped(self, answer: dict, now: float) -> None:
+        self.counters["swaps"] += 1
+        self.counters["moved_slots"] += int(answer.get("moved_slots", 0))
+        self.counters["moved_bytes"] += int(answer.get("moved_bytes", 0))
+        self.counters["swap_seconds"] += float(answer.get("seconds", 0.0))
+        self.quiet_until = now + self.settings.cooldown_s
+        self.drift_since = None
+        self._say({"decision": "swapped", **{k: answer[k] for k in ("placement", "previous", "moved_slots",
+                                                                     "moved_bytes", "seconds") if k in answer}})
+
+    def failed(self, detail: str, now: float) -> None:
+        """The controller itself failed (a bug, an I/O error): counted, serving goes on."""
+        self.counters["failures"] += 1
+        self.quiet_until = now + self.settings.cooldown_s
+        self.drift_since = None
+        self._say({"decision": "failed", "detail": detail})
+
+    def _say(self, decision: dict) -> None:
+        self.last = decision
+        logger.info("smoe: auto-replace: %s", ", ".join(f"{k}={v}" for k, v in decision.items()))
+
+
+async def run(ctl: AutoReplace, *, served_path, record_dir: str, metrics_dir: str, interval: float, swap,
+              build, publish, clock=time.monotonic, workdir: str | None = None) -> None:
+    """The controller's loop (an asyncio task of the API server; cancel it to stop). Each
+    ``interval``: the pooled drift verdict from ``metrics_dir``; when :meth:`AutoReplace.observe`
+    says so, ``build(served, record_dir, out, settings, since)`` in a thread (it runs the child
+    process on what was recorded since ``since``, the wall-clock time drift began; returns
+    {"placement", "served_lar", "candidate_lar", "seconds", "cpu_seconds"} or raises
+    :class:`~.auto_build.BuildError`), then ``await swap(path, extra_dirs)``: the live-swap path,
+    raising on refusal. ``served_path()``: the placement served now; ``publish(counters)``:
+    writes the controller's counters where ``/metrics`` reads them."""
+    from ..observe.metrics import read_snapshots
+    from .auto_build import BuildError
+
+    workdir = workdir or tempfile.mkdtemp(prefix="smoe-auto-")  # 0700: candidates only the server reads
+    publish(ctl.counters)
+    while True:
+        await asyncio.sleep(interval)
+        now = clock()
+        try:
+            verdict = pooled_drift(await asyncio.to_thread(read_snapshots, metrics_dir))
+            go = ctl.observe(None if verdict is None else verdict["drifted"], now)
+            if go:
+                logger.info("smoe: auto-replace: drift held %.0f s (window ratio %.4f < %g x expected %.4f): "
+                            "building a candidate from %s", now - ctl.drift_since, verdict["ratio"],
+                            verdict["threshold"], verdict["expected"], record_dir)
+                out = os.path.join(workdir, f"candidate-{ctl.counters['candidates'] + 1}.yaml")
+                since = time.time() - (now - ctl.drift_since)
+                try:
+                    got = await asyncio.to_thread(build, served_path(), record_dir, out, ctl.settings, since)
+                except BuildError as e:
+                    ctl.rejected(e.reason, str(e), clock())
+                else:
+                    ctl.built(got["seconds"], got.get("cpu_seconds", 0.0))
+                    ok, why = ctl.judge(got["served_lar"], got["candidate_lar"])
+                    if not ok:
+                        ctl.rejected("margin", why, clock())
+                    else:
+                        logger.info("smoe: auto-replace: swapping in %s: %s", out, why)
+                        try:
+                            answer = await swap(out, (workdir,))
+                        except Exception as e:  # noqa: BLE001 - the swap path's refusal (the file, the engine)
+                            reason = "invalid" if getattr(e, "status", None) == 400 else "swap_refused"
+                            ctl.rejected(reason, f"{type(e).__name__}: {getattr(e, 'detail', e)}", clock())
+                        else:
+                            ctl.swapped(answer, clock())
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - never into serving
+            logger.exception("smoe: auto-replace failed; serving goes on")
+            ctl.failed(f"{type(e).__name__}: {e}", clock())
+        try:
+            publish(ctl.counters)
+        except OSError as e:
+            logger.warning("smoe: auto-replace: could not publish its counters: %s", e)
