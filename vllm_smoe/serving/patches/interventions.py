@@ -181,6 +181,17 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         remove="vLLM lets plugins add collectors to the registry it serves",
         modes=("place", "record", "speculate"),
     ),
+    Intervention(
+        id="health_route",
+        what="the `GET /health` route, through the endpoint plugin's route override: vLLM's own check, then "
+             "503 while a live swap's move is past its deadline or has failed",
+        where="endpoints.py, place/swap.py",
+        why="vLLM's /health asks the engine only, which reads healthy while its weights are half-moved",
+        upstream="none filed",
+        remove="vLLM lets a plugin add a reason to /health",
+        modes=("place", "record", "speculate"),
+        checks=(Check("vllm.entrypoints.serve.instrumentator.health:health", params=("raw_request",)),),
+    ),
 )
 
 
