@@ -327,3 +327,57 @@ def test_live_swap_in_vllms_default_compiled_mode(tmp_path):
         assert status == 200 and back["moved_slots"] == 128, back
         again = [_served_tokens(s.port, p) for p in prompts]
     assert after == before and again == before
+
+
+def test_auto_replace_swaps_by_itself_when_the_workload_shifts(plain_tp2, tmp_path):
+    """vllm serve TP=2 + EP in speculate with --smoe-auto-replace, serving a placement built on one
+    domain (python) of the training trace while the clients send held-out prompts of every domain:
+    drift holds, the controller builds a candidate from the recording off the serving path, judges
+    it on the recording's held-out half and swaps it in by itself, with no operator. No request
+    fails, every answer equals plain TP=2 vLLM's greedy tokens, before and after the swap, and
+    /metrics counts what the log says."""
+    import time
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vllm_smoe.formats.trace import read_traces, write_trace
+    from vllm_smoe.tools.place import main as place
+    from vllm_smoe.tools.server_process import VllmServer
+
+    prompts, plain = plain_tp2
+    fields = ("token_ids", "request_ids", "positions", "topk_ids", "step_ids", "is_prefill", "domain")
+    meta, tr, _ = read_traces([FIXTURE_TRACES["train"]], fields)
+    keep = tr["domain"] == 0
+    write_trace(str(tmp_path / "py.npz"), meta, **{k: v[keep] for k, v in tr.items()})
+    served = str(tmp_path / "python.yaml")
+    assert place(["build", "--trace", str(tmp_path / "py.npz"), "--ep-size", "2", "-o", served]) == 0
+    auto = {"hold_s": 0, "cooldown_s": 5, "max_moves": 0.5, "margin": 0.0, "window_tokens": 1 << 16,
+            "build_timeout_s": 300}
+    extra = {"smoe": {"record_chunk_tokens": 512, "drift_threshold": 0.95, "auto_replace": auto}}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_PLUGINS": "smoe"}
+    outs, after = [], None
+    with VllmServer(FIXTURE_MODEL, "--tensor-parallel-size", "2", "--enable-expert-parallel", "--plugin", "smoe",
+                    "--smoe-mode", "speculate", "--smoe-placement", served, "--smoe-log-interval", "1",
+                    "--smoe-record", str(tmp_path / "rec"), "--smoe-auto-replace", "on",
+                    "--additional-config", json.dumps(extra), log=tmp_path / "s.log", env=env) as s:
+        deadline = time.monotonic() + 900
+        with ThreadPoolExecutor(8) as pool:
+            while time.monotonic() < deadline:
+                outs.append([f.result() for f in [pool.submit(_served_tokens, s.port, p) for p in prompts]])
+                swaps = _swap(s.port, "", "GET")[1]["swaps"]
+                if swaps and after is None:
+                    after = len(outs)  # the waves from here on were sent after the swap
+                elif after is not None and len(outs) > after:
+                    break
+        with urllib.request.urlopen(f"http://127.0.0.1:{s.port}/metrics", timeout=60) as r:
+            metrics = r.read().decode()
+    log = (tmp_path / "s.log").read_text()
+    assert after is not None, "no automatic swap: " + "; ".join(
+        ln for ln in log.splitlines() if "auto-replace" in ln or "drift" in ln)[-2000:]
+    for out in outs:
+        assert out == plain["tokens"]
+    decisions = [ln for ln in log.splitlines() if "smoe: auto-replace: decision=" in ln]
+    assert any("decision=swapped" in ln for ln in decisions), decisions
+    swapped = sum("decision=swapped" in ln for ln in decisions)
+    assert f"smoe:auto_swaps_total {float(swapped)}" in metrics
+    assert "smoe: live placement:" in log  # through the live-swap path, on the workers

@@ -161,6 +161,10 @@ class SmoeEndpoints:
             from .place.swap import LiveState
 
             state.smoe_live = LiveState.start(engine_client, vc, cfg)
+            if cfg.auto_replace is not None and not state.smoe_live.refused:  # refused at start otherwise
+                from .place import auto
+
+                self.auto_task = auto.start(state.smoe_live, cfg)  # held: the loop keeps only weak references
         placement = cfg.placement if cfg is not None else None
         tokenizer = None
         if placement is not None:

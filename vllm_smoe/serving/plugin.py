@@ -220,6 +220,12 @@ def _after_engine_config(engine_args, cfg, vllm_config) -> None:
             elif pc.worker_extension_cls != "vllm_smoe.serving.place.live.SmoeWorkerExtension":
                 logger.warning("smoe: --worker-extension-cls %s is set, so live re-placement (POST "
                                "/smoe/placement) is off", pc.worker_extension_cls)
+        if cfg is not None and cfg.auto_replace is not None:
+            from .place.auto import refused
+
+            why = refused(cfg, vllm_config)
+            if why:
+                raise ValueError(f"field 'auto_replace': the automatic re-placement cannot run on this server: {why}")
         if cfg is not None and cfg.record is not None:
             _recover_at_exit(cfg.record)
         if cfg is not None and cfg.mode == "speculate":

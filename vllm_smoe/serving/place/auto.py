@@ -167,6 +167,33 @@ class AutoReplace:
         logger.info("smoe: auto-replace: %s", ", ".join(f"{k}={v}" for k, v in decision.items()))
 
 
+async def _off_loop(fn, *args):
+    """``fn(*args)`` on a daemon thread of its own: unlike asyncio's thread pool, which the
+    interpreter joins at exit, a build still running when the server stops never holds the exit
+    (its child process dies with that thread: :func:`.auto_build._limits`)."""
+    import threading
+
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(result, error) -> None:
+        if not fut.done():  # the loop's task may have been cancelled meanwhile
+            fut.set_exception(error) if error is not None else fut.set_result(result)
+
+    def target() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed: the server is gone
+            pass
+
+    threading.Thread(target=target, daemon=True, name="smoe-auto-build").start()
+    return await fut
+
+
 async def run(ctl: AutoReplace, *, served_path, record_dir: str, metrics_dir: str, interval: float, swap,
               build, publish, clock=time.monotonic, workdir: str | None = None) -> None:
     """The controller's loop (an asyncio task of the API server; cancel it to stop). Each
@@ -195,7 +222,7 @@ async def run(ctl: AutoReplace, *, served_path, record_dir: str, metrics_dir: st
                 out = os.path.join(workdir, f"candidate-{ctl.counters['candidates'] + 1}.yaml")
                 since = time.time() - (now - ctl.drift_since)
                 try:
-                    got = await asyncio.to_thread(build, served_path(), record_dir, out, ctl.settings, since)
+                    got = await _off_loop(build, served_path(), record_dir, out, ctl.settings, since)
                 except BuildError as e:
                     ctl.rejected(e.reason, str(e), clock())
                 else:
@@ -221,3 +248,42 @@ async def run(ctl: AutoReplace, *, served_path, record_dir: str, metrics_dir: st
             publish(ctl.counters)
         except OSError as e:
             logger.warning("smoe: auto-replace: could not publish its counters: %s", e)
+
+
+def start(live, cfg) -> "asyncio.Task":
+    """The controller of this API server (an asyncio task on its loop), for ``cfg.auto_replace``;
+    ``live``: the server's :class:`~.swap.LiveState`, through whose :func:`~.swap.swap` it swaps."""
+    from functools import partial
+
+    from ...placement.online import PREDICTORS as SIMULATED
+    from ..observe.metrics import metrics_dir, publish
+    from .auto_build import build_candidate
+    from .swap import swap
+
+    directory = metrics_dir(cfg)
+    # advise judges with serving's predictor where it can simulate it (its default, tables, otherwise)
+    predictor = cfg.predictor if cfg.mode == "speculate" and cfg.predictor in SIMULATED else None
+    ctl = AutoReplace(cfg.auto_replace, time.monotonic())
+    logger.info("smoe: auto-replace on: %s", ", ".join(f"{k}={v:g}" for k, v in cfg.auto_replace.to_dict().items()))
+    return asyncio.get_running_loop().create_task(run(
+        ctl, served_path=lambda: live.path, record_dir=cfg.record, metrics_dir=directory, interval=cfg.log_interval,
+        swap=partial(swap, live), build=partial(build_candidate, predictor=predictor),
+        publish=lambda c: publish(directory, SOURCE, 0, c)))
+
+
+def refused(cfg, vllm_config) -> str:
+    """Why ``auto_replace`` cannot run on this server ('' = it can): a live swap's own refusals
+    (DP > 1, PP, EPLB, several API servers: :func:`~.swap.live_refused`), metrics off (no drift
+    verdict), or vLLM's endpoint plugins not loading smoe's (the controller runs there)."""
+    from .swap import live_refused
+
+    why = live_refused(vllm_config)
+    if why:
+        return why
+    if not cfg.metrics:
+        return "field 'metrics' is off: the controller acts on the drift verdict the metrics carry"
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is None or "smoe" not in [p.strip() for p in allowed.split(",")]:
+        return ("VLLM_PLUGINS does not name smoe: vLLM loads endpoint plugins only when named there, and the "
+                "controller runs in smoe's, beside POST /smoe/placement; start with VLLM_PLUGINS=smoe")
+    return ""

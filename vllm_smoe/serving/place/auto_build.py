@@ -57,8 +57,12 @@ def recent_files(record_dir: str, since: float | None, window_tokens: int) -> li
 
 def _limits(mem_mb: int, cpu_s: float):
     def apply() -> None:  # in the child, before exec
+        import ctypes
         import resource
+        import signal
 
+        # killed when the thread that started it ends: a server that stops leaves no build behind
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         os.nice(19)
         resource.setrlimit(resource.RLIMIT_AS, (mem_mb << 20, mem_mb << 20))
         cpu = int(cpu_s) + 1
