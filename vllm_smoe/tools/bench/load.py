@@ -182,7 +182,8 @@ def run(a) -> int:
                     "first_domain": names[a.first_domain], "then_domain": names[a.then_domain], "work": work}
 
     # record_chunk_tokens has no flag: folded in with vLLM's --additional-config
-    observed += ("--additional-config", json.dumps({"smoe": {"record_chunk_tokens": a.chunk_tokens}}))
+    extra = {"record_chunk_tokens": a.chunk_tokens}
+    observed += ("--additional-config", json.dumps({"smoe": extra}))
     # 1. cost of metrics and sampled recording: same clients, same prompts, side by side
     cost: dict = {"off": [], "on": []}
     arms = [("off", base + ("--smoe-metrics", "off")), ("on", observed)]
@@ -206,6 +207,18 @@ def run(a) -> int:
               f"({on / off:.3f}x; per round {', '.join(f'{r:.3f}' for r in ratios)})", flush=True)
 
     # 2. the shift and the live re-placement
+    if a.auto:  # nobody posts: smoe's controller re-places by itself (load_auto.py)
+        from .common import write_json
+        from .load_auto import auto_settings, shift_auto
+
+        flags = base + ("--smoe-record", record, "--smoe-record-sample", str(a.sample), "--smoe-record-max-mb",
+                        str(a.record_max_mb), "--smoe-auto-replace", "on", "--additional-config",
+                        json.dumps({"smoe": {**extra, "auto_replace": auto_settings(a)}}))
+        with VllmServer(model, *flags, log=os.path.join(work, "auto.log"), env=env, api_key=a.api_key) as s:
+            s.complete(first[:2], max_tokens=4)
+            result["auto"] = shift_auto(a, s, Clients, scrape, first, then_seen, then_unseen, probe=then_unseen[:4])
+        write_json(a.json, result)
+        return 0
     timeline: list[dict] = []
     swap: dict = {}
     with VllmServer(model, *observed, log=os.path.join(work, "shift.log"), env=env, api_key=a.api_key) as s:
@@ -338,4 +351,12 @@ def add_parser(sub) -> None:
     p.add_argument("--work", default=None, help="directory for logs, recordings and placements (default: a temp dir)")
     p.add_argument("--plot", default=None, help="PNG of the local ratio over time")
     p.add_argument("--json", default=None)
+    p.add_argument("--auto", action="store_true",
+                   help="no operator: the server re-places by itself (--smoe-auto-replace); reports the times from "
+                        "the shift to drift, candidate and swap, and the TPOT cost of the candidate's build")
+    p.add_argument("--auto-hold", type=float, default=10.0, help="with --auto: auto_replace.hold_s (default 10)")
+    p.add_argument("--auto-max-moves", type=float, default=0.25, help="with --auto: auto_replace.max_moves")
+    p.add_argument("--auto-margin", type=float, default=0.02, help="with --auto: auto_replace.margin")
+    p.add_argument("--auto-window-tokens", type=int, default=1 << 16,
+                   help="with --auto: auto_replace.window_tokens (default 65536)")
     p.set_defaults(fn=run)
