@@ -115,6 +115,13 @@ def test_recover_names_a_deeply_nested_index(tmp_path, capsys):
     _refused(rec, capsys, SPILL_INDEX, "nested")
 
 
+def test_a_deeply_nested_meta_is_named(tmp_path):
+    a = _arrays()
+    np.savez_compressed(tmp_path / "deep.npz", meta=np.array("[" * 200_000 + "]" * 200_000), **a)
+    with pytest.raises(ValueError, match="deep.npz: field 'meta' is nested too deeply"):
+        open_trace(tmp_path / "deep.npz")
+
+
 # 4d. only the format's dtypes are written
 @pytest.mark.parametrize("field, descr", [("token_ids", "|O"), ("topk_ids", "<f8"), ("positions", [["a", "<i4"]])])
 def test_recover_refuses_a_dtype_the_format_does_not_allow(tmp_path, capsys, field, descr):

@@ -271,10 +271,11 @@ def _read_index(where: str, data: bytes) -> tuple[TraceMeta, str, dict[str, tupl
             raise ValueError(f"{where}: field {n!r} has dtype {short(descr)}, not one the format allows "
                              f"({' or '.join(descr2dtype)}): unrecoverable")
         want = [] if rank == 1 else [meta.num_layers, meta.top_k]
-        tail = v.get("tail")
+        tail = v.get("tail") if isinstance(v, dict) else None
         if tail != want or not all(type(x) is int for x in tail):
-            raise ValueError(f"{where}: field {n!r} has row shape (tail) {short(tail)}, the format's is {want} "
-                             f"(meta's num_layers, top_k for a [T, L, K] field): unrecoverable")
+            shape = "[] (a [T] field)" if rank == 1 else f"{want} (meta's num_layers, top_k)"
+            raise ValueError(f"{where}: field {n!r} has row shape (tail) {short(tail)}, the format's is {shape}: "
+                             f"unrecoverable")
         fields[n] = (descr2dtype[descr], tuple(tail))
     return meta, name, fields, level
 
