@@ -62,6 +62,11 @@ class TraceWriter:
         self._broken = False
         self._appends = 0  # successful ones
 
+    @property
+    def spill_dir(self) -> str:
+        """The spill directory this writer appends to (gone when someone removed it)."""
+        return self._dir
+
     def _write_index(self) -> None:
         index = {"path": os.path.abspath(self.path), "meta": self.meta.to_json(), "pid": os.getpid(),
                  "compresslevel": self.compresslevel,
