@@ -62,6 +62,7 @@ from ...formats.trace import TraceMeta, TraceWriter, recover_dead_spills
 logger = logging.getLogger("vllm.smoe")
 IDLE_CLOSE_S = 2.0
 QUEUE_STEPS = 64  # steps waiting for the writer thread before new ones are dropped
+MAX_FILE_SWAPS = 64  # live swaps one file's meta lists before the file is closed (bounds its meta)
 
 
 def sampled(request_id: str, share: float) -> bool:
@@ -111,19 +112,36 @@ class Recorder:
             gate = hookable_gate(block, experts, vllm_config)  # routes a monolithic kernel's rows again
             set_capture(experts, partial(self._capture, layer, prev),
                         f"smoe record: MoE layer {layer} ({type(block).__name__})", gate)
-        self.meta = TraceMeta(num_experts=self.E, top_k=self.K, num_layers=self.L, vocab_size=hf.vocab_size,
-                              model=vllm_config.model_config.model, hidden_size=hf.hidden_size,
-                              extra={"recorded_by": "vllm-smoe", "placement": cfg.placement,
-                                     "recording": f"{os.uname().nodename}-{os.getpid()}-{time.time_ns()}",
-                                     "dp_rank": int(self.dp_rank or 0),
-                                     # how speculate ordered the rows: advise keeps rank names agreeing
-                                     # across layers for a server ordering once per step
-                                     **({} if order is None else {"token_order": order.rows_ordered})})
+        meta = TraceMeta(num_experts=self.E, top_k=self.K, num_layers=self.L, vocab_size=hf.vocab_size,
+                         model=vllm_config.model_config.model, hidden_size=hf.hidden_size,
+                         extra={"recorded_by": "vllm-smoe", "placement": cfg.placement,
+                                "recording": f"{os.uname().nodename}-{os.getpid()}-{time.time_ns()}",
+                                "dp_rank": int(self.dp_rank or 0),
+                                # how speculate ordered the rows: advise keeps rank names agreeing
+                                # across layers for a server ordering once per step
+                                **({} if order is None else {"token_order": order.rows_ordered})})
+        from ..observe.metrics import metrics_dir
+
+        self.speculative = getattr(vllm_config, "speculative_config", None) is not None
+        self._host_state(cfg, meta, int(self.dp_rank or 0), metrics_dir(cfg) if self.writes else None)
+        if self.writes:
+            os.makedirs(cfg.record, exist_ok=True)  # checked before serving, created once serving
+            self._recover_leftovers()
+        atexit.register(self.close)  # a main process (LLM offline, uniprocess)
+        multiprocessing.util.Finalize(self, self.close, exitpriority=100)  # vLLM's engine / worker processes
+        if self.writes:  # another TP rank never opens a file nor counts a token
+            threading.Thread(target=self._close_when_idle, name="smoe-record", daemon=True).start()
+            threading.Thread(target=self._write_loop, name="smoe-record-writer", daemon=True).start()
+            self._check_budget()
+
+    def _host_state(self, cfg: SmoeConfig, meta: TraceMeta, dp_rank: int, metrics_dir: str | None) -> None:
+        """The files' side of a recorder (no model, no threads: what the writer thread and the
+        idle thread work on). meta: the trace meta of files opened from now on."""
+        self.cfg, self.meta, self.dp_rank, self.metrics_dir = cfg, meta, dp_rank, metrics_dir
         self.started = time.strftime("%Y%m%dT%H%M%S")
         self.req_index: dict[str, int] = {}  # vLLM request id -> trace request id, while it runs
         self.prompt_len: dict[str, int] = {}  # vLLM request id -> prompt tokens, while it runs
         self.warned_skip = False
-        self.speculative = getattr(vllm_config, "speculative_config", None) is not None
         self.warned_drafts = False
         self.unrecordable = 0  # tokens of steps that could not be recorded (no token ids, drafts unknown)
         self.unrouted = 0  # tokens of steps dropped because some layer wrote no rows for them (record_rows)
@@ -139,22 +157,14 @@ class Recorder:
         self.failed = 0  # tokens lost to failed writes (a full disk, a removed directory), whole steps
         self.failing: str | None = None  # the failure writes currently meet (logged once), None = none
         self.stopped = False  # recording gave up (a directory it cannot write)
-        from ..observe.metrics import metrics_dir
-
-        self.metrics_dir = metrics_dir(cfg) if self.writes else None
+        self.file_meta: TraceMeta | None = None  # the open file's meta as opened (its placement then)
+        self.file_swaps: list[list] = []  # the open file's live swaps: [first step id under it, placement path]
         self.queue: queue.Queue = queue.Queue(maxsize=QUEUE_STEPS)
         self.last_log = time.monotonic()
         self.last_step = time.monotonic()
+        self.reported: tuple | None = None  # the counters last published (None: none yet)
+        self.logged = self.counters()  # the counters the last log line gave (none at start: nothing to say)
         self.lock = threading.Lock()
-        if self.writes:
-            os.makedirs(cfg.record, exist_ok=True)  # checked before serving, created once serving
-            self._recover_leftovers()
-        atexit.register(self.close)  # a main process (LLM offline, uniprocess)
-        multiprocessing.util.Finalize(self, self.close, exitpriority=100)  # vLLM's engine / worker processes
-        threading.Thread(target=self._close_when_idle, name="smoe-record", daemon=True).start()
-        if self.writes:
-            threading.Thread(target=self._write_loop, name="smoe-record-writer", daemon=True).start()
-            self._check_budget()
 
     def _check_budget(self) -> None:
         mb = self.cfg.record_max_mb
@@ -203,9 +213,23 @@ class Recorder:
             else:
                 logger.info("smoe record: recovered %s from an earlier run: %d tokens", out or spill, n)
 
+    def _lost_writer(self) -> None:
+        """Under self.lock: the open file's spill directory is gone (someone removed the record
+        directory, or the spill in it): its rows are lost, counted, and said so once; the next
+        step opens a new file (making the directory again)."""
+        writer, self.writer = self.writer, None
+        self.failed += writer.num_tokens
+        writer.abort()
+        logger.error("smoe record: the spill of %s (%s) was removed; its %d tokens are lost (counted in "
+                     "smoe:record_lost_tokens{reason=\"failed\"}); recording goes on in a new file", writer.path,
+                     writer.spill_dir, writer.num_tokens)
+
     def _close_writer(self) -> None:
         """Under self.lock. A failed close (disk full) must not stop serving: its spill data
         stays for recovery and the next step opens a new file."""
+        if self.writer.num_tokens and not os.path.isdir(self.writer.spill_dir):
+            self._lost_writer()
+            return
         writer, self.writer = self.writer, None
         if writer.num_tokens == 0:  # every step it was given failed: nothing to keep, no file
             writer.abort()
@@ -213,6 +237,12 @@ class Recorder:
         try:
             path = writer.close()
         except (OSError, ValueError) as e:
+            if not os.path.isdir(writer.spill_dir):  # removed during the close: no spill to point to
+                self.failed += writer.num_tokens
+                logger.error("smoe record: could not write %s (%s) and its spill is gone: its %d tokens are lost "
+                             "(counted in smoe:record_lost_tokens{reason=\"failed\"})", writer.path, e,
+                             writer.num_tokens)
+                return
             logger.error("smoe record: could not write %s (%s); its %d tokens stay in %s for smoe-trace recover",
                          writer.path, e, writer.num_tokens, os.path.dirname(writer.path))
             return
@@ -222,9 +252,31 @@ class Recorder:
     def _close_when_idle(self) -> None:
         while True:
             time.sleep(IDLE_CLOSE_S / 4)
-            with self.lock:
-                if self.writer is not None and time.monotonic() - self.last_step > IDLE_CLOSE_S:
-                    self._close_writer()
+            try:
+                self._tick()
+            except Exception:  # noqa: BLE001 - logged; the thread must outlive one failed publish
+                logger.exception("smoe record: idle check failed")
+
+    def _tick(self) -> None:
+        """The idle thread, every IDLE_CLOSE_S / 4 s: closes the file once no step has come for
+        IDLE_CLOSE_S, publishes the counters whenever they changed (so /metrics is never more than
+        a tick behind the writer, idle or not; nothing on the step's path), and logs them at most
+        once per log interval, once more after the last change."""
+        now = time.monotonic()
+        with self.lock:
+            if self.writer is not None and now - self.last_step > IDLE_CLOSE_S:
+                self._close_writer()
+            counts = self.counters()
+        if counts != self.reported:
+            self._publish(counts)
+            self.reported = counts
+        if counts != self.logged and now - self.last_log >= self.cfg.log_interval:
+            self._log()
+            self.logged, self.last_log = counts, now
+
+    def counters(self) -> tuple:
+        """(written, behind, failed, unrecordable) tokens so far: metrics.RECORD_FIELDS."""
+        return self.total, self.dropped, self.failed, self.unrecordable + self.unrouted
 
     def _capture(self, layer: int, prev, topk_ids: torch.Tensor) -> None:
         if prev is not None:
@@ -235,6 +287,7 @@ class Recorder:
         # the start time keeps names unique when a restarted container reuses the same pids
         path = os.path.join(self.cfg.record, f"trace-dp{self.dp_rank}-{self.started}-{os.getpid()}-{self.chunk:05d}.npz")
         self.chunk += 1
+        self.file_meta, self.file_swaps = self.meta, []
         return TraceWriter(path, self.meta)
 
     def after_step(self, runner, scheduler_output, step) -> None:
@@ -287,28 +340,25 @@ class Recorder:
                                        self.slot_map()))
             except queue.Full:
                 self.dropped += int(counts[keep].sum())
-        now = time.monotonic()
-        if now - self.last_log >= self.cfg.log_interval:
-            extra = [f"{v} {what}" for v, what in ((self.skipped, "tokens not sampled"),
-                                                   (self.dropped, "tokens dropped (writer behind)"),
-                                                   (self.failed, "tokens dropped (writes failed)"),
-                                                   (self.unrouted, "tokens dropped (rows not routed here)"),
-                                                   (self.removed, "files removed for the disk budget")) if v]
-            logger.info("smoe record: %d tokens in %d steps written to %s%s", self.total, self.step,
-                        self.cfg.record, "".join(", " + e for e in extra))
-            self.last_log = now
-            self._publish()
 
-    def _publish(self) -> None:
+    def _log(self) -> None:
+        """The recorder's log line: the numbers smoe:record_tokens and smoe:record_lost_tokens give."""
+        extra = [f"{v} {what}" for v, what in ((self.skipped, "tokens not sampled"),
+                                               (self.dropped, "tokens dropped (writer behind)"),
+                                               (self.failed, "tokens dropped (writes failed)"),
+                                               (self.unrecordable + self.unrouted, "tokens not recordable"),
+                                               (self.removed, "files removed for the disk budget")) if v]
+        logger.info("smoe record: %d tokens in %d steps written to %s%s", self.total, self.step,
+                    self.cfg.record, "".join(", " + e for e in extra))
+
+    def _publish(self, counts: tuple) -> None:
         """The recorder's counters for /metrics (host ints; per DP rank, where one rank writes)."""
         if self.metrics_dir is None:
             return
-        from ..observe.metrics import publish
+        from ..observe.metrics import RECORD_FIELDS, publish
 
         try:
-            publish(self.metrics_dir, "record", self.dp_rank, {"written": self.total, "behind": self.dropped,
-                                                                "failed": self.failed,
-                                                                "unrecordable": self.unrecordable + self.unrouted})
+            publish(self.metrics_dir, "record", self.dp_rank, dict(zip(RECORD_FIELDS, counts)))
         except OSError as e:
             logger.warning("smoe: record metrics not published any more: %s", e)
             self.metrics_dir = None
@@ -325,7 +375,7 @@ class Recorder:
             item = self.queue.get()
             try:
                 if item[0] == "swap":
-                    self._rotate(*item[1:])
+                    self._swapped(*item[1:])
                 else:
                     self._write(*item[1:])
             except Exception:  # noqa: BLE001 - logged; the thread must outlive one bad step or a full disk
@@ -359,6 +409,8 @@ class Recorder:
             if self.stopped:
                 self.failed += n
                 return
+            if self.writer is not None and not os.path.isdir(self.writer.spill_dir):
+                self._lost_writer()
             try:
                 if self.writer is None:
                     if not os.path.isdir(self.cfg.record):  # removed while serving: made again once
@@ -412,14 +464,21 @@ class Recorder:
                      "to record again; smoe-trace recover %s keeps what was written)", self.cfg.record, kind,
                      self.cfg.record)
 
-    def _rotate(self, path: str) -> None:
-        """Writer thread, in step order: close the file written under the old placement; the next
-        one names the new placement."""
+    def _swapped(self, path: str, step: int) -> None:
+        """Writer thread, in step order: steps from ``step`` on were served under ``path``. The
+        open file goes on (its rows are logical experts whatever the placement: nothing in them
+        changes at a swap); its meta lists the swap (``swaps``: [first step id, placement] pairs,
+        ``placement`` staying the one it opened under), up to MAX_FILE_SWAPS, after which the
+        file is closed. Files opened from now on name ``path`` as their placement."""
         import dataclasses
 
         with self.lock:
-            if self.writer is not None:
+            if self.writer is not None and len(self.file_swaps) >= MAX_FILE_SWAPS:
                 self._close_writer()
+            if self.writer is not None:
+                self.file_swaps.append([int(step), path])
+                m = self.file_meta
+                self.writer.meta = dataclasses.replace(m, extra={**m.extra, "swaps": list(self.file_swaps)})
             self.meta = dataclasses.replace(self.meta, extra={**self.meta.extra, "placement": path})
 
     def drain(self, timeout: float = 10.0) -> None:
@@ -440,7 +499,7 @@ class Recorder:
         map it was served with), and the writer thread rotates to a file naming it once the
         steps before are written."""
         if self.writes:
-            self.queue.put(("swap", path))  # waits only if 64 steps are queued
+            self.queue.put(("swap", path, self.step))  # waits only if 64 steps are queued
 
     def before_step(self, runner, scheduler_output) -> None:
         """Before each served step's forward: no layer has written its rows yet."""
@@ -461,6 +520,7 @@ class Recorder:
             finally:  # the open file is closed whatever the drafts' summary met
                 if self.writer is not None:
                     self._close_writer()
+                    self._publish(self.counters())
                     logger.info("smoe record: closed at shutdown; %d tokens in %d steps recorded to %s in all",
                                 self.total, self.step, self.cfg.record)
 

@@ -1,0 +1,124 @@
+"""Issue 65's metrics and recorder probes: /metrics current while idle, the start line where
+/metrics cannot carry smoe's families, one definition of the locality numbers, a live swap that
+keeps the open record file, and a removed record directory said as it is."""
+
+import logging
+import os
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_smoe.formats.trace import TraceMeta
+from vllm_smoe.serving.observe.metrics import families, publish, read_snapshots
+
+
+def _values(fams):
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams for s in f.samples}
+
+
+def _recorder(tmp_path, metrics_dir=None, chunk_tokens=1000, log_interval=10.0):
+    """A recorder's files side (no model, no threads): the writer thread's and idle thread's work
+    run by hand."""
+    from vllm_smoe.serving.record.recorder import Recorder
+
+    rec = Recorder.__new__(Recorder)
+    cfg = SimpleNamespace(record=str(tmp_path / "rec"), record_chunk_tokens=chunk_tokens, record_max_mb=None,
+                          log_interval=log_interval, record_sample=1.0)
+    os.makedirs(cfg.record, exist_ok=True)
+    meta = TraceMeta(num_experts=8, top_k=2, num_layers=2, vocab_size=100, model="m",
+                     extra={"placement": "a.yaml", "dp_rank": 0})
+    rec.E, rec.K, rec.L, rec.layers = 8, 2, 2, [0, 1]
+    rec.speculative = False
+    rec._host_state(cfg, meta, 0, metrics_dir)
+    return rec
+
+
+def _step(rec, n, step):
+    """One served step of ``n`` decode rows of request 0, as the step thread queues it."""
+    ids = torch.arange(n, dtype=torch.int32)
+    topk = torch.randint(0, 8, (n, 2, 2), dtype=torch.int32)
+    written = torch.full((2,), n, dtype=torch.int32)
+    counts = np.array([n], dtype=np.int64)
+    rec._write(ids, torch.arange(10 + step * n, 10 + step * n + n), topk, written, None, np.array([0], np.int32),
+               counts, np.ones(1, dtype=bool), np.zeros(1, np.int64), step, None)
+
+
+def test_record_metrics_are_current_once_the_steps_stop(tmp_path):
+    """Row 1: the last steps of a burst reach /metrics without another step (the idle thread
+    publishes what the writer wrote; nothing on the step's path)."""
+    m = tmp_path / "metrics"
+    m.mkdir()
+    rec = _recorder(tmp_path, str(m))
+    rec._tick()  # at start: a zero snapshot, so the families are there before the first burst
+    assert _values(families(read_snapshots(str(m))))[("smoe:record_tokens_total", (("rank", "0"),))] == 0
+    for s in range(3):
+        _step(rec, 5, s)
+    rec._tick()  # the idle thread's next tick, no step in between
+    v = _values(families(read_snapshots(str(m))))
+    assert v[("smoe:record_tokens_total", (("rank", "0"),))] == 15 == rec.total
+    assert v[("smoe:record_lost_tokens_total", (("rank", "0"), ("reason", "failed")))] == 0
+
+
+def test_record_log_says_the_published_numbers_once_after_the_last_change(tmp_path, caplog):
+    rec = _recorder(tmp_path, log_interval=0.0)
+    with caplog.at_level(logging.INFO, logger="vllm.smoe"):
+        rec._tick()
+        assert "tokens in" not in caplog.text  # nothing written: nothing to say
+        _step(rec, 4, 0)
+        rec._tick()
+        rec._tick()
+    assert caplog.text.count("smoe record: 4 tokens in") == 1
+
+
+def test_a_live_swap_keeps_the_open_file(tmp_path):
+    """Row 4: rows are logical experts whatever the placement, so a swap changes nothing in a
+    file's rows: the file goes on, its meta lists the swap; files opened later name the new one."""
+    from vllm_smoe.formats.trace import open_trace
+    from vllm_smoe.serving.record import recorder as recorder_mod
+
+    rec = _recorder(tmp_path)
+    for s in range(2):
+        _step(rec, 3, s)
+    for i, s in enumerate(range(2, 50)):  # 48 swaps, a step after each
+        rec._swapped(f"p{i}.yaml", s)
+        _step(rec, 3, s)
+    with rec.lock:
+        rec._close_writer()
+    files = sorted(f for f in os.listdir(rec.cfg.record) if f.endswith(".npz"))
+    assert len(files) == 1
+    t = open_trace(os.path.join(rec.cfg.record, files[0]))
+    assert len(t["token_ids"]) == 150
+    assert t.meta.extra["placement"] == "a.yaml"
+    assert t.meta.extra["swaps"][0] == [2, "p0.yaml"] and len(t.meta.extra["swaps"]) == 48
+    _step(rec, 3, 50)
+    assert rec.writer.meta.extra["placement"] == "p47.yaml" and "swaps" not in rec.writer.meta.extra
+    for i in range(recorder_mod.MAX_FILE_SWAPS + 1):  # a file's meta stays bounded: then a new file
+        rec._swapped(f"q{i}.yaml", 51)
+    assert rec.writer is None  # the 65th closed the file
+    _step(rec, 3, 51)
+    assert rec.writer.meta.extra["placement"] == f"q{recorder_mod.MAX_FILE_SWAPS}.yaml"
+
+
+def test_a_removed_record_directory_is_said_and_recording_goes_on(tmp_path, caplog):
+    """Row 5: the open file's spill went with the directory: said once (no pointer to a spill that
+    is gone), counted as lost, and the next step writes a new file in the directory made again."""
+    import shutil
+
+    rec = _recorder(tmp_path)
+    _step(rec, 4, 0)
+    spill = rec.writer.spill_dir
+    shutil.rmtree(rec.cfg.record)
+    with caplog.at_level(logging.INFO, logger="vllm.smoe"):
+        _step(rec, 4, 1)
+    assert "was removed" in caplog.text and "smoe-trace recover" not in caplog.text
+    assert rec.failed == 4 and rec.total == 8
+    assert rec.writer is not None and rec.writer.spill_dir != spill and os.path.isdir(rec.writer.spill_dir)
+    shutil.rmtree(rec.cfg.record)  # removed while idle, then closed: lost, not "stays in" a spill
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.smoe"):
+        with rec.lock:
+            rec._close_writer()
+    assert "lost" in caplog.text and "stay" not in caplog.text and rec.failed == 8 and rec.writer is None
