@@ -122,3 +122,87 @@ def test_a_removed_record_directory_is_said_and_recording_goes_on(tmp_path, capl
         with rec.lock:
             rec._close_writer()
     assert "lost" in caplog.text and "stay" not in caplog.text and rec.failed == 8 and rec.writer is None
+
+
+def test_device_counters_are_published_after_the_last_step_of_a_burst(tmp_path, monkeypatch):
+    """Row 1: the step path reads once per interval (and on CUDA returns the copy started an
+    interval earlier), so a burst's last steps used to wait for the next burst. The idle reader
+    publishes them once no served step has run for half an interval, and only once per burst."""
+    from vllm_smoe.serving import runner_hooks
+    from vllm_smoe.serving.observe.counters import Observer
+    from vllm_smoe.serving.observe.metrics import Drift
+
+    counts = torch.zeros((2, 7), dtype=torch.long)
+    o = Observer("order", 0, 0.2, str(tmp_path), Drift(None, 0.8))
+    reports = []
+
+    def report(rows):
+        reports.append(rows)
+        o.publish({"layers": [r[:4] for r in rows]})
+
+    o.watch(lambda: counts, report, idle=False)
+    o.step()  # the interval has not passed since the observer started: nothing read
+    assert reports == []
+    activity = [0, time.monotonic(), False]
+    monkeypatch.setattr(runner_hooks, "_ACTIVITY", activity)
+    counts[:, :4] = torch.tensor([[3, 8, 4, 2], [5, 8, 4, 3]])  # a burst's steps, the last one ended now
+    activity[:2] = [5, time.monotonic()]
+    o.watch(lambda: counts, report, idle=True)
+    deadline = time.monotonic() + 5
+    while not reports and time.monotonic() < deadline:
+        time.sleep(0.02)
+    (snap,) = read_snapshots(str(tmp_path))
+    assert snap["layers"] == [[3, 8, 4, 2], [5, 8, 4, 3]]
+    time.sleep(0.4)  # idle on: no step since, no read again
+    assert len(reports) == 1
+    activity[2] = True  # a step running: never read under it
+    activity[0] = 6
+    time.sleep(0.4)
+    assert len(reports) == 1
+    o.unwatch()
+
+
+def test_the_step_path_never_waits_for_the_idle_reader():
+    from vllm_smoe.serving.observe.counters import Observer
+    from vllm_smoe.serving.observe.metrics import Drift
+
+    o = Observer("a2a", 0, 0.0, None, Drift(None, 0.8))
+    seen = []
+    o.watch(lambda: torch.ones(6, dtype=torch.long), seen.append, idle=False)
+    with o.lock:  # the idle reader reading
+        o.step()
+    assert seen == []
+    o.step()
+    assert seen == [[1] * 6]
+
+
+def test_log_line_and_metrics_agree(tmp_path):
+    """Row 3: each rank's speculate line gives the very counts /metrics serves for it (the same
+    read: every served token, all MoE layers), its share is their quotient, and the share over
+    all ranks on /metrics is the ranks' counts pooled."""
+    import re
+
+    from vllm_smoe.serving.observe.counters import order_line
+    from vllm_smoe.tools.bench.common import SPEC_LINE, rank_numbers
+
+    ranks = {0: [[690, 1000, 250, 240], [700, 1000, 250, 245]], 1: [[300, 800, 200, 150], [310, 800, 200, 160]]}
+    lines = []
+    for rank, layers in ranks.items():
+        publish(str(tmp_path), "order", rank, {"layers": layers})
+        lines.append(order_line("tables", rank, layers, "; sparse all2all: 0.500 remote (token, rank) pairs and "
+                                                        "100 B per token and MoE layer"))
+    v = _values(families(read_snapshots(str(tmp_path))))
+    local = act = 0
+    for rank, line in zip(ranks, lines):
+        m = re.search(r"smoe:local_expert_activations (\d+) / smoe:expert_activations (\d+) \(rank (\d+)", line)
+        assert int(m.group(3)) == rank
+        mine = [sum(v[(n, (("layer", str(layer)), ("rank", str(rank))))] for layer in range(2))
+                for n in ("smoe:local_expert_activations_total", "smoe:expert_activations_total")]
+        assert [int(m.group(1)), int(m.group(2))] == mine
+        share = float(re.search(r"served ([0-9.]+) of", line).group(1))
+        assert share == pytest.approx(mine[0] / mine[1], abs=5e-4)
+        local, act = local + mine[0], act + mine[1]
+    assert v[("smoe:local_activation_ratio", (("layer", "all"),))] == pytest.approx(local / act)
+    got = rank_numbers(lines, SPEC_LINE)  # smoe-bench's reading of the same lines still parses them
+    assert got["tokens_per_rank"] == {0: 250, 1: 200}
+    assert got["local_share"] == pytest.approx(local / act, abs=1e-3)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -103,23 +104,37 @@ def step_of(runner, scheduler_output) -> Step | None:
 _BEFORE: list[Callable] = []
 _AFTER: list[Callable] = []
 _SERVING = [False]  # this process's worker finished compile_or_warm_up_model
+# [served steps run, time.monotonic() when the last ended, one is running now]: host values the
+# idle readers of device counters (observe/counters.py) go by
+_ACTIVITY = [0, 0.0, False]
 
 
 def serving() -> bool:
     return _SERVING[0]
 
 
+def activity() -> tuple[int, float, bool]:
+    """(served steps so far, monotonic time the last one ended, is one running now)."""
+    return _ACTIVITY[0], _ACTIVITY[1], _ACTIVITY[2]
+
+
 def _served(orig, runner, scheduler_output, *args, **kwargs):
     """One ``execute_model`` of a runner: smoe's hooks around it when it is a served step."""
     if kwargs.get("dummy_run") or not _SERVING[0]:
         return orig(runner, scheduler_output, *args, **kwargs)
-    for hook in _BEFORE:
-        hook(runner, scheduler_output)
-    out = orig(runner, scheduler_output, *args, **kwargs)
-    if _AFTER:
-        step = step_of(runner, scheduler_output)
-        for hook in _AFTER:
-            hook(runner, scheduler_output, step)
+    _ACTIVITY[2] = True
+    try:
+        for hook in _BEFORE:
+            hook(runner, scheduler_output)
+        out = orig(runner, scheduler_output, *args, **kwargs)
+        if _AFTER:
+            step = step_of(runner, scheduler_output)
+            for hook in _AFTER:
+                hook(runner, scheduler_output, step)
+    finally:
+        _ACTIVITY[0] += 1
+        _ACTIVITY[1] = time.monotonic()
+        _ACTIVITY[2] = False
     return out
 
 

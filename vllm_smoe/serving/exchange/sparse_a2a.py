@@ -450,14 +450,17 @@ def make_manager(cpu_group, comm):
                                      metrics_dir(cfg) if cfg is not None else None,
                                      Drift(expected, cfg.drift_threshold if cfg is not None else 0.8),
                                      who=f"dp rank {self.dp_rank}" if self.log_dp else None)
+            if self.log_dp or self.observer.metrics_dir is not None:
+                self.observer.watch(lambda: self.exchange.stats, self._report)
             self.sp_rank = None
 
         def _maybe_log(self):
-            if not self.observer.due():
-                return
-            stats = self.observer.read(self.exchange.stats)  # vLLM's CPU build: read now, never None
-            if stats is None:
-                return
+            self.observer.step()  # once per interval: _report; an idle reader reports after a burst
+
+        def _report(self, stats: list) -> None:
+            """stats: the exchange's counters read (COUNTERS; the observer's lock held)."""
+            from ..observe.counters import counts_clause
+
             c = dict(zip(COUNTERS, stats))
             self.observer.judge(c["local"], c["activations"], c["tokens"] // max(1, self.num_moe_layers))
             if c["tokens"]:
@@ -465,10 +468,12 @@ def make_manager(cpu_group, comm):
             if self.log_dp and c["activations"]:
                 logger.info("smoe: dp rank %d served %.3f of its requests' expert activations locally (%d tokens, "
                             "served steps); sparse all2all: %.3f remote (token, rank) pairs and %.0f B per token and "
-                            "MoE layer (%.0f B between nodes; %d layer steps hierarchical)", self.dp_rank,
+                            "MoE layer (%.0f B between nodes; %d layer steps hierarchical)%s", self.dp_rank,
                             c["local"] / c["activations"], c["tokens"] // max(1, self.num_moe_layers),
                             c["pairs"] / c["tokens"], c["bytes"] / c["tokens"], c["node_bytes"] / c["tokens"],
-                            self.exchange.hier_steps)
+                            self.exchange.hier_steps,
+                            counts_clause(c["local"], c["activations"], "smoe:a2a_local_expert_activations",
+                                          "smoe:a2a_expert_activations", self.rank))
 
         def dispatch(self, hidden_states, topk_weights, topk_ids, is_sequence_parallel=False, extra_tensors=None):
             if extra_tensors:

@@ -91,6 +91,8 @@ class TokenOrder:
         self.observer = Observer("order", self.rank, cfg.log_interval, metrics_dir(cfg),
                                  Drift(expected if predictor.judged else None, cfg.drift_threshold),
                                  who=f"rank {self.rank}", hint=" (smoe-place advise)")
+        if self.count:
+            self.observer.watch(lambda: self.counts, self._report)
         self.steps = self.small_steps = 0  # served steps; those with fewer tokens than ranks
         self.rows = 0  # rows of the current step, pad rows included (host int, from the op's input shape)
         # the step's real tokens (the rest of the rows are vLLM's padding), written before each
@@ -149,10 +151,11 @@ class TokenOrder:
         the new placement (its tables, slot map and held experts, changed in place; a table of
         another shape replaced): drift restarts its window against the new placement's own ratio."""
         self._read_location(self.location)
-        rows = self.counts.tolist()  # between steps, once per swap: the new window starts here
-        local, acts, tokens = (sum(row[i] for row in rows) for i in (4, 5, 6))
-        self.observer.restart(placement.metrics.get("lar") if self.predictor.judged else None, local, acts,
-                              tokens // len(rows))
+        with self.observer.lock:  # not while the idle reader judges the old window
+            rows = self.counts.tolist()  # between steps, once per swap: the new window starts here
+            local, acts, tokens = (sum(row[i] for row in rows) for i in (4, 5, 6))
+            self.observer.restart(placement.metrics.get("lar") if self.predictor.judged else None, local, acts,
+                                  tokens // len(rows))
 
     def _step_ids(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -299,14 +302,13 @@ class TokenOrder:
         return z[:, :H].contiguous()
 
     def _maybe_log(self) -> None:
-        if not self.count or not self.observer.due():
-            return
-        rows = self.observer.read(self.counts)
-        if rows is None:
-            return
+        if self.count:
+            self.observer.step()  # once per interval: _report; an idle reader reports after a burst
+
+    def _report(self, rows: list) -> None:
+        """rows: [L][7] the counters read (the observer's lock held)."""
         layers = [row[:4] for row in rows]  # what metrics publish: every served token
-        local, acts, tokens = (sum(row[i] for row in layers) for i in range(3))
-        if not acts:
+        if not sum(row[1] for row in layers):
             return
         self.observer.judge(*(sum(row[i] for row in rows) for i in (4, 5)), sum(row[6] for row in rows) // len(rows))
         self.observer.publish({"layers": layers})
@@ -322,8 +324,9 @@ class TokenOrder:
         if self.small_steps:
             wire += (f"; {self.small_steps / self.steps:.0%} of {self.steps} steps had fewer tokens than ranks (the "
                      f"order cannot move them)")
-        logger.info("smoe: speculate (predictor %s): rank %d served %.3f of its expert activations locally "
-                    "(%d tokens)%s", self.plan.predictor, self.rank, local / acts, tokens // self.inv.shape[0], wire)
+        from ..observe.counters import order_line
+
+        logger.info("%s", order_line(self.plan.predictor, self.rank, layers, wire))
 
 
 def install_token_order(model, vllm_config, cfg, served, location) -> TokenOrder:
