@@ -206,3 +206,26 @@ def test_log_line_and_metrics_agree(tmp_path):
     got = rank_numbers(lines, SPEC_LINE)  # smoe-bench's reading of the same lines still parses them
     assert got["tokens_per_rank"] == {0: 250, 1: 200}
     assert got["local_share"] == pytest.approx(local / act, abs=1e-3)
+
+
+def test_several_api_servers_without_vllm_plugins_get_a_start_line():
+    """Row 2: `vllm serve M --data-parallel-size 2 ... --plugin smoe` runs two API servers, whose
+    /metrics only smoe's endpoint plugin reaches; vLLM loads it only when VLLM_PLUGINS names it.
+    smoe says so at start, naming what to set, and says nothing where its families will be there."""
+    import argparse
+
+    from vllm_smoe.serving import plugin
+
+    line = plugin.metrics_start_line(2, None)
+    assert "2 API servers" in line and "VLLM_PLUGINS=smoe" in line and "it is unset" in line
+    assert "--api-server-count 1" in line
+    assert "'other'" in plugin.metrics_start_line(4, "other")
+    for quiet in [(1, None), (None, None), (0, None), (2, "smoe"), (2, "foo, smoe")]:
+        assert plugin.metrics_start_line(*quiet) == ""
+    # vllm serve's settled count reaches the check: from_cli_args runs after vLLM defaulted it
+    p = argparse.ArgumentParser()
+    plugin._add_flags(p)
+    args = p.parse_args(["--plugin", "smoe"])
+    args.api_server_count = 2
+    plugin._fold_flags(SimpleNamespace(additional_config={}), args)
+    assert plugin._API_SERVERS[0] == 2

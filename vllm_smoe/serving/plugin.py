@@ -44,6 +44,7 @@ _FLAGS = {  # CLI dest -> key in additional_config["smoe"]
     "smoe_stack_order": "stack_order",
 }
 _done = False
+_API_SERVERS: list = [None]  # vllm serve's --api-server-count as its CLI settled it (None: not vllm serve)
 
 
 def _add_flags(parser: argparse.ArgumentParser) -> None:
@@ -136,6 +137,7 @@ def _fold_flags(engine_args, args):
         if given is not None and not isinstance(given, dict):
             raise ValueError(f"--additional-config: field 'smoe' must be a mapping of smoe's settings, got "
                              f"{type(given).__name__}")
+    _API_SERVERS[0] = getattr(args, "api_server_count", None)
     if flags is not None:
         extra = dict(engine_args.additional_config or {})
         merged = dict(extra.get("smoe") or {})
@@ -213,6 +215,9 @@ def _after_engine_config(engine_args, cfg, vllm_config) -> None:
             directory = server_metrics_dir(cfg)
             if directory is not None:
                 register_collector(directory)
+                line = metrics_start_line(_API_SERVERS[0], os.environ.get("VLLM_PLUGINS"))
+                if line:
+                    logger.warning("%s", line)
         if cfg is not None and cfg.placement is not None:
             pc = vllm_config.parallel_config
             if not pc.worker_extension_cls:  # live re-placement's calls (POST /smoe/placement)
@@ -258,6 +263,26 @@ def _after_engine_config(engine_args, cfg, vllm_config) -> None:
             elif pc.data_parallel_size > 1 and cfg.dp_routing and placement.predictor is None:
                 logger.warning("smoe dp routing: %s has no predictor tables; every request is left to "
                                "vLLM's load balancer", cfg.placement)
+
+
+def metrics_start_line(api_servers: int | None, vllm_plugins: str | None) -> str:
+    """What to set for smoe's families to reach /metrics ('' = nothing). With several API
+    servers vLLM serves /metrics in each from a multiprocess registry it builds itself
+    (``get_prometheus_registry``), which no plugin seam reaches; smoe serves its families there
+    through its endpoint plugin's /metrics route, and vLLM loads an endpoint plugin only when
+    VLLM_PLUGINS names it (deliberately: new routes are new attack surface). api_servers: vllm
+    serve's settled --api-server-count (None: not vllm serve); vllm_plugins: VLLM_PLUGINS."""
+    if api_servers is None or api_servers <= 1:
+        return ""
+    named = vllm_plugins is not None and "smoe" in [p.strip() for p in vllm_plugins.split(",")]
+    if named:
+        return ""
+    now = "unset" if vllm_plugins is None else f"{vllm_plugins!r}"
+    return (f"smoe: /metrics will carry no smoe: family: {api_servers} API servers serve it (vLLM's default under "
+            f"--data-parallel-size), each from a registry vLLM builds itself, which only smoe's endpoint plugin adds "
+            f"to, and vLLM loads endpoint plugins only when VLLM_PLUGINS names them (it is {now}). Set "
+            f"VLLM_PLUGINS=smoe (a list: it allows vLLM's other plugins too, so name each you use, e.g. "
+            f"VLLM_PLUGINS=smoe,other), or serve with --api-server-count 1")
 
 
 @contextlib.contextmanager
