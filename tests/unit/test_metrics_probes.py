@@ -229,3 +229,42 @@ def test_several_api_servers_without_vllm_plugins_get_a_start_line():
     args.api_server_count = 2
     plugin._fold_flags(SimpleNamespace(additional_config={}), args)
     assert plugin._API_SERVERS[0] == 2
+
+
+def test_several_api_servers_read_smoes_families_from_the_multiprocess_files(tmp_path, monkeypatch):
+    """Row 2: what each API server's /metrics registry is under vLLM (a fresh registry with
+    prometheus_client's multiprocess collector only) gives smoe's families once the bridge of
+    the parent process wrote them: the same values as smoe's collector, counters as counters."""
+    from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+
+    from vllm_smoe.serving.observe.bridge import MultiprocessBridge
+    from vllm_smoe.serving.observe.metrics import SmoeCollector
+
+    prom, snaps = tmp_path / "prom", tmp_path / "snaps"
+    prom.mkdir()
+    snaps.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(prom))
+    publish(str(snaps), "order", 0, {"layers": [[6, 8, 2, 2], [2, 8, 2, 1]]})
+    publish(str(snaps), "record", 0, {"written": 7, "behind": 0, "failed": 1, "unrecordable": 0})
+    bridge = MultiprocessBridge(str(snaps))
+    assert bridge.once() > 0
+    publish(str(snaps), "record", 0, {"written": 9, "behind": 0, "failed": 1, "unrecordable": 0})
+    bridge.once()  # refreshed in place, not added to
+
+    def scrape():
+        registry = CollectorRegistry()  # vllm.v1.metrics.prometheus.get_prometheus_registry's
+        multiprocess.MultiProcessCollector(registry)
+        text = generate_latest(registry).decode()
+        return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                if ln.startswith("smoe:")}, text
+
+    got, text = scrape()
+    assert "# TYPE smoe:tokens_total counter" in text and "# TYPE smoe:local_activation_ratio gauge" in text
+    single = CollectorRegistry()  # one API server: smoe's collector on vLLM's default registry
+    single.register(SmoeCollector(str(snaps)))
+    assert "# TYPE smoe:tokens_total counter" in generate_latest(single).decode()  # the same exposition
+    want = _values(SmoeCollector(str(snaps)).collect())
+    assert got['smoe:record_tokens_total{rank="0"}'] == 9 == want[("smoe:record_tokens_total", (("rank", "0"),))]
+    assert got['smoe:local_activation_ratio{layer="all"}'] == pytest.approx(8 / 16)
+    assert got['smoe:tokens_total{layer="1",rank="0"}'] == 2
+    assert len(got) == len(want)

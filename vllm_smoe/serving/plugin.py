@@ -216,7 +216,15 @@ def _after_engine_config(engine_args, cfg, vllm_config) -> None:
             if directory is not None:
                 register_collector(directory)
                 line = metrics_start_line(_API_SERVERS[0], os.environ.get("VLLM_PLUGINS"))
-                if line:
+                if line and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # vLLM set it up for its API servers
+                    from .observe.bridge import start_bridge
+
+                    every = min(1.0, cfg.log_interval / 2)
+                    start_bridge(directory, every)
+                    logger.info("smoe: %d API servers and VLLM_PLUGINS without smoe (so no smoe endpoint plugin): "
+                                "smoe's families reach their /metrics through prometheus_client's multiprocess "
+                                "files, refreshed every %.1f s", _API_SERVERS[0], every)
+                elif line:
                     logger.warning("%s", line)
         if cfg is not None and cfg.placement is not None:
             pc = vllm_config.parallel_config
