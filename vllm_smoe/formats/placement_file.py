@@ -107,6 +107,15 @@ def _npz_bytes(**arrays: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+def _no_aliases_dumper():
+    import yaml
+
+    class NoAliases(yaml.SafeDumper):  # plain text for other YAML tools and diffs
+        def ignore_aliases(self, data):
+            return True
+    return NoAliases
+
+
 def write_placement(path: str, *, expert2rank: np.ndarray, ep_size: int, nodes: int, top_k: int,
                     vocab_size: int | None, method: str, capacity: float, tables: dict[str, np.ndarray] | None,
                     replicas: np.ndarray | None = None, fingerprint: str | None = None,
@@ -156,18 +165,20 @@ def write_placement(path: str, *, expert2rank: np.ndarray, ep_size: int, nodes: 
         "metrics": {k: (round(float(v), 6) if isinstance(v, (float, np.floating)) else v)
                     for k, v in (metrics or {}).items() if not isinstance(v, (list, dict))},
     }
+    text = yaml.dump(doc, Dumper=_no_aliases_dumper(), sort_keys=False, default_flow_style=None, width=120).encode()
+    try:  # read back as every reader will: nothing is written that a server or validate would refuse
+        written = load_placement(path, data=text)
+        if data is not None:
+            load_tables(written, data)
+    except ValueError as e:
+        raise ValueError(f"{path}: not written: what was built does not read back: {e}") from None
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     previous = _tables_named_by(path, stem)
     if data is not None:
         _atomic_write(os.path.join(parent, tables_name), data)
     try:
-        class NoAliases(yaml.SafeDumper):  # plain text for other YAML tools and diffs
-            def ignore_aliases(self, data):
-                return True
-
-        _atomic_write(path, yaml.dump(doc, Dumper=NoAliases, sort_keys=False, default_flow_style=None,
-                                      width=120).encode())
+        _atomic_write(path, text)
     except BaseException:
         if data is not None and tables_name != previous:  # no YAML names the new tables: no orphan
             try:

@@ -128,7 +128,7 @@ def cmd_build(a) -> int:
     instances = a.method in NEEDS_INSTANCES or a.method == "auto"
     meta, counts, sample, files, total = stream(a.trace, window, sample_tokens=a.instance_tokens if instances else 0)
     count_s = time.perf_counter() - t0
-    fingerprint, emb, model_groups = model_info(a.model, meta.vocab_size)
+    fingerprint, emb, model_groups = model_info(a.model, meta.vocab_size, meta)
     groups = _groups(a, meta, model_groups)
     print(f"counted {total} tokens x {meta.num_layers} layers in {count_s:.1f} s ({total / count_s:,.0f} tokens/s, "
           f"{counts.nbytes / 2**20:.0f} MiB of counts); placing {meta.num_experts} experts on {a.ep_size} ranks "

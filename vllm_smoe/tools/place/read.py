@@ -18,6 +18,9 @@ from ...placement.routing_counts import RoutingCounts
 from ...placement.stream import stream_rows, token_occurrences
 from ..parallel import prefetch
 
+# the largest vocabulary smoe-place builds tables for: [V] arrays per layer, several bytes an id (real
+# vocabularies are below 2^18; a larger meta.vocab_size is a broken or hostile header, not a model)
+MAX_VOCAB = 1 << 26
 SAMPLE_FIELDS = ("token_ids", "request_ids", "positions", "topk_ids", "step_ids", "is_prefill", "domain")
 
 
@@ -60,6 +63,9 @@ def stream(specs, windows=None, counts: bool = True, desc: str = "counting", sam
     engine_of_file = np.array([engine(t) for t in traces], dtype=np.int64)
     if total == 0:
         raise ValueError(f"{', '.join(files)}: the trace holds no tokens")
+    if meta.vocab_size > MAX_VOCAB:
+        raise ValueError(f"{files[0]}: field 'meta.vocab_size' = {meta.vocab_size}: smoe-place builds tables for "
+                         f"at most {MAX_VOCAB} token ids")
     if counts and total >= 2**32:
         raise ValueError(f"{', '.join(files[:3])}{' ...' if len(files) > 3 else ''}: {total} tokens; smoe-place counts "
                          f"at most {2**32 - 1} (pass a sample of the recording)")
@@ -77,8 +83,10 @@ def stream(specs, windows=None, counts: bool = True, desc: str = "counting", sam
     return meta, rc, sample, files, total
 
 
-def model_info(model_dir: str | None, vocab_size: int):
-    """(fingerprint, embeddings [V, H] or None, routing groups) from a checkpoint directory."""
+def model_info(model_dir: str | None, vocab_size: int, meta=None):
+    """(fingerprint, embeddings [V, H] or None, routing groups) from a checkpoint directory; with
+    ``meta`` (the trace's), the checkpoint must be the recorded model's shape (MoE layers,
+    experts, top-k, a vocabulary holding the trace's ids): its fingerprint goes into the YAML."""
     if model_dir is None:
         return None, None, 1
     cfg_path = os.path.join(model_dir, "config.json")
@@ -86,7 +94,33 @@ def model_info(model_dir: str | None, vocab_size: int):
         raise ValueError(f"{model_dir}: no config.json (--model must be a checkpoint directory)")
     with open(cfg_path) as f:
         cfg = json.load(f)
-    return model_fingerprint(cfg), read_embeddings(model_dir, vocab_size), expert_groups(cfg)
+    if meta is not None:
+        _check_model(cfg_path, cfg, meta)
+    emb = read_embeddings(model_dir, vocab_size)
+    bad = ~np.isfinite(emb).all(axis=1)
+    if bad.any():
+        raise ValueError(f"{model_dir}: tensor '*embed_tokens.weight' holds non-finite values in {int(bad.sum())} "
+                         f"rows (first: token id {int(np.argmax(bad))})")
+    return model_fingerprint(cfg), emb, expert_groups(cfg)
+
+
+def _check_model(cfg_path: str, cfg: dict, meta) -> None:
+    """The checkpoint's config against the recording's meta, naming the first field that differs."""
+    from ...formats.model_info import moe_layer_indices, num_experts, text_config, top_k
+
+    try:
+        got = {"num_layers": len(moe_layer_indices(cfg)), "num_experts": num_experts(cfg), "top_k": top_k(cfg)}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{cfg_path}: not a MoE model smoe knows ({type(e).__name__}: {e})") from None
+    for key, value in got.items():
+        if value != getattr(meta, key):
+            raise ValueError(f"{cfg_path}: the checkpoint has {key} {value} but the trace was recorded from a model "
+                             f"with meta.{key} = {getattr(meta, key)}: --model must be the recorded model")
+    tc = text_config(cfg)
+    vocab = tc.get("vocab_size") if isinstance(tc, dict) else None
+    if isinstance(vocab, int) and vocab < meta.vocab_size:
+        raise ValueError(f"{cfg_path}: the checkpoint's vocab_size {vocab} is smaller than the trace's "
+                         f"meta.vocab_size {meta.vocab_size}: --model must be the recorded model")
 
 
 def rel(path: str, yaml_path: str) -> str:
