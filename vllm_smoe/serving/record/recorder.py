@@ -28,7 +28,9 @@
 - Only tensor-parallel rank 0 writes (other TP ranks see the same tokens); each data-parallel
   rank writes its own files, ``trace-dp{rank}-{start time}-{pid}-{chunk:05d}.npz``, rotated every
   ``record_chunk_tokens`` tokens, and closed by a background thread once no step has come for
-  ``IDLE_CLOSE_S`` seconds.
+  ``IDLE_CLOSE_S`` seconds; the same thread publishes the counters for ``/metrics`` whenever they
+  changed and logs them (:meth:`Recorder._tick`), so they are current while idle too. A live swap
+  keeps the open file (rows are logical experts; its meta lists the swaps).
 - Durability: every step's rows go to the writer's spill files with unbuffered writes, so once
   a step is appended (by the writer thread, right after the step) it survives the process. A clean stop (Ctrl-C, SIGTERM, vLLM's shutdown of
   its engine and workers) closes the open file: vLLM's engine and workers are multiprocessing
@@ -496,8 +498,8 @@ class Recorder:
     def swap(self, path: str) -> None:
         """A live re-placement (:mod:`.live`), between two steps, once the device location holds
         it: steps from now on map slots through the new placement (each queued step carries the
-        map it was served with), and the writer thread rotates to a file naming it once the
-        steps before are written."""
+        map it was served with), and the writer thread, once the steps before are written, lists
+        the swap in the open file's meta (:meth:`_swapped`)."""
         if self.writes:
             self.queue.put(("swap", path, self.step))  # waits only if 64 steps are queued
 
@@ -520,7 +522,6 @@ class Recorder:
             finally:  # the open file is closed whatever the drafts' summary met
                 if self.writer is not None:
                     self._close_writer()
-                    self._publish(self.counters())
                     logger.info("smoe record: closed at shutdown; %d tokens in %d steps recorded to %s in all",
                                 self.total, self.step, self.cfg.record)
 
