@@ -11,8 +11,8 @@ import yaml
 
 from vllm_smoe.testbed import FIXTURES
 from vllm_smoe.formats.trace import read_traces
-from tests.support import heldout_prompts, transformers_greedy, vllm_runs
-from tests.unit.test_deepseek import ARCHS, _build, _config
+from tests.support import built, heldout_prompts, transformers_greedy, vllm_runs
+from tests.unit.test_deepseek import ARCHS, _config
 
 ATOL = 1e-4  # fp32 summation order: experts whole on one rank vs split over TP ranks
 
@@ -35,26 +35,37 @@ def _group_derangement(cfg, path):
     return path
 
 
+@pytest.fixture(scope="module")
+def recorded_one_rank(tmp_path_factory):
+    """Both architectures at one rank, record mode with every expert moved, the engines one after
+    another in one process: {arch: (prompts, result, record directory)}."""
+    pytest.importorskip("vllm")
+    d = tmp_path_factory.mktemp("rec")
+    runs, out = [], {}
+    for arch in ARCHS:
+        prompts = _prompts(arch, 6)
+        placement = _group_derangement(_config(arch), d / f"{arch}-moved.yaml")
+        runs.append({"model": FIXTURES[arch][0], "prompts": prompts, "max_tokens": 6, "extra": {
+            "smoe": {"mode": "record", "record": str(d / f"{arch}-rec"), "placement": str(placement)}}})
+        out[arch] = (prompts, str(d / f"{arch}-rec"))
+    return {arch: (prompts, res, rec) for (arch, (prompts, rec)), (res, _) in zip(out.items(), vllm_runs(runs, d))}
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_vllm_serves_and_records_what_transformers_computes(arch, tmp_path):
+def test_vllm_serves_and_records_what_transformers_computes(arch, recorded_one_rank):
     """One rank, record mode with every expert moved: vLLM's greedy tokens equal transformers'
     greedy generation, and the recorded top-k sets equal transformers' router on every token
     and MoE layer vLLM ran (V3: grouped top-k with the correction bias, in both)."""
     torch = pytest.importorskip("torch")
-    pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM
 
     from vllm_smoe.testbed.record import router_topk
 
-    cfg = _config(arch)
-    prompts = _prompts(arch, 6)
-    placement = _group_derangement(cfg, tmp_path / "moved.yaml")
-    [(out, _)] = vllm_runs([{"model": FIXTURES[arch][0], "prompts": prompts, "max_tokens": 6, "extra": {
-        "smoe": {"mode": "record", "record": str(tmp_path / "rec"), "placement": str(placement)}}}], tmp_path)
+    prompts, out, rec = recorded_one_rank[arch]
     model = AutoModelForCausalLM.from_pretrained(FIXTURES[arch][0], dtype=torch.float32).eval()
     for p, got in zip(prompts, out["tokens"]):
         assert got == transformers_greedy(model, p, 6)
-    _, arr, _ = read_traces([str(tmp_path / "rec")])
+    _, arr, _ = read_traces([rec])
     checked = mismatched = 0
     for r in np.unique(arr["request_ids"]):
         rows = np.flatnonzero(arr["request_ids"] == r)
@@ -67,6 +78,12 @@ def test_vllm_serves_and_records_what_transformers_computes(arch, tmp_path):
         checked += got.shape[0] * got.shape[1]
         mismatched += int((got != np.sort(ids, -1)).any(-1).sum())
     assert checked > 0 and mismatched == 0, f"{mismatched} of {checked} (token, layer) top-k sets differ"
+
+
+def _placement(arch, *extra):
+    """smoe-place build of the fixture's training routing at EP 2 with --model (groups kept), once per test run."""
+    model, traces = FIXTURES[arch]
+    return built("place_cli", "build", "--trace", traces["train"], "--ep-size", 2, "--model", model, *extra)
 
 
 # the TP=2 runs below: predictors per architecture (the order's code is the same for both members
@@ -85,9 +102,7 @@ def tp2_runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("tp2")
     keys, runs = [], []
     for arch in ARCHS:
-        placement = work / f"{arch}-ep2.yaml"
-        r = _build(arch, placement, 2, "--learned")
-        assert r.returncode == 0, r.stderr
+        placement = _placement(arch, "--learned")
         prompts = _prompts(arch, 32)
         run = {"model": FIXTURES[arch][0], "prompts": prompts, "max_tokens": 8}
         keys.append((arch, "plain"))
@@ -100,8 +115,7 @@ def tp2_runs(tmp_path_factory):
         runs.append({**run, "ep": True, "extra": {"smoe": {"mode": "speculate", "placement": str(placement),
                                                            "stack_order": "step", "log_interval": 0.2,
                                                            "record": str(work / f"{arch}-step-rec")}}})
-    placement = work / "v3-tables.yaml"
-    assert _build("deepseek_v3", placement, 2).returncode == 0
+    placement = _placement("deepseek_v3")
     run = {"model": FIXTURES["deepseek_v3"][0], "prompts": _prompts("deepseek_v3", 8), "max_tokens": 6,
            "compiled": True}
     keys += [("deepseek_v3", "plain-compiled"), ("deepseek_v3", "compiled")]
