@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.support import REPO
+from tests.support import REPO, built, plain_prompts
 from tests.unit.test_dp_routing import DP2
 
 
@@ -19,6 +19,21 @@ def _mixed(n):
     return [p[: 3 + i % 32] for i, p in enumerate(_mixed_prompts(FIXTURE_TRACES["heldout"], n, 64))]
 
 
+@plain_prompts
+def _mixed32():
+    """32 held-out prompts of all four workloads, 3..34 tokens."""
+    return _mixed(32)
+
+
+@plain_prompts
+def _long8():
+    """8 held-out prompts of 150 tokens."""
+    from vllm_smoe.testbed import FIXTURE_TRACES
+    from vllm_smoe.tools.bench.common import mixed_prompts as _mixed_prompts
+
+    return [p[:150] for p in _mixed_prompts(FIXTURE_TRACES["heldout"], 8, 150)]
+
+
 def _concurrent(server, prompts, clients=8):
     from concurrent.futures import ThreadPoolExecutor
 
@@ -26,7 +41,7 @@ def _concurrent(server, prompts, clients=8):
         return list(ex.map(lambda p: server.complete([p])[0], prompts))
 
 
-def test_dp2_serving_with_and_without_smoe_routing_gives_plain_tokens(tmp_path):
+def test_dp2_serving_with_and_without_smoe_routing_gives_plain_tokens(tmp_path, plain_served):
     """32 held-out prompts of all four workloads, 8 concurrent clients, DP=2 + EP on vLLM's CPU
     build: smoe's request-level placement with smoe's routing (sparse all2all, the /smoe/route
     endpoint allowlisted), the same placement with routing off on vLLM's own
@@ -40,9 +55,8 @@ def test_dp2_serving_with_and_without_smoe_routing_gives_plain_tokens(tmp_path):
     from vllm_smoe.testbed import FIXTURE_MODEL
 
     ATOL = 1e-4
-    prompts = _mixed(32)
-    with VllmServer(FIXTURE_MODEL, log=tmp_path / "plain.log") as s:
-        plain = s.complete(prompts)
+    prompts = _mixed32()
+    plain = plain_served(prompts)
     dp = ("--data-parallel-size", "2", "--enable-expert-parallel", "--plugin", "smoe", "--smoe-log-interval", "0.2")
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_PLUGINS": "smoe"}
     runs = {"vllm": dp + ("--smoe-all2all", "vllm", "--smoe-placement", DP2, "--smoe-dp-routing", "off"),
@@ -98,18 +112,13 @@ def test_deepseek_v3_dp2_with_a_grouped_dp_placement_and_routing_gives_plain_tok
     smoe's routing, 16 held-out prompts from 8 clients give single-rank vLLM's greedy tokens (both
     with the CPU fixes, which MLA's rope needs on this build)."""
     pytest.importorskip("vllm")
-    import subprocess
-    import sys
-
     from vllm_smoe.placement.groups import broken_group
     from vllm_smoe.formats.placement_file import load_placement
     from vllm_smoe.tools.server_process import VllmServer
     from vllm_smoe.testbed import FIXTURES
 
     model, traces = FIXTURES["deepseek_v3"]
-    out = tmp_path / "v3-dp2.yaml"
-    subprocess.run([sys.executable, "-m", "vllm_smoe.tools.place_cli", "build", "--trace", traces["train"], "--ep-size", "2",
-                    "--model", model, "--mode", "dp", "-o", str(out)], check=True, capture_output=True, text=True)
+    out = built("place_cli", "build", "--trace", traces["train"], "--ep-size", 2, "--model", model, "--mode", "dp")
     p = load_placement(str(out))
     assert p.groups == 4 and all(broken_group(e2r, 4) == -1 for e2r in p.expert2rank)
     from vllm_smoe.tools.bench.common import mixed_prompts as _mixed_prompts
@@ -127,7 +136,7 @@ def test_deepseek_v3_dp2_with_a_grouped_dp_placement_and_routing_gives_plain_tok
                                        open(tmp_path / "dp2.log").read())) > 0
 
 
-def test_two_nodes_of_dp_tp_ep_hierarchical_exchange_gives_plain_tokens(tmp_path):
+def test_two_nodes_of_dp_tp_ep_hierarchical_exchange_gives_plain_tokens(tmp_path, plain_served):
     """TP inside a node, EP across nodes: two vLLM nodes on this host (DP=2, one engine each,
     node 1 headless) of TP=2, expert parallel over all 4 ranks, smoe's DP placement built over
     nodes (one node per engine) with its request routing, and the sparse exchange hierarchical
@@ -138,19 +147,14 @@ def test_two_nodes_of_dp_tp_ep_hierarchical_exchange_gives_plain_tokens(tmp_path
     pytest.importorskip("vllm")
     import signal
     import subprocess
-    import sys
 
     from vllm_smoe.testbed import FIXTURE_MODEL, FIXTURE_TRACES
-    from vllm_smoe.tools.bench.common import mixed_prompts as _mixed_prompts
     from vllm_smoe.tools.server_process import CPU_ARGS, VllmServer, free_port, vllm_executable
 
-    placement = tmp_path / "dp4-nodes2.yaml"
-    subprocess.run([sys.executable, "-m", "vllm_smoe.tools.place_cli", "build", "--trace", FIXTURE_TRACES["train"],
-                    "--ep-size", "4", "--mode", "dp", "--nodes", "2", "-o", str(placement)], check=True,
-                   capture_output=True, text=True)
-    prompts = [p[:150] for p in _mixed_prompts(FIXTURE_TRACES["heldout"], 8, 150)]
-    with VllmServer(FIXTURE_MODEL, log=tmp_path / "plain.log") as s:
-        plain = s.complete(prompts)
+    placement = built("place_cli", "build", "--trace", FIXTURE_TRACES["train"], "--ep-size", 4, "--mode", "dp",
+                      "--nodes", 2)
+    prompts = _long8()
+    plain = plain_served(prompts)
     flags = ("--data-parallel-size", "2", "--data-parallel-size-local", "1", "--tensor-parallel-size", "2",
              "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(free_port()),
              "--enable-expert-parallel", "--plugin", "smoe", "--smoe-placement", str(placement),

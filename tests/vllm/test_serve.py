@@ -11,7 +11,7 @@ import yaml
 from vllm_smoe.tools.server_process import CPU_ARGS, VllmServer, free_port, vllm_executable
 from vllm_smoe.testbed import FIXTURE_MODEL
 from vllm_smoe.formats.trace import read_traces
-from tests.support import REPO, derangement_yaml, heldout_prompts, serve_engine_config
+from tests.support import REPO, derangement_yaml, heldout_prompts, plain_prompts, serve_engine_config
 
 pytest.importorskip("vllm")
 pytest.importorskip("openai")
@@ -20,6 +20,7 @@ VLLM = vllm_executable()
 BASE = list(CPU_ARGS)
 
 
+@plain_prompts
 def _prompts(n=6):
     return heldout_prompts(n, lambda i, r: 7 + 3 * (r % 5))
 
@@ -28,14 +29,10 @@ def _derangement(path):
     return derangement_yaml(path, shift=1)
 
 
-def test_serve_with_placement_matches_plain_vllm(tmp_path):
+def test_serve_with_placement_matches_plain_vllm(tmp_path, plain_served):
     prompts = _prompts()
-    plain = VllmServer(FIXTURE_MODEL, log=tmp_path / "plain.log").wait()
-    try:
-        want = plain.complete(prompts)
-    finally:
-        plain.stop()
-    assert "smoe: placement applied" not in (tmp_path / "plain.log").read_text()  # --plugin absent: inactive
+    want = plain_served(prompts)
+    assert "smoe: placement applied" not in open(plain_served.log).read()  # --plugin absent: inactive
     rec = tmp_path / "rec"  # recording on the same server: placement + record mode
     placed = VllmServer(FIXTURE_MODEL, "--plugin", "smoe", "--smoe-placement", _derangement(tmp_path / "p.yaml"), "--smoe-mode",
                     "record", "--smoe-record", str(rec), log=tmp_path / "smoe.log").wait()
