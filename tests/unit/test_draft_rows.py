@@ -140,6 +140,7 @@ def test_the_recorders_file_is_closed_whatever_the_drafts_summary_meets(tmp_path
 
     class Writer:
         num_tokens, path, closed = 3, str(tmp_path / "t.npz"), False
+        spill_dir = str(tmp_path)  # still there: the close assembles it
 
         def close(self):
             self.closed = True
