@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("vllm")
 
 from vllm_smoe.serving.place.live import Swap, _move_experts, _reorder_routers
-from vllm_smoe.serving.served import ServedPlacement, Worker  # noqa: E402
+from vllm_smoe.serving.served import ServedPlacement, WorkerState  # noqa: E402
 from vllm_smoe.serving.place.load_plan import LoadPlan, _physical_layout
 
 L, E, N, H = 2, 8, 2, 3
@@ -103,7 +103,7 @@ def test_swap_leaves_what_a_fresh_load_would(packed):
     cfg = SimpleNamespace(mode="place", placement="a.yaml")
     vc = SimpleNamespace(parallel_config=SimpleNamespace(enable_expert_parallel=False, tensor_parallel_size=1,
                                                          data_parallel_size=1))
-    served = Worker(model, vc, cfg, ServedPlacement("a.yaml", None, None, old),
+    served = WorkerState(model, vc, cfg, ServedPlacement("a.yaml", None, None, old),
                     gate_rows={m: gates[m] for m in range(L)} if packed else None)
     weights = [[model.model.layers[i].mlp.experts.w13] for i in (1, 3)]
     from vllm_smoe.serving.place.live import packed_tensor
@@ -326,6 +326,6 @@ def test_a_live_swap_of_an_uneven_split_is_refused_before_anything_moves(monkeyp
                         lambda path, cfg, vc, snap: ServedPlacement(path, None, None, new))
     ep = SimpleNamespace(parallel_config=SimpleNamespace(enable_expert_parallel=True, tensor_parallel_size=2,
                                                          data_parallel_size=1))
-    state = Worker(torch.nn.Module(), ep, SimpleNamespace(mode="place"), ServedPlacement("a.yaml", None, None, old))
+    state = WorkerState(torch.nn.Module(), ep, SimpleNamespace(mode="place"), ServedPlacement("a.yaml", None, None, old))
     with pytest.raises(ValueError, match="7 experts over ep_size 2 .*restart with the new placement"):
         live.check_swap(state, SimpleNamespace(path="b.yaml"))

@@ -15,7 +15,7 @@ pytest.importorskip("vllm")
 
 from vllm_smoe.serving.place.live import Swap, apply_swap, check_swap
 from vllm_smoe.serving.place.load_plan import LoadPlan, _physical_layout
-from vllm_smoe.serving.served import ServedPlacement, Worker  # noqa: E402
+from vllm_smoe.serving.served import ServedPlacement, WorkerState  # noqa: E402
 
 L, E, N, H = 2, 8, 2, 16
 MOE = (1, 3)
@@ -96,7 +96,7 @@ def _setup(bf16x3=False, seed=0):
     vc = SimpleNamespace(parallel_config=SimpleNamespace(enable_expert_parallel=False, tensor_parallel_size=1,
                                                          data_parallel_size=1),
                          compilation_config=SimpleNamespace(mode=None, inductor_compile_config={}, cudagraph_mode=None))
-    state = Worker(model, vc, SimpleNamespace(mode="place"), ServedPlacement("a.yaml", None, None, old))
+    state = WorkerState(model, vc, SimpleNamespace(mode="place"), ServedPlacement("a.yaml", None, None, old))
     return state, old, new, gates, shared, experts
 
 

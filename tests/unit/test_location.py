@@ -16,7 +16,7 @@ from vllm_smoe.serving.location import DeviceLocation  # noqa: E402
 from vllm_smoe.serving.place.live import Swap, apply_swap  # noqa: E402
 from vllm_smoe.serving.place.load_plan import LoadPlan, _physical_layout  # noqa: E402
 from vllm_smoe.serving.place.loader import set_route  # noqa: E402
-from vllm_smoe.serving.served import ServedPlacement, Worker  # noqa: E402
+from vllm_smoe.serving.served import ServedPlacement, WorkerState  # noqa: E402
 
 L, E, N, V = 2, 4, 2, 10
 RANK = 1  # this worker's rank, tensor- and expert-parallel
@@ -71,7 +71,7 @@ def test_a_swap_updates_the_one_device_location_every_consumer_reads():
     recorder.__dict__.update(location=location, writes=False)
     queued = recorder.slot_map()  # a step queued before the swap
     weights = [[torch.zeros(P, 1)] for _ in range(L)]  # moved as test_live checks; here only carried along
-    state = Worker(torch.nn.Module(), SimpleNamespace(), SimpleNamespace(mode="speculate"),
+    state = WorkerState(torch.nn.Module(), SimpleNamespace(), SimpleNamespace(mode="speculate"),
                    ServedPlacement("a.yaml", SimpleNamespace(metrics={"lar": 0.5}), plan=old),
                    location=location, order=order, recorder=recorder)
     fresh = ServedPlacement("b.yaml", SimpleNamespace(metrics={"lar": 0.7}, predictor=object()), plan=new,

@@ -7,12 +7,12 @@ Two objects, one per process each:
   it checks the engine arguments; the DP router and the HTTP routes take it from there. A worker
   reads it in smoe's loader (the exchange, built earlier with the communicator, reads the same
   one) and hands it to the token order and the recorder.
-- :class:`Worker` (worker processes): what the loader built around the model: the placement's
+- :class:`WorkerState` (worker processes): what the loader built around the model: the placement's
   device copy (:class:`~.location.DeviceLocation`, which the token order, the routers and the
   recorder read), the token order, the recorder, the checkpoint-order router rows a live swap
   repacks, the swap under way.
 
-A live swap replaces a worker's placement whole (:meth:`Worker.serve`); the API server keeps the
+A live swap replaces a worker's placement whole (:meth:`WorkerState.serve`); the API server keeps the
 one it started with (its DP router and ``/smoe/route`` score with those tables until a restart).
 Access goes through :func:`placement_for` and :func:`worker`, never a module's globals.
 """
@@ -64,7 +64,7 @@ class ServedPlacement:
 
 # (path, mtime, size) -> what this process parsed of it; a file rebuilt in place is read anew
 _PARSED: dict[tuple, ServedPlacement] = {}
-_WORKER: "Worker | None" = None
+_WORKER: "WorkerState | None" = None
 
 
 def placement_for(cfg, vllm_config=None) -> ServedPlacement | None:
@@ -86,7 +86,7 @@ def placement_for(cfg, vllm_config=None) -> ServedPlacement | None:
 
 
 @dataclass
-class Worker:
+class WorkerState:
     """What a worker serves, set up by smoe's loader once the weights are in place."""
 
     model: object  # torch.nn.Module
@@ -104,7 +104,7 @@ class Worker:
         self.placement = placement
 
 
-def start_worker(w: Worker) -> Worker:
+def start_worker(w: WorkerState) -> WorkerState:
     """Called by the loader once a model is in place: the worker state of this process. A model
     loaded after it (a second engine in the process) takes over, and the one before stops
     hooking the runner's steps."""
@@ -120,6 +120,6 @@ def start_worker(w: Worker) -> Worker:
     return w
 
 
-def worker() -> Worker | None:
+def worker() -> WorkerState | None:
     """This process's worker state (None outside a worker that loaded with smoe)."""
     return _WORKER

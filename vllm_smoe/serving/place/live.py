@@ -36,7 +36,7 @@ import torch
 
 from .derived import Derived, derived_tensors
 from .load_plan import ROUTER_PARAM
-from ..served import ServedPlacement, Worker, worker
+from ..served import ServedPlacement, WorkerState, worker
 
 logger = logging.getLogger("vllm.smoe")
 
@@ -76,7 +76,7 @@ class Swap:
     transfer: tuple | None  # (buffers, communicator, process group) for moves over the EP group
 
 
-def check_swap(state: Worker, snapshot) -> Swap:
+def check_swap(state: WorkerState, snapshot) -> Swap:
     """The placement in ``snapshot`` (:class:`~vllm_smoe.formats.placement_file.Snapshot`), parsed once,
     if it can replace the served one live; ValueError otherwise."""
     from .check import check_served_placement
@@ -159,7 +159,7 @@ def moved_bytes(old, swap: Swap) -> int:
     return total
 
 
-def _move_experts(state: Worker, swap: Swap) -> int:
+def _move_experts(state: WorkerState, swap: Swap) -> int:
     """Expert weights to the new physical slots, in place; returns the slots whose expert changed."""
     old, new = state.placement.plan, swap.served.plan
     moved = int(np.count_nonzero(old.physical2expert != new.physical2expert))
@@ -180,7 +180,7 @@ def _move_experts(state: Worker, swap: Swap) -> int:
     return moved
 
 
-def derived_rows(state: Worker, rows) -> list[list[Derived]]:
+def derived_rows(state: WorkerState, rows) -> list[list[Derived]]:
     """Per MoE layer: the tensors vLLM derived from its router's rows (:mod:`.derived`'s rule),
     found while ``rows`` (:func:`router_rows`) are still in the served order; ValueError naming a
     tensor with an expert-count extent that is not one."""
@@ -208,7 +208,7 @@ def derived_rows(state: Worker, rows) -> list[list[Derived]]:
     return out
 
 
-def _reorder_routers(state: Worker, new) -> None:
+def _reorder_routers(state: WorkerState, new) -> None:
     old = state.placement.plan
     rows = router_rows(state.model, old.moe_layers, old.slot2expert.shape[1])
     derived = derived_rows(state, rows)  # matched against the rows as served: before any of them moves
@@ -268,7 +268,7 @@ def _repack(gate: torch.nn.Module, rows: torch.Tensor, slot2expert) -> None:
         gate.cpu_linear = old_fn  # the closure (and the compiled graph) keeps reading ``old``
 
 
-def apply_swap(state: Worker, swap: Swap) -> dict:
+def apply_swap(state: WorkerState, swap: Swap) -> dict:
     """Move the weights, reorder the routers, update the device location (slot map, held
     experts, routes, tables); ``state`` then serves the new placement."""
     t0 = time.monotonic()

@@ -33,7 +33,7 @@ from .draft import is_draft, log_draft
 from .expert_filter import ReadTally, needed_slots, placed_experts
 from .load_plan import EXPERT_PARAM as _EXPERT
 from .load_plan import MOE_BLOCK_PARAM, ROUTER_PARAM, LoadPlan, initial_physical_names
-from ..served import Worker, placement_for, start_worker
+from ..served import WorkerState, placement_for, start_worker
 
 logger = logging.getLogger("vllm.smoe")  # under vLLM's logger: same handlers and level
 
@@ -174,7 +174,7 @@ class SmoeModelLoader(DefaultModelLoader):
             if early:
                 logger.warning("smoe mode speculate: vLLM built the MoE kernels of %s (and %d more) before smoe sized "
                                "their buffers to a rank's chunk: they hold the whole step", early[0], len(early) - 1)
-        worker = Worker(model, vllm_config, cfg, served, self.gate_rows)  # what POST /smoe/placement swaps
+        worker = WorkerState(model, vllm_config, cfg, served, self.gate_rows)  # what POST /smoe/placement swaps
         if served is not None:  # the placement's maps on the device, the routers' routes among them
             from ..location import location_for
 
