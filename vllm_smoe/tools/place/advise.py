@@ -145,7 +145,8 @@ def cmd_advise(a) -> int:
     meta, _, arr, files, total = stream(a.trace, lambda T: eval_windows(T, a.max_tokens), counts=False,
                                         desc="reading", engines=True)
     _check_recording(a, p, meta, dp)
-    fingerprint, emb, _ = model_info(a.model, meta.vocab_size, meta)
+    # a served placement with a fingerprint names its model (checked below); else the recording's shape does
+    fingerprint, emb, _ = model_info(a.model, meta.vocab_size, meta if p.fingerprint is None else None)
     if fingerprint is not None and p.fingerprint is not None and fingerprint != p.fingerprint:
         raise ValueError(f"--model {a.model}: its fingerprint {fingerprint} is not the served placement's "
                          f"model.fingerprint {p.fingerprint} ({a.placement})")
