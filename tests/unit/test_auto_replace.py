@@ -37,6 +37,10 @@ def test_pooled_drift_pools_the_ranks_windows_as_the_metric_does():
     assert v["ratio"] == pytest.approx(0.535) and v["drifted"] is True
     assert pooled_drift([_snap(60, 100)])["drifted"] is False  # 0.6 >= 0.56
     assert pooled_drift([_snap(10, 100, expected=None)])["drifted"] is None  # nothing to judge against
+    # speculate publishes both: the all2all's window (no expected ratio there) never hides the order's
+    a2a = {**_snap(60, 100, expected=None), "source": "a2a"}
+    assert pooled_drift([a2a, _snap(30, 100)])["drifted"] is True
+    assert pooled_drift([a2a])["drifted"] is None
 
 
 def test_the_policy_waits_for_drift_to_hold_and_for_the_cool_down():

@@ -83,8 +83,12 @@ class AutoSettings:
 def pooled_drift(snapshots: list[dict]) -> dict | None:
     """The drift verdict ``smoe:drift`` publishes: the ranks' last complete windows pooled
     (local / activations over all of them) against the placement's expected ratio x threshold.
-    snapshots: :func:`~..observe.metrics.read_snapshots`'s. Returns {"ratio", "expected",
-    "threshold", "drifted" (None: no expected ratio, nothing judged)} or None (no window yet)."""
+    snapshots: :func:`~..observe.metrics.read_snapshots`'s; the token order's (source ``order``)
+    where there are any, else the sparse all2all's (``a2a``), which both carry a window. Returns
+    {"ratio", "expected", "threshold", "drifted" (None: no expected ratio, nothing judged)} or
+    None (no window yet)."""
+    snapshots = ([s for s in snapshots if s.get("source") == "order"]
+                 or [s for s in snapshots if s.get("source") == "a2a"])
     judged = [s["drift"] for s in snapshots if s.get("drift") and s["drift"].get("window")]
     windows = [d["window"] for d in judged]
     if not windows:
