@@ -80,7 +80,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
     Intervention(
         id="attention_reduce_results",
         what="each ordered MoE layer's attention `o_proj.reduce_results` set to False (its all-reduce skipped)",
-        where="speculate/token_order.py (shuffle_seams, install)",
+        where="speculate/seams.py (shuffle_seams), speculate/layout_block.py (ShuffledOrder.hook)",
         why="the shuffled reduce-scatter sums the attention's partial rows already in the token order where "
             "vLLM would all-reduce them: half the attention's bytes and no collective more",
         upstream="none filed",
@@ -107,7 +107,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         id="one_row_gather",
         what="a one-token step's split rows all-gathered by smoe before each DeepSeek-family decoder layer "
              "and the final norm (stack order)",
-        where="speculate/token_order.py (_one_row_layer, _one_row_final)",
+        where="speculate/layout_stack.py (_one_row_layer, _one_row_final)",
         why="vLLM asks 'are my rows split?' as rows != positions.shape[0], false for one token, so the split "
             "row is taken as the whole step and the other ranks attend over padding",
         upstream="none filed",
@@ -119,7 +119,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         id="model_source",
         what="vLLM's model code read as text (`inspect.getsource`) to decide whether speculate can order a "
              "block, a decoder layer or a stack",
-        where="speculate/token_order.py (block_supported, stack_supported, shuffle_seams, exact_router_seams)",
+        where="speculate/seams.py (block_supported, stack_supported, shuffle_seams, exact_router_seams)",
         why="smoe orders rows around vLLM's own blocks without model code; only the code says whether a block "
             "chunks and all-gathers its rows itself or its layer splits them",
         upstream="none filed",
@@ -138,7 +138,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         id="forward_hooks",
         what="forward hooks on vLLM's modules (the model, MoE blocks, FusedMoE, attention, norms, decoder "
              "layers) that put smoe's custom ops into the forward",
-        where="speculate/token_order.py (TokenOrder.__init__, _hook_stack)",
+        where="speculate/layout_block.py, speculate/layout_stack.py (each layout's hook)",
         why="the token order changes only the order of rows around vLLM's computation; hooks need no model code",
         upstream="none filed",
         remove="a vLLM seam to order a sequence-parallel MoE block's rows (a chunk permutation it applies and undoes)",
