@@ -89,6 +89,9 @@ def test_the_build_is_refused_without_a_recording_and_stopped_at_its_limits(reco
     with pytest.raises(BuildError) as e:
         build_candidate(served, str(tmp_path), str(tmp_path / "c.yaml"), AutoSettings())
     assert e.value.reason == "no_recording"
+    with pytest.raises(BuildError, match="fewer than min_tokens") as e:  # the fixture's file holds 65536
+        build_candidate(served, recording, str(tmp_path / "c.yaml"), AutoSettings(min_tokens=1 << 20))
+    assert e.value.reason == "no_recording"
     with pytest.raises(BuildError, match="build_timeout_s") as e:
         build_candidate(served, recording, str(tmp_path / "c.yaml"), AutoSettings(build_timeout_s=0.5))
     assert e.value.reason == "build_failed"

@@ -352,7 +352,7 @@ def test_auto_replace_swaps_by_itself_when_the_workload_shifts(plain_tp2, tmp_pa
     served = str(tmp_path / "python.yaml")
     assert place(["build", "--trace", str(tmp_path / "py.npz"), "--ep-size", "2", "-o", served]) == 0
     auto = {"hold_s": 0, "cooldown_s": 5, "max_moves": 0.5, "margin": 0.0, "window_tokens": 1 << 16,
-            "build_timeout_s": 300}
+            "min_tokens": 4096, "build_timeout_s": 300}
     extra = {"smoe": {"record_chunk_tokens": 512, "drift_threshold": 0.95, "auto_replace": auto}}
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_PLUGINS": "smoe"}
     outs, after = [], None

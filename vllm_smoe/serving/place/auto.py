@@ -35,13 +35,16 @@ class AutoSettings:
     cooldown_s: seconds after a swap (or a rejected candidate) before the next build; max_moves:
     share of expert slots a swap may move (advise --max-moves); margin: the candidate's held-out
     local activation ratio must exceed the served one's by this share; window_tokens: recent
-    recorded tokens the build reads (advise --max-tokens); build_timeout_s, build_mem_mb,
+    recorded tokens the build reads (advise --max-tokens); min_tokens: recorded tokens since drift
+    began needed before a build (half train, half judge: fewer make a candidate of noise);
+    build_timeout_s, build_mem_mb,
     build_cpu_s: the build process's wall-clock, address-space and CPU-time limits."""
     hold_s: float = 60.0
     cooldown_s: float = 600.0
     max_moves: float = 0.25
     margin: float = 0.02
     window_tokens: int = 1 << 18
+    min_tokens: int = 1 << 14
     build_timeout_s: float = 600.0
     build_mem_mb: int = 4096
     build_cpu_s: float = 600.0

@@ -88,6 +88,10 @@ def build_candidate(served: str, record_dir: str, out: str, settings, since: flo
     files = recent_files(record_dir, since, settings.window_tokens)
     if not files:
         raise BuildError("no_recording", f"{record_dir}: no closed trace file written since drift began")
+    tokens = _tokens(files)
+    if tokens < settings.min_tokens:
+        raise BuildError("no_recording", f"{record_dir}: {tokens} tokens recorded since drift began, fewer than "
+                                         f"min_tokens {settings.min_tokens}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     t0, cpu0 = time.monotonic(), _child_cpu()
     try:
@@ -110,6 +114,12 @@ def build_candidate(served: str, record_dir: str, out: str, settings, since: flo
         raise BuildError("build_failed", f"{out}.json: no served and limited 'lar' ({type(e).__name__})") from None
     return {"placement": out, "served_lar": float(served_lar), "candidate_lar": float(cand_lar), "seconds": seconds,
             "cpu_seconds": cpu, "files": len(files)}
+
+
+def _tokens(files: list[str]) -> int:
+    from ...formats.trace import open_trace
+
+    return sum(open_trace(f).num_tokens for f in files)
 
 
 def _child_cpu() -> float:
