@@ -119,12 +119,15 @@ def _no_aliases_dumper():
 def write_placement(path: str, *, expert2rank: np.ndarray, ep_size: int, nodes: int, top_k: int,
                     vocab_size: int | None, method: str, capacity: float, tables: dict[str, np.ndarray] | None,
                     replicas: np.ndarray | None = None, fingerprint: str | None = None,
-                    built_from: dict | None = None, metrics: dict | None = None, groups: int = 1) -> str:
+                    built_from: dict | None = None, metrics: dict | None = None, groups: int = 1,
+                    read_back: bool = True) -> str:
     """Write the YAML (and its tables ``<stem>.<sha256[:12]>.tables.npz`` beside it), each
     atomically. The tables land first, under a name of their own content, and the YAML records
     their hash; the tables the previous YAML named are removed only after the new YAML is in
     place. So an interrupted build leaves the old pair intact, two concurrent builds leave
-    whichever YAML landed last with its own tables, and no reader ever gets a mixed pair."""
+    whichever YAML landed last with its own tables, and no reader ever gets a mixed pair. With
+    ``read_back`` (always, but in tests that write a bad file on purpose) the pair is first read
+    as every reader will: a ValueError names what would be refused, and nothing is written."""
 
     import yaml
 
@@ -167,9 +170,10 @@ def write_placement(path: str, *, expert2rank: np.ndarray, ep_size: int, nodes: 
     }
     text = yaml.dump(doc, Dumper=_no_aliases_dumper(), sort_keys=False, default_flow_style=None, width=120).encode()
     try:  # read back as every reader will: nothing is written that a server or validate would refuse
-        written = load_placement(path, data=text)
-        if data is not None:
-            load_tables(written, data)
+        if read_back:
+            written = load_placement(path, data=text)
+            if data is not None:
+                load_tables(written, data)
     except ValueError as e:
         raise ValueError(f"{path}: not written: what was built does not read back: {e}") from None
     parent = os.path.dirname(os.path.abspath(path))

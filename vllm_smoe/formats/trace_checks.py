@@ -3,20 +3,20 @@ alone) and the values of their rows (ids in range, finite weights), chunk by chu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 import numpy as np
 
 from .trace_meta import FIELD2SPEC, REQUIRED_FIELDS, TraceMeta
 
-if TYPE_CHECKING:
-    from .trace_reader import Member, Trace
+# ``trace`` / ``members`` below are trace_reader's Trace and {field: Member}, not imported here:
+# trace_reader imports this module, and these checks read only the attributes they use
 
 # the fields whose rows check_chunk checks
 VALUE_FIELDS = ("token_ids", "topk_ids", "positions", "request_ids", "step_ids", "domain", "topk_weights")
 
 
-def check_shapes(path: str, meta: TraceMeta, members: dict[str, Member]) -> None:
+def check_shapes(path: str, meta: TraceMeta, members: dict) -> None:
     """Check the fields' presence, dtypes and shapes against ``meta`` from their headers alone."""
     for name in REQUIRED_FIELDS:
         if name not in members:
@@ -44,7 +44,7 @@ def check_shapes(path: str, meta: TraceMeta, members: dict[str, Member]) -> None
         raise ValueError(f"{path}: field 'domain' is present but meta.domains names no domains")
 
 
-def check_values(trace: Trace, chunk_tokens: int) -> None:
+def check_values(trace, chunk_tokens: int) -> None:
     """Scan every row of ``trace`` (streamed) for out-of-range ids and bad weights."""
     start = 0
     for ch in trace.iter_chunks(chunk_tokens=chunk_tokens):
@@ -52,7 +52,7 @@ def check_values(trace: Trace, chunk_tokens: int) -> None:
         start += ch["token_ids"].shape[0]
 
 
-def check_chunk(trace: Trace, ch: Mapping[str, np.ndarray], start: int) -> None:
+def check_chunk(trace, ch: Mapping[str, np.ndarray], start: int) -> None:
     """Check the value fields present in one chunk of rows starting at token ``start``."""
     meta, path = trace.meta, trace.path
 

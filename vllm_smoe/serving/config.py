@@ -187,7 +187,7 @@ class SmoeConfig:
         chunk = d.get("record_chunk_tokens", 1 << 18)
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
             raise ValueError(f"{where}: field 'record_chunk_tokens' must be a positive integer, got {chunk!r}")
-        from .place.auto import AutoSettings
+        from .place.auto_settings import AutoSettings
 
         auto = AutoSettings.from_value(d.get("auto_replace"), where)
         if auto is not None and (placement is None or record is None):

@@ -269,7 +269,7 @@ def _drift_families(snapshots: list[dict]):
     and whether the window fell below threshold x expected."""
     from prometheus_client.core import GaugeMetricFamily
 
-    from ..place.auto import pooled_drift
+    from .drift import pooled_drift
 
     drift = pooled_drift(snapshots)  # the automatic re-placement reads this same verdict
     if drift is None:

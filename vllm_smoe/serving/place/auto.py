@@ -17,89 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+
+from ..observe.drift import pooled_drift
+from .auto_settings import AutoSettings  # noqa: F401 (re-exported)
 
 logger = logging.getLogger("vllm.smoe")
 
 SOURCE = "auto"  # the metrics directory's source name for the controller's counters
 REASONS = ("margin", "build_failed", "invalid", "swap_refused", "no_recording")  # why a candidate was not swapped
-
-
-@dataclass(frozen=True)
-class AutoSettings:
-    """hold_s: seconds the pooled drift verdict must read drifted before a candidate is built;
-    cooldown_s: seconds after a swap (or a rejected candidate) before the next build; max_moves:
-    share of expert slots a swap may move (advise --max-moves); margin: the candidate's held-out
-    local activation ratio must exceed the served one's by this share; window_tokens: recent
-    recorded tokens the build reads (advise --max-tokens); min_tokens: recorded tokens since drift
-    began needed before a build (half train, half judge: fewer make a candidate of noise);
-    build_timeout_s, build_mem_mb,
-    build_cpu_s: the build process's wall-clock, address-space and CPU-time limits."""
-    hold_s: float = 60.0
-    cooldown_s: float = 600.0
-    max_moves: float = 0.25
-    margin: float = 0.02
-    window_tokens: int = 1 << 18
-    min_tokens: int = 1 << 14
-    build_timeout_s: float = 600.0
-    build_mem_mb: int = 4096
-    build_cpu_s: float = 600.0
-
-    @classmethod
-    def from_value(cls, v: object, where: str) -> "AutoSettings | None":
-        """``auto_replace`` as settings give it: false/None (off), true (defaults) or a mapping of
-        the fields above; ValueError naming the field otherwise."""
-        if v is None or v is False:
-            return None
-        if v is True:
-            return cls()
-        if not isinstance(v, dict):
-            raise ValueError(f"{where}: field 'auto_replace' must be true, false or a mapping of "
-                             f"{', '.join(cls.__dataclass_fields__)}, got {v!r}")
-        unknown = sorted(set(v) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"{where}: field 'auto_replace': unknown field(s) {unknown}; known: "
-                             f"{', '.join(cls.__dataclass_fields__)}")
-        out = {}
-        for name, f in cls.__dataclass_fields__.items():
-            x = v.get(name, f.default)
-            whole = f.type in (int, "int")
-            ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and (
-                isinstance(x, int) if whole else True)
-            lo_ok = ok and (x >= 0 if name in ("hold_s", "cooldown_s", "margin") else x > 0)
-            if not lo_ok or (name == "max_moves" and x > 1):
-                kind = "a positive integer" if whole else ("a number in (0, 1]" if name == "max_moves" else
-                                                           "a non-negative number" if name in
-                                                           ("hold_s", "cooldown_s", "margin") else "a positive number")
-                raise ValueError(f"{where}: field 'auto_replace.{name}' must be {kind}, got {x!r}")
-            out[name] = int(x) if whole else float(x)
-        return cls(**out)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def pooled_drift(snapshots: list[dict]) -> dict | None:
-    """The drift verdict ``smoe:drift`` publishes: the ranks' last complete windows pooled
-    (local / activations over all of them) against the placement's expected ratio x threshold.
-    snapshots: :func:`~..observe.metrics.read_snapshots`'s; the token order's (source ``order``)
-    where there are any, else the sparse all2all's (``a2a``), which both carry a window. Returns
-    {"ratio", "expected", "threshold", "drifted" (None: no expected ratio, nothing judged)} or
-    None (no window yet)."""
-    snapshots = ([s for s in snapshots if s.get("source") == "order"]
-                 or [s for s in snapshots if s.get("source") == "a2a"])
-    judged = [s["drift"] for s in snapshots if s.get("drift") and s["drift"].get("window")]
-    windows = [d["window"] for d in judged]
-    if not windows:
-        return None
-    ratio = sum(w["local"] for w in windows) / max(1, sum(w["activations"] for w in windows))
-    expected, threshold = judged[0].get("expected"), judged[0]["threshold"]
-    drifted = None if expected is None else ratio < threshold * expected
-    return {"ratio": ratio, "expected": expected, "threshold": threshold, "drifted": drifted}
 
 
 class AutoReplace:

@@ -181,7 +181,7 @@ class SmoeModelLoader(DefaultModelLoader):
             worker.location = location_for(model, vllm_config, cfg, served,
                                            self._ep_rank() if served.plan.num_redundant else 0)
         if cfg.mode == "speculate":
-            from ..speculate.token_order import install_token_order
+            from ..speculate.install import install_token_order
 
             worker.order = install_token_order(model, vllm_config, cfg, served, worker.location)
         if cfg.record is not None:  # after the token order: its rows are split

@@ -58,7 +58,7 @@ class OrderPlan:
     shuffle_reason: str = ""
 
     def start_line(self) -> str:
-        """The worker's start line (logged once by :func:`.token_order.install_token_order`)."""
+        """The worker's start line (logged once by :func:`.install.install_token_order`)."""
         layout = {"stack-step": f"one order per step ({self.step_reason})",
                   "stack-layer": "one order per layer (the split residual folded into the attention's reduce-scatter)"
                   }.get(self.layout, "one order per layer")

@@ -39,7 +39,7 @@ class TokenOrder:
     when logging, the device location's maps and tables) and the ops every layout runs (order,
     restore). A layout (:mod:`.layout_block`, :mod:`.layout_stack`) is a subclass that owns its
     hooks and op bodies; the predictor (:mod:`.predictors`) is composed in. Built by
-    :func:`install_token_order` from the :class:`~.plan.OrderPlan`.
+    :func:`.install.install_token_order` from the :class:`~.plan.OrderPlan`.
 
     Buffers (T = vLLM's max_num_batched_tokens, c = ceil(T / N), L MoE layers; on the device):
     ids [T] int64 the step's token ids; query [T] int64 their bigram keys (-1 = none); prev [T]
@@ -327,25 +327,3 @@ class TokenOrder:
         from ..observe.counters import order_line
 
         logger.info("%s", order_line(self.plan.predictor, self.rank, layers, wire))
-
-
-def install_token_order(model, vllm_config, cfg, served, location) -> TokenOrder:
-    """Called by smoe's model loader once the weights are in place; ``served``: the process's
-    :class:`~.served.ServedPlacement` (its load plan and expected ratio), ``location``: its
-    :class:`~..location.DeviceLocation` (the maps and tables on the device)."""
-    from vllm.distributed import get_tp_group
-
-    from .layout_block import BlockOrder, ShuffledOrder
-    from .layout_stack import StackLayerOrder, StackStepOrder
-    from .plan import plan_order
-    from .predictors import make_predictor
-
-    device = next(model.parameters()).device
-    plan = plan_order(model, vllm_config, cfg, served.plan.moe_layers, get_tp_group(), location.tables is not None,
-                      device)
-    layout = {"block": BlockOrder, "shuffled": ShuffledOrder, "stack-layer": StackLayerOrder,
-              "stack-step": StackStepOrder}[plan.layout]
-    order = layout(model, vllm_config, cfg, plan, location, make_predictor(plan),
-                   expected=served.placement.metrics.get("lar"))
-    logger.info("%s", plan.start_line())
-    return order
