@@ -15,7 +15,7 @@ import re
 import time
 import urllib.request
 
-import numpy as np
+from .load import _tpot  # the median TPOT the manual shift reports, the same way
 
 _AUTO = re.compile(r"^smoe:auto_(candidates|swaps|build_seconds|build_cpu_seconds|moved_slots|moved_bytes|"
                    r"swap_seconds|failures)_total (\S+)$")
@@ -44,11 +44,6 @@ def auto_settings(a) -> dict:
     """The controller's settings for this run: one swap (a cool-down longer than the run)."""
     return {"hold_s": a.auto_hold, "cooldown_s": 10 * a.seconds, "max_moves": a.auto_max_moves,
             "margin": a.auto_margin, "window_tokens": a.auto_window_tokens}
-
-
-def _median_tpot(rows: list[dict]) -> float:
-    v = [r["tpot"] for r in rows if r.get("tpot") is not None]
-    return float(np.median(v)) if v else float("nan")
 
 
 def shift_auto(a, s, clients_cls, scrape, first: list, then_seen: list, then_unseen: list, probe: list) -> dict:
@@ -111,7 +106,7 @@ def shift_auto(a, s, clients_cls, scrape, first: list, then_seen: list, then_uns
            "local_ratio": {"before shift": ratio(a.scrape, shift), "shifted, old placement": ratio(shift, swap or end),
                            "after the automatic swap": None if swap is None else ratio(swap + a.scrape, end)},
            "tokens_equal_before_after": before == after, "build_window_s": build,
-           "tpot_during_build_s": _median_tpot(during), "tpot_shifted_outside_build_s": _median_tpot(outside),
+           "tpot_during_build_s": _tpot(during), "tpot_shifted_outside_build_s": _tpot(outside),
            "requests_during_build": len(during), "requests_shifted_outside_build": len(outside),
            "build_cpu_share": (final["build_cpu_seconds"] / final["build_seconds"] / cores
                                if final["build_seconds"] else None), "host_cores": cores, "timeline": timeline}
