@@ -137,8 +137,8 @@ def test_device_counters_are_published_after_the_last_step_of_a_burst(tmp_path, 
     reports = []
 
     def report(rows):
-        reports.append(rows)
         o.publish({"layers": [r[:4] for r in rows]})
+        reports.append(rows)  # after the snapshot is on disk: the test reads it once this is seen
 
     activity = [0, time.monotonic(), False]
     monkeypatch.setattr(runner_hooks, "_ACTIVITY", activity)

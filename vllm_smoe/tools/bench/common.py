@@ -66,6 +66,12 @@ LATENCY = {"tok_s": ("output tok/s", lambda v: float(np.median(v))),  # column: 
            "itl": ("p90 ITL ms", lambda v: 1e3 * float(np.percentile(v, 90)))}
 
 
+def median_tpot(rows: list[dict]) -> float:
+    """Median time per output token of the rows that have one (NaN when none)."""
+    v = [r["tpot"] for r in rows if r.get("tpot") is not None]
+    return float(np.median(v)) if v else float("nan")
+
+
 def null_nan(x):
     if isinstance(x, float) and not np.isfinite(x):
         return None  # strict JSON has no NaN

@@ -27,6 +27,8 @@ import urllib.request
 
 import numpy as np
 
+from .common import median_tpot
+
 
 def domain_prompts(trace_path: str, domain: int, prompt_tokens: int) -> list[list[int]]:
     """The first ``prompt_tokens`` ids of every request of one domain of a trace."""
@@ -110,14 +112,9 @@ def post_placement(server, path: str) -> dict:
         return json.load(r)
 
 
-def _tpot(rows: list[dict]) -> float:
-    v = [r["tpot"] for r in rows if r.get("tpot") is not None]
-    return float(np.median(v)) if v else float("nan")
-
-
 def _summary(rows: list[dict], t0: float, t1: float) -> dict:
     inside = [r for r in rows if t0 <= r["start"] < t1]
-    return {"requests": len(inside), "failed": sum(r["error"] is not None for r in inside), "tpot_s": _tpot(inside)}
+    return {"requests": len(inside), "failed": sum(r["error"] is not None for r in inside), "tpot_s": median_tpot(inside)}
 
 
 def _plot(path: str, timeline: list[dict], shift_t: float, drift_t: float | None, swap_t: float | None,
@@ -195,7 +192,7 @@ def run(a) -> int:
                 c = Clients(s, model, a.clients, a.max_tokens, first).start()
                 time.sleep(a.cost_seconds)
                 rows = c.finish()
-            cost[name].append(_tpot(rows))
+            cost[name].append(median_tpot(rows))
             print(f"cost round {rnd}, metrics {name:>3}: TPOT {1e3 * cost[name][-1]:.1f} ms over {len(rows)} "
                   f"requests", flush=True)
     if a.cost_rounds:

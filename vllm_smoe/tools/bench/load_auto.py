@@ -15,7 +15,7 @@ import re
 import time
 import urllib.request
 
-from .load import _tpot  # the median TPOT the manual shift reports, the same way
+from .common import median_tpot  # the same median the manual shift reports
 
 _AUTO = re.compile(r"^smoe:auto_(candidates|swaps|build_seconds|build_cpu_seconds|moved_slots|moved_bytes|"
                    r"swap_seconds|failures)_total (\S+)$")
@@ -106,7 +106,7 @@ def shift_auto(a, s, clients_cls, scrape, first: list, then_seen: list, then_uns
            "local_ratio": {"before shift": ratio(a.scrape, shift), "shifted, old placement": ratio(shift, swap or end),
                            "after the automatic swap": None if swap is None else ratio(swap + a.scrape, end)},
            "tokens_equal_before_after": before == after, "build_window_s": build,
-           "tpot_during_build_s": _tpot(during), "tpot_shifted_outside_build_s": _tpot(outside),
+           "tpot_during_build_s": median_tpot(during), "tpot_shifted_outside_build_s": median_tpot(outside),
            "requests_during_build": len(during), "requests_shifted_outside_build": len(outside),
            "build_cpu_share": (final["build_cpu_seconds"] / final["build_seconds"] / cores
                                if final["build_seconds"] else None), "host_cores": cores, "timeline": timeline}
