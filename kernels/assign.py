@@ -2,20 +2,16 @@
 ``ref_*`` twin beside it.
 
 The torch version (:func:`vllm_smoe.serving.speculate.device_predict.assign` + ``permutation``) is
-~70 small ops per step (sorts, scans, scatters per preference; leaf aten ops counted with
-torch.profiler at L = 48, T = 256); this kernel is one launch
-with one program per layer that walks the step's tokens in blocks. The confidence order it
-consumes is one ``torch.argsort`` over every layer.
+many small ops per step (sorts, scans, scatters per preference; counted: docs/history.md#kernelsassignpy);
+this kernel is one launch with one program per layer that walks the step's tokens in blocks. The
+confidence order it consumes is one ``torch.argsort`` over every layer.
 
 Notation: L layers ordered at once, T tokens, P preferences per token, N ranks.
 
 - :func:`assign_permute`: ``pref [L, T, P]`` int (-1 = none), ``order [L, T]`` int64 (tokens by
   falling confidence, stable), ``caps [N]`` int64 (rows each rank takes, sum >= T) ->
   ``(perm [L, T], inv [L, T])`` int64: ``x[perm[l]]`` groups the tokens rank by rank (stable),
-  ``y[inv[l]]`` restores the step's order. In each layer the most confident tokens claim their
-  preferences first (preference 0 of every token before preference 1); tokens left over fill
-  the free slots rank by rank, in token order.
-"""
+  ``y[inv[l]]`` restores the step's order. The greedy: :func:`ref_assign_permute`."""
 
 from __future__ import annotations
 
@@ -39,7 +35,9 @@ def use_triton(t: torch.Tensor) -> bool:
 def ref_assign_permute(pref: torch.Tensor, order: torch.Tensor, caps: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The greedy spelled out token by token (slow; tests and small T only). Same contract as
-    :func:`assign_permute`."""
+    :func:`assign_permute`: in each layer the most confident tokens claim their preferences first
+    (preference 0 of every token before preference 1); tokens left over fill the free slots rank
+    by rank, in token order."""
     L, T, P = pref.shape
     N = caps.shape[0]
     pref_l, order_l = pref.tolist(), order.tolist()

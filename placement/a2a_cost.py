@@ -9,21 +9,7 @@ Inputs of one layer and step:
 - ``dest``: [T, K] int64, the rank that computes each activation (the copy it uses), -1 = none;
 - ``src``: [T] int64, the rank that holds the token (its attention rank or sequence chunk).
 
-Byte rules (``BACKENDS``), for the dispatch; the combine sends the same rows back, each way
-reversed, in its own dtype. A rank never sends to itself. Link class: NVLink between ranks of one
-node, RDMA between nodes.
-- ``allgather-rs``: vLLM's default (all-gather then reduce-scatter): every token to every other
-  EP rank, whatever its experts.
-- ``nccl-a2a`` and ``smoe-p2p``: each token once to each distinct rank among its activations'.
-- ``deepep-ht`` (DeepEP's normal kernels): to each distinct rank of its own node over NVLink; to
-  each other node holding one of its experts once over RDMA, to the rank with the sender's local
-  index there, which forwards it over NVLink to that node's other destination ranks.
-- ``smoe-hier`` (smoe's hierarchical exchange): as deepep-ht, but the gateway on a node is the
-  rank with the sender's local index only where it holds one of the token's experts (else that
-  node's lowest such rank), so a token whose experts there sit on one rank crosses no NVLink.
-- ``deepep-ll`` (DeepEP's low-latency kernels): once per (token, expert) pair, into that expert's
-  receive buffer on its rank: a token with two experts on one rank goes twice.
-"""
+Each backend's byte rule (``BACKENDS``) is in :func:`backend_rows`."""
 
 from __future__ import annotations
 
@@ -143,7 +129,22 @@ def _messages(snd: np.ndarray, rcv: np.ndarray, ep_size: int, backend: str) -> n
 def backend_rows(dest: np.ndarray, src: np.ndarray, ep_size: int, per_node: int, backend: str) -> np.ndarray:
     """Rows one step's dispatch sends, per link class, direction and rank: [2, 2, N] float64
     (``rows[NVLINK|RDMA, OUT|IN, r]``). dest: [T, K] int64 (-1 none); src: [T] int64. The combine
-    sends the same rows the other way: ``rows[:, ::-1]``."""
+    sends the same rows the other way: ``rows[:, ::-1]``.
+
+    Byte rules (``BACKENDS``), for the dispatch; the combine sends the same rows back, each way
+    reversed, in its own dtype. A rank never sends to itself. Link class: NVLink between ranks of one
+    node, RDMA between nodes.
+    - ``allgather-rs``: vLLM's default (all-gather then reduce-scatter): every token to every other
+      EP rank, whatever its experts.
+    - ``nccl-a2a`` and ``smoe-p2p``: each token once to each distinct rank among its activations'.
+    - ``deepep-ht`` (DeepEP's normal kernels): to each distinct rank of its own node over NVLink; to
+      each other node holding one of its experts once over RDMA, to the rank with the sender's local
+      index there, which forwards it over NVLink to that node's other destination ranks.
+    - ``smoe-hier`` (smoe's hierarchical exchange): as deepep-ht, but the gateway on a node is the
+      rank with the sender's local index only where it holds one of the token's experts (else that
+      node's lowest such rank), so a token whose experts there sit on one rank crosses no NVLink.
+    - ``deepep-ll`` (DeepEP's low-latency kernels): once per (token, expert) pair, into that expert's
+      receive buffer on its rank: a token with two experts on one rank goes twice."""
     snd, rcv, _ = _pairs(dest, src, ep_size, per_node, backend)
     return _rows(snd, rcv, ep_size, per_node)
 

@@ -10,14 +10,8 @@ Input per layer, besides the count matrix A [V', E] and occurrences occ [V'] of 
 instances, the distinct (token id, top-k expert set) pairs of a sample of the trace:
 hv [H] int64 row of the token id in A; sets [H, K] int64 expert ids (-1 = none); w [H] float64
 occurrences. Placement: expert2rank [E] int (E/N per rank); tokens go to ranks by the same
-capacity-capped rule as everywhere (:func:`.counts.assign_token_ids`).
-
-Search: from coclust's placement (and, on small layers, a few more starts), swaps of two experts on different ranks, proposed by a
-first-order estimate of every swap's change in bytes (from each expert's best single move) and
-accepted only when their exact change, recomputed on the hyperedges they touch, is a gain and the
-expert-load cap holds; after each pass tokens are reassigned by the capped rule, and the pass is
-kept only if the bytes with those tokens fell.
-"""
+capacity-capped rule as everywhere (:func:`.counts.assign_token_ids`). The search:
+:func:`place_bytes`."""
 
 from __future__ import annotations
 
@@ -176,7 +170,13 @@ def place_bytes(A: sp.csr_matrix, occ: np.ndarray, instances: tuple[np.ndarray, 
     (or ``start``) and, while ``work`` (sets x experts) allows, from a METIS partition of the
     co-activation graph and random balanced placements, each capped in expert load; keeps the
     placement with the fewest rows. trials_per_pass: exact swap evaluations per pass (default
-    4 E). Returns expert2rank [E] int32."""
+    4 E). Returns expert2rank [E] int32.
+
+    Search: from coclust's placement (and, on small layers, a few more starts), swaps of two experts on different ranks, proposed by a
+    first-order estimate of every swap's change in bytes (from each expert's best single move) and
+    accepted only when their exact change, recomputed on the hyperedges they touch, is a gain and the
+    expert-load cap holds; after each pass tokens are reassigned by the capped rule, and the pass is
+    kept only if the bytes with those tokens fell."""
     from .coclust import cap_expert_load
     from .counts import coactivation
     from .peers import place_metis

@@ -2,19 +2,12 @@
 input embeddings, one rank preference per MoE layer (pure numpy; no tables indexed by layer and id).
 
 What the tables cannot do: a token id seen in another context, or never seen, still gets a
-preference from where its embedding lies, and the previous token shifts it. The network is
-
-    h = relu(token_proj[id] + prev_proj[prev] + hidden_bias)          [T, D]
-    logits = h @ out_weight + out_bias                                  [T, L * N]
-
-trained by soft cross-entropy against each token's share of top-k experts on every rank, per
-layer. ``token_proj`` / ``prev_proj`` are the embeddings times learned projections, folded into
-per-id rows after training (with no embeddings, free per-id rows that unseen ids leave at zero),
-so serving runs two gathers and one [T, D] x [D, L * N] GEMM per step, on token ids alone. Per
+preference from where its embedding lies, and the previous token shifts it. The network and
+its training: :class:`LearnedPredictor`. Serving runs two gathers and one [T, D] x [D, L * N]
+GEMM per step, on token ids alone. Per
 layer it defers to the token tables where they are the more confident (:func:`with_tables`);
 for one order per step it ranks by expected local activations summed over layers.
-Notation: T tokens, L layers, K top-k, E experts, N ranks, V vocabulary, H hidden size, D width.
-"""
+Notation: T tokens, L layers, K top-k, E experts, N ranks, V vocabulary, H hidden size, D width."""
 
 from __future__ import annotations
 
@@ -34,7 +27,16 @@ def default_width(num_ranks: int) -> int:
 
 @dataclass(frozen=True)
 class LearnedPredictor:
-    """token_proj: [V, D] float16, the first layer's contribution of the token id;
+    """The network:
+
+        h = relu(token_proj[id] + prev_proj[prev] + hidden_bias)          [T, D]
+        logits = h @ out_weight + out_bias                                  [T, L * N]
+
+    trained by soft cross-entropy against each token's share of top-k experts on every rank, per
+    layer. ``token_proj`` / ``prev_proj`` are the embeddings times learned projections, folded into
+    per-id rows after training (with no embeddings, free per-id rows that unseen ids leave at zero).
+
+    token_proj: [V, D] float16, the first layer's contribution of the token id;
     prev_proj: [V + 1, D] float16, that of the previous row's id, row V = none (the row starts
     its sequence in the step, or continues one from an earlier step); both are read as float32
     (half the bytes of the largest arrays, in the file and on the device; the same numbers

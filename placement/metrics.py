@@ -1,24 +1,7 @@
-"""Placement metrics, exactly as smoe reports them.
+"""Placement metrics, exactly as smoe reports them: :func:`evaluate` returns them all (each
+defined in its docstring), :func:`recommend` reads them.
 
-Notation: T tokens, L MoE layers, K top-k, E experts, N = ep_size ranks.
-
-- ``lar``: share of (token, layer, k) activations whose expert has a copy on the token's rank.
-- ``token_load``: per batch and layer, max/mean tokens per rank; averaged.
-- ``expert_load``: per layer, max/mean activations computed per rank over the trace (a local
-  activation is computed on the token's rank, a remote one on the expert's home rank); averaged.
-- ``remote_pairs_per_token``: remote (token, expert) activations per token per MoE layer.
-- ``remote_unique_per_token``: distinct remote ranks per token per MoE layer (de-duplicated
-  dispatch: a token crosses each link once).
-- ``a2a_bytes_per_token``: remote_unique_per_token x hidden x dtype bytes x 2 (dispatch + combine).
-  With ``nodes`` > 1 (ranks ``n * N/nodes ...`` form node n) also split into
-  ``internode_bytes_per_token`` (pairs whose remote rank is on another node) and
-  ``intranode_bytes_per_token``.
-- ``rank2rank_rows``: [N, N] list, rows per token per MoE layer from the token's rank (row; under
-  attention DP the rank its request runs on) to each remote rank (column), counted as
-  ``remote_unique_per_token`` is (they sum to it; the diagonal is 0).
-- ``hit_rate``: share of (token, layer) whose rank holds at least one of its experts;
-  ``oracle_hit_rate``: share whose rank holds as many of its experts as the best rank does.
-"""
+Notation: T tokens, L MoE layers, K top-k, E experts, N = ep_size ranks."""
 
 from __future__ import annotations
 
@@ -64,6 +47,24 @@ def evaluate(topk_ids: np.ndarray, token2rank: np.ndarray, expert2rank: np.ndarr
              ep_size: int, holds: np.ndarray | None = None, hidden_size: int = 4096,
              dtype_bytes: int = 2, nodes: int = 1, copies: str = "own") -> dict[str, float]:
     """All metrics of one method on one trace.
+
+    Metrics:
+    - ``lar``: share of (token, layer, k) activations whose expert has a copy on the token's rank.
+    - ``token_load``: per batch and layer, max/mean tokens per rank; averaged.
+    - ``expert_load``: per layer, max/mean activations computed per rank over the trace (a local
+      activation is computed on the token's rank, a remote one on the expert's home rank); averaged.
+    - ``remote_pairs_per_token``: remote (token, expert) activations per token per MoE layer.
+    - ``remote_unique_per_token``: distinct remote ranks per token per MoE layer (de-duplicated
+      dispatch: a token crosses each link once).
+    - ``a2a_bytes_per_token``: remote_unique_per_token x hidden x dtype bytes x 2 (dispatch + combine).
+      With ``nodes`` > 1 (ranks ``n * N/nodes ...`` form node n) also split into
+      ``internode_bytes_per_token`` (pairs whose remote rank is on another node) and
+      ``intranode_bytes_per_token``.
+    - ``rank2rank_rows``: [N, N] list, rows per token per MoE layer from the token's rank (row; under
+      attention DP the rank its request runs on) to each remote rank (column), counted as
+      ``remote_unique_per_token`` is (they sum to it; the diagonal is 0).
+    - ``hit_rate``: share of (token, layer) whose rank holds at least one of its experts;
+      ``oracle_hit_rate``: share whose rank holds as many of its experts as the best rank does.
 
     topk_ids: [T, L, K] int; token2rank: [T, L] int in [0, N); expert2rank: [L, E] int home
     ranks; batch_ids: [T] int non-decreasing; holds: [L, N, E] bool (default: home copies only).

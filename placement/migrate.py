@@ -3,39 +3,11 @@
 A live swap moves every expert slot whose expert changes, and a fresh placement from a new
 recording usually changes almost all of them (the ranks' names are arbitrary, and so are most
 tie-breaks). :func:`limit_moves` keeps the served placement and applies only the parts of the
-fresh one that pay most per moved slot, within a budget:
-
-1. the fresh placement's ranks are renamed to agree with the served one most (an assignment
-   problem on the rank overlap), per layer or once for all layers (which keeps the fresh
-   placement's layers agreeing, for models that order tokens once per step), inside nodes and
-   routing-group blocks;
-2. per layer, the experts whose rank differs are split into exchange cycles: expert e_1 moves
-   from rank r_1 to r_2, e_2 from r_2 to r_3, ..., e_k from r_k back to r_1; each cycle keeps every
-   rank's expert count, so any subset of cycles is a balanced placement;
-3. cycles are applied greedily by gain per moved slot (lazily re-scored against the layer as it
-   is then), where the gain is the change in :mod:`.coclust`'s objective on the training trace
-   (activations served locally when token ids take their best ranks in order of confidence,
-   each rank capped at ``capacity`` x its share), until the budget is spent or no cycle gains;
-4. with ``swaps``, an exchange of two experts on different ranks that the fresh placement does
-   not make competes with the cycles on the same gain per moved slot (candidates ranked with the
-   token ids' ranks held fixed, the best few scored exactly): a budget too small for the fresh
-   placement's cycles may still buy its best pairs, and a swap that moves an expert back home
-   costs nothing.
-5. with ``resolve``, the greedy result is bettered where a 0-1 program finds more: from the
-   greedy placement, and from the fresh one, each id's capped assignment is held fixed and the
-   experts placed to serve most of it within the budget and the balance terms (one HiGHS program
-   over all layers), then the ids re-assigned, while the objective rises; kept only where it
-   beats the greedy result. A unit above pays alone; the program finds moves that pay together.
-
-Compute balance, as :mod:`.coclust` keeps it: no unit raises a layer's expert load (its busiest
-rank's training activations over the mean) past the cap or past what it is, and every gain is
-net of ``balance_weight`` x the activations the busiest rank holds past the cap, so a layer the
-workload shift left unbalanced gets its load down (swaps of a heavy expert for a light one, or
-the fresh placement's cycles) where that pays more per slot than locality elsewhere.
+fresh one that pay most per moved slot, within a budget and the compute balance :mod:`.coclust`
+keeps (the search step by step: :func:`limit_moves`).
 
 No torch, no I/O. Arrays: expert2rank [L, E] int (rank of each expert, E / N per rank, or
-vLLM's uneven split where N does not divide E: :func:`.counts.rank_sizes`).
-"""
+vLLM's uneven split where N does not divide E: :func:`.counts.rank_sizes`)."""
 
 from __future__ import annotations
 
@@ -374,7 +346,35 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
                 polish_evals: int = 0, per_layer: bool = False, block: int | None = None
                 ) -> tuple[np.ndarray, dict]:
     """The served placement with the fresh one's best exchange cycles applied, at most
-    ``max_moves`` expert slots changed in all.
+    ``max_moves`` expert slots changed in all, found in these steps:
+
+    1. the fresh placement's ranks are renamed to agree with the served one most (an assignment
+       problem on the rank overlap), per layer or once for all layers (which keeps the fresh
+       placement's layers agreeing, for models that order tokens once per step), inside nodes and
+       routing-group blocks;
+    2. per layer, the experts whose rank differs are split into exchange cycles: expert e_1 moves
+       from rank r_1 to r_2, e_2 from r_2 to r_3, ..., e_k from r_k back to r_1; each cycle keeps every
+       rank's expert count, so any subset of cycles is a balanced placement;
+    3. cycles are applied greedily by gain per moved slot (lazily re-scored against the layer as it
+       is then), where the gain is the change in :mod:`.coclust`'s objective on the training trace
+       (activations served locally when token ids take their best ranks in order of confidence,
+       each rank capped at ``capacity`` x its share), until the budget is spent or no cycle gains;
+    4. with ``swaps``, an exchange of two experts on different ranks that the fresh placement does
+       not make competes with the cycles on the same gain per moved slot (candidates ranked with the
+       token ids' ranks held fixed, the best few scored exactly): a budget too small for the fresh
+       placement's cycles may still buy its best pairs, and a swap that moves an expert back home
+       costs nothing.
+    5. with ``resolve``, the greedy result is bettered where a 0-1 program finds more: from the
+       greedy placement, and from the fresh one, each id's capped assignment is held fixed and the
+       experts placed to serve most of it within the budget and the balance terms (one HiGHS program
+       over all layers), then the ids re-assigned, while the objective rises; kept only where it
+       beats the greedy result. A unit above pays alone; the program finds moves that pay together.
+
+    Compute balance, as :mod:`.coclust` keeps it: no unit raises a layer's expert load (its busiest
+    rank's training activations over the mean) past the cap or past what it is, and every gain is
+    net of ``balance_weight`` x the activations the busiest rank holds past the cap, so a layer the
+    workload shift left unbalanced gets its load down (swaps of a heavy expert for a light one, or
+    the fresh placement's cycles) where that pays more per slot than locality elsewhere.
 
     current, fresh: [L, E] int expert2rank, balanced (E / ep_size experts per rank, or vLLM's
     uneven split, :func:`.counts.rank_sizes`, in every layer);
@@ -385,7 +385,7 @@ def limit_moves(current: np.ndarray, fresh: np.ndarray, layer_counts, occ: np.nd
     (step 4 above); max_expert_load: no cycle or swap raises a layer's expert load (its busiest
     rank's training activations over the mean) past it or past what it is; balance_weight: local
     activations one activation of the busiest rank's excess over that cap is worth (0: the cap
-    only guards); resolve: step 5 of the module's search after the greedy one (needs no
+    only guards); resolve: step 5 above, after the greedy one (needs no
     routing groups); rows: (topk_ids [T, L, K], batch_ids [T]) of the training rows: the result
     then gets :func:`.polish.polish_routed` (``polish_evals`` exact scores per layer on average,
     net of the balance term) with the moves left, spent across layers where they gain most per

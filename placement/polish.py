@@ -4,17 +4,12 @@ objective a served step meets.
 coclust optimises token *ids* (every occurrence of an id goes to one rank). Served, a step's rows
 are ordered by their own top-k (predictor ``router``, and what every predictor approximates) under
 a per-step token cap, so an id's occurrences with different expert sets can land on different
-ranks. Starting from a solver's placement, this hill-climbs that served objective on sample rows:
-each round ranks every swap of two experts on different ranks by an uncapped estimate (each
-expert's gain from moving alone, over the distinct top-k sets; a taken swap updates only the
-sets that hold its two experts), scores swaps exactly down that order (the capped assignment of
-:func:`.assign.assign_tokens` over the rows' batches, ranks preferred by
-:func:`.predict.prefer_ranks`), at most ``shortlist`` of them, and takes the first that gains (on
-the fixture as good as the best of the shortlist, in half the time). Expert load never rises
+ranks. Starting from a solver's placement, :func:`polish_routed` hill-climbs that served
+objective on sample rows by swaps of two experts on different ranks. Expert load never rises
 past ``max(max_expert_load, the input's)``; with ``home`` a live swap's move budget holds too.
+History: docs/history.md#placementpolishpy.
 
-Shapes: T rows, K top-k, E experts, N = ep_size ranks, S distinct top-k sets.
-"""
+Shapes: T rows, K top-k, E experts, N = ep_size ranks, S distinct top-k sets."""
 
 from __future__ import annotations
 
@@ -95,6 +90,12 @@ def polish_routed(topk_layer: np.ndarray, batch_ids: np.ndarray, expert2rank: np
                   shortlist: int = 64, max_evals: int = 1024, home: np.ndarray | None = None,
                   max_moved: int | None = None, balance_weight: float = 0.0) -> np.ndarray:
     """Swap experts between ranks while the served objective on the rows rises.
+
+    Each round ranks every swap of two experts on different ranks by an uncapped estimate (each
+    expert's gain from moving alone, over the distinct top-k sets; a taken swap updates only the
+    sets that hold its two experts), scores swaps exactly down that order (the capped assignment of
+    :func:`.assign.assign_tokens` over the rows' batches, ranks preferred by
+    :func:`.predict.prefer_ranks`), at most ``shortlist`` of them, and takes the first that gains.
 
     topk_layer: [T, K] int, each row's routed experts in one layer (no sentinel);
     batch_ids: [T] int, non-decreasing batch (engine step) of each row, the token cap's unit;
