@@ -1,23 +1,7 @@
 """The YAML placement file (schema ``smoe_placement: 1``): write atomically, read and validate.
 
-```yaml
-smoe_placement: 1
-model: {num_layers: 4, num_experts: 32, top_k: 4, vocab_size: 4096, fingerprint: 1f2e...}
-                              # + groups: G when built for grouped top-k routing (n_group)
-ep_size: 4
-nodes: 1
-capacity: 1.1
-method: coclust
-layers:                       # one entry per MoE layer, in order
-  - expert_to_rank: [0, 3, 1, ...]     # [E] home rank of each expert (also read as expert2rank)
-    replicas: [[7, 2], ...]            # optional extra copies: [expert, rank]
-predictor: placement.1928c4ef4627.tables.npz   # tables, relative to this file, named by content
-predictor_sha256: 1928c4ef4627...      # sha256 of that file: a YAML and tables always belong together
-built_from: {traces: [...], tokens: 131072}
-metrics: {lar: 0.44, ...}              # on the training trace
-```
-Every error names the file and the field. Nothing here imports torch or vLLM.
-"""
+The file's fields, by example: :class:`Placement`. Every error names the file and the field.
+Nothing here imports torch or vLLM."""
 
 from __future__ import annotations
 
@@ -37,6 +21,26 @@ SCHEMA_VERSION = 1
 
 @dataclass(frozen=True)
 class Placement:
+    """A placement file, read and validated. The YAML it comes from:
+
+    ```yaml
+    smoe_placement: 1
+    model: {num_layers: 4, num_experts: 32, top_k: 4, vocab_size: 4096, fingerprint: 1f2e...}
+                                  # + groups: G when built for grouped top-k routing (n_group)
+    ep_size: 4
+    nodes: 1
+    capacity: 1.1
+    method: coclust
+    layers:                       # one entry per MoE layer, in order
+      - expert_to_rank: [0, 3, 1, ...]     # [E] home rank of each expert (also read as expert2rank)
+        replicas: [[7, 2], ...]            # optional extra copies: [expert, rank]
+    predictor: placement.1928c4ef4627.tables.npz   # tables, relative to this file, named by content
+    predictor_sha256: 1928c4ef4627...      # sha256 of that file: a YAML and tables always belong together
+    built_from: {traces: [...], tokens: 131072}
+    metrics: {lar: 0.44, ...}              # on the training trace
+    ```
+    """
+
     path: str
     ep_size: int
     nodes: int

@@ -1,5 +1,5 @@
 """The fields of a routing trace and its ``meta`` header (the format's table is in
-:mod:`vllm_smoe.formats.trace`)."""
+:class:`~.trace_reader.Trace`)."""
 
 from __future__ import annotations
 

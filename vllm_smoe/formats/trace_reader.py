@@ -52,7 +52,28 @@ def _read_npy_header(fp) -> tuple[tuple[int, ...], bool, np.dtype]:
 
 
 class Trace:
-    """A routing trace on disk, opened lazily. Use :func:`open_trace`."""
+    """A routing trace on disk, opened lazily. Use :func:`open_trace`.
+
+    One ``.npz`` (zip of ``.npy`` members, as ``numpy.savez_compressed`` writes), one row per token
+    the model processed. T = tokens, L = MoE layers, K = top-k.
+
+    =============== ======================== =====================================================
+    field           shape, dtype             meaning
+    =============== ======================== =====================================================
+    token_ids       [T] int32                input token id, 0 <= id < vocab_size
+    request_ids     [T] int32                request the token belongs to, >= 0
+    positions       [T] int32                position inside its request, >= 0
+    topk_ids        [T, L, K] int16|int32    logical expert ids chosen at each MoE layer
+    meta            0-d str (JSON, <= 2^20   num_experts, top_k, num_layers, vocab_size (required);
+                    chars)                   domains, model, hidden_size (optional); the
+                                             recorder adds dp_rank and, speculating,
+                                             token_order ("layer" | "step": one order
+                                             per MoE layer or per engine step)
+    step_ids        [T] int32 (optional)     engine step (= batch) the token was scheduled in, >= 0
+    is_prefill      [T] bool (optional)      True for prompt tokens, False for decoded ones
+    domain          [T] int (optional)       index into meta["domains"]
+    topk_weights    [T, L, K] float16|32     router weights of topk_ids (optional), finite
+    =============== ======================== ====================================================="""
 
     def __init__(self, path: str, meta: TraceMeta, members: dict[str, Member]):
         self.path = path

@@ -3,34 +3,10 @@
 A tiny trained fixture routes like a real model (hot tokens, domain experts) but its rows are a
 few hundred bytes and its weights sit in cache, so no link speed matters when it is served.
 Widening keeps every function the model computes while the rows, expert FFNs and attention get
-the sizes that make a serving step cost what it costs in production:
+the sizes that make a serving step cost what it costs in production (the rules per tensor:
+:func:`widen_tensor`).
 
-- hidden H -> H': every tensor that reads the residual stream gets zero input columns
-  (router, q/k/v, MLA down-projections, expert gate/up, lm_head), every tensor that writes it
-  gets zero output rows (embedding, o_proj, down_proj). The residual stream is then the old one
-  times c = sqrt(H'/H) followed by zeros: the writers' rows are scaled by c, so that every hidden
-  RMSNorm sees the old mean(x^2) over its wider row and the eps keeps its weight (exact whatever
-  the eps, including models whose eps vLLM fixes, OLMoE and GPT-OSS), and each norm's weight by
-  1 / c. An embedding that is also the output layer is untied: the widened checkpoint gets its
-  own ``lm_head.weight`` (the embedding unscaled) and ``tie_word_embeddings: false``. c is a power
-  of two when H'/H is a power of four; otherwise a bf16 / fp16 checkpoint's scaled tensors are
-  rounded once (exact to fp32 rounding for fp32 checkpoints).
-- expert FFN I -> I' (routed and shared experts, and the dense MLP): new rows of gate and up
-  are zero, so silu(gate) * up is 0 there, and down_proj's new columns are zero.
-- attention heads nh -> nh' (and kv heads for GQA): new heads have zero q/k/v rows and zero
-  o_proj columns; old query heads keep their kv head (head i moves to (i // g) * g' + i % g for
-  group sizes g -> g'). MLA's latent sizes (``kv_lora_rank``, rope dims) stay, as vLLM's CPU
-  kernel takes only those. Where vLLM derives head_dim as hidden / heads (Qwen2-MoE, OLMoE,
-  Granite-MoE) the heads grow with the hidden size, so head_dim stays; OLMoE's q / k, read only by
-  its norms over the whole projection, are scaled as the residual stream is; attention sinks of new heads
-  are 0 (a head whose values are zero adds nothing whatever its sink).
-- stacked experts ([E, ...] tensors: GPT-OSS, Llama 4, Granite-MoE): the same per expert, with
-  the gate / up halves kept apart (concatenated: up moves behind the wider gate; GPT-OSS's
-  interleaved pairs keep their place); a zero gate row gives 0 in every activation used here
-  (SiLU, GPT-OSS's clamped swish-GLU).
-
-Arrays in and out: tensors of any dtype keep it (RMSNorm scaling is done in fp32 and cast back).
-"""
+Arrays in and out: tensors of any dtype keep it (RMSNorm scaling is done in fp32 and cast back)."""
 
 from __future__ import annotations
 
@@ -249,7 +225,31 @@ def _index(kind: str | None, old: dict, new: dict, size: int, name: str):
 
 def widen_tensor(name: str, t, old: dict, new: dict):
     """The widened copy of one checkpoint tensor (torch, any dtype). Raises ValueError for a
-    tensor no rule names: copying it unchanged could silently break the widening."""
+    tensor no rule names: copying it unchanged could silently break the widening.
+
+    - hidden H -> H': every tensor that reads the residual stream gets zero input columns
+      (router, q/k/v, MLA down-projections, expert gate/up, lm_head), every tensor that writes it
+      gets zero output rows (embedding, o_proj, down_proj). The residual stream is then the old one
+      times c = sqrt(H'/H) followed by zeros: the writers' rows are scaled by c, so that every hidden
+      RMSNorm sees the old mean(x^2) over its wider row and the eps keeps its weight (exact whatever
+      the eps, including models whose eps vLLM fixes, OLMoE and GPT-OSS), and each norm's weight by
+      1 / c. An embedding that is also the output layer is untied: the widened checkpoint gets its
+      own ``lm_head.weight`` (the embedding unscaled) and ``tie_word_embeddings: false``. c is a power
+      of two when H'/H is a power of four; otherwise a bf16 / fp16 checkpoint's scaled tensors are
+      rounded once (exact to fp32 rounding for fp32 checkpoints).
+    - expert FFN I -> I' (routed and shared experts, and the dense MLP): new rows of gate and up
+      are zero, so silu(gate) * up is 0 there, and down_proj's new columns are zero.
+    - attention heads nh -> nh' (and kv heads for GQA): new heads have zero q/k/v rows and zero
+      o_proj columns; old query heads keep their kv head (head i moves to (i // g) * g' + i % g for
+      group sizes g -> g'). MLA's latent sizes (``kv_lora_rank``, rope dims) stay, as vLLM's CPU
+      kernel takes only those. Where vLLM derives head_dim as hidden / heads (Qwen2-MoE, OLMoE,
+      Granite-MoE) the heads grow with the hidden size, so head_dim stays; OLMoE's q / k, read only by
+      its norms over the whole projection, are scaled as the residual stream is; attention sinks of new heads
+      are 0 (a head whose values are zero adds nothing whatever its sink).
+    - stacked experts ([E, ...] tensors: GPT-OSS, Llama 4, Granite-MoE): the same per expert, with
+      the gate / up halves kept apart (concatenated: up moves behind the wider gate; GPT-OSS's
+      interleaved pairs keep their place); a zero gate row gives 0 in every activation used here
+      (SiLU, GPT-OSS's clamped swish-GLU)."""
     import torch
 
     for pattern, kinds, role in _arch_rules(old["mt"], old["spec"]):

@@ -1,21 +1,13 @@
 """Synthetic routing traces at production MoE shapes, for scale tests of smoe-place.
 
-The generator mimics the three regularities smoe exploits, each with its own knob:
-
-- ``hotness``: probability that an activation takes one of the token id's own K preferred
-  experts at that layer (token-expert conjugacy); frequent tokens then show top-K hotness
-  close to ``hotness``.
-- ``affinity``: of the remaining activations, the share that follow the previous layer's
-  experts through a fixed per-layer expert successor map (inter-layer affinity).
-- ``domain_skew``: Zipf exponent of each domain's expert popularity (the rest of activations,
-  and the preferred experts themselves, are drawn from the token's domain popularity).
+The generator mimics the three regularities smoe exploits (token-expert conjugacy, inter-layer
+affinity, domain skew), each with its own knob (:func:`generate`).
 
 Optionally group-limited, as DeepSeek-V3 routes (``groups`` = its ``n_group``, ``topk_group``):
 each token's experts at a layer then lie in at most ``topk_group`` of the ``groups`` contiguous
 blocks of expert ids.
 
-Pure numpy, streamed in chunks; output is the routing-trace format (:mod:`vllm_smoe.formats.trace`).
-"""
+Pure numpy, streamed in chunks; output is the routing-trace format (:mod:`vllm_smoe.formats.trace`)."""
 
 from __future__ import annotations
 
@@ -115,7 +107,17 @@ def generate(shape: MoEShape, num_tokens: int, seed: int = 0, hotness: float = 0
              request_tokens: tuple[int, int] = (64, 1024), prefill_share: float = 0.75,
              step_tokens: int = 2048, chunk_tokens: int = 1 << 16, groups: int | None = None,
              topk_group: int | None = None) -> Iterator[dict[str, np.ndarray]]:
-    """Yield trace chunks (dicts of the trace fields) totalling ``num_tokens`` rows."""
+    """Yield trace chunks (dicts of the trace fields) totalling ``num_tokens`` rows.
+
+    The generator mimics the three regularities smoe exploits, each with its own knob:
+
+    - ``hotness``: probability that an activation takes one of the token id's own K preferred
+      experts at that layer (token-expert conjugacy); frequent tokens then show top-K hotness
+      close to ``hotness``.
+    - ``affinity``: of the remaining activations, the share that follow the previous layer's
+      experts through a fixed per-layer expert successor map (inter-layer affinity).
+    - ``domain_skew``: Zipf exponent of each domain's expert popularity (the rest of activations,
+      and the preferred experts themselves, are drawn from the token's domain popularity)."""
     if not 0.0 <= hotness <= 1.0 or not 0.0 <= affinity <= 1.0:
         raise ValueError(f"hotness and affinity must lie in [0, 1], got {hotness}, {affinity}")
     L, E, K, V = shape.num_layers, shape.num_experts, shape.top_k, shape.vocab_size
