@@ -3,32 +3,10 @@ model of ``placement/a2a_cost.py``: bytes between the two nodes by each pipeline
 time as latency per collective plus, per collective, the busiest direction's bytes over the
 link's rate.
 
-Rules (:data:`RULES`): ``smoe-p2p`` and ``smoe-gather`` count what the smoe-p2p rule sends
-(each (token, remote rank) pair: its row with ids and weights out, a partial row back),
-``smoe-p2p-slots`` the same rows back but every peer's ``t`` row slots out (padding counted),
-``smoe-hier`` the smoe-hier rule's rows to another node (row, ids, weights and a mask word out, a
-partial row back), ``vllm`` the allgather-rs rule (every row to every other rank, ids and weights
-as 8 bytes a top-k entry, a full partial row back). A token's rank is its chunk: position in the
-step's order (vLLM's: arange) // ceil(T / N). These bytes are the exchange's counted ones.
-
-Time, per step: each collective's latency (``host_constants["collective_s"][pipeline]``, from
-tiny steps on the unshaped veth, plus ``hops`` of the link's one-way delay where the kernel
-applies one) and each row-carrying collective's payload on its busiest (node, direction) over
-its class's rate (``rate_bytes_s`` between nodes: the tbf rate less frame headers;
-``local_bytes_s`` inside a node, where a node's ranks share one namespace), as a2a_cost's
-:func:`phase_seconds` on rows summed per node. That is ``seconds``.
-
-``transport_seconds`` is the same with what gloo really moves: its all-gathers are rings (N - 1
-chunks on a link) and its reduce-scatter an all-reduce of the whole buffer
-(``ProcessGroupGloo.reduce_scatter_tensor``; 2 (N - 1) chunks), for ``vllm`` and
-``smoe-gather``; and each collective kind's overlap of the link's two directions
-(``host_constants["overlap"]``: time = busier direction + k x the other, over the rate;
-a2a_cost assumes k = 0; :func:`model_run` sets k = 1, :data:`HALF_DUPLEX`: the emulated link
-carries a collective's two directions partly one after the other, so the two times bracket it).
+The byte rules: :func:`step_transfers`; the time model and gloo's transport: :func:`model_wire_check`.
 
 Pure apart from reading the plan; :func:`measure_host` and :func:`model_run` take the
-measurements (root, cluster.netns.Net's namespaces).
-"""
+measurements (root, cluster.netns.Net's namespaces)."""
 
 from __future__ import annotations
 
@@ -86,7 +64,15 @@ def _ring(per_node: int, units: float) -> np.ndarray:
 def step_transfers(plan: dict, step: dict, per_node: int, pipeline: str) -> dict:
     """One step of ``pipeline``: ``bytes`` between nodes by its rule (what the exchange counts),
     ``rule``: [(node rows [2, 2, nodes], bytes a row)] per collective that carries rows, and for
-    gloo's collective transports ``transport``: the same for what gloo moves."""
+    gloo's collective transports ``transport``: the same for what gloo moves.
+
+    Rules (:data:`RULES`): ``smoe-p2p`` and ``smoe-gather`` count what the smoe-p2p rule sends
+    (each (token, remote rank) pair: its row with ids and weights out, a partial row back),
+    ``smoe-p2p-slots`` the same rows back but every peer's ``t`` row slots out (padding counted),
+    ``smoe-hier`` the smoe-hier rule's rows to another node (row, ids, weights and a mask word out, a
+    partial row back), ``vllm`` the allgather-rs rule (every row to every other rank, ids and weights
+    as 8 bytes a top-k entry, a full partial row back). A token's rank is its chunk: position in the
+    step's order (vLLM's: arange) // ceil(T / N). These bytes are the exchange's counted ones."""
     H, K = plan["hidden"], int(np.asarray(step["ids"]).shape[1])
     row = 4 * H  # fp32
     N = 2 * per_node
@@ -161,6 +147,21 @@ def model_wire_check(plan: dict, per_node: int, host_constants: dict) -> dict:
     transfer_s, rule, collectives (a step), transport_bytes and transport_seconds (what gloo
     moves, vllm and smoe-gather: its ring collectives; the rule's bytes elsewhere, each way's
     overlap as measured: ``host_constants["overlap"]``)}}.
+
+    Time, per step: each collective's latency (``host_constants["collective_s"][pipeline]``, from
+    tiny steps on the unshaped veth, plus ``hops`` of the link's one-way delay where the kernel
+    applies one) and each row-carrying collective's payload on its busiest (node, direction) over
+    its class's rate (``rate_bytes_s`` between nodes: the tbf rate less frame headers;
+    ``local_bytes_s`` inside a node, where a node's ranks share one namespace), as a2a_cost's
+    :func:`phase_seconds` on rows summed per node. That is ``seconds``.
+
+    ``transport_seconds`` is the same with what gloo really moves: its all-gathers are rings (N - 1
+    chunks on a link) and its reduce-scatter an all-reduce of the whole buffer
+    (``ProcessGroupGloo.reduce_scatter_tensor``; 2 (N - 1) chunks), for ``vllm`` and
+    ``smoe-gather``; and each collective kind's overlap of the link's two directions
+    (``host_constants["overlap"]``: time = busier direction + k x the other, over the rate;
+    a2a_cost assumes k = 0; :func:`model_run` sets k = 1, :data:`HALF_DUPLEX`: the emulated link
+    carries a collective's two directions partly one after the other, so the two times bracket it).
 
     host_constants: collective_s {pipeline: s} (host time a collective, the link's delay
     aside), rate_bytes_s (payload bytes/s between nodes), local_bytes_s (inside a node),
@@ -335,10 +336,8 @@ def _median_seconds(runs: list[dict]) -> dict:
 
 
 # gloo over the emulated link does not carry a collective's two directions at once as a2a_cost
-# assumes (full duplex, as NVLink and InfiniBand do): during one of the wire check's all-to-alls the
-# veth's tx counters alternate between its two ends (two-way TCP over tbf's deep FIFO: one
-# direction's ACKs queue behind the other's data), by a share that changes with layout and load
-# (measure_overlap reads 0.07-1.03 for an all-to-all of equal halves from one run to the next).
+# assumes (two-way TCP over tbf's deep FIFO: one direction's ACKs queue behind the other's data),
+# by a share that changes with layout and load (docs/history.md#vllm_smoetoolsbenchwire_modelpy).
 # So the model gives a bracket: ``seconds`` both directions at once (a2a_cost), ``transport_seconds``
 # with gloo's bytes and every collective's two directions one after the other (half duplex)
 HALF_DUPLEX = {"all_to_all": 1.0, "all_gather": 1.0, "reduce_scatter": 1.0}
