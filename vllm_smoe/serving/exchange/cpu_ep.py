@@ -1,42 +1,18 @@
 """vLLM's own expert parallelism on its CPU build, the communicator smoe puts under it, and
 the rotary embedding MLA needs there.
 
-Four gaps in vLLM 0.32's CPU build, all small (the README describes them for upstream):
+Four gaps in vLLM 0.32's CPU build, all small (the README describes them for upstream), each
+told in full where it is filled:
 
-1. ``CPUUnquantizedExperts.apply`` hands the *global* ``topk_ids`` to ``cpu_fused_moe`` together
-   with only this rank's expert weights: it ignores ``expert_map``, reads past the weights and
-   crashes (or computes garbage) as soon as ``--enable-expert-parallel`` splits the experts.
-   :func:`~.patches.cpu.fix_cpu_experts` maps the ids through ``expert_map`` and keeps only the local
-   (token, expert) pairs, so nothing is computed for experts another rank holds.
-2. ``CpuCommunicator`` has no ``all_gatherv`` / ``reduce_scatterv``, which the only all2all
-   manager it allows (``allgather_reducescatter``) calls whenever tokens are sequence parallel or
-   data parallel. :class:`SmoeCpuCommunicator` adds both, and runs the expert-parallel group on
-   vLLM's shared-memory transport (vLLM enables it only for groups named tp/pp).
+1. the CPU experts ignore ``expert_map`` (:func:`~.patches.cpu.fix_cpu_experts`, :func:`local_pairs`);
+2. ``CpuCommunicator`` lacks ``all_gatherv`` / ``reduce_scatterv`` (:class:`SmoeCpuCommunicator`);
+3. the CPU rope op rotates MLA's 3-D queries and keys wrongly (:func:`~.patches.cpu.fix_cpu_rope`);
+4. the logical -> physical expert map is the identity on CPU (:func:`~.patches.cpu.fix_cpu_eplb_map`).
 
-3. The CPU ``rotary_embedding`` op rotates ``[T, heads * dim]`` rows (strided ones too) but not
-   ``[T, heads, dim]`` ones: such a query it leaves as it is, such a strided key it rotates
-   wrongly. DeepSeek's MLA hands it exactly those (``q[..., qk_nope_head_dim:]`` and the ``k_pe``
-   slice of the latent projection), so MLA models whose rope is vLLM's plain
-   ``RotaryEmbedding`` (rope_type default; the yarn-scaled one of the released DeepSeek
-   checkpoints runs vLLM's pure-torch path on CPU) attend with wrong positions.
-   :func:`~.patches.cpu.fix_cpu_rope` passes 3-D queries and keys as contiguous ``[T, heads * dim]`` rows and
-   copies back.
-
-4. The routers' logical -> physical expert map (``eplb_map_to_physical_and_record``, what EPLB
-   and redundant expert slots rest on) is a Triton kernel on CUDA/ROCm/XPU and the identity
-   everywhere else, so on CPU a redundant copy is never used (and a rearranged layout would
-   compute the wrong experts). :func:`~.patches.cpu.fix_cpu_eplb_map` puts the same mapping in torch there:
-   the same replica choice (Knuth hash of the token index modulo the replica count) and the same
-   load recording.
-
-The replacements of vLLM's symbols (``fix_cpu_experts``, ``fix_cpu_rope``, ``fix_cpu_eplb_map``,
-the opaque MoE forward, the communicator class) are in :mod:`.patches.cpu`; this module holds
-what they install. With smoe asked for (``additional_config["smoe"]`` present) the CPU
-platform's communicator is :class:`SmoeCpuCommunicator`, and the worker that asks for it gets
-the experts fix. The all2all manager is smoe's sparse one (:mod:`.sparse_a2a`) when the config
-says so. The rope fix is decided per rotary module when the model is built, from the same
-settings.
-"""
+The replacements of vLLM's symbols are in :mod:`.patches.cpu`; this module holds what they
+install. With smoe asked for (``additional_config["smoe"]`` present) the CPU platform's
+communicator is :class:`SmoeCpuCommunicator` and the worker that asks for it gets the experts fix;
+the all2all manager is smoe's sparse one (:mod:`.sparse_a2a`) when the config says so."""
 
 from __future__ import annotations
 
@@ -133,7 +109,12 @@ def _counted(kind: str):
 
 class SmoeCpuCommunicator(CpuCommunicator):
     """vLLM's CpuCommunicator plus ``all_gatherv`` / ``reduce_scatterv``, shared memory for
-    the EP group, smoe's sparse all2all manager when asked for, and its collectives counted."""
+    the EP group, smoe's sparse all2all manager when asked for, and its collectives counted.
+
+    ``CpuCommunicator`` has no ``all_gatherv`` / ``reduce_scatterv``, which the only all2all
+    manager it allows (``allgather_reducescatter``) calls whenever tokens are sequence parallel or
+    data parallel. This class adds both, and runs the expert-parallel group on
+    vLLM's shared-memory transport (vLLM enables it only for groups named tp/pp)."""
 
     counts = None  # CollectiveCounts of this process (set once the group is up)
     group = ""  # vLLM's group name without its suffix: tp, ep, dp, ...

@@ -18,7 +18,13 @@ _FIXED = False
 
 
 def fix_cpu_experts() -> None:
-    """Make vLLM's unquantized CPU experts honour ``expert_map`` (idempotent)."""
+    """Make vLLM's unquantized CPU experts honour ``expert_map`` (idempotent).
+
+    ``CPUUnquantizedExperts.apply`` hands the *global* ``topk_ids`` to ``cpu_fused_moe`` together
+    with only this rank's expert weights: it ignores ``expert_map``, reads past the weights and
+    crashes (or computes garbage) as soon as ``--enable-expert-parallel`` splits the experts.
+    This patch maps the ids through ``expert_map`` and keeps only the local (token, expert) pairs
+    (:func:`~vllm_smoe.serving.exchange.cpu_ep.local_pairs`), so nothing is computed for experts another rank holds."""
     global _FIXED
     if _FIXED:
         return
@@ -48,7 +54,14 @@ _EPLB_MAP = False
 
 def fix_cpu_eplb_map() -> None:
     """Where vLLM's router maps logical to physical experts with the identity (no Triton
-    kernel for the platform), map with :func:`map_to_physical` (idempotent)."""
+    kernel for the platform), map with :func:`map_to_physical` (idempotent).
+
+    The routers' logical -> physical expert map (``eplb_map_to_physical_and_record``, what EPLB
+    and redundant expert slots rest on) is a Triton kernel on CUDA/ROCm/XPU and the identity
+    everywhere else, so on CPU a redundant copy is never used (and a rearranged layout would
+    compute the wrong experts). This patch puts the same mapping in torch there:
+    the same replica choice (Knuth hash of the token index modulo the replica count) and the same
+    load recording."""
     global _EPLB_MAP
     if _EPLB_MAP:
         return
@@ -72,7 +85,17 @@ def fix_cpu_rope() -> None:
     """Rotate MLA's 3-D queries and keys correctly on CPU (idempotent; must run before the
     model is built). Each ``RotaryEmbedding`` built under a vLLM config that asks for smoe hands
     vLLM's in-place op contiguous ``[T, heads * dim]`` rows and copies the result back; modules
-    built without smoe, and 2-D inputs, keep vLLM's behaviour."""
+    built without smoe, and 2-D inputs, keep vLLM's behaviour.
+
+    The CPU ``rotary_embedding`` op rotates ``[T, heads * dim]`` rows (strided ones too) but not
+    ``[T, heads, dim]`` ones: such a query it leaves as it is, such a strided key it rotates
+    wrongly. DeepSeek's MLA hands it exactly those (``q[..., qk_nope_head_dim:]`` and the ``k_pe``
+    slice of the latent projection), so MLA models whose rope is vLLM's plain
+    ``RotaryEmbedding`` (rope_type default; the yarn-scaled one of the released DeepSeek
+    checkpoints runs vLLM's pure-torch path on CPU) attend with wrong positions.
+    This patch passes 3-D queries and keys as contiguous ``[T, heads * dim]`` rows and copies back.
+
+    The fix is decided per rotary module when the model is built, from smoe's settings."""
     global _ROPE
     if _ROPE:
         return
