@@ -205,3 +205,27 @@ def test_the_controllers_counters_are_served_on_metrics_as_published(tmp_path):
                  "smoe:auto_build_cpu_seconds_total 2.0", 'smoe:auto_rejected_total{reason="margin"} 1.0',
                  'smoe:auto_rejected_total{reason="invalid"} 0.0'):
         assert line in text, line
+
+
+def test_too_little_recording_waits_one_hold_not_a_cool_down(tmp_path):
+    """A build refused for lack of recording (fewer than min_tokens since drift began) is tried
+    again one hold later in the same drift run, logged once; a margin rejection cools down."""
+    settings = AutoSettings(hold_s=2, cooldown_s=1e6)
+    ctl = AutoReplace(settings, now=0.0)
+    assert not ctl.observe(True, 0.0) and ctl.observe(True, 2.0)
+    ctl.too_early("100 tokens", 2.0)
+    assert ctl.drift_since == 0.0 and not ctl.observe(True, 3.0) and ctl.observe(True, 4.0)
+    ctl.too_early("200 tokens", 4.0)
+    assert ctl.counters["rejected"]["no_recording"] == 2 and ctl.last["decision"] == "waiting"
+    assert ctl.observe(True, 6.0)
+    ctl.rejected("margin", "no better", 6.0)
+    assert not ctl.observe(True, 100.0)  # cooling down
+
+
+def test_the_loop_retries_a_build_refused_for_lack_of_recording(tmp_path):
+    builds = [BuildError("no_recording", "100 tokens"), BuildError("no_recording", "900 tokens"),
+              {"served_lar": 0.5, "candidate_lar": 0.7}]
+    swaps = [{"placement": "c", "moved_slots": 1, "moved_bytes": 1, "seconds": 0.1}]
+    ctl, calls, _ = _loop(tmp_path, builds, swaps, ticks=8, settings=AutoSettings(hold_s=0, cooldown_s=1e6))
+    assert [k[0] for k in calls][:4] == ["build", "build", "build", "swap"]
+    assert ctl.counters["swaps"] == 1 and ctl.counters["rejected"]["no_recording"] == 2

@@ -44,13 +44,14 @@ class AutoReplace:
                          "swap_seconds": 0.0, "failures": 0,
                          "rejected": {r: 0 for r in REASONS}}
         self.last: dict | None = None  # the last decision, as logged
+        self.waiting = False  # this drift run's wait for a recording was logged
 
     def observe(self, drifted: bool | None, now: float) -> bool:
         """One interval's verdict (None: not judged, which breaks a run of drifted ones). True
         when drift has held for ``hold_s`` and the cool-down is over: build a candidate now."""
         self.counters["checks"] += 1
         if not drifted:
-            self.drift_since = None
+            self.drift_since, self.waiting = None, False
             return False
         self.counters["drifted_checks"] += 1
         if self.drift_since is None:
@@ -79,6 +80,16 @@ class AutoReplace:
         self.quiet_until = now + self.settings.cooldown_s
         self.drift_since = None
         self._say({"decision": "rejected", "reason": reason, "detail": detail})
+
+    def too_early(self, detail: str, now: float) -> None:
+        """Too little recorded since drift began to build from: counted as ``no_recording``; the
+        drift run goes on and the next try comes one ``hold_s`` later, not after a cool-down (the
+        recording grows with the traffic that drifted). Logged once per drift run."""
+        self.counters["rejected"]["no_recording"] += 1
+        self.quiet_until = now + max(self.settings.hold_s, 1.0)
+        if not self.waiting:
+            self._say({"decision": "waiting", "reason": "no_recording", "detail": detail})
+        self.waiting = True
 
     def swapped(self, answer: dict, now: float) -> None:
         self.counters["swaps"] += 1
@@ -159,7 +170,10 @@ async def run(ctl: AutoReplace, *, served_path, record_dir: str, metrics_dir: st
                 try:
                     got = await _off_loop(build, served_path(), record_dir, out, ctl.settings, since)
                 except BuildError as e:
-                    ctl.rejected(e.reason, str(e), clock())
+                    if e.reason == "no_recording":
+                        ctl.too_early(str(e), clock())
+                    else:
+                        ctl.rejected(e.reason, str(e), clock())
                 else:
                     ctl.built(got["seconds"], got.get("cpu_seconds", 0.0))
                     ok, why = ctl.judge(got["served_lar"], got["candidate_lar"])
