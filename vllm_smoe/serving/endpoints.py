@@ -4,28 +4,14 @@ vLLM loads endpoint plugins only when named in ``VLLM_PLUGINS`` (it treats new r
 attack surface), so: ``VLLM_PLUGINS=smoe vllm serve M --plugin smoe --smoe-placement P ...``
 (naming it there also allowlists smoe's general plugin, which has the same name).
 
-``POST /smoe/route`` with ``{"prompt": "text"}`` or ``{"prompt_token_ids": [...]}`` answers
-``{"rank": r | null, "scores": [...], "placement": path}``: the DP rank the prompt's tokens
-score best on under the server's placement (null = no preference), for a router in front of
-``--data-parallel-external-lb`` servers. Balance is the router's own. A text prompt is tokenized
-as it is (no chat template): send the token ids the server will see for chat requests.
-
-``POST /smoe/placement`` with ``{"placement": "<path>"}`` serves a new placement without a restart
-(:mod:`.live`): checked first (400 with the file and field named, the old placement stays),
-then weights, routers and tables swapped between two engine steps; the answer comes when every
-worker is done: ``{"placement", "previous", "moved_slots", "seconds"}``. ``GET /smoe/placement``
-answers the served one. The swap itself is :func:`.place.swap.swap` (one at a time; requests
-keep running; the file read once, here, from the served placement's directory and those
-``--smoe-placement-dirs`` adds; workers parse those bytes). A move that misses its deadline
-stops the server instead of hanging it, and a stopping server ends a swap that waits.
-
-``GET /health`` is vLLM's (the endpoint plugin's route override), and 503 while a swap's move
-is past its deadline or has failed (:meth:`.place.swap.LiveState.unhealthy`).
+Routes (each told in :class:`SmoeEndpoints`): ``POST /smoe/route`` (the DP rank a prompt's
+tokens score best on, for a router in front of ``--data-parallel-external-lb`` servers),
+``POST`` / ``GET /smoe/placement`` (serve a new placement without a restart; the served one),
+and vLLM's ``GET /health``, 503 while a swap's move is overdue or has failed.
 
 Every route honours vLLM's ``--api-key`` / ``VLLM_API_KEY`` exactly as ``/v1`` does (vLLM's own
 check, which guards only its prefixes): 401 without the key. Bodies are capped in size, and a
-text prompt is tokenized off the event loop and capped at the model's length.
-"""
+text prompt is tokenized off the event loop and capped at the model's length."""
 
 import asyncio
 import json
@@ -39,6 +25,26 @@ logger = logging.getLogger("vllm.smoe")
 
 
 class SmoeEndpoints:
+    """smoe's routes, attached to vLLM's FastAPI app (:meth:`attach_router`).
+
+    ``POST /smoe/route`` with ``{"prompt": "text"}`` or ``{"prompt_token_ids": [...]}`` answers
+    ``{"rank": r | null, "scores": [...], "placement": path}``: the DP rank the prompt's tokens
+    score best on under the server's placement (null = no preference), for a router in front of
+    ``--data-parallel-external-lb`` servers. Balance is the router's own. A text prompt is tokenized
+    as it is (no chat template): send the token ids the server will see for chat requests.
+
+    ``POST /smoe/placement`` with ``{"placement": "<path>"}`` serves a new placement without a restart
+    (:mod:`.live`): checked first (400 with the file and field named, the old placement stays),
+    then weights, routers and tables swapped between two engine steps; the answer comes when every
+    worker is done: ``{"placement", "previous", "moved_slots", "seconds"}``. ``GET /smoe/placement``
+    answers the served one. The swap itself is :func:`.place.swap.swap` (one at a time; requests
+    keep running; the file read once, here, from the served placement's directory and those
+    ``--smoe-placement-dirs`` adds; workers parse those bytes). A move that misses its deadline
+    stops the server instead of hanging it, and a stopping server ends a swap that waits.
+
+    ``GET /health`` is vLLM's (the endpoint plugin's route override), and 503 while a swap's move
+    is past its deadline or has failed (:meth:`.place.swap.LiveState.unhealthy`)."""
+
     name = "smoe"
     required_tasks = ("generate",)
     unhealthy_said = ""  # the last reason /health answered 503 for, logged once

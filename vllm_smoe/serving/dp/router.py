@@ -7,23 +7,11 @@ the placement) its prompt's tokens use most, as scored by the placement's token 
 
 vLLM's front end picks a DP engine per request in ``DPLBAsyncMPClient.get_core_engine_for_request``
 (its internal load balancer). With a placement that has tables and DP > 1, smoe wraps that
-method, in the front-end process only:
-
-- a request that names its rank (``data_parallel_rank``, the ``X-data-parallel-rank`` header),
-  or one vLLM routes by its own rule (late interaction, session affinity), is vLLM's;
-- otherwise the request's scores (:func:`vllm_smoe.placement.dp.request_affinity`) pick the
-  best engine among those two balance masks leave open (:func:`~vllm_smoe.placement.dp.balance_mask`):
-  the routed work (prompt + max new tokens) of the last ``WINDOW`` requests, or of as many as
-  the front end has in flight where that is more, exactly as ``smoe-place evaluate --mode dp
-  --in-flight`` simulates it, and vLLM's own count of waiting requests per
-  engine (one request of slack), so no engine gets more than its share of queued work;
-- when no open engine scores strictly best (an unseen prompt, a tie, everything masked), vLLM's
-  balancer chooses as it would without smoe.
+method, in the front-end process only; the choice and its balance masks: :func:`_choose`.
 
 Nothing here touches a tensor or an engine: the choice is host-side numpy on the prompt's ids,
 made once per request before it is sent, and greedy outputs do not depend on it (each engine
-computes the same tokens for a request; only which ranks' experts are local changes).
-"""
+computes the same tokens for a request; only which ranks' experts are local changes)."""
 
 from __future__ import annotations
 
@@ -181,7 +169,18 @@ def _attach(client):
 
 
 def _choose(orig, client, request):
-    """vLLM's ``get_core_engine_for_request`` (``orig``) with smoe's choice of the engine."""
+    """vLLM's ``get_core_engine_for_request`` (``orig``) with smoe's choice of the engine.
+
+    - a request that names its rank (``data_parallel_rank``, the ``X-data-parallel-rank`` header),
+      or one vLLM routes by its own rule (late interaction, session affinity), is vLLM's;
+    - otherwise the request's scores (:func:`vllm_smoe.placement.dp.request_affinity`) pick the
+      best engine among those two balance masks leave open (:func:`~vllm_smoe.placement.dp.balance_mask`):
+      the routed work (prompt + max new tokens) of the last ``WINDOW`` requests, or of as many as
+      the front end has in flight where that is more, exactly as ``smoe-place evaluate --mode dp
+      --in-flight`` simulates it, and vLLM's own count of waiting requests per
+      engine (one request of slack), so no engine gets more than its share of queued work;
+    - when no open engine scores strictly best (an unseen prompt, a tie, everything masked), vLLM's
+      balancer chooses as it would without smoe."""
     router = client.__dict__.get("_smoe_router", False)
     if router is False:  # a client built before the wrapper was installed
         router = _attach(client)

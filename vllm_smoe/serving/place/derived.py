@@ -1,35 +1,18 @@
-"""Tensors vLLM derives from a router's rows, found by a rule, so that a live swap (:mod:`.live`)
-reorders them with the router or refuses, naming them.
+"""Tensors vLLM derives from a router's rows, found by a rule (:func:`derived_tensors`), so that a
+live swap (:mod:`.live`) reorders them with the router or refuses, naming them.
 
 A load is not at risk: vLLM derives them from the rows smoe's loader already put in router
 order. A live swap reorders the router's parameters in place later, and a copy made before keeps
 the old order (a silent change of routing). vLLM 0.32 makes two:
 
-- ``MoERunner._combined_gate_weight`` (layers/fused_moe/runner/moe_runner.py:353, built at the
-  first forward, :908): ``cat([gate.weight, shared_expert_gate.weight])``, [E + 1, hidden], in a
-  FusedMoE given both gates: Qwen3-Next with AITER's fused shared expert, or with none
-  (models/qwen3_next.py:242);
+- ``MoERunner._combined_gate_weight`` (layers/fused_moe/runner/moe_runner.py:353, built at the first
+  forward, :908): ``cat([gate.weight, shared_expert_gate.weight])``, [E + 1, hidden], in a FusedMoE
+  given both gates: Qwen3-Next with AITER's fused shared expert, or with none (models/qwen3_next.py:242);
 - ``GateLinear._bf16x3_weight`` (layers/fused_moe/router/gate_linear.py:330): an fp32 gate split
   into three bf16 terms, [3, E, hidden], on ROCm gfx950 (MiniMax-M2, HunYuan-V3).
 
-DeepSeek's score bias is shared by reference (models/deepseek_v2.py:390, the routers'
-``e_score_correction_bias``), so reordering the parameter in place reorders it everywhere.
-
-The rule (:func:`derived_tensors`). Scope: the tensors (parameters, buffers, plain attributes)
-held directly by an MoE block, its FusedMoE, the FusedMoE's router object and each module that
-holds a router parameter; not their submodules': routed experts are indexed by physical slot,
-which a swap keeps (it moves their weights), and shared experts are not routed, while their
-extents can equal E by chance (Qwen3-Next's shared ``down_proj`` is [2048, 512], with 512
-experts). Each tensor there, other than a router parameter, an expert weight or a tensor sharing
-storage with one, is
-- *derived* when along some dimension its first E entries hold the router's rows (a router
-  parameter, as [E, -1], cast to the tensor's dtype: each entry, flattened, holds its row as one
-  aligned block): those E entries are permuted with the router;
-- refused, by attribute path, when an extent is E (logical experts) or the physical slot count;
-- else left alone (not indexed by expert).
-Not seen: tensors only a closure holds (vLLM's CPU build packs gates so; :func:`.live._repack`
-rebuilds them) or kept in containers, and copies held outside the MoE block.
-"""
+DeepSeek's score bias (the routers' ``e_score_correction_bias``, models/deepseek_v2.py:390) is
+shared by reference, so reordering the parameter in place reorders it everywhere."""
 
 from __future__ import annotations
 
@@ -76,8 +59,23 @@ def _holds_rows(t: torch.Tensor, dim: int, rows: torch.Tensor) -> bool:
 
 def derived_tensors(holders: list[tuple[str, object]], references: list[torch.Tensor], skip: list[torch.Tensor],
                     num_experts: int, num_slots: int) -> list[Derived]:
-    """The derived tensors of one MoE layer under the rule of the module docstring; ValueError
-    naming the first tensor with an expert-count extent that is not derived.
+    """The derived tensors of one MoE layer under the rule below; ValueError naming the first
+    tensor with an expert-count extent that is not derived.
+
+    The rule. Scope: the tensors (parameters, buffers, plain attributes)
+    held directly by an MoE block, its FusedMoE, the FusedMoE's router object and each module that
+    holds a router parameter; not their submodules': routed experts are indexed by physical slot,
+    which a swap keeps (it moves their weights), and shared experts are not routed, while their
+    extents can equal E by chance (Qwen3-Next's shared ``down_proj`` is [2048, 512], with 512
+    experts). Each tensor there, other than a router parameter, an expert weight or a tensor sharing
+    storage with one, is
+    - *derived* when along some dimension its first E entries hold the router's rows (a router
+      parameter, as [E, -1], cast to the tensor's dtype: each entry, flattened, holds its row as one
+      aligned block): those E entries are permuted with the router;
+    - refused, by attribute path, when an extent is E (logical experts) or the physical slot count;
+    - else left alone (not indexed by expert).
+    Not seen: tensors only a closure holds (vLLM's CPU build packs gates so; :func:`.live._repack`
+    rebuilds them) or kept in containers, and copies held outside the MoE block.
 
     holders: (path, module or object) whose own tensors are in scope; references: the router's
     parameters in their current order, [E, ...]; skip: the router parameters and expert weights

@@ -1,21 +1,18 @@
 """Each rank reads only the expert tensors its placement gives it, and says how much it read.
 
 vLLM's expert-parallel weight filter (``--enable-ep-weight-filter``) skips a per-expert tensor
-before reading it when its checkpoint expert id is not in the loader's ``local_expert_ids``: one
-set for every layer, vLLM's linear split (``model_loader/default_loader.py:
+before reading it when its checkpoint expert id is not in the loader's ``local_expert_ids``: one set
+for every layer, vLLM's linear split (``model_loader/default_loader.py:
 DefaultModelLoader._init_ep_weight_filter``, ``ep_weight_filter.py: should_skip_weight``). A
 placement gives a rank other experts in each layer, and copies, so smoe hands the filter a
 :class:`PlacedExperts` instead: per MoE layer, the ids its slots hold. vLLM's ``should_skip_weight``
-gets the id alone, not the layer; smoe's replacement of it (``patches/model_loader.py``) asks the
-set with the whole name. Per-expert tensors of a layer the placement does not cover (DeepSeek-V3's
+gets the id alone; smoe's replacement (``patches/model_loader.py``) asks the set with the whole name. Per-expert tensors of a layer the placement does not cover (DeepSeek-V3's
 MTP layer in the target's checkpoint) are tested against vLLM's own set, so smoe never reads more
-than vLLM would. Where that replacement is not in force, vLLM tests the id against the set itself,
-the union over layers: the rank reads more, never less, and its read line says so.
+than vLLM would.
 
 vLLM reads the set by attribute name, which no signature check covers: after the read
 :meth:`ReadTally.check_slots` refuses a rank any of whose (MoE layer, slot) pairs lacks its
-expert's tensors. No torch here, and vLLM only for its linear split.
-"""
+expert's tensors. No torch here, and vLLM only for its linear split."""
 
 from __future__ import annotations
 
@@ -29,7 +26,8 @@ class PlacedExperts(frozenset):
     """A rank's expert ids per MoE layer (``per_layer[i]`` for decoder layer ``moe_layers[i]``), and
     ``unplaced``: the ids it reads of a per-expert tensor outside them (vLLM's own set; None: all);
     as a set, their union. ``in_force``: smoe's per-layer test replaced vLLM's (else vLLM tests
-    the union)."""
+    the id against the set itself, the union over layers: the rank reads more, never less, and
+    its read line says so)."""
 
     per_layer: tuple[frozenset[int], ...]
     moe_layers: tuple[int, ...]

@@ -1,29 +1,16 @@
 """Live re-placement: serve a new placement YAML without a restart.
 
 ``POST /smoe/placement`` (:mod:`.endpoints`) reaches every worker through vLLM's
-``collective_rpc``, which the engine core runs between two steps, in two calls:
-
-1. ``smoe_prepare_placement(path, yaml, tables, digest)``: the API server read the placement
-   and its tables file once (:class:`~vllm_smoe.formats.placement_file.Snapshot`) and sends those bytes;
-   each worker parses them (never the path, which may have changed since) and checks them as the
-   server checked its first placement at start (:func:`.capability.check_served_placement`), and
-   that they fit what was allocated at load (the same physical expert slots; table shapes that
-   captured CUDA graphs read). Nothing changes; any refusal on any worker stops the swap here,
-   on every worker, so all ranks move or none does.
-2. ``smoe_apply_placement(digest)``: every worker moves its expert weights to the new slots in
-   place (vLLM's EPLB transfer, ``rearrange_expert_weights_inplace``, over the expert-parallel
-   group; a local permutation where every rank holds every expert), reorders its routers' rows
-   the way the loader does, and the copies vLLM made of them after load (:mod:`.derived`; step 1
-   refuses a tensor beside a router with an expert-count extent that is no such copy), copies
-   and updates the worker's :class:`~..location.DeviceLocation` in place: its slot map, held
-   experts, tables and the logical -> physical routes the routers' EPLB state holds, which the
-   token order, the routers and the recorder read.
+``collective_rpc``, which the engine core runs between two steps, in two calls: *prepare*
+(every worker parses and checks the bytes the API server read; any refusal on any worker stops
+the swap on every worker, so all ranks move or none does) and *apply* (expert weights moved to
+the new slots in place, routers and the tables vLLM derived from them reordered, the worker's
+device location updated): :class:`SmoeWorkerExtension`.
 
 Row i of a router then scores expert slot2expert[i] of the new placement, and physical slot p
 holds expert physical2expert[p]: the served model is the same function before and after, so
 greedy tokens do not change. A step never sees half a swap: the worker runs the call between
-two of its steps, and every tensor a step reads keeps its address (captured graphs stay valid).
-"""
+two of its steps, and every tensor a step reads keeps its address (captured graphs stay valid)."""
 
 from __future__ import annotations
 
@@ -291,7 +278,23 @@ def apply_swap(state: WorkerState, swap: Swap) -> dict:
 
 class SmoeWorkerExtension:
     """Mixed into vLLM's worker class (``parallel_config.worker_extension_cls``, set by smoe's
-    plugin): the methods ``collective_rpc`` calls by name."""
+    plugin): the methods ``collective_rpc`` calls by name, in two calls:
+
+    1. ``smoe_prepare_placement(path, yaml, tables, digest)``: the API server read the placement
+       and its tables file once (:class:`~vllm_smoe.formats.placement_file.Snapshot`) and sends those bytes;
+       each worker parses them (never the path, which may have changed since) and checks them as the
+       server checked its first placement at start (:func:`.capability.check_served_placement`), and
+       that they fit what was allocated at load (the same physical expert slots; table shapes that
+       captured CUDA graphs read). Nothing changes; any refusal on any worker stops the swap here,
+       on every worker, so all ranks move or none does.
+    2. ``smoe_apply_placement(digest)``: every worker moves its expert weights to the new slots in
+       place (vLLM's EPLB transfer, ``rearrange_expert_weights_inplace``, over the expert-parallel
+       group; a local permutation where every rank holds every expert), reorders its routers' rows
+       the way the loader does, and the copies vLLM made of them after load (:mod:`.derived`; step 1
+       refuses a tensor beside a router with an expert-count extent that is no such copy), copies
+       and updates the worker's :class:`~..location.DeviceLocation` in place: its slot map, held
+       experts, tables and the logical -> physical routes the routers' EPLB state holds, which the
+       token order, the routers and the recorder read."""
 
     def smoe_placement(self) -> str | None:
         w = worker()

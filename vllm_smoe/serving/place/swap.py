@@ -3,23 +3,11 @@ to serving on every worker, or refuses it with a :class:`SwapError` (an HTTP sta
 detail). ``POST /smoe/placement`` answers with it; anything else in the API server that
 re-places (a controller) calls it too, so every swap passes the same checks, lock and deadline.
 
-Order, and why:
-
-1. The file is resolved and read once, only from the allowed directories, bounded by what a
-   placement of the served model can need, and checked exactly as a start would, all off the
-   swap lock and under a time limit: a big, slow or hostile file delays no other swap.
-2. Under the lock (one swap at a time), two ``collective_rpc`` calls that vLLM's engine core runs
-   between steps (:class:`~.live.SmoeWorkerExtension`): *prepare* (every worker parses the bytes
-   read here, never the path, and allocates; any refusal stops here, nothing changed) and
-   *apply* (the move, under :func:`apply_deadline`).
-3. Every wait on the engine also watches whether the server is stopping: vLLM's shutdown (a
-   SIGINT / SIGTERM) stops the engine client first, then waits for open requests, so a swap
-   whose engine is gone answers at once (503) instead of holding the server up forever.
+The steps, in order and why: :func:`swap`.
 
 A move that fails or misses its deadline leaves the weights in an unknown state: the server
 stops (:func:`_stop_server`) rather than answer from a half-moved model, and /health answers
-503 from the moment the move is overdue (:meth:`LiveState.unhealthy`).
-"""
+503 from the moment the move is overdue (:meth:`LiveState.unhealthy`)."""
 
 from __future__ import annotations
 
@@ -97,11 +85,24 @@ class LiveState:
 
 
 async def swap(live: LiveState, path: str, extra_dirs: tuple[str, ...] = ()) -> dict:
-    """Serve the placement at ``path`` on every worker, all or none (module docstring). Files
+    """Serve the placement at ``path`` on every worker, all or none (the steps below). Files
     are taken from ``live.cfg.placement_dirs`` and ``extra_dirs`` (a caller's own, e.g. where a
     controller writes candidates). Returns ``{"placement", "previous", "moved_slots",
     "moved_bytes", "seconds", "worker_seconds"}``; raises :class:`SwapError`. Shielded: a caller
-    cancelled meanwhile (a client gone) does not cut a swap short; it ends and is recorded."""
+    cancelled meanwhile (a client gone) does not cut a swap short; it ends and is recorded.
+
+    Order, and why:
+
+    1. The file is resolved and read once, only from the allowed directories, bounded by what a
+       placement of the served model can need, and checked exactly as a start would, all off the
+       swap lock and under a time limit: a big, slow or hostile file delays no other swap.
+    2. Under the lock (one swap at a time), two ``collective_rpc`` calls that vLLM's engine core runs
+       between steps (:class:`~.live.SmoeWorkerExtension`): *prepare* (every worker parses the bytes
+       read here, never the path, and allocates; any refusal stops here, nothing changed) and
+       *apply* (the move, under :func:`apply_deadline`).
+    3. Every wait on the engine also watches whether the server is stopping: vLLM's shutdown (a
+       SIGINT / SIGTERM) stops the engine client first, then waits for open requests, so a swap
+       whose engine is gone answers at once (503) instead of holding the server up forever."""
     task = asyncio.ensure_future(_swap(live, os.path.abspath(path), tuple(extra_dirs)))
     task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved if nobody awaits it
     return await asyncio.shield(task)
