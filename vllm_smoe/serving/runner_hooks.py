@@ -4,23 +4,14 @@ vLLM 0.32 has two model runners: V1 (``vllm.v1.worker.gpu_model_runner.GPUModelR
 the CPU wheel builds: it has no Triton) and Model Runner V2 (``vllm.v1.worker.gpu.model_runner``,
 the default on CUDA; not a V1 subclass). Their CPU runners subclass them. smoe wraps
 ``execute_model`` of both base classes once (:mod:`.patches.runners`, listed in
-:data:`.patches.PATCHES`) and runs its hooks there, on the host, outside any CUDA graph:
-
-- ``before(runner, scheduler_output)``: a served step is about to run its forward (device-side
-  state for it is written here: a graph replay reads it, a Python hook inside the forward would
-  have been frozen at capture);
-- ``after(runner, scheduler_output, step)``: it ran; ``step`` is a :class:`Step` view of its
-  batch, or None when the runner built none (nothing scheduled, a non-last pipeline rank).
+:data:`.patches.PATCHES`) and runs its hooks there, on the host, outside any CUDA graph
+(the hooks: :func:`attach`).
 
 Warm-up, profiling and graph capture never reach the hooks: V1 runs them through
-``_dummy_run`` (not ``execute_model``), V2 passes ``dummy_run=True``, which the wrapper skips,
-and V2's kernel warm-up, which sends made-up requests through ``execute_model``, runs inside the
-worker's ``compile_or_warm_up_model``: the hooks start only once that has returned (the same
-wrapper on vLLM's GPU and CPU workers).
-
-Upstream: vLLM has no per-step plugin hook on its model runners; this wrapper goes away once one
-exists. Checked at start: both classes must have ``execute_model`` (else smoe refuses).
-"""
+``_dummy_run``, V2 passes ``dummy_run=True``, which the wrapper skips, and V2's kernel warm-up
+runs inside the worker's ``compile_or_warm_up_model``: the hooks start only once that has
+returned. Upstream: vLLM has no per-step plugin hook on its model runners; this wrapper goes away
+once one exists. Checked at start: both classes must have ``execute_model`` (else smoe refuses)."""
 
 from __future__ import annotations
 
@@ -119,7 +110,11 @@ def activity() -> tuple[int, float, bool]:
 
 
 def _served(orig, runner, scheduler_output, *args, **kwargs):
-    """One ``execute_model`` of a runner: smoe's hooks around it when it is a served step."""
+    """One ``execute_model`` of a runner: smoe's hooks around it when it is a served step.
+
+    V1's warm-up never calls ``execute_model`` (it runs ``_dummy_run``); V2's kernel warm-up sends
+    made-up requests through it inside the worker's ``compile_or_warm_up_model``, so steps count as
+    served only once that has returned (the same wrapper on vLLM's GPU and CPU workers)."""
     if kwargs.get("dummy_run") or not _SERVING[0]:
         return orig(runner, scheduler_output, *args, **kwargs)
     _ACTIVITY[2] = True
@@ -148,7 +143,13 @@ def _path(cls: type) -> str:
 
 def attach(before: Callable | None = None, after: Callable | None = None) -> None:
     """Run ``before``/``after`` around every served step of either runner (idempotent per
-    callable). Raises RuntimeError naming the class when vLLM's runners changed shape."""
+    callable). Raises RuntimeError naming the class when vLLM's runners changed shape.
+
+    - ``before(runner, scheduler_output)``: a served step is about to run its forward (device-side
+      state for it is written here: a graph replay reads it, a Python hook inside the forward would
+      have been frozen at capture);
+    - ``after(runner, scheduler_output, step)``: it ran; ``step`` is a :class:`Step` view of its
+      batch, or None when the runner built none (nothing scheduled, a non-last pipeline rank)."""
     for path in (V1, V2):
         try:
             cls = _load(path)

@@ -1,20 +1,18 @@
 """Collectives a worker's communicators issue per served step, counted (CPU build).
 
 Why: at decode batch sizes every collective waits on the link's latency, so how many a MoE layer
-makes decides more than its bytes (issue 28: "the collectives per MoE layer, counted"). smoe's CPU
-communicator (:class:`~.cpu_ep.SmoeCpuCommunicator`, every group of a worker with smoe's settings)
-and its sparse exchange's point-to-point all-to-alls count here, by group and kind, only inside a
-served step (between the runner hooks' before and after: no profile run, no warm-up, no DP dummy
-batch). A call counts once at its outermost communicator method (a shared-memory reduce-scatter is
-an all-reduce plus a slice underneath; it counts as one reduce_scatter).
+makes decides more than its bytes. smoe's CPU communicator (:class:`~.cpu_ep.SmoeCpuCommunicator`,
+every group of a worker with smoe's settings) and its sparse exchange's point-to-point all-to-alls
+count here, by group and kind, only inside a served step (between the runner hooks' before and
+after: no profile run, no warm-up, no DP dummy batch), each call once (:class:`CollectiveCounts`).
 
-Not counted: what vLLM issues on a group's CPU process group directly instead of its
-communicator (under DP, the batch-size all-reduce of each step, once per step and not per
-layer). On CUDA the communicators are vLLM's own and nothing is counted.
+Not counted: what vLLM issues on a group's CPU process group directly instead of its communicator
+(under DP, the batch-size all-reduce of each step, once per step and not per layer). On CUDA the
+communicators are vLLM's own and nothing is counted.
 
 One :class:`CollectiveCounts` per process (:func:`counts`); it publishes a snapshot (source
 ``collectives``) into the metrics directory once per log interval, from the step's after hook.
-"""
+History: docs/history.md#vllm_smoeservingexchangecollectivespy."""
 
 from __future__ import annotations
 
@@ -34,7 +32,9 @@ def group_of(unique_name: str) -> str:
 
 
 class CollectiveCounts:
-    """Counts since start: ``by[(group, kind)]`` collectives in ``steps`` served steps."""
+    """Counts since start: ``by[(group, kind)]`` collectives in ``steps`` served steps. A call
+    counts once at its outermost communicator method (a shared-memory reduce-scatter is an
+    all-reduce plus a slice underneath; it counts as one reduce_scatter)."""
 
     def __init__(self, rank: int, log_interval: float, metrics_dir: str | None):
         self.rank = rank  # the worker's global rank (its snapshot's name)

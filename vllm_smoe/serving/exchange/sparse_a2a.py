@@ -11,16 +11,7 @@ prepare/finalize and fused experts run unchanged: ``dispatch`` returns this rank
 followed by the rows it received, the experts compute whatever of them is local (``expert_map``),
 and ``combine`` returns each received row's partial sum to its source and adds it in.
 
-Transport: each rank packs its outgoing rows once (a destination bit mask per row), and the
-group's ``all_gather`` carries them (vLLM's shared-memory transport on one CPU node); a receiver
-keeps the rows whose mask names it. The byte counters count what a point-to-point transport
-carries: one row per (token, remote rank) pair. Both gathers have static sizes; the receiving
-side selects its rows with ``nonzero`` (CPU tensors here); see the README for GPUs. Across nodes
-(gloo) rows go point to point (``all_to_all_single``), each pair once to its rank; a small step's
-rows travel in fixed slots per peer with their sizes in the same message (two all-to-alls a
-layer), a large one's after a round trip for the sizes (three), and the counters then count
-what that transport carries, its slots' padding included.
-"""
+Transports and what the byte counters count: :class:`SparseExchange`."""
 
 from __future__ import annotations
 
@@ -95,6 +86,16 @@ def destinations(topk_ids: torch.Tensor, owner: torch.Tensor, rank: int, world_s
 class SparseExchange:
     """The sparse dispatch/combine of one expert-parallel group, over any row all-gather.
 
+    Transport: each rank packs its outgoing rows once (a destination bit mask per row), and the
+    group's ``all_gather`` carries them (vLLM's shared-memory transport on one CPU node); a receiver
+    keeps the rows whose mask names it. The byte counters count what a point-to-point transport
+    carries: one row per (token, remote rank) pair. Both gathers have static sizes; the receiving
+    side selects its rows with ``nonzero`` (CPU tensors here); see the README for GPUs. Across nodes
+    (gloo) rows go point to point (``all_to_all_single``), each pair once to its rank; a small step's
+    rows travel in fixed slots per peer with their sizes in the same message (two all-to-alls a
+    layer), a large one's after a round trip for the sizes (three), and the counters then count
+    what that transport carries, its slots' padding included.
+
     rank, world_size: this rank in the group; owner: [E] int64 rank of each physical expert;
     gather: ``x [n, ...] -> [world_size * n, ...]`` (the same n on every rank) and reduce_scatter:
     ``x [world_size * n, ...] -> [n, ...]`` summed over ranks, the transport. Two collectives per
@@ -109,7 +110,7 @@ class SparseExchange:
     collective and a host read; worth it where bytes cost time, e.g. over a network).
     all_to_all: ``(out, inp, out_splits, in_splits) -> None`` as ``all_to_all_single`` (splits
     lists of rows per rank, or None for equal splits): when given, the point-to-point transport
-    replaces the gather and reduce-scatter (see the module docstring). Its rows' sizes travel
+    replaces the gather and reduce-scatter (see Transport above). Its rows' sizes travel
     without a round trip of their own where a step is small: when ``m`` rows per peer take at
     most ``pad_bytes``, each peer gets exactly ``m`` row slots with a flag word marking the rows
     that are real (two all-to-alls per layer, the padding counted in ``stats``); larger steps

@@ -4,22 +4,14 @@ Workers keep their counters on the device and read them back once per log interv
 step); each then publishes a snapshot, a small JSON file per worker and source, into the
 server's metrics directory (written atomically: a reader sees the old snapshot or the new one).
 The API server process registers :class:`SmoeCollector` on prometheus_client's default
-registry, which vLLM's ``/metrics`` serves; it reads the snapshots at scrape time. Nothing here
-runs on a step's path.
+registry, which vLLM's ``/metrics`` serves; it reads the snapshots at scrape time (their sources:
+:class:`SmoeCollector`; with several API servers, vLLM's default under DP, the registry is
+another: :func:`multiprocess_registry`). Nothing here runs on a step's path.
 
 The directory: ``metrics_dir`` when the settings give one, else a fresh temporary directory the
 API server process makes and hands to the engine and worker processes it starts through the
 environment (``SMOE_METRICS_DIR``, as vLLM hands over ``PROMETHEUS_MULTIPROC_DIR``): kept out of
-``additional_config``, whose hash keys vLLM's compile caches.
-
-Sources: ``order`` (speculate's token order: per MoE layer, the rows each rank served),
-``a2a`` (smoe's sparse all2all: the rows that crossed, whatever orders the tokens),
-``record`` (the recorder: tokens written and tokens lost, by reason) and ``collectives``
-(:mod:`.collectives`: each worker's collectives by group and kind, and its served steps).
-With several API servers (vLLM's default under DP) vLLM serves ``/metrics`` from a multiprocess registry of its own in
-each API server process, not the default one: :func:`multiprocess_registry` builds a registry
-of the same kind with smoe's collector, which smoe's endpoint plugin serves on ``/metrics``.
-"""
+``additional_config``, whose hash keys vLLM's compile caches."""
 
 from __future__ import annotations
 
@@ -321,7 +313,12 @@ def _auto_families(snapshots: list[dict]):
 
 
 class SmoeCollector:
-    """A prometheus_client collector over one metrics directory (None: not known yet)."""
+    """A prometheus_client collector over one metrics directory (None: not known yet).
+
+    Sources: ``order`` (speculate's token order: per MoE layer, the rows each rank served),
+    ``a2a`` (smoe's sparse all2all: the rows that crossed, whatever orders the tokens),
+    ``record`` (the recorder: tokens written and tokens lost, by reason) and ``collectives``
+    (:mod:`.collectives`: each worker's collectives by group and kind, and its served steps)."""
 
     def __init__(self, directory: str | None):
         self.directory = directory

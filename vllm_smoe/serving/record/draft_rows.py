@@ -7,15 +7,10 @@ become part of the sequence: a later step runs other tokens at their positions. 
 each (request, position) once, the token that was kept, so a draft's row is held back until its
 request's next step shows which were kept: the next step starts at the first position not kept
 (vLLM's scheduler rewinds ``num_computed_tokens`` past rejected drafts), so held rows before that
-position are written and the rest are dropped as rejected. Only the request's very next step can
-judge them: where that step was not written (unrecordable, the writer behind, a layer that wrote
-no rows for it), a later step starts past tokens kept since, so the held rows are left out and
-counted instead. The drafts of a request's last step are never confirmed either (the worker never
-learns how many were kept) and are left out: at most k rows per request, counted. Runs on the
-recorder's writer thread; host arrays only. Where a speculative config is set but the scheduler
-output has no ``scheduled_spec_decode_tokens`` (a vLLM that renamed it) no row is known to be a
-draft, so the recorder writes none of those steps (:func:`draft_counts` returns None).
-"""
+position are written and the rest are dropped as rejected. Rows no step can judge are left out
+and counted (:class:`DraftRows`); a vLLM whose scheduler output names no drafts gets none of its
+speculating steps written (:func:`draft_counts`). Runs on the recorder's writer thread; host
+arrays only."""
 
 from __future__ import annotations
 
@@ -27,7 +22,8 @@ import numpy as np
 def draft_counts(scheduler_output, req_ids: list[str], speculative: bool) -> np.ndarray | None:
     """[R] int64: how many of each request's rows in this step are draft tokens. None where
     ``speculative`` (a speculative config is set) but the scheduler output lacks
-    ``scheduled_spec_decode_tokens``: which rows are drafts is unknown (never taken as none)."""
+    ``scheduled_spec_decode_tokens`` (a vLLM that renamed it): which rows are drafts is unknown
+    (never taken as none), so the recorder writes none of those steps."""
     spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
     if spec is None:
         if speculative:
@@ -54,7 +50,13 @@ class DraftRows:
     requests that finished before it); the writer thread settles the written steps in order. A
     noted step the writer never settled was dropped (unrecordable, the queue full, a layer without
     its rows, a failed write): its finished requests are passed on to the next, and the drafts
-    held for its requests are left out and counted, never judged by a later step."""
+    held for its requests are left out and counted, never judged by a later step.
+
+    Only the request's very next step can judge them: where that step was not written
+    (unrecordable, the writer behind, a layer that wrote no rows for it), a later step starts past
+    tokens kept since, so the held rows are left out and counted instead. The drafts of a request's
+    last step are never confirmed either (the worker never learns how many were kept) and are left
+    out: at most k rows per request, counted."""
 
     def __init__(self):
         self.held: dict[int, dict[str, np.ndarray]] = {}

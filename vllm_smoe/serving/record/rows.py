@@ -1,19 +1,7 @@
 """Recording: this data-parallel rank's rows of each MoE layer's router output, in the step's
 order, whatever layout vLLM ran the layer in, written into the recorder's step buffer.
 
-What a router's capture sees depends on where vLLM splits or gathers the rows (vLLM's own
-``RoutedExpertsCapturer.capture``, ``fused_moe/routed_experts_capturer.py``, tells them apart the
-same way, by the row count against the forward context's DP metadata):
-
-- ``local``: this rank's step (no DP metadata; or a modular kernel, which gathers inside the
-  experts' call, after routing);
-- ``dp-slice``: every DP rank's step, concatenated (naive dispatch, ``MoERunner._maybe_dispatch``
-  over the DP group): this rank's span, by the ranks' row counts;
-- ``sp-gathered``: every rank's sequence-parallel chunk, DP-major then TP (naive dispatch under
-  sequence parallelism, gathered over the EP group by ``dp_metadata.local_sizes``): this DP
-  rank's chunks, which laid end to end are its step plus the chunk padding;
-- ``sp-chunk``: this TP rank's chunk only (a modular kernel under sequence parallelism, vLLM's
-  ``sequence_parallel_chunk``): the TP group's chunks all-gathered, padding cut.
+The layouts a router's capture can see, and how each is told apart: :func:`locate`.
 
 Speculate's token order has its own chunks (``TokenOrder.gather_rows``). A count that fits no
 layout, a micro-batched step (DBO: each micro-batch routes part of the step, at an offset its
@@ -21,8 +9,7 @@ forward context does not carry) and more rows than the buffer holds never raise 
 forward: the rows are not written, the layer's ``written`` count stays 0, and the recorder drops
 the step whole and counts it (:meth:`StepRows.complete`). Nothing reads back from the device:
 ``written`` is set on the device and copied off with the rows after the step (capturable: a
-replayed graph writes the counts it was captured with).
-"""
+replayed graph writes the counts it was captured with)."""
 
 from __future__ import annotations
 
@@ -47,7 +34,21 @@ def locate(n: int, across_dp: Sequence[int] | None, local_sizes: Sequence[int] |
     rank's step (``dp_metadata.num_tokens_across_dp_cpu``, None without DP metadata);
     local_sizes: the all-gather-v sizes vLLM set for the layer (None outside the MoE runner's
     sequence-parallel context). None: no layout has ``n`` rows. Where two layouts have the same
-    count they select the same rows (a DP rank of 0 or 1 rows, or chunks without padding)."""
+    count they select the same rows (a DP rank of 0 or 1 rows, or chunks without padding).
+
+    What a router's capture sees depends on where vLLM splits or gathers the rows (vLLM's own
+    ``RoutedExpertsCapturer.capture``, ``fused_moe/routed_experts_capturer.py``, tells them apart the
+    same way, by the row count against the forward context's DP metadata):
+
+    - ``local``: this rank's step (no DP metadata; or a modular kernel, which gathers inside the
+      experts' call, after routing);
+    - ``dp-slice``: every DP rank's step, concatenated (naive dispatch, ``MoERunner._maybe_dispatch``
+      over the DP group): this rank's span, by the ranks' row counts;
+    - ``sp-gathered``: every rank's sequence-parallel chunk, DP-major then TP (naive dispatch under
+      sequence parallelism, gathered over the EP group by ``dp_metadata.local_sizes``): this DP
+      rank's chunks, which laid end to end are its step plus the chunk padding;
+    - ``sp-chunk``: this TP rank's chunk only (a modular kernel under sequence parallelism, vLLM's
+      ``sequence_parallel_chunk``): the TP group's chunks all-gathered, padding cut."""
     if across_dp is None:
         return Layout("local", 0, n, False)
     local, total = across_dp[dp_rank], sum(across_dp)
