@@ -1,4 +1,5 @@
-"""The vLLM side of smoe: everything that runs inside vLLM's processes, grouped by what runs.
+"""The vLLM side of smoe: everything that runs inside vLLM's processes, grouped by what runs (the
+formats, :mod:`vllm_smoe.formats`, and the offline tools, ``smoe-place`` / ``-bench`` / ``-testbed``, need no vLLM).
 
 Core: ``plugin`` (the ``vllm.general_plugins`` entry point: flags, settings, checks before
 serving), ``config`` (smoe's one frozen settings object, from ``additional_config``), ``served``
@@ -11,8 +12,4 @@ routes), ``advice`` (start-up advice).
 - ``speculate/``: the token order around vLLM's expert-parallel MoE;
 - ``exchange/``: vLLM's EP on its CPU build, smoe's sparse all2all, collectives, topology;
 - ``dp/``: whole requests routed to the data-parallel engine their experts live on;
-- ``observe/``: counters, drift, ``/metrics``.
-
-The shared formats (:mod:`vllm_smoe.formats`) and the offline tools (:mod:`vllm_smoe.placement`,
-:mod:`vllm_smoe.tools`: ``smoe-place``, ``smoe-bench``, ``smoe-testbed``) need no vLLM.
-"""
+- ``observe/``: counters, drift, ``/metrics``."""

@@ -3,14 +3,8 @@
 Two objects, one per process each:
 
 - :class:`ServedPlacement` (every process that serves a placement): the YAML, its predictor
-  tables and, in workers, the load plan for this model. The API server's plugin reads it when
-  it checks the engine arguments; the DP router and the HTTP routes take it from there. A worker
-  reads it in smoe's loader (the exchange, built earlier with the communicator, reads the same
-  one) and hands it to the token order and the recorder.
-- :class:`WorkerState` (worker processes): what the loader built around the model: the placement's
-  device copy (:class:`~.location.DeviceLocation`, which the token order, the routers and the
-  recorder read), the token order, the recorder, the checkpoint-order router rows a live swap
-  repacks, the swap under way.
+  tables and, in workers, the load plan for this model (who reads it: its docstring);
+- :class:`WorkerState` (worker processes): what the loader built around the model.
 
 A live swap replaces a worker's placement whole (:meth:`WorkerState.serve`); the API server keeps the
 one it started with (its DP router and ``/smoe/route`` score with those tables until a restart).
@@ -28,7 +22,11 @@ from ..formats.placement_file import Placement, Snapshot, load_placement, load_t
 class ServedPlacement:
     """One placement as served: the parsed YAML, its predictor tables (parsed on first use, None
     when the YAML names no file: a server that never predicts never reads them, as before) and
-    ``plan`` (:class:`~.load_plan.LoadPlan`; None outside workers, no model config needed)."""
+    ``plan`` (:class:`~.load_plan.LoadPlan`; None outside workers, no model config needed).
+
+    The API server's plugin reads it when it checks the engine arguments; the DP router and the
+    HTTP routes take it from there. A worker reads it in smoe's loader (the exchange, built earlier
+    with the communicator, reads the same one) and hands it to the token order and the recorder."""
 
     def __init__(self, path: str, placement: Placement | None, tables_bytes: bytes | None = None, plan=None,
                  sha256: str = "", tables=None):
@@ -87,7 +85,10 @@ def placement_for(cfg, vllm_config=None) -> ServedPlacement | None:
 
 @dataclass
 class WorkerState:
-    """What a worker serves, set up by smoe's loader once the weights are in place."""
+    """What a worker serves, set up by smoe's loader once the weights are in place: the
+    placement's device copy (:class:`~.location.DeviceLocation`, which the token order, the
+    routers and the recorder read), the token order, the recorder, the checkpoint-order router
+    rows a live swap repacks, the swap under way."""
 
     model: object  # torch.nn.Module
     vllm_config: object

@@ -2,23 +2,16 @@
 
 vLLM 0.32 and 0.33 have seams for most of what smoe does (plugins, model loaders, ``additional_config``,
 all2all managers, router capture, worker extensions); where it has none, smoe replaces a symbol.
-Each replacement is a :class:`Patch` in :data:`PATCHES`: the symbol, why, the upstream issue or
-PR, what vLLM would need to offer for the patch to go, and the parameters of vLLM's original as
-it was checked (vLLM versions in ``checked_on``; what each release defines, read from its wheel,
-is stored in ``signatures.json`` and compared in CI). The replacements are thin and live here, one
-module per part of vLLM (``engine_args``, ``cli``, ``cpu``, ``runners``, ``dp_client``,
-``model_loader``); what they run is smoe's, in the feature modules (``where``). Each lands only through :func:`replace`,
-which refuses a symbol not in the list, one whose target moved, and one whose original's
-parameters differ from what the patch was written for (recorded in :func:`mismatches`: with smoe
-asked for, the plugin checks every listed symbol imported by then and refuses, naming each that
-differs; the worker-side ones are checked as they are applied, while the model loads). ``tests/unit/test_patches.py`` fails when code patches a
-vLLM symbol that is not here.
+Each replacement is a :class:`Patch` in :data:`PATCHES`. The replacements are thin and live here,
+one module per part of vLLM (``engine_args``, ``cli``, ``cpu``, ``runners``, ``dp_client``,
+``model_loader``); what they run is smoe's, in the feature modules (``where``). Each lands only
+through :func:`replace`, which refuses a symbol not in the list, one whose target moved, and one
+whose original's parameters differ from what the patch was written for (:func:`mismatches`).
+``tests/unit/test_patches.py`` fails when code patches a vLLM symbol that is not here.
 
 Private vLLM names smoe reads without replacing them are in :data:`PRIVATE_READS`, checked the
-same way at start.
-
-To remove a patch: delete its entry and its ``replace`` call; the test names any leftover.
-"""
+same way at start. To remove a patch: delete its entry and its ``replace`` call; the test names
+any leftover."""
 
 from __future__ import annotations
 
@@ -37,6 +30,11 @@ SUPPORTED_VLLM: tuple[str, ...] = ("0.32.0", "0.33.0")
 
 @dataclass(frozen=True)
 class Patch:
+    """One replacement: the symbol, why, the upstream issue or PR, what vLLM would need to offer
+    for the patch to go, and the parameters of vLLM's original as it was checked (vLLM versions
+    in ``checked_on``; what each release defines, read from its wheel, is stored in
+    ``signatures.json`` and compared in CI)."""
+
     id: str
     target: str  # "module:Qualname.attr" where vLLM defines it
     kind: str  # method, staticmethod, classmethod, property, __init__, function
@@ -376,7 +374,11 @@ def mismatches(check_all: bool = False, import_all: bool = False) -> list[str]:
     written for: those :func:`replace` refused so far, plus, with ``check_all``, every listed
     target whose module this process has imported (nothing is imported: on CUDA some of vLLM's
     CPU modules replace parts of torch when imported; the rest are checked when applied, by
-    :func:`require`, before serving), or with ``import_all`` every listed target (tests)."""
+    :func:`require`, before serving), or with ``import_all`` every listed target (tests).
+
+    With smoe asked for, the plugin checks every listed symbol imported by then and refuses,
+    naming each that differs; the worker-side ones are checked as they are applied, while the
+    model loads."""
     import sys
 
     out = dict(_MISMATCHES)

@@ -4,18 +4,10 @@ all-reduce, the layer reduce-scatters into contiguous chunks, the MoE block runs
 ``already_sequence_parallel`` and the residual stays split until the next layer all-gathers. No
 per-block order fits there.
 
-``stack-layer`` (the default): at each MoE layer's input_layernorm ``fold_residual`` takes the
-layer's residual rows as this rank holds them and passes a zero residual on, and at the
-attention's output ``order_folded`` adds them to this rank's partial sums and permutes the rows
-into this layer's order, so vLLM's own reduce-scatter hands each rank its chunk of this layer's
-order, residual included (no collective or byte more); attentions see their rows restored to
-the step's order, and the final norm too.
-
-``stack-step`` (``stack_order: step``): the whole step is ordered once: the first decoder
-layer's input rows are permuted (one prediction from every MoE layer's table), every attention
-sees them in the original order (restore before, order after: row-wise ops commute with a
-permutation), and the final norm gets them back in the original order.
-"""
+``stack-layer`` (the default) orders each MoE layer's rows inside vLLM's own reduce-scatter, by
+folding the residual into the attention's partial sums (:class:`StackLayerOrder`);
+``stack-step`` (``stack_order: step``) orders the whole step once at the first decoder layer
+(:class:`StackStepOrder`). Attentions and the final norm see the step's order in both."""
 
 from __future__ import annotations
 
@@ -104,7 +96,12 @@ class StackOrder(TokenOrder):
 
 class StackStepOrder(StackOrder):
     """Layout ``stack-step``: one order per step, set at the first decoder layer's input and kept
-    through the stack; every MoE layer's block reads row 0 of ``perm`` / ``inv``."""
+    through the stack; every MoE layer's block reads row 0 of ``perm`` / ``inv``.
+
+    ``stack-step`` (``stack_order: step``): the whole step is ordered once: the first decoder
+    layer's input rows are permuted (one prediction from every MoE layer's table), every attention
+    sees them in the original order (restore before, order after: row-wise ops commute with a
+    permutation), and the final norm gets them back in the original order."""
 
     rows_ordered = "step"
 
@@ -144,7 +141,7 @@ class StackLayerOrder(StackOrder):
     input_layernorm hands its residual rows to smoe (``fold_residual``: a zero residual goes on)
     and its attention's output comes out ordered for this layer with them added
     (``order_folded``), so vLLM's own reduce-scatter gives each rank the chunk of this layer's
-    order, residual included; a later attention (MoE or dense) gets its rows back in the step's
+    order, residual included (no collective or byte more); a later attention (MoE or dense) gets its rows back in the step's
     order, a dense layer's output the order its residual is in, and the final norm the step's
     order. ``gated``: the MoE layers input-gate orders by the gate on their split input."""
 

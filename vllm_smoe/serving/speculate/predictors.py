@@ -3,21 +3,7 @@ interface, composed once into the order (:func:`make_predictor`).
 
 Every method takes the order ``o`` (:class:`~.token_order.TokenOrder`: the step's ids, the
 permutations it writes, the device location's tables and held experts, the TP group) and runs on
-the device with static shapes. What a predictor decides:
-
-- :meth:`Predictor.preferences` / :meth:`Predictor.step_preferences`: (pref [layers, T, P] int64
-  ranks, -1 = none; conf [layers, T] float32) for the step's ids, per MoE layer or one order for
-  the whole step (the stack's ``stack_order: step``);
-- :meth:`Predictor.predict`: the order of some layers from those, written into ``o.perm`` /
-  ``o.inv``;
-- where the order is made when the attention's partial sums are reduced in the token order
-  (:meth:`Predictor.before_reduce`, the shuffled reduce-scatter) or folded into it
-  (:meth:`Predictor.fold`, the stack per layer);
-- ``per_layer``: each MoE layer predicted at its own block (else every layer at the first);
-  ``judged``: drift is judged against the placement's ratio; ``ahead``: the next layer's ranks
-  ride as three more columns in a block's all-gather (predictor input-gate); ``reads_previous``:
-  each row's previous id in its sequence is kept (``o.prev``, predictor learned).
-"""
+the device with static shapes. What a predictor decides (the interface): :class:`Predictor`."""
 
 from __future__ import annotations
 
@@ -54,7 +40,21 @@ def ordered_plus(o, partial: torch.Tensor, layer: int, src: torch.Tensor, rows: 
 
 
 class Predictor:
-    """The tables-free base: the order of ``layers`` from :meth:`preferences`, each rank's own."""
+    """The tables-free base: the order of ``layers`` from :meth:`preferences`, each rank's own.
+    What every predictor decides:
+
+    - :meth:`Predictor.preferences` / :meth:`Predictor.step_preferences`: (pref [layers, T, P] int64
+      ranks, -1 = none; conf [layers, T] float32) for the step's ids, per MoE layer or one order for
+      the whole step (the stack's ``stack_order: step``);
+    - :meth:`Predictor.predict`: the order of some layers from those, written into ``o.perm`` /
+      ``o.inv``;
+    - where the order is made when the attention's partial sums are reduced in the token order
+      (:meth:`Predictor.before_reduce`, the shuffled reduce-scatter) or folded into it
+      (:meth:`Predictor.fold`, the stack per layer);
+    - ``per_layer``: each MoE layer predicted at its own block (else every layer at the first);
+      ``judged``: drift is judged against the placement's ratio; ``ahead``: the next layer's ranks
+      ride as three more columns in a block's all-gather (predictor input-gate); ``reads_previous``:
+      each row's previous id in its sequence is kept (``o.prev``, predictor learned)."""
 
     per_layer = False
     judged = True

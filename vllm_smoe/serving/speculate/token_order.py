@@ -9,14 +9,8 @@ shapes: no host synchronisation, capturable by torch.compile and CUDA graphs. A 
 only means the token's experts sit elsewhere; vLLM's all2all (smoe's sparse manager by default
 on CPU) takes it there and back. The block computes exactly what it computed before, row by row.
 
-The parts: :mod:`.plan` decides the layout and predictor once (and refuses what cannot be
-ordered); :class:`TokenOrder` here is the device state every layout shares; the layouts
-(:mod:`.layout_block`: per block, shuffled reduce-scatter; :mod:`.layout_stack`: the DeepSeek
-family per layer or per step) own their hooks and op bodies; the predictors
-(:mod:`.predictors`) guess each token's rank; :mod:`.comm` holds the static-shape collectives'
-helpers, :mod:`.seams` and :mod:`.gates` what is read of the model; the placement's maps and
-tables come from the worker's :class:`~..location.DeviceLocation`.
-"""
+The package's parts: :mod:`vllm_smoe.serving.speculate`; :class:`TokenOrder` here is the device
+state every layout shares."""
 
 from __future__ import annotations
 
