@@ -110,10 +110,8 @@ def _shortest_cycle(start: int, out: dict[int, list[int]], target: np.ndarray) -
 
 
 # Local activations one activation of excess expert load is worth (limit_moves' default): the
-# busiest rank's excess delays the whole step, a remote activation only its share of the links.
-# Of 1 / 2 / 4 / 8 on the fixture's shifts, 4 kept about the most of the fresh gain (564 points
-# in all, 1: 569) and left the least excess (as 2); 0 keeps more and leaves the shift's load
-# (BENCHMARKS.md, "advise --max-moves")
+# busiest rank's excess delays the whole step, a remote activation only its share of the links
+# (why 4: docs/history.md#placementmigratepy)
 BALANCE_WEIGHT = 4.0
 
 
