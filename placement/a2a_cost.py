@@ -65,7 +65,7 @@ def _distinct(x: np.ndarray) -> np.ndarray:
 def _pairs(dest: np.ndarray, src: np.ndarray, ep_size: int, per_node: int, backend: str
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every row the dispatch sends as (sender [P], receiver [P], token [P]) int64, by
-    ``backend``'s rule (module docstring); a rank's rows to itself are left out."""
+    ``backend``'s rule (:func:`backend_rows`); a rank's rows to itself are left out."""
     _check(dest, src, ep_size, per_node)
     T, K = dest.shape
     dest = dest.astype(np.int64)
