@@ -57,15 +57,14 @@ class Recorder:
       chained after the token order's when speculating) that copies the step's top-k ids into a
       preallocated buffer in place, so it keeps working where the forward runs compiled or as a
       replayed graph. Only this DP rank's rows of the step are kept, in the step's order, whatever
-      vLLM's layout (:mod:`.record_rows`): every DP rank's rows under naive dispatch, each TP rank's
+      vLLM's layout (:mod:`.rows`): every DP rank's rows under naive dispatch, each TP rank's
       chunk under vLLM's sequence-parallel MoE (all-gathered on the TP group), speculate's chunks of
       reordered rows (``TokenOrder.gather_rows``). A step some layer did not write (a layout that
       fits no rule, a micro-batched step) is dropped whole and counted, never written from stale rows.
     - After each engine step (``execute_model`` of either model runner, V1 or V2, through
-      :mod:`.runner_hooks`)
-      the step's buffers are copied off the device without waiting for it (pinned memory and an
-      event on GPU) and handed to a writer thread through a bounded queue; the step never waits
-      for the disk. A full queue drops the step and counts it (logged). Warm-up and profiling
+      :mod:`..runner_hooks`) the step's buffers are copied off the device without waiting for it
+      (pinned memory and an event on GPU) and handed to a writer thread through a bounded queue;
+      the step never waits for the disk. A full queue drops the step and counts it (logged). Warm-up and profiling
       runs never pass through ``execute_model``, so they are never written.
     - Sampling (``record_sample``): whole requests, kept when a stable hash of the request id falls
       under the share, so a kept request's every step is written.
@@ -74,7 +73,7 @@ class Recorder:
     - Physical slots are mapped back to logical expert ids when a placement is applied.
     - Speculative decoding: a draft token's row is written once its request's next step shows that
       sampling kept it (:mod:`.draft_rows`; where that step is dropped the row is left out, counted);
-      a draft model's own routing is never recorded (the loader leaves it to vLLM, :mod:`.draft`).
+      a draft model's own routing is never recorded (the loader leaves it to vLLM, :mod:`..place.draft`).
       A vLLM whose scheduler output has no ``scheduled_spec_decode_tokens`` gets no step written
       while speculating (which rows are drafts is unknown; logged once, counted).
     - Only tensor-parallel rank 0 writes (other TP ranks see the same tokens); each data-parallel
@@ -84,10 +83,10 @@ class Recorder:
       changed and logs them (:meth:`Recorder._tick`), so they are current while idle too. A live swap
       keeps the open file (rows are logical experts; its meta lists the swaps).
     - Durability: every step's rows go to the writer's spill files with unbuffered writes, so once
-      a step is appended (by the writer thread, right after the step) it survives the process. A clean stop (Ctrl-C, SIGTERM, vLLM's shutdown of
-      its engine and workers) closes the open file: vLLM's engine and workers are multiprocessing
-      children, which skip ``atexit``, so the close is registered with ``multiprocessing.util.Finalize``
-      as well. A hard kill leaves a spill directory; the next recorder start on the same directory
+      a step is appended (by the writer thread, right after the step) it survives the process. A
+      clean stop (Ctrl-C, SIGTERM, vLLM's shutdown of its engine and workers) closes the open file:
+      vLLM's engine and workers are multiprocessing children, which skip ``atexit``, so the close is
+      registered with ``multiprocessing.util.Finalize`` as well. A hard kill leaves a spill directory; the next recorder start on the same directory
       (or ``smoe-trace recover DIR``) turns it into a trace, losing at most the steps still queued."""
 
     def __init__(self, model: torch.nn.Module, vllm_config, cfg: SmoeConfig, location=None, order=None):
