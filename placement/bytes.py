@@ -172,11 +172,11 @@ def place_bytes(A: sp.csr_matrix, occ: np.ndarray, instances: tuple[np.ndarray, 
     placement with the fewest rows. trials_per_pass: exact swap evaluations per pass (default
     4 E). Returns expert2rank [E] int32.
 
-    Search: from coclust's placement (and, on small layers, a few more starts), swaps of two experts on different ranks, proposed by a
-    first-order estimate of every swap's change in bytes (from each expert's best single move) and
-    accepted only when their exact change, recomputed on the hyperedges they touch, is a gain and the
-    expert-load cap holds; after each pass tokens are reassigned by the capped rule, and the pass is
-    kept only if the bytes with those tokens fell."""
+    Search: from coclust's placement (and, on small layers, a few more starts), swaps of two experts
+    on different ranks, proposed by a first-order estimate of every swap's change in bytes (from
+    each expert's best single move) and accepted only when their exact change, recomputed on the
+    hyperedges they touch, is a gain and the expert-load cap holds; after each pass tokens are
+    reassigned by the capped rule, and the pass is kept only if the bytes with those tokens fell."""
     from .coclust import cap_expert_load
     from .counts import coactivation
     from .peers import place_metis

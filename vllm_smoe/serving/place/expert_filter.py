@@ -6,9 +6,9 @@ for every layer, vLLM's linear split (``model_loader/default_loader.py:
 DefaultModelLoader._init_ep_weight_filter``, ``ep_weight_filter.py: should_skip_weight``). A
 placement gives a rank other experts in each layer, and copies, so smoe hands the filter a
 :class:`PlacedExperts` instead: per MoE layer, the ids its slots hold. vLLM's ``should_skip_weight``
-gets the id alone; smoe's replacement (``patches/model_loader.py``) asks the set with the whole name. Per-expert tensors of a layer the placement does not cover (DeepSeek-V3's
-MTP layer in the target's checkpoint) are tested against vLLM's own set, so smoe never reads more
-than vLLM would.
+gets the id alone; smoe's replacement (``patches/model_loader.py``) asks the set with the whole
+name. Per-expert tensors of a layer the placement does not cover (DeepSeek-V3's MTP layer in the
+target's checkpoint) are tested against vLLM's own set, so smoe never reads more than vLLM would.
 
 vLLM reads the set by attribute name, which no signature check covers: after the read
 :meth:`ReadTally.check_slots` refuses a rank any of whose (MoE layer, slot) pairs lacks its

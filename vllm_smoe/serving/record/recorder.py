@@ -82,12 +82,13 @@ class Recorder:
       ``IDLE_CLOSE_S`` seconds; the same thread publishes the counters for ``/metrics`` whenever they
       changed and logs them (:meth:`Recorder._tick`), so they are current while idle too. A live swap
       keeps the open file (rows are logical experts; its meta lists the swaps).
-    - Durability: every step's rows go to the writer's spill files with unbuffered writes, so once
-      a step is appended (by the writer thread, right after the step) it survives the process. A
-      clean stop (Ctrl-C, SIGTERM, vLLM's shutdown of its engine and workers) closes the open file:
-      vLLM's engine and workers are multiprocessing children, which skip ``atexit``, so the close is
-      registered with ``multiprocessing.util.Finalize`` as well. A hard kill leaves a spill directory; the next recorder start on the same directory
-      (or ``smoe-trace recover DIR``) turns it into a trace, losing at most the steps still queued."""
+    - Durability: every step's rows go to the writer's spill files with unbuffered writes, so once a
+      step is appended (by the writer thread, right after the step) it survives the process. A clean
+      stop (Ctrl-C, SIGTERM, vLLM's shutdown of its engine and workers) closes the open file: vLLM's
+      engine and workers are multiprocessing children, which skip ``atexit``, so the close is
+      registered with ``multiprocessing.util.Finalize`` as well. A hard kill leaves a spill
+      directory; the next recorder start on the same directory (or ``smoe-trace recover DIR``) turns
+      it into a trace, losing at most the steps still queued."""
 
     def __init__(self, model: torch.nn.Module, vllm_config, cfg: SmoeConfig, location=None, order=None):
         hf = vllm_config.model_config.hf_text_config  # a vision-language model's language model

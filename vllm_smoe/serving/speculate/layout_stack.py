@@ -136,14 +136,14 @@ class StackStepOrder(StackOrder):
 
 
 class StackLayerOrder(StackOrder):
-    """Layout ``stack-layer``: an order per MoE layer, folded into the attention's partial sums.
-    The rows stay in the step's order up to the first MoE layer; there each MoE layer's
-    input_layernorm hands its residual rows to smoe (``fold_residual``: a zero residual goes on)
-    and its attention's output comes out ordered for this layer with them added
-    (``order_folded``), so vLLM's own reduce-scatter gives each rank the chunk of this layer's
-    order, residual included (no collective or byte more); a later attention (MoE or dense) gets its rows back in the step's
-    order, a dense layer's output the order its residual is in, and the final norm the step's
-    order. ``gated``: the MoE layers input-gate orders by the gate on their split input."""
+    """Layout ``stack-layer``: an order per MoE layer, folded into the attention's partial sums. The
+    rows stay in the step's order up to the first MoE layer; there each MoE layer's input_layernorm
+    hands its residual rows to smoe (``fold_residual``: a zero residual goes on) and its attention's
+    output comes out ordered for this layer with them added (``order_folded``), so vLLM's own
+    reduce-scatter gives each rank the chunk of this layer's order, residual included (no collective
+    or byte more); a later attention (MoE or dense) gets its rows back in the step's order, a dense
+    layer's output the order its residual is in, and the final norm the step's order. ``gated``: the
+    MoE layers input-gate orders by the gate on their split input."""
 
     def allocate(self, vllm_config, c, device):
         # kept [c, H] in the served dtype: the layer input's rows this rank adds to its attention
