@@ -51,13 +51,19 @@ def drive(c, model: str, phase: dict, prompts: list, t0: float) -> list:
         return list(ex.map(lambda p: _one(c, model, p, phase["max_tokens"]), prompts))
 
 
+def _net(net_spec: dict) -> Net:
+    """The run's two namespaces, as the parent set them up (nothing is created here)."""
+    net = Net.__new__(Net)
+    net.ns, net.dev = tuple(net_spec["ns"]), tuple(net_spec["dev"])
+    return net
+
+
 def run_phase(spec: dict, net_spec: dict, phase: dict, prompts: list) -> dict:
     """One load (fixed concurrency or Poisson arrivals, :func:`drive`) with the wire and smoe's
     counters read around it. Runs inside namespace 0."""
     import openai
 
-    net = Net.__new__(Net)
-    net.ns, net.dev = tuple(net_spec["ns"]), tuple(net_spec["dev"])
+    net = _net(net_spec)
     net.shape(phase["link"])
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{spec['api']}/v1", api_key="smoe", timeout=900)
     model = spec["model"]
@@ -122,11 +128,18 @@ def client_main(spec_path: str) -> int:
         ch = r.choices[0]
         out["greedy"].append(list(getattr(ch, "token_ids", None) or []) or ch.text)
     for phase in spec["phases"]:
-        prompts = [p[: phase["prompt_tokens"]] for p in spec["prompts"][phase["offset"]: phase["offset"] + phase["requests"]]]
-        r = run_phase(spec, spec["net"], phase, prompts)
+        if phase.get("kind") == "goodput":
+            from .goodput_client import run_goodput
+
+            r = run_goodput(spec, phase, _net(spec["net"]).shape)
+        else:
+            prompts = [p[: phase["prompt_tokens"]]
+                       for p in spec["prompts"][phase["offset"]: phase["offset"] + phase["requests"]]]
+            r = run_phase(spec, spec["net"], phase, prompts)
         out["phases"].append(r)
         print(json.dumps({k: r.get(k) for k in ("name", "tpot_ms", "ttft_ms", "p90_itl_ms", "tok_s", "failed",
-                                                "wire_bytes_per_token", "counter_bytes_per_token")}), flush=True)
+                                                "wire_bytes_per_token", "counter_bytes_per_token", "goodput")}),
+              flush=True)
         with open(spec["out"], "w") as f:
             json.dump(out, f)
     return 0

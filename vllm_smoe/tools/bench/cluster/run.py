@@ -15,7 +15,9 @@ import time
 
 from .configs import DEFAULT_WIDTHS, build_placements, configurations
 from .exchange_only import run_exchange
-from .link import TARGETS, host_speed, link_settings
+from .goodput_plan import DEFAULT_CONFIGS, adopt_targets, host_rows, plan_goodput
+from .goodput_report import markdown_goodput, plot_goodput, summarise_goodput
+from .link import TARGETS, host_speed, host_step_times, link_settings
 from .netns import Net, interrupted, measure_link, tear_down
 from .nodes import run_config
 from .report import count_moe_layers, plot, print_summary, print_wire_check, summarise
@@ -71,9 +73,13 @@ def serve_target(net: Net, target: str, a, names: list, cfgs: dict, work: str, p
                 r = run_config(net, name, cfg, idx, work, a, phases, prompts)
                 r["smoe"] = cfg["smoe"]
                 rows[key] = r
+                adopt_targets(phases, r)
+                good = [f"{p['mix']} {p['goodput']:.3g} req/s" for p in r["phases"] if p.get("kind") == "goodput"]
                 head = next((p for p in r["phases"] if p["name"] == "decode-c8"), r["phases"][0])
-                print(f"[{target}] {key}: TPOT {head['tpot_ms']:.1f} ms, wire "
-                      f"{head['wire_bytes_per_token']:.0f} B/token ({time.monotonic() - t:.0f} s)", flush=True)
+                print(f"[{target}] {key}: " + (f"goodput {', '.join(good)}" if good else
+                                               f"TPOT {head['tpot_ms']:.1f} ms, wire "
+                                               f"{head['wire_bytes_per_token']:.0f} B/token")
+                      + f" ({time.monotonic() - t:.0f} s)", flush=True)
             except RuntimeError as e:
                 rows[key] = {"error": str(e), "smoe": cfg["smoe"]}
                 print(f"FAILED {e}", file=sys.stderr, flush=True)
@@ -85,6 +91,11 @@ def run(a) -> int:
 
     if a.json:
         check_output_file(a.json, "--json")
+    # the goodput mode's defaults: one target, vLLM's and smoe's best against plain TP, two starts
+    a.target = a.target or (["ib-ndr"] if a.goodput else ["ib-ndr", "none"])
+    a.configs = a.configs or (DEFAULT_CONFIGS if a.goodput else "tp,tp-ep,tp-ep-speculate,dp-ep,dp-ep-smoe")
+    a.repeats = a.repeats or (2 if a.goodput else 1)
+    a.config_timeout = a.config_timeout or (5400.0 if a.goodput else 1800.0)
     if bad := [t for t in a.target if t not in TARGETS and t != "none"]:
         raise ValueError(f"--target {' '.join(bad)}: choose from {', '.join(TARGETS)}, none")
     if a.model is not None and not os.path.isfile(os.path.join(a.model, "config.json")):
@@ -121,8 +132,14 @@ def run(a) -> int:
     host = host_speed()
     print(f"host, one thread: {host['gemm_flops'] / 1e9:.0f} GFLOP/s fp32 GEMM, {host['read_bw'] / 1e9:.1f} GB/s "
           f"weight reads", flush=True)
-    need = len(a.concurrency) * a.requests_per_level + max(a.concurrency) + a.prefill_requests \
-        + a.poisson_requests * len(a.rates) + 8
+    if a.goodput:
+        host["step_s"] = host_step_times(host_rows(a))
+        print("host, one thread, GEMM of a step: " + ", ".join(f"{r} rows {1e3 * t:.0f} ms"
+                                                              for r, t in host["step_s"].items()), flush=True)
+        need = 8 + a.large_batch + 8
+    else:
+        need = len(a.concurrency) * a.requests_per_level + max(a.concurrency) + a.prefill_requests \
+            + a.poisson_requests * len(a.rates) + 8
     prompts = mixed_prompts(a.prompts_trace or FIXTURE_TRACES["heldout"], need,
                              max(a.decode_prompt, a.prefill_prompt), a.seed)
     if len(prompts) < need:
@@ -137,6 +154,10 @@ def run(a) -> int:
             print_wire_check(wc)
         for target in a.target:
             meta["links"][target] = links = target_links(a, host, target)
+            if a.goodput:
+                phases = plan_goodput(a, host["step_s"], target, a.prompts_trace or FIXTURE_TRACES["heldout"])
+                links = {"decode": next((p["link"] for p in phases if p.get("mix") == "decode-heavy"), links["decode"])}
+                meta["links"][target] = {p["name"]: p["link"] for p in phases}
             net.shape(links["decode"])
             meta["measured_link"][target] = {**measure_link(net), "delay_applied": net.delay_applied}
             net.shape(None)
@@ -144,15 +165,20 @@ def run(a) -> int:
             print(f"[{target}] decode link {links['decode'] and links['decode']['rate_bit'] / 1e6}"
                   f" Mbit/s: measured {8 * m['rate_bytes_s'] / 1e6:.1f} Mbit/s, RTT {1e3 * m['rtt_s']:.2f} ms",
                   flush=True)
-            phases = plan_phases(a, links)
+            if not a.goodput:
+                phases = plan_phases(a, links)
             results[target] = {}
             serve_target(net, target, a, names, all_cfgs, work, phases, prompts, starts, results[target])
     except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C, or SIGTERM: what was measured is still written
         rc = interrupted(e)
     finally:
         tear_down(net)
-    summary = summarise(results, a.slo_scale)
-    print_summary(summary)
+    if a.goodput:
+        summary = summarise_goodput(results)
+        print(markdown_goodput(summary), flush=True)
+    else:
+        summary = summarise(results, a.slo_scale)
+        print_summary(summary)
     payload = {"date": datetime.datetime.now().astimezone().isoformat(), "uname": " ".join(os.uname()),
                "model": a.model, "moe_layers": count_moe_layers(a.model),
                "placements": {"tp": pl["tp"], "dp": pl["dp"]}, "host": host, **meta,
@@ -165,5 +191,5 @@ def run(a) -> int:
 
         write_json(a.json, payload)
     if a.plot:
-        plot(summary, results, a.plot)
+        plot_goodput(results, a.plot) if a.goodput else plot(summary, results, a.plot)
     return rc or int(any("error" in r for res in results.values() for r in res.values()))
