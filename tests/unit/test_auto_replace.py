@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import shutil
+import time
 
 import pytest
 
@@ -229,3 +230,27 @@ def test_the_loop_retries_a_build_refused_for_lack_of_recording(tmp_path):
     ctl, calls, _ = _loop(tmp_path, builds, swaps, ticks=8, settings=AutoSettings(hold_s=0, cooldown_s=1e6))
     assert [k[0] for k in calls][:4] == ["build", "build", "build", "swap"]
     assert ctl.counters["swaps"] == 1 and ctl.counters["rejected"]["no_recording"] == 2
+
+
+def test_the_build_runs_at_most_its_share_of_a_core_and_is_killed_at_its_time_limit():
+    import resource
+    import sys
+
+    from vllm_smoe.serving.place.auto_build import run_throttled
+
+    busy = [sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+                                  "print('done')"]
+
+    def cpu():
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    c0, t0 = cpu(), time.monotonic()
+    rc, text = run_throttled(busy, dict(os.environ), None, 60.0, 0.2)
+    wall, used = time.monotonic() - t0, cpu() - c0
+    assert rc == 0 and "done" in text and used >= 0.3
+    assert wall >= 0.3 / 0.2 * 0.7  # 0.3 s of CPU at a fifth of a core takes about 1.5 s
+    rc, _ = run_throttled([sys.executable, "-c", "import time; time.sleep(30)"], dict(os.environ), None, 0.5, 1.0)
+    assert rc is None
+    rc, text = run_throttled([sys.executable, "-c", "import sys; sys.exit('bad input')"], dict(os.environ), None, 30, 0.5)
+    assert rc == 1 and "bad input" in text

@@ -94,17 +94,16 @@ def build_candidate(served: str, record_dir: str, out: str, settings, since: flo
                                          f"min_tokens {settings.min_tokens}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     t0, cpu0 = time.monotonic(), _child_cpu()
-    try:
-        r = subprocess.run(advise_command(served, files, out, settings, predictor), capture_output=True,
-                           text=True, timeout=settings.build_timeout_s, env=env,
-                           preexec_fn=_limits(settings.build_mem_mb, settings.build_cpu_s))
-    except subprocess.TimeoutExpired:
+    rc, text = run_throttled(advise_command(served, files, out, settings, predictor), env,
+                             _limits(settings.build_mem_mb, settings.build_cpu_s), settings.build_timeout_s,
+                             settings.build_cpu_share)
+    if rc is None:
         raise BuildError("build_failed", f"smoe-place advise ran past build_timeout_s "
-                                         f"{settings.build_timeout_s:g} s") from None
+                                         f"{settings.build_timeout_s:g} s")
     seconds, cpu = time.monotonic() - t0, _child_cpu() - cpu0
-    if r.returncode != 0:
-        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or [f"exit {r.returncode}"]
-        raise BuildError("build_failed", f"smoe-place advise exited {r.returncode}: {tail[0]}")
+    if rc != 0:
+        tail = text.strip().splitlines()[-1:] or [f"exit {rc}"]
+        raise BuildError("build_failed", f"smoe-place advise exited {rc}: {tail[0]}")
     try:
         with open(out + ".json") as f:
             res = json.load(f)
@@ -114,6 +113,45 @@ def build_candidate(served: str, record_dir: str, out: str, settings, since: flo
         raise BuildError("build_failed", f"{out}.json: no served and limited 'lar' ({type(e).__name__})") from None
     return {"placement": out, "served_lar": float(served_lar), "candidate_lar": float(cand_lar), "seconds": seconds,
             "cpu_seconds": cpu, "files": len(files)}
+
+
+PERIOD_S = 0.1  # the throttle's period: run share x PERIOD_S, stopped the rest
+
+
+def run_throttled(cmd: list[str], env: dict, preexec, timeout_s: float, share: float) -> tuple[int | None, str]:
+    """Runs ``cmd`` to its end, at most ``share`` of one core's time when share < 1 (SIGSTOP /
+    SIGCONT each :data:`PERIOD_S`), killed after ``timeout_s`` of wall clock. Returns (exit code,
+    or None when it was killed for time; its stderr, else its stdout)."""
+    import signal
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, preexec_fn=preexec)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while p.poll() is None and time.monotonic() < deadline:
+                if share >= 1.0:
+                    try:
+                        p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        pass
+                    continue
+                time.sleep(share * PERIOD_S)
+                if p.poll() is None:
+                    p.send_signal(signal.SIGSTOP)
+                    time.sleep((1.0 - share) * PERIOD_S)
+                    p.send_signal(signal.SIGCONT)
+        except BaseException:
+            p.kill()
+            p.wait()
+            raise
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+            return None, ""
+        out.seek(0)
+        err.seek(0)
+        return p.returncode, err.read() or out.read()
 
 
 def _tokens(files: list[str]) -> int:

@@ -15,7 +15,10 @@ class AutoSettings:
     recorded tokens the build reads (advise --max-tokens); min_tokens: recorded tokens since drift
     began needed before a build (half train, half judge: fewer make a candidate of noise);
     build_timeout_s, build_mem_mb,
-    build_cpu_s: the build process's wall-clock, address-space and CPU-time limits."""
+    build_cpu_s: the build process's wall-clock, address-space and CPU-time limits;
+    build_cpu_share: the share of one core the build may run at (in (0, 1]; below 1 it is stopped
+    and continued every 100 ms): for hosts where serving occupies every core, which a build at
+    nice 19 still slows (docs: live re-placement)."""
     hold_s: float = 60.0
     cooldown_s: float = 600.0
     max_moves: float = 0.25
@@ -25,6 +28,7 @@ class AutoSettings:
     build_timeout_s: float = 600.0
     build_mem_mb: int = 4096
     build_cpu_s: float = 600.0
+    build_cpu_share: float = 1.0
 
     @classmethod
     def from_value(cls, v: object, where: str) -> "AutoSettings | None":
@@ -48,8 +52,9 @@ class AutoSettings:
             ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and (
                 isinstance(x, int) if whole else True)
             lo_ok = ok and (x >= 0 if name in ("hold_s", "cooldown_s", "margin") else x > 0)
-            if not lo_ok or (name == "max_moves" and x > 1):
-                kind = "a positive integer" if whole else ("a number in (0, 1]" if name == "max_moves" else
+            if not lo_ok or (name in ("max_moves", "build_cpu_share") and x > 1):
+                kind = "a positive integer" if whole else ("a number in (0, 1]" if name in ("max_moves",
+                                                                                            "build_cpu_share") else
                                                            "a non-negative number" if name in
                                                            ("hold_s", "cooldown_s", "margin") else "a positive number")
                 raise ValueError(f"{where}: field 'auto_replace.{name}' must be {kind}, got {x!r}")

@@ -354,6 +354,8 @@ def add_parser(sub) -> None:
     p.add_argument("--auto-hold", type=float, default=10.0, help="with --auto: auto_replace.hold_s (default 10)")
     p.add_argument("--auto-max-moves", type=float, default=0.25, help="with --auto: auto_replace.max_moves")
     p.add_argument("--auto-margin", type=float, default=0.02, help="with --auto: auto_replace.margin")
+    p.add_argument("--auto-build-cpu-share", type=float, default=1.0,
+                   help="with --auto: auto_replace.build_cpu_share (default 1: no throttle)")
     p.add_argument("--auto-window-tokens", type=int, default=1 << 16,
                    help="with --auto: auto_replace.window_tokens (default 65536)")
     p.set_defaults(fn=run)

@@ -43,7 +43,7 @@ def scrape_auto(port: int, headers: dict | None = None) -> dict:
 def auto_settings(a) -> dict:
     """The controller's settings for this run: one swap (a cool-down longer than the run)."""
     return {"hold_s": a.auto_hold, "cooldown_s": 10 * a.seconds, "max_moves": a.auto_max_moves,
-            "margin": a.auto_margin, "window_tokens": a.auto_window_tokens}
+            "margin": a.auto_margin, "window_tokens": a.auto_window_tokens, "build_cpu_share": a.auto_build_cpu_share}
 
 
 def shift_auto(a, s, clients_cls, scrape, first: list, then_seen: list, then_unseen: list, probe: list) -> dict:
@@ -95,6 +95,19 @@ def shift_auto(a, s, clients_cls, scrape, first: list, then_seen: list, then_uns
     during = [r for r in shifted if build and r["start"] < build[1] and r["end"] > build[0]]
     outside = [r for r in shifted if not (build and r["start"] < build[1] and r["end"] > build[0])]
 
+    def windows(lo, hi):  # TPOT medians of build-long windows of shifted traffic outside the build: its noise
+        if not build:
+            return []
+        span, out = build[1] - build[0], []
+        for a0, a1 in ((lo, build[0]), (build[1], hi)):
+            t = a0
+            while t + span <= a1:
+                inside = [r for r in outside if r["start"] < t + span and r["end"] > t]
+                if inside:
+                    out.append(median_tpot(inside))
+                t += span
+        return out
+
     def ratio(lo, hi):
         pts = [p for p in timeline if lo < p["t"] <= hi and p["ratio"] is not None]
         w = sum(p["activations"] for p in pts)
@@ -108,6 +121,7 @@ def shift_auto(a, s, clients_cls, scrape, first: list, then_seen: list, then_uns
            "tokens_equal_before_after": before == after, "build_window_s": build,
            "tpot_during_build_s": median_tpot(during), "tpot_shifted_outside_build_s": median_tpot(outside),
            "requests_during_build": len(during), "requests_shifted_outside_build": len(outside),
+           "tpot_outside_windows_s": windows(shift, swap or end),
            "build_cpu_share": (final["build_cpu_seconds"] / final["build_seconds"] / cores
                                if final["build_seconds"] else None), "host_cores": cores, "timeline": timeline}
     out["tpot_ratio_during_build"] = out["tpot_during_build_s"] / out["tpot_shifted_outside_build_s"]
@@ -123,4 +137,7 @@ def shift_auto(a, s, clients_cls, scrape, first: list, then_seen: list, then_uns
           f"{1e3 * out['tpot_shifted_outside_build_s']:.1f} ms otherwise on the shifted traffic ({len(outside)}): "
           f"{out['tpot_ratio_during_build']:.3f}x; the build used "
           + ("n/a" if share is None else f"{share:.1%}") + f" of the host's {cores} cores")
+    if out["tpot_outside_windows_s"]:
+        w = [x / out["tpot_shifted_outside_build_s"] for x in out["tpot_outside_windows_s"]]
+        print(f"TPOT of {len(w)} windows as long as the build outside it: {min(w):.3f}-{max(w):.3f}x the median outside")
     return out
