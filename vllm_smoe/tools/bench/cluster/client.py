@@ -12,19 +12,8 @@ import numpy as np
 
 from .netns import Net
 from .readings import collective_counts, collectives_per_step, counters_agree, metric_sum, socket_delta, wire_delta
+from .request import one_request
 from .slo import latency_summary
-
-
-def _one(client, model, prompt, max_tokens, start_at=None):
-    from ..common import stream
-
-    if start_at is not None:
-        time.sleep(max(0.0, start_at - time.perf_counter()))
-    try:
-        st, ts, n = stream(client, model, prompt, max_tokens)
-        return st, ts, n, None
-    except Exception as e:  # a failed request counts as failed, the run goes on
-        return time.perf_counter(), [], 0, repr(e)
 
 
 def _scrape(port: int) -> str:
@@ -46,9 +35,9 @@ def drive(c, model: str, phase: dict, prompts: list, t0: float) -> list:
         gaps = np.random.default_rng(phase.get("seed", 0)).exponential(1.0 / phase["rate"], len(prompts))
         at = t0 + np.cumsum(gaps) - gaps[0]
         with ThreadPoolExecutor(len(prompts)) as ex:
-            return list(ex.map(lambda i: _one(c, model, prompts[i], phase["max_tokens"], at[i]), range(len(prompts))))
+            return list(ex.map(lambda i: one_request(c, model, prompts[i], phase["max_tokens"], at[i]), range(len(prompts))))
     with ThreadPoolExecutor(phase["concurrency"]) as ex:
-        return list(ex.map(lambda p: _one(c, model, p, phase["max_tokens"]), prompts))
+        return list(ex.map(lambda p: one_request(c, model, p, phase["max_tokens"]), prompts))
 
 
 def _net(net_spec: dict) -> Net:
@@ -80,7 +69,7 @@ def run_phase(spec: dict, net_spec: dict, phase: dict, prompts: list) -> dict:
     wire = wire_delta(w0, w1)
     if m0 is not None or k0 is not None:  # counters publish once per log interval: wait one, step once to flush
         time.sleep(1.2)
-        _one(c, model, prompts[0][:1], 1)
+        one_request(c, model, prompts[0][:1], 1)
         time.sleep(1.2)
         text1 = _scrape(spec["api"])
         wire = wire_delta(w0, net.stats())  # the flush request's own bytes on both sides

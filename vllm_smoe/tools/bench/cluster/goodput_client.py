@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from .client import _one
+from .request import one_request
 from .goodput import attainment, request_latencies, search_rate, unloaded_targets
 from .slo import latency_summary
 
@@ -23,7 +23,7 @@ def poisson(c, model: str, prompts: list, outputs: list, rate: float, seed: int)
     t0 = time.perf_counter()
     at = t0 + np.cumsum(gaps) - gaps[0]
     with ThreadPoolExecutor(len(prompts)) as ex:
-        outs = list(ex.map(lambda i: _one(c, model, prompts[i], int(outputs[i]), at[i]), range(len(prompts))))
+        outs = list(ex.map(lambda i: one_request(c, model, prompts[i], int(outputs[i]), at[i]), range(len(prompts))))
     return outs, time.perf_counter() - t0
 
 
@@ -36,7 +36,7 @@ def run_goodput(spec: dict, phase: dict, shape) -> dict:
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{spec['api']}/v1", api_key="smoe", timeout=900)
     model, prompts, outputs = spec["model"], phase["prompts"], phase["outputs"]
     nu = phase["unloaded"]
-    unloaded = [_one(c, model, prompts[i], int(outputs[i])) for i in range(nu)]
+    unloaded = [one_request(c, model, prompts[i], int(outputs[i])) for i in range(nu)]
     own = unloaded_targets(request_latencies(unloaded), phase["scale"])
     targets = phase.get("targets") or own
     pool, per = list(range(nu, len(prompts))), phase["warmup"] + phase["requests"]
