@@ -1,5 +1,5 @@
 """The house rules a newcomer relies on: no import circles between smoe's modules, the pure
-placement core imports nothing heavy, and the README's layout table names every package."""
+placement core imports nothing heavy, and docs/layout.md's table names every package."""
 
 import ast
 import os
@@ -96,9 +96,8 @@ def test_the_placement_core_imports_no_torch_vllm_or_smoe_io():
                 assert n.split(".")[0] not in ("torch", "vllm", "yaml", "vllm_smoe"), (mod, n)
 
 
-def test_readme_layout_names_every_package():
-    readme = open(os.path.join(REPO, "README.md")).read()
-    layout = readme[readme.index("### Layout"):]
+def test_the_layout_page_names_every_package():
+    layout = open(os.path.join(REPO, "docs", "layout.md")).read()
     for mod, path in _modules().items():
         if path.endswith("__init__.py") and mod.startswith("vllm_smoe."):
             rel = os.path.relpath(os.path.dirname(path), REPO)

@@ -215,10 +215,27 @@ def test_a_server_refuses_to_start_when_an_intervention_cannot_hold(monkeypatch)
     assert "['place']" in str(e.value)  # the modes this config makes
 
 
-def test_the_readme_table_lists_every_intervention():
+PATCHES_DOC = os.path.join(REPO, "docs", "patches.md")
+
+
+def test_the_docs_table_lists_every_intervention():
     from vllm_smoe.serving.patches import interventions
 
-    readme = open(os.path.join(REPO, "README.md")).read()
+    doc = open(PATCHES_DOC).read()
     for iv in interventions.INTERVENTIONS:
         row = f"| {iv.what} | `serving/{iv.where}` | {iv.why} | {iv.remove} |"
-        assert row in readme, f"README's table of changes to vLLM lacks (or has another) row for {iv.id}:\n{row}"
+        assert row in doc, f"docs/patches.md's table of changes to vLLM lacks (or has another) row for {iv.id}:\n{row}"
+
+
+def patch_rows() -> list[str]:
+    """docs/patches.md's full list, one row per entry of PATCHES (the short table above it is prose)."""
+    return [f"| `{p.id}` | `{p.target}` | `serving/{p.where}` | {p.remove} |" for p in patches.PATCHES]
+
+
+def test_the_docs_list_has_every_patch_and_no_other():
+    doc = open(PATCHES_DOC).read()
+    full = doc[doc.index("### Every entry of `PATCHES`"):]
+    full = full[:full.index("\n#") if "\n#" in full else len(full)]
+    rows = [line for line in full.splitlines() if line.startswith("| `")]
+    assert rows == patch_rows(), ("docs/patches.md's list differs from PATCHES; its rows are:\n"
+                                  + "\n".join(patch_rows()))
