@@ -254,3 +254,25 @@ def test_the_build_runs_at_most_its_share_of_a_core_and_is_killed_at_its_time_li
     assert rc is None
     rc, text = run_throttled([sys.executable, "-c", "import sys; sys.exit('bad input')"], dict(os.environ), None, 30, 0.5)
     assert rc == 1 and "bad input" in text
+
+
+def test_a_build_stopped_for_time_leaves_none_of_its_workers_behind(tmp_path):
+    """advise forks a pool when given jobs; a kill for time reaches its whole process group (the
+    workers of a killed build were found orphaned, asleep, an hour later)."""
+    import sys
+
+    from vllm_smoe.serving.place.auto_build import run_throttled
+
+    pid_file = tmp_path / "worker.pid"
+    forks = (f"import os, time\npid = os.fork()\nif pid == 0:\n    time.sleep(60)\n    os._exit(0)\n"
+             f"open({str(pid_file)!r}, 'w').write(str(pid))\ntime.sleep(60)\n")
+    rc, _ = run_throttled([sys.executable, "-c", forks], dict(os.environ), os.setsid, 1.5, 1.0)
+    assert rc is None
+    worker = int(pid_file.read_text())
+    time.sleep(0.2)
+    try:  # gone, or a zombie not yet reaped by its new parent
+        with open(f"/proc/{worker}/stat") as f:
+            assert f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        pass
+    assert "--jobs" in advise_command("s.yaml", ["t.npz"], "c.yaml", AutoSettings())

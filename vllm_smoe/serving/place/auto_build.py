@@ -63,6 +63,7 @@ def _limits(mem_mb: int, cpu_s: float):
 
         # killed when the thread that started it ends: a server that stops leaves no build behind
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        os.setsid()  # its own process group: a kill for time reaches whatever it forked
         os.nice(19)
         resource.setrlimit(resource.RLIMIT_AS, (mem_mb << 20, mem_mb << 20))
         cpu = int(cpu_s) + 1
@@ -74,7 +75,7 @@ def advise_command(served: str, files: list[str], out: str, settings, predictor:
     """The ``smoe-place advise`` command line the controller runs (also what an operator would)."""
     cmd = [sys.executable, "-m", "vllm_smoe.tools.place", "advise", "--trace", *files, "--placement", served,
            "--max-moves", f"{settings.max_moves:g}", "--max-tokens", str(settings.window_tokens),
-           "--json", out + ".json", "-o", out]
+           "--json", out + ".json", "-o", out, "--jobs", "1"]
     return cmd + (["--predictor", predictor] if predictor else [])
 
 
@@ -115,6 +116,16 @@ def build_candidate(served: str, record_dir: str, out: str, settings, since: flo
             "cpu_seconds": cpu, "files": len(files)}
 
 
+def _kill_group(p: subprocess.Popen) -> None:
+    import signal
+
+    try:
+        os.killpg(p.pid, signal.SIGKILL)  # its group when it made one (:func:`_limits`)
+    except OSError:
+        p.kill()
+    p.wait()
+
+
 PERIOD_S = 0.1  # the throttle's period: run share x PERIOD_S, stopped the rest
 
 
@@ -142,12 +153,10 @@ def run_throttled(cmd: list[str], env: dict, preexec, timeout_s: float, share: f
                     time.sleep((1.0 - share) * PERIOD_S)
                     p.send_signal(signal.SIGCONT)
         except BaseException:
-            p.kill()
-            p.wait()
+            _kill_group(p)
             raise
         if p.poll() is None:
-            p.kill()
-            p.wait()
+            _kill_group(p)
             return None, ""
         out.seek(0)
         err.seek(0)
