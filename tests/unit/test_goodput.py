@@ -23,8 +23,9 @@ def test_lengths_are_seeded_clipped_and_keep_each_mixs_proportion():
         assert o.min() >= m["output"][2] and o.max() <= m["output"][3]
         assert abs(np.median(p) - m["prompt"][0]) <= 0.05 * m["prompt"][0] + 1
         assert (p + o).max() <= 512  # the testbed's --max-model-len
+        assert m["rates"][0] < m["rates"][1]
     pre, dec = draw_lengths("prefill-heavy", 1000, 0), draw_lengths("decode-heavy", 1000, 0)
-    assert np.median(pre[0] / pre[1]) > 10 and np.median(dec[1] / dec[0]) > 2
+    assert np.median(pre[0] / pre[1]) > 10 and np.median(dec[1] / dec[0]) >= 2
     with pytest.raises(ValueError, match="mix 'bulk'"):
         draw_lengths("bulk", 3, 0)
 
@@ -52,10 +53,12 @@ def test_attainment_counts_each_target_both_and_failures_as_misses():
     lat = request_latencies(outs)
     att = attainment(lat, {"ttft_s": 0.2, "tpot_s": 0.2})
     assert att == {"ttft": 3 / 5, "tpot": 3 / 5, "both": 2 / 5}
-    t = unloaded_targets(lat, 3.0)
+    t = unloaded_targets(lat, [3, 3, 2, 1, 0], 3.0)
     assert math.isclose(t["ttft_s"], 3 * 0.075) and math.isclose(t["tpot_s"], 3 * 0.075)
+    # one request's time: 0.1 + 2 x 0.1, 0.5 + 2 x 0.05, 0.05 + 0.4, 0.05 -> median 0.375
+    assert math.isclose(t["unloaded_request_s"], 0.375)
     with pytest.raises(RuntimeError, match="every unloaded request failed"):
-        unloaded_targets(request_latencies(outs[-1:]), 3.0)
+        unloaded_targets(request_latencies(outs[-1:]), [0], 3.0)
 
 
 @pytest.mark.parametrize("capacity", [0.2, 0.9, 1.7, 3.3, 7.9])

@@ -42,15 +42,18 @@ def attainment(lat: list[dict], targets: dict) -> dict:
             "both": float(np.mean([a and b for a, b in zip(ttft, tpot)]))}
 
 
-def unloaded_targets(lat: list[dict], scale: float) -> dict:
-    """Targets ``scale`` x the median TTFT and TPOT of requests sent one at a time."""
-    ok = [r for r in lat if not r["failed"]]
+def unloaded_targets(lat: list[dict], outputs: list[int], scale: float) -> dict:
+    """Targets ``scale`` x the median TTFT and TPOT of requests sent one at a time (``outputs``:
+    their output tokens), and S, the median time of one request (TTFT + TPOT x (tokens - 1)),
+    the unit of the search's rate range."""
+    ok = [(r, n) for r, n in zip(lat, outputs) if not r["failed"]]
     if not ok:
         raise RuntimeError("every unloaded request failed: no latency to set the targets from")
-    return {"ttft_s": scale * float(np.median([r["ttft_s"] for r in ok])),
-            "tpot_s": scale * float(np.median([r["tpot_s"] for r in ok])), "scale": scale,
-            "unloaded_ttft_s": float(np.median([r["ttft_s"] for r in ok])),
-            "unloaded_tpot_s": float(np.median([r["tpot_s"] for r in ok]))}
+    ttft = float(np.median([r["ttft_s"] for r, _ in ok]))
+    tpot = float(np.median([r["tpot_s"] for r, _ in ok]))
+    return {"ttft_s": scale * ttft, "tpot_s": scale * tpot, "scale": scale, "unloaded_ttft_s": ttft,
+            "unloaded_tpot_s": tpot,
+            "unloaded_request_s": float(np.median([r["ttft_s"] + r["tpot_s"] * (n - 1) for r, n in ok]))}
 
 
 def search_rate(measure: Callable[[float], float], lo: float, hi: float, steps: int,

@@ -37,8 +37,10 @@ def run_goodput(spec: dict, phase: dict, shape) -> dict:
     model, prompts, outputs = spec["model"], phase["prompts"], phase["outputs"]
     nu = phase["unloaded"]
     unloaded = [one_request(c, model, prompts[i], int(outputs[i])) for i in range(nu)]
-    own = unloaded_targets(request_latencies(unloaded), phase["scale"])
+    own = unloaded_targets(request_latencies(unloaded), outputs[:nu], phase["scale"])
     targets = phase.get("targets") or own
+    # the range in req/s: the mix's multiples of 1 / S, S of the start that set the targets
+    rates = [k / targets["unloaded_request_s"] for k in phase["rates"]]
     pool, per = list(range(nu, len(prompts))), phase["warmup"] + phase["requests"]
     runs = []
 
@@ -55,8 +57,8 @@ def run_goodput(spec: dict, phase: dict, shape) -> dict:
               f"both {att['both']:.2f} ({secs:.0f} s)", flush=True)
         return att[phase["criterion"]]
 
-    found = search_rate(measure, *phase["rates"], phase["steps"], phase["goal"])
+    found = search_rate(measure, *rates, phase["steps"], phase["goal"])
     keep = ("name", "mix", "kind", "criterion", "goal", "scale", "warmup", "requests", "unloaded", "rates", "steps")
     return {**{k: phase[k] for k in keep}, "link": phase["link"], "targets": targets, "own_unloaded": own,
-            "goodput": found["goodput"], "bracket": found["bracket"], "runs": runs,
+            "rate_range": rates, "goodput": found["goodput"], "bracket": found["bracket"], "runs": runs,
             "arrivals": "goodput"}

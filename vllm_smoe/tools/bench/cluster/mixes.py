@@ -4,25 +4,27 @@ distributions, prompts cut from the held-out trace's workloads.
 Lengths are log-normal (median, sigma) clipped to [lo, hi], in tokens, sized for the testbed's
 512-token context (``--max-model-len 512``): the proportions, not the sizes, stand for real
 traffic. Each mix also names the rows per rank of its typical step (the link is derived at that
-batch, :func:`.link.link_for_rows`) and the target its goodput is searched under.
+batch, :func:`.link.link_for_rows`), the target its goodput is searched under, and the rate range
+of the search relative to one request's unloaded time (so that it fits any model's speed).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-# name -> prompt (median, sigma, lo, hi), output (...), rows_per_rank, criterion, rate range
-# (req/s) of the search, what it stands for
+# name -> prompt (median, sigma, lo, hi), output (...), rows_per_rank, criterion, the search's
+# rate range in units of 1 / S (S: the median unloaded time of one request, first token to last),
+# what it stands for
 MIXES = {
-    "prefill-heavy": dict(prompt=(320, 0.35, 128, 480), output=(8, 0.5, 2, 24), rows_per_rank=256,
-                          criterion="ttft", rates=(0.25, 16.0),
+    "prefill-heavy": dict(prompt=(192, 0.35, 96, 384), output=(6, 0.5, 2, 16), rows_per_rank=256,
+                          criterion="ttft", rates=(0.25, 4.0),
                           stands_for="long prompts and short answers: summarisation, retrieval-augmented "
                                      "questions, code completion"),
-    "chat": dict(prompt=(128, 0.6, 16, 384), output=(48, 0.6, 8, 128), rows_per_rank=64,
-                 criterion="both", rates=(0.125, 8.0),
+    "chat": dict(prompt=(128, 0.6, 16, 384), output=(32, 0.6, 8, 96), rows_per_rank=64,
+                 criterion="both", rates=(0.5, 8.0),
                  stands_for="a conversation turn: a moderate prompt, an answer of a few sentences"),
-    "decode-heavy": dict(prompt=(32, 0.5, 8, 96), output=(128, 0.4, 48, 256), rows_per_rank=32,
-                         criterion="tpot", rates=(0.125, 4.0),
+    "decode-heavy": dict(prompt=(32, 0.5, 8, 96), output=(64, 0.4, 32, 160), rows_per_rank=32,
+                         criterion="tpot", rates=(1.0, 16.0),
                          stands_for="short prompts and long answers: generation, reasoning traces"),
 }
 
