@@ -141,6 +141,16 @@ def _plot(path: str, timeline: list[dict], shift_t: float, drift_t: float | None
     fig.savefig(path, dpi=110)
 
 
+def plot_auto(path: str, auto: dict) -> None:
+    """The local ratio over time of an automatic re-placement (``result["auto"]``), the build
+    shaded before the swap."""
+    ev, build = auto["events_s"], auto.get("build_window_s")
+    _plot(path, auto["timeline"], ev["shift"], ev["drift"], ev["swap"],
+          None if not build or ev["swap"] is None else ev["swap"] - build[0],
+          f"automatic re-placement (build_cpu_share {auto['settings'].get('build_cpu_share', 1.0):g}): "
+          f"the shaded span is the candidate's build")
+
+
 def run(a) -> int:
     import tempfile
 
@@ -215,6 +225,8 @@ def run(a) -> int:
             s.complete(first[:2], max_tokens=4)
             result["auto"] = shift_auto(a, s, Clients, scrape, first, then_seen, then_unseen, probe=then_unseen[:4])
         write_json(a.json, result)
+        if a.plot:
+            plot_auto(a.plot, result["auto"])
         return 0
     timeline: list[dict] = []
     swap: dict = {}
