@@ -18,6 +18,8 @@ from .wire import wire_worker
 
 
 def _mixes(text: str) -> list[str]:
+    if text == "none":  # only the large-batch decode phase
+        return []
     names = [m for m in text.split(",") if m]
     if bad := [m for m in names if m not in MIXES] or not names:
         raise argparse.ArgumentTypeError(f"--mixes {text!r}: choose from {', '.join(MIXES)}"
@@ -68,7 +70,8 @@ def add_parser(sub) -> None:
     g.add_argument("--goodput", action="store_true",
                    help="the goodput mode instead of the fixed-concurrency mixes and the SLO ladder")
     g.add_argument("--mixes", type=_mixes, default=["prefill-heavy", "decode-heavy"],
-                   help=f"comma-separated, from: {', '.join(MIXES)} (default prefill-heavy,decode-heavy)")
+                   help=f"comma-separated, from: {', '.join(MIXES)} (default prefill-heavy,decode-heavy); none: only "
+                        "the large-batch decode phase")
     g.add_argument("--goodput-requests", type=number(int, 1), default=60, help="counted requests per measured rate")
     g.add_argument("--goodput-warmup", type=number(int, 0), default=8,
                    help="requests sent first at each rate and not counted")
@@ -78,7 +81,7 @@ def add_parser(sub) -> None:
     g.add_argument("--goal", type=number(float, 0, 1, lo_open=True), default=0.9,
                    help="share of requests that must meet the target")
     g.add_argument("--large-batch", type=number(int, 0), default=64,
-                   help="sequences of the fixed-concurrency large-batch decode phase before decode-heavy (0: none)")
+                   help="sequences of the fixed-concurrency large-batch decode phase, first (0: none)")
     g.add_argument("--max-seqs", type=number(int, 1), default=64, help="--max-num-seqs of each server in the mode")
     p.add_argument("--wire-check", action=argparse.BooleanOptionalAction, default=True,
                    help="first run the MoE exchange alone across the veth: smoe's counters against the wire")

@@ -19,23 +19,22 @@ def host_rows(a) -> list[int]:
 
 
 def plan_goodput(a, host_s: dict, target: str, trace_path: str) -> list[dict]:
-    """Phases for ``target`` ("none": no shaping): per mix of ``a.mixes`` one goodput phase (and
-    before decode-heavy's, with ``a.large_batch``, a fixed-concurrency decode phase of that many
-    sequences); host_s: {rows: s}, :func:`.link.host_step_times`."""
+    """Phases for ``target`` ("none": no shaping): with ``a.large_batch`` first a fixed-concurrency
+    decode phase of that many sequences, then per mix of ``a.mixes`` one goodput phase; host_s:
+    {rows: s}, :func:`.link.host_step_times`."""
     from ....formats.trace import read_traces
 
     _, arr, _ = read_traces([trace_path], ("token_ids", "domain"))
     phases = []
+    if a.large_batch:  # decode-heavy's median lengths, all sequences at once
+        m, rows = MIXES["decode-heavy"], max(1, a.large_batch // 2)
+        phases.append({"name": f"decode-c{a.large_batch}", "mix": "decode", "arrivals": "fixed",
+                       "concurrency": a.large_batch, "requests": a.large_batch, "prompt_tokens": int(m["prompt"][0]),
+                       "max_tokens": int(m["output"][0]), "offset": 8,
+                       "link": None if target == "none" else link_for_rows(host_s, target, rows, "large-batch")})
     for i, mix in enumerate(a.mixes):
         m = MIXES[mix]
         link = None if target == "none" else link_for_rows(host_s, target, m["rows_per_rank"], mix)
-        if mix == "decode-heavy" and a.large_batch:
-            rows = max(1, a.large_batch // 2)
-            p, o = int(m["prompt"][0]), int(m["output"][0])
-            phases.append({"name": f"decode-c{a.large_batch}", "mix": "decode", "arrivals": "fixed",
-                           "concurrency": a.large_batch, "requests": a.large_batch, "prompt_tokens": p,
-                           "max_tokens": o, "offset": 8,
-                           "link": None if target == "none" else link_for_rows(host_s, target, rows, "large-batch")})
         n = a.unloaded_requests + (a.search_steps + 1) * (a.goodput_warmup + a.goodput_requests)
         plen, olen = draw_lengths(mix, n, a.seed + i)
         phases.append({"name": f"goodput-{mix}", "kind": "goodput", "arrivals": "goodput", "mix": mix,

@@ -156,7 +156,7 @@ def run(a) -> int:
             meta["links"][target] = links = target_links(a, host, target)
             if a.goodput:
                 phases = plan_goodput(a, host["step_s"], target, a.prompts_trace or FIXTURE_TRACES["heldout"])
-                links = {"decode": next((p["link"] for p in phases if p.get("mix") == "decode-heavy"), links["decode"])}
+                links = {"decode": next((p["link"] for p in phases), links["decode"])}  # the probe's shaping
                 meta["links"][target] = {p["name"]: p["link"] for p in phases}
             net.shape(links["decode"])
             meta["measured_link"][target] = {**measure_link(net), "delay_applied": net.delay_applied}
