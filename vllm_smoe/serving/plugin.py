@@ -50,7 +50,7 @@ _API_SERVERS: list = [None]  # vllm serve's --api-server-count as its CLI settle
 def _add_flags(parser: argparse.ArgumentParser) -> None:
     if any(getattr(a, "dest", None) == "smoe_placement" for a in parser._actions):
         return
-    g = parser.add_argument_group("smoe", "Speculative MoE plugin (https://github.com/smoe; see README)")
+    g = parser.add_argument_group("smoe", "Speculative MoE plugin (https://github.com/smoe; docs/README.md)")
     g.add_argument("--plugin", choices=["smoe"], default=None,
                    help="enable the smoe plugin for this server (its --smoe-* flags need it)")
     g.add_argument("--smoe-placement", default=None, help="placement YAML written by smoe-place build")
@@ -101,7 +101,7 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
                    help="re-place automatically: when drift holds, build a candidate from the recording "
                         "(--smoe-record) off the serving path and swap it in live when it beats the served "
                         "placement on recent traffic (default off; its settings: additional_config smoe.auto_replace, "
-                        "see the README). Needs VLLM_PLUGINS=smoe (the swap runs in smoe's endpoint plugin)")
+                        "docs/live-replacement.md). Needs VLLM_PLUGINS=smoe (the swap runs in smoe's endpoint plugin)")
 
 
 def _smoe_from_args(args: argparse.Namespace) -> dict | None:

@@ -92,7 +92,7 @@ def main() -> int:
     if rc:
         return rc
     print("    (LAR: share of (token, layer, expert) activations local to the token's rank; "
-          "see README for every column)")
+          "docs/metrics.md and docs/place.md say what each column counts)")
 
     ep2 = os.path.join(work, "placement-ep2.yaml")
     _step(6, f"speculative token shuffling at TP=2: smoe-place build --ep-size 2, then vllm serve ... "

@@ -1,7 +1,7 @@
 """vLLM's own expert parallelism on its CPU build, the communicator smoe puts under it, and
 the rotary embedding MLA needs there.
 
-Four gaps in vLLM 0.32's CPU build, all small (the README describes them for upstream), each
+Four gaps in vLLM 0.32's CPU build, all small (docs/patches.md describes them for upstream), each
 told in full where it is filled:
 
 1. the CPU experts ignore ``expert_map`` (:func:`~.patches.cpu.fix_cpu_experts`, :func:`local_pairs`);

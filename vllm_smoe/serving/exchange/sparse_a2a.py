@@ -90,7 +90,7 @@ class SparseExchange:
     group's ``all_gather`` carries them (vLLM's shared-memory transport on one CPU node); a receiver
     keeps the rows whose mask names it. The byte counters count what a point-to-point transport
     carries: one row per (token, remote rank) pair. Both gathers have static sizes; the receiving
-    side selects its rows with ``nonzero`` (CPU tensors here); see the README for GPUs. Across nodes
+    side selects its rows with ``nonzero`` (CPU tensors here); docs/cuda.md for GPUs. Across nodes
     (gloo) rows go point to point (``all_to_all_single``), each pair once to its rank; a small step's
     rows travel in fixed slots per peer with their sizes in the same message (two all-to-alls a
     layer), a large one's after a round trip for the sizes (three), and the counters then count

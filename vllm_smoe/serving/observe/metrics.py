@@ -171,7 +171,7 @@ def read_snapshots(directory: str) -> list[dict]:
 
 
 def families(snapshots: list[dict]):
-    """The Prometheus metric families of a set of snapshots (see the README's metric list)."""
+    """The Prometheus metric families of a set of snapshots (docs/metrics.md lists them)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     order = [s for s in snapshots if s.get("source") == "order"]

@@ -63,7 +63,7 @@ class Check:
 @dataclass(frozen=True)
 class Intervention:
     id: str
-    what: str  # the change, as the README's table of changes to vLLM names it
+    what: str  # the change, as docs/patches.md's table names it
     where: str  # smoe's module that makes it (relative to vllm_smoe/serving/)
     why: str
     upstream: str

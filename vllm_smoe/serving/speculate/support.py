@@ -36,8 +36,8 @@ def speculate_transport(parallel_config, device_type: str, all2all: str | None) 
         return False, (f"--all2all-backend {backend} ignores token order (allgather-reducescatter sends every row to "
                        f"every rank; the others are not sequence parallel in vLLM), so speculate would add traffic "
                        f"and save none: serve with --all2all-backend deepep_low_latency (or one of "
-                       f"{', '.join(b for b in ORDERED_BACKENDS if b != 'deepep_low_latency')}; see the README's "
-                       f"DeepEP install), or use mode place")
+                       f"{', '.join(b for b in ORDERED_BACKENDS if b != 'deepep_low_latency')}; DeepEP's install: "
+                       f"docs/cuda.md), or use mode place")
     return True, ""
 
 
@@ -60,7 +60,7 @@ def speculate_supported(vllm_config, placement, predictor: str = "tables", all2a
         return False, f"needs --tensor-parallel-size >= 2 (got {tp}): tokens are ordered over the TP ranks"
     if pc.pipeline_parallel_size != 1 or pc.data_parallel_size != 1:
         return False, ("pipeline and data parallel size must be 1 (with --data-parallel-size > 1 use mode place: "
-                       "smoe then routes whole requests to DP ranks, see the README)")
+                       "smoe then routes whole requests to DP ranks: docs/dp-routing.md)")
     if getattr(pc, "expert_placement_strategy", "linear") != "linear":
         return False, (f"--expert-placement-strategy {pc.expert_placement_strategy!r}: smoe's placement is applied "
                        f"by the load plan on top of vLLM's linear split; drop the flag")
