@@ -128,14 +128,14 @@ def test_plan_is_the_same_requests_for_every_start_and_a_link_per_mix():
     from vllm_smoe.tools.bench.cluster.goodput_plan import adopt_targets, host_rows, plan_goodput
 
     a = _args()
-    assert host_rows(a) == [32, 256]
-    host_s = {32: 0.01, 256: 0.1}
+    assert host_rows(a) == [32, 128]
+    host_s = {32: 0.01, 128: 0.1}
     ph = plan_goodput(a, host_s, "ib-ndr", FIXTURE_TRACES["heldout"])
     assert [p["name"] for p in ph] == ["decode-c64", "goodput-prefill-heavy", "goodput-decode-heavy"]
     assert ph == plan_goodput(a, host_s, "ib-ndr", FIXTURE_TRACES["heldout"])
     g = ph[1]
     assert len(g["prompts"]) == len(g["outputs"]) == 2 + 3 * (1 + 3)
-    assert g["link"]["rows"] == 256 and ph[0]["link"]["rows"] == 32 and ph[0]["concurrency"] == 64
+    assert g["link"]["rows"] == 128 and ph[0]["link"]["rows"] == 32 and ph[0]["concurrency"] == 64
     assert all(p["link"] is None for p in plan_goodput(a, host_s, "none", FIXTURE_TRACES["heldout"]))
     adopt_targets(ph, {"phases": [{"kind": "goodput", "name": "goodput-prefill-heavy", "targets": {"ttft_s": 1}}]})
     assert ph[1]["targets"] == {"ttft_s": 1} and ph[2]["targets"] is None
