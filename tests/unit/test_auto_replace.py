@@ -220,7 +220,7 @@ def test_too_little_recording_waits_one_hold_not_a_cool_down(tmp_path):
     assert ctl.counters["rejected"]["no_recording"] == 2 and ctl.last["decision"] == "waiting"
     assert ctl.observe(True, 6.0)
     ctl.rejected("margin", "no better", 6.0)
-    assert not ctl.observe(True, 100.0)  # cooling down
+    assert not ctl.observe(True, 100.0) and not ctl.waiting  # cooling down; the next run's wait is logged again
 
 
 def test_the_loop_retries_a_build_refused_for_lack_of_recording(tmp_path):
@@ -250,8 +250,10 @@ def test_the_build_runs_at_most_its_share_of_a_core_and_is_killed_at_its_time_li
     wall, used = time.monotonic() - t0, cpu() - c0
     assert rc == 0 and "done" in text and used >= 0.3
     assert wall >= 0.3 / 0.2 * 0.7  # 0.3 s of CPU at a fifth of a core takes about 1.5 s
-    rc, _ = run_throttled([sys.executable, "-c", "import time; time.sleep(30)"], dict(os.environ), None, 0.5, 1.0)
-    assert rc is None
+    for share in (1.0, 0.3):  # killed for time, also while stopped by the throttle
+        t0 = time.monotonic()
+        rc, _ = run_throttled([sys.executable, "-c", "import time; time.sleep(30)"], dict(os.environ), None, 0.5, share)
+        assert rc is None and time.monotonic() - t0 < 10
     rc, text = run_throttled([sys.executable, "-c", "import sys; sys.exit('bad input')"], dict(os.environ), None, 30, 0.5)
     assert rc == 1 and "bad input" in text
 
@@ -266,7 +268,7 @@ def test_a_build_stopped_for_time_leaves_none_of_its_workers_behind(tmp_path):
     pid_file = tmp_path / "worker.pid"
     forks = (f"import os, time\npid = os.fork()\nif pid == 0:\n    time.sleep(60)\n    os._exit(0)\n"
              f"open({str(pid_file)!r}, 'w').write(str(pid))\ntime.sleep(60)\n")
-    rc, _ = run_throttled([sys.executable, "-c", forks], dict(os.environ), os.setsid, 1.5, 1.0)
+    rc, _ = run_throttled([sys.executable, "-c", forks], dict(os.environ), None, 5.0, 1.0)
     assert rc is None
     worker = int(pid_file.read_text())
     time.sleep(0.2)

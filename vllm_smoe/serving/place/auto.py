@@ -78,7 +78,7 @@ class AutoReplace:
         assert reason in REASONS, reason
         self.counters["rejected"][reason] += 1
         self.quiet_until = now + self.settings.cooldown_s
-        self.drift_since = None
+        self.drift_since, self.waiting = None, False
         self._say({"decision": "rejected", "reason": reason, "detail": detail})
 
     def too_early(self, detail: str, now: float) -> None:
@@ -97,7 +97,7 @@ class AutoReplace:
         self.counters["moved_bytes"] += int(answer.get("moved_bytes", 0))
         self.counters["swap_seconds"] += float(answer.get("seconds", 0.0))
         self.quiet_until = now + self.settings.cooldown_s
-        self.drift_since = None
+        self.drift_since, self.waiting = None, False
         self._say({"decision": "swapped", **{k: answer[k] for k in ("placement", "previous", "moved_slots",
                                                                      "moved_bytes", "seconds") if k in answer}})
 
@@ -105,7 +105,7 @@ class AutoReplace:
         """The controller itself failed (a bug, an I/O error): counted, serving goes on."""
         self.counters["failures"] += 1
         self.quiet_until = now + self.settings.cooldown_s
-        self.drift_since = None
+        self.drift_since, self.waiting = None, False
         self._say({"decision": "failed", "detail": detail})
 
     def _say(self, decision: dict) -> None:
@@ -162,9 +162,10 @@ async def run(ctl: AutoReplace, *, served_path, record_dir: str, metrics_dir: st
             verdict = pooled_drift(await asyncio.to_thread(read_snapshots, metrics_dir))
             go = ctl.observe(None if verdict is None else verdict["drifted"], now)
             if go:
-                logger.info("smoe: auto-replace: drift held %.0f s (window ratio %.4f < %g x expected %.4f): "
-                            "building a candidate from %s", now - ctl.drift_since, verdict["ratio"],
-                            verdict["threshold"], verdict["expected"], record_dir)
+                (logger.debug if ctl.waiting else logger.info)(  # a retry while waiting for a recording: once
+                    "smoe: auto-replace: drift held %.0f s (window ratio %.4f < %g x expected %.4f): building a "
+                    "candidate from %s", now - ctl.drift_since, verdict["ratio"], verdict["threshold"],
+                    verdict["expected"], record_dir)
                 out = os.path.join(workdir, f"candidate-{ctl.counters['candidates'] + 1}.yaml")
                 since = time.time() - (now - ctl.drift_since)
                 try:

@@ -63,7 +63,6 @@ def _limits(mem_mb: int, cpu_s: float):
 
         # killed when the thread that started it ends: a server that stops leaves no build behind
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        os.setsid()  # its own process group: a kill for time reaches whatever it forked
         os.nice(19)
         resource.setrlimit(resource.RLIMIT_AS, (mem_mb << 20, mem_mb << 20))
         cpu = int(cpu_s) + 1
@@ -116,13 +115,20 @@ def build_candidate(served: str, record_dir: str, out: str, settings, since: flo
             "cpu_seconds": cpu, "files": len(files)}
 
 
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    """``sig`` to the child's process group (it leads one: ``start_new_session``) while the
+    child has not been reaped, so that a reused pid is never signalled."""
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def _kill_group(p: subprocess.Popen) -> None:
     import signal
 
-    try:
-        os.killpg(p.pid, signal.SIGKILL)  # its group when it made one (:func:`_limits`)
-    except OSError:
-        p.kill()
+    _signal_group(p, signal.SIGKILL)
     p.wait()
 
 
@@ -137,7 +143,8 @@ def run_throttled(cmd: list[str], env: dict, preexec, timeout_s: float, share: f
     import tempfile
 
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, preexec_fn=preexec)
+        # its own process group: the throttle and a kill for time reach whatever it forks
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, preexec_fn=preexec, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         try:
             while p.poll() is None and time.monotonic() < deadline:
@@ -149,9 +156,9 @@ def run_throttled(cmd: list[str], env: dict, preexec, timeout_s: float, share: f
                     continue
                 time.sleep(share * PERIOD_S)
                 if p.poll() is None:
-                    p.send_signal(signal.SIGSTOP)
+                    _signal_group(p, signal.SIGSTOP)
                     time.sleep((1.0 - share) * PERIOD_S)
-                    p.send_signal(signal.SIGCONT)
+                    _signal_group(p, signal.SIGCONT)
         except BaseException:
             _kill_group(p)
             raise
