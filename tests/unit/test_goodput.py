@@ -137,8 +137,9 @@ def test_plan_is_the_same_requests_for_every_start_and_a_link_per_mix():
     assert len(g["prompts"]) == len(g["outputs"]) == 2 + 3 * (1 + 3)
     assert g["link"]["rows"] == 128 and ph[0]["link"]["rows"] == 32 and ph[0]["concurrency"] == 64
     assert all(p["link"] is None for p in plan_goodput(a, host_s, "none", FIXTURE_TRACES["heldout"]))
-    adopt_targets(ph, {"phases": [{"kind": "goodput", "name": "goodput-prefill-heavy", "targets": {"ttft_s": 1}}]})
-    assert ph[1]["targets"] == {"ttft_s": 1} and ph[2]["targets"] is None
+    adopt_targets(ph, {"phases": [{"kind": "goodput", "name": "goodput-prefill-heavy", "targets": {"ttft_s": 1}}]},
+                  "tp#0")
+    assert ph[1]["targets"] == {"ttft_s": 1, "set_by": "tp#0"} and ph[2]["targets"] is None
     only = plan_goodput(_args(mixes=[]), host_s, "ib-ndr", FIXTURE_TRACES["heldout"])
     assert [p["name"] for p in only] == ["decode-c64"]
 
@@ -164,12 +165,19 @@ def test_summary_takes_each_sides_best_median_and_the_spread(tmp_path):
                       "dp-ep-smoe#2": {"error": "node 1 exited with 1\n..."}}}
     s = summarise_goodput(res)["ib-ndr"]
     m = s["mixes"]["prefill-heavy"]
-    assert m["configs"]["tp"]["median"] == pytest.approx(1.1) and m["configs"]["tp"]["spread"] == pytest.approx(0.2 / 1.1)
-    assert m["best_vllm"] == ("dp-ep", 2.0) and m["best_smoe"] == ("dp-ep-smoe", pytest.approx(3.15))
+    k = 2 ** (0.05 / 0.45)  # each start's crossing: 0.95 at g, 0.5 at 2 g, interpolated in log rate
+    assert m["configs"]["tp"]["median"] == pytest.approx(1.1 * k) and m["configs"]["tp"]["spread"] == pytest.approx(0.2 / 1.1)
+    assert m["configs"]["tp"]["grid"] == [1.0, 1.2] and m["configs"]["tp"]["open"] == [False, False]
+    assert m["best_vllm"] == ("dp-ep", pytest.approx(2.0 * k)) and m["best_smoe"] == ("dp-ep-smoe", pytest.approx(3.15 * k))
     assert m["ratio"] == pytest.approx(3.15 / 2.0)
     assert s["greedy_equal_tp"]["dp-ep-smoe#1"] is False and s["greedy_equal_tp"]["dp-ep#0"] is True
     md = markdown_goodput({"ib-ndr": s})
-    assert "1.57x" in md and "NOT dp-ep-smoe#1" in md and "start dp-ep-smoe#2 failed: node 1 exited with 1" in md
+    assert "(dp-ep): 1.5" in md and "NOT dp-ep-smoe#1" in md and "start dp-ep-smoe#2 failed: node 1 exited with 1" in md
+    res["ib-ndr"]["dp-ep-smoe#0"]["phases"][0]["runs"] = [{"rate": 3.0, "attainment": {"ttft": 0.95}}]  # never missed
+    s2 = summarise_goodput({"ib-ndr": {k: v for k, v in res["ib-ndr"].items() if not k.startswith("tp")}})["ib-ndr"]
+    md2 = markdown_goodput({"ib-ndr": s2})
+    assert s2["mixes"]["prefill-heavy"]["ratio"] is None and "&ge; 3" in md2 and "lower bound" in md2
+    assert "not checked (no plain TP start)" in md2
     plot_goodput(res, str(tmp_path / "g.png"))
     assert (tmp_path / "g.png").stat().st_size > 1000
 
@@ -180,3 +188,30 @@ def test_cli_parses_the_mode_and_refuses_an_unknown_mix(capsys):
     with pytest.raises(SystemExit) as e:
         main(["cluster", "--goodput", "--mixes", "chat,bulk"])
     assert e.value.code == 2 and "unknown: bulk" in capsys.readouterr().err
+
+
+def test_crossing_interpolates_between_the_bracket_on_a_log_scale():
+    from vllm_smoe.tools.bench.cluster.goodput import crossing
+
+    r, open_ = crossing([[1.0, 1.0], [4.0, 0.5], [2.0, 0.95]], 0.9)
+    # between 2.0 (0.95) and 4.0 (0.5): a tenth of the way in log rate
+    assert not open_ and r == pytest.approx(2.0 * 2 ** (0.05 / 0.45))
+    assert crossing([[1.0, 0.95], [2.0, 0.92]], 0.9) == (2.0, True)
+    assert crossing([[1.0, 0.5]], 0.9) == (0.0, False)
+
+
+@pytest.mark.parametrize("mixes", [",", "chat,chat", ""])
+def test_cli_refuses_an_empty_or_repeated_mix_list(mixes, capsys):
+    from vllm_smoe.tools.bench import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["cluster", "--goodput", "--mixes", mixes])
+    assert e.value.code == 2 and "choose each once" in capsys.readouterr().err
+
+
+def test_nothing_to_measure_and_a_fixed_rate_are_refused_before_any_work(tmp_path):
+    from vllm_smoe.tools.bench import main
+
+    assert main(["cluster", "--goodput", "--mixes", "none", "--large-batch", "0", "--work", str(tmp_path)]) == 2
+    assert main(["cluster", "--goodput", "--rate", "1e8", "--work", str(tmp_path)]) == 2
+    assert not any(tmp_path.iterdir())

@@ -8,7 +8,7 @@ import json
 import sys
 
 from .client import client_main
-from .goodput_report import markdown_goodput
+from .goodput_report import markdown_goodput, summarise_goodput
 from .link import TARGETS
 from .mixes import MIXES
 from .netns import probe_sink
@@ -21,8 +21,9 @@ def _mixes(text: str) -> list[str]:
     if text == "none":  # only the large-batch decode phase
         return []
     names = [m for m in text.split(",") if m]
-    if bad := [m for m in names if m not in MIXES] or not names:
-        raise argparse.ArgumentTypeError(f"--mixes {text!r}: choose from {', '.join(MIXES)}"
+    bad = [m for m in names if m not in MIXES]
+    if bad or not names or len(set(names)) < len(names):
+        raise argparse.ArgumentTypeError(f"--mixes {text!r}: choose each once from {', '.join(MIXES)}, or none"
                                          + (f" (unknown: {', '.join(bad)})" if bad else ""))
     return names
 
@@ -118,7 +119,8 @@ def main(argv=None) -> int:
     if argv[:1] == ["--markdown"]:
         with open(argv[1]) as f:
             payload = json.load(f)
-        print(markdown_goodput(payload["summary"]) if payload.get("args", {}).get("goodput") else markdown(payload))
+        print(markdown_goodput(summarise_goodput(payload["results"])) if payload.get("args", {}).get("goodput")
+              else markdown(payload))
         return 0
     if argv[:1] == ["--wire-worker"]:
         return wire_worker(int(argv[1]), argv[2])

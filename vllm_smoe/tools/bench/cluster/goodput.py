@@ -96,3 +96,21 @@ def spread(values: list[float]) -> float | None:
     if len(v) < 2 or np.median(v) == 0:
         return None
     return float((max(v) - min(v)) / np.median(v))
+
+
+def crossing(tried: list, goal: float = 0.9) -> tuple[float, bool]:
+    """The rate where attainment crosses ``goal``, interpolated on a log scale between the
+    highest rate met and the lowest rate missed above it (the bisection's grid alone would make
+    every start's goodput one of a few values). tried: [[rate, attainment], ...]. Returns (rate,
+    open): open when no rate above the highest met one missed (the goodput is at least that
+    rate); (0.0, False) when no rate met the goal."""
+    met = [(r, a) for r, a in tried if a >= goal]
+    if not met:
+        return 0.0, False
+    r1, a1 = max(met)
+    above = [(r, a) for r, a in tried if r > r1 and a < goal]
+    if not above:
+        return r1, True
+    r2, a2 = min(above)
+    f = (a1 - goal) / (a1 - a2)
+    return float(math.exp(math.log(r1) + f * (math.log(r2) - math.log(r1)))), False

@@ -4,6 +4,8 @@ phase. The targets are filled in from the first configuration's unloaded latenci
 
 from __future__ import annotations
 
+import zlib
+
 from .link import link_for_rows
 from .mixes import MIXES, draw_lengths, workload_prompts
 
@@ -32,25 +34,25 @@ def plan_goodput(a, host_s: dict, target: str, trace_path: str) -> list[dict]:
                        "concurrency": a.large_batch, "requests": a.large_batch, "prompt_tokens": int(m["prompt"][0]),
                        "max_tokens": int(m["output"][0]), "offset": 8,
                        "link": None if target == "none" else link_for_rows(host_s, target, rows, "large-batch")})
-    for i, mix in enumerate(a.mixes):
-        m = MIXES[mix]
+    for mix in a.mixes:
+        m, seed = MIXES[mix], a.seed + zlib.crc32(mix.encode()) % 1000  # a mix draws the same alone or not
         link = None if target == "none" else link_for_rows(host_s, target, m["rows_per_rank"], mix)
         n = a.unloaded_requests + (a.search_steps + 1) * (a.goodput_warmup + a.goodput_requests)
-        plen, olen = draw_lengths(mix, n, a.seed + i)
+        plen, olen = draw_lengths(mix, n, seed)
         phases.append({"name": f"goodput-{mix}", "kind": "goodput", "arrivals": "goodput", "mix": mix,
                        "criterion": m["criterion"], "goal": a.goal, "scale": a.slo_scale,
                        "warmup": a.goodput_warmup, "requests": a.goodput_requests,
                        "unloaded": a.unloaded_requests, "rates": list(m["rates"]), "steps": a.search_steps,
-                       "seed": a.seed + 100 * i, "targets": None, "concurrency": a.max_seqs, "link": link,
-                       "prompts": workload_prompts(arr["token_ids"], arr["domain"], plen, a.seed + i),
+                       "seed": seed, "targets": None, "concurrency": a.max_seqs, "link": link,
+                       "prompts": workload_prompts(arr["token_ids"], arr["domain"], plen, seed),
                        "outputs": olen.tolist()})
     return phases
 
 
-def adopt_targets(phases: list[dict], result: dict) -> None:
-    """The first configuration's targets, from its unloaded latencies, for every later start:
-    one set of targets for every configuration."""
+def adopt_targets(phases: list[dict], result: dict, key: str = "") -> None:
+    """The targets of the first start that measured them (``key``, e.g. ``dp-ep#0``), from its
+    unloaded latencies, for every later start: one set of targets for every configuration."""
     got = {p["name"]: p["targets"] for p in result.get("phases", []) if p.get("kind") == "goodput"}
     for p in phases:
         if p.get("kind") == "goodput" and p["targets"] is None and p["name"] in got:
-            p["targets"] = got[p["name"]]
+            p["targets"] = {**got[p["name"]], "set_by": key or "the first start"}

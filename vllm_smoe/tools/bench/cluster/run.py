@@ -63,26 +63,29 @@ def serve_target(net: Net, target: str, a, names: list, cfgs: dict, work: str, p
     each, on the link as ``phases`` shape it; each start's results (or its error) go into
     ``rows`` as they come, so that an interrupted run keeps what was measured. ``starts``: an
     iterator of start numbers, fresh over the whole run (ports, log names)."""
-    for name in names:
+    # goodput: start 0 of every configuration, then start 1, so that the host's drift over the run
+    # spreads over the configurations instead of separating them
+    order = ([(n, r) for r in range(a.repeats) for n in names] if getattr(a, "goodput", False) else
+             [(n, r) for n in names for r in range(a.repeats)])
+    for name, rnd in order:
         cfg = cfgs[name]
-        for rnd in range(a.repeats):
-            idx = next(starts)
-            t = time.monotonic()
-            key = name if a.repeats == 1 else f"{name}#{rnd}"
-            try:
-                r = run_config(net, name, cfg, idx, work, a, phases, prompts)
-                r["smoe"] = cfg["smoe"]
-                rows[key] = r
-                adopt_targets(phases, r)
-                good = [f"{p['mix']} {p['goodput']:.3g} req/s" for p in r["phases"] if p.get("kind") == "goodput"]
-                head = next((p for p in r["phases"] if p["name"] == "decode-c8"), r["phases"][0])
-                print(f"[{target}] {key}: " + (f"goodput {', '.join(good)}" if good else
-                                               f"TPOT {head['tpot_ms']:.1f} ms, wire "
-                                               f"{head['wire_bytes_per_token']:.0f} B/token")
-                      + f" ({time.monotonic() - t:.0f} s)", flush=True)
-            except RuntimeError as e:
-                rows[key] = {"error": str(e), "smoe": cfg["smoe"]}
-                print(f"FAILED {e}", file=sys.stderr, flush=True)
+        idx = next(starts)
+        t = time.monotonic()
+        key = name if a.repeats == 1 else f"{name}#{rnd}"
+        try:
+            r = run_config(net, name, cfg, idx, work, a, phases, prompts)
+            r["smoe"] = cfg["smoe"]
+            rows[key] = r
+            adopt_targets(phases, r, key)
+            good = [f"{p['mix']} {p['goodput']:.3g} req/s" for p in r["phases"] if p.get("kind") == "goodput"]
+            head = next((p for p in r["phases"] if p["name"] == "decode-c8"), r["phases"][0])
+            print(f"[{target}] {key}: " + (f"goodput {', '.join(good)}" if good else
+                                           f"TPOT {head['tpot_ms']:.1f} ms, wire "
+                                           f"{head['wire_bytes_per_token']:.0f} B/token")
+                  + f" ({time.monotonic() - t:.0f} s)", flush=True)
+        except RuntimeError as e:
+            rows[key] = {"error": str(e), "smoe": cfg["smoe"]}
+            print(f"FAILED {e}", file=sys.stderr, flush=True)
 
 
 def run(a) -> int:
@@ -96,6 +99,10 @@ def run(a) -> int:
     a.configs = a.configs or (DEFAULT_CONFIGS if a.goodput else "tp,tp-ep,tp-ep-speculate,dp-ep,dp-ep-smoe")
     a.repeats = a.repeats or (2 if a.goodput else 1)
     a.config_timeout = a.config_timeout or (5400.0 if a.goodput else 1800.0)
+    if a.goodput and not a.mixes and not a.large_batch:
+        raise ValueError("--mixes none with --large-batch 0: nothing to measure")
+    if a.goodput and a.rate:
+        raise ValueError(f"--rate {a.rate:g} with --goodput: its links are derived per mix (--target); drop --rate")
     if bad := [t for t in a.target if t not in TARGETS and t != "none"]:
         raise ValueError(f"--target {' '.join(bad)}: choose from {', '.join(TARGETS)}, none")
     if a.model is not None and not os.path.isfile(os.path.join(a.model, "config.json")):
@@ -162,7 +169,8 @@ def run(a) -> int:
             meta["measured_link"][target] = {**measure_link(net), "delay_applied": net.delay_applied}
             net.shape(None)
             m = meta["measured_link"][target]
-            print(f"[{target}] decode link {links['decode'] and links['decode']['rate_bit'] / 1e6}"
+            print(f"[{target}] {'first phase' if a.goodput else 'decode'} link "
+                  f"{links['decode'] and links['decode']['rate_bit'] / 1e6}"
                   f" Mbit/s: measured {8 * m['rate_bytes_s'] / 1e6:.1f} Mbit/s, RTT {1e3 * m['rtt_s']:.2f} ms",
                   flush=True)
             if not a.goodput:
