@@ -45,9 +45,13 @@ def summarise_goodput(results: dict) -> dict:
             best = {s: max(((n, r["median"]) for n, r in m["configs"].items() if r["smoe"] == s and r["median"]
                             is not None), key=lambda x: x[1], default=(None, None)) for s in (True, False)}
             m["best_smoe"], m["best_vllm"] = best[True], best[False]
-            # a goodput above its search's range is a lower bound: no ratio is claimed from one
-            bounded = all(not any(m["configs"][n].get("open", [])) for n, _ in best.values() if n is not None)
-            m["ratio"] = best[True][1] / best[False][1] if best[True][1] and best[False][1] and bounded else None
+            # a goodput above its search's range is a lower bound: smoe's open makes the ratio one
+            # too ("at least"), vLLM's open makes it an upper bound, both open: no ratio
+            opened = {side: n is not None and any(m["configs"][n].get("open", [])) for side, (n, _) in best.items()}
+            both = best[True][1] and best[False][1]
+            m["ratio"] = best[True][1] / best[False][1] if both and not (opened[True] and opened[False]) else None
+            m["ratio_bound"] = ">=" if opened[True] and not opened[False] else "<=" if opened[False] and \
+                not opened[True] else "="
         out[target] = {"mixes": mixes, "greedy_reference": ref is not None,
                        "greedy_equal_tp": {k: None if ref is None or not r.get("greedy") else r["greedy"] == ref
                                            for k, r in ok.items()},
@@ -88,10 +92,11 @@ def markdown_goodput(summary: dict) -> str:
                              f"{1e3 * np.median(r['unloaded_ttft_s']):.0f} / {1e3 * np.median(r['unloaded_tpot_s']):.0f} | "
                              f"{per} | {_fmt(r['median'])} | {_fmt(r['spread'], '{:.0%}')} |")
             if m["ratio"] is not None:
+                bound = {">=": "at least ", "<=": "at most ", "=": ""}[m["ratio_bound"]]
                 lines.append(f"\nsmoe's best ({m['best_smoe'][0]}) / vLLM's best ({m['best_vllm'][0]}): "
-                             f"{m['ratio']:.2f}x")
+                             f"{bound}{m['ratio']:.2f}x")
             elif m["best_smoe"][0] and m["best_vllm"][0]:
-                lines.append("\nno ratio: a best goodput is above its search's range (a lower bound)")
+                lines.append("\nno ratio: both best goodputs are above their search's range (lower bounds)")
         bad = [k for k, v in s["greedy_equal_tp"].items() if v is False]
         lines.append("\ngreedy tokens equal plain TP's: " + ("not checked (no plain TP start)" if not s.get(
             "greedy_reference", True) else "every start" if not bad else "NOT " + ", ".join(bad)))
