@@ -152,6 +152,11 @@ def vllm_runs(runs, tmp_dir, tp=1, timeout=1800):
     out = []
     for i in range(len(runs)):
         m = re.search(rf"^SMOE_RUN_BEGIN {i}\n(.*?)^SMOE_RUN_END {i}$", r.stdout, re.S | re.M)
+        result = f"{path}.result{i}.json"  # written by the helper at the run's end (the log may interleave)
+        if m and os.path.isfile(result):
+            with open(result) as f:
+                out.append((json.load(f), m.group(1)))
+            continue
         line = [ln for ln in m.group(1).splitlines() if ln.startswith("SMOE_RESULT ")] if m else []
         if not line:  # the root cause sits above the engine's last words
             log = r.stdout.splitlines()

@@ -26,6 +26,7 @@ os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
 
 
 RECORDING = False  # the engine being stopped recorded (smoe's record setting)
+RESULT_PATH = ""  # with --runs: where the run being served writes its result (read by tests/support.py)
 
 
 def stop_workers_sooner() -> None:
@@ -72,8 +73,22 @@ def generate(model, prompts, max_tokens, extra, ep, compiled, dtype="float32", e
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     logprobs = [[step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
-    print("SMOE_RESULT " + json.dumps({"tokens": tokens, "logprobs": logprobs}), flush=True)
+    result = {"tokens": tokens, "logprobs": logprobs}
+    if RESULT_PATH:  # read from the file: a long line in a pipe can be split by other writers' lines
+        with open(RESULT_PATH + ".tmp", "w") as f:
+            json.dump(result, f)
+        os.replace(RESULT_PATH + ".tmp", RESULT_PATH)
+    say("SMOE_RESULT " + json.dumps(result))
     return llm
+
+
+def say(line: str) -> None:
+    """One line of this helper's protocol in a single write, on a line of its own: vLLM's
+    threads log into the same pipe, and print's separate writes of text and newline let their
+    lines land inside a marker (seen: a run's BEGIN marker lost, the run reported missing)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.write(1, ("\n" + line + "\n").encode())
 
 
 def main() -> None:
@@ -88,9 +103,10 @@ def main() -> None:
     stop_workers_sooner()
     with open(sys.argv[2]) as f:
         runs = json.load(f)
-    global RECORDING
+    global RECORDING, RESULT_PATH
     for i, run in enumerate(runs):
-        print(f"SMOE_RUN_BEGIN {i}", flush=True)
+        RESULT_PATH = f"{sys.argv[2]}.result{i}.json"
+        say(f"SMOE_RUN_BEGIN {i}")
         RECORDING = bool(((run.get("extra") or {}).get("smoe") or {}).get("record"))
         llm = generate(run["model"], run["prompts"], run["max_tokens"], run.get("extra"), run.get("ep", ep),
                        run.get("compiled", compiled), run.get("dtype", "float32"), run.get("engine"))
@@ -101,7 +117,7 @@ def main() -> None:
         del llm
         gc.collect()
         cleanup_dist_env_and_memory()
-        print(f"SMOE_RUN_END {i}", flush=True)
+        say(f"SMOE_RUN_END {i}")
 
 
 if __name__ == "__main__":
