@@ -8,7 +8,7 @@ import pytest  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# Under pytest-xdist (``make test``: --dist loadfile --no-loadscope-reorder) the files that take
+# Under pytest-xdist (``make test``: --dist loadgroup --no-loadscope-reorder) the files that take
 # longest are sent first, so that no engine-heavy file is left for the end while the other worker
 # idles (xdist's own order, by number of tests, would send test_dp_routing's 3 tests and the
 # one-test files last). Order from the slowest tests of two serial CI runs (2026-12-07); files not
@@ -19,6 +19,9 @@ HEAVY_FIRST = ("vllm/test_dp_routing.py", "vllm/test_speculate.py", "vllm/test_d
                "vllm/test_inflate.py", "vllm/test_metrics_probes.py", "unit/test_place_cli.py",
                "unit/test_auto_replace.py", "vllm/test_metrics.py", "vllm/test_serve.py",
                "vllm/test_vllm_load.py", "vllm/test_hardening.py")
+# Files run by the same worker as another (one xdist group): plain_served (tests/vllm/conftest.py)
+# is made once per worker, so its users share one.
+SAME_WORKER = {"vllm/test_serve.py": "vllm/test_dp_routing.py"}
 
 
 def pytest_configure(config):
@@ -53,7 +56,7 @@ def pytest_unconfigure(config):
         os.environ.pop(BUILDS_ENV, None)
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker names the groups
 def pytest_collection_modifyitems(config, items):
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return  # a plain run keeps pytest's order
@@ -63,6 +66,9 @@ def pytest_collection_modifyitems(config, items):
 
     rank = {f: i for i, f in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(rel(item), len(rank)))  # stable: same order on every worker
+    if config.getoption("loadgroup", False):  # a file is a group (as --dist loadfile), SAME_WORKER joined
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(SAME_WORKER.get(rel(item), rel(item))))
 
 
 @pytest.fixture
