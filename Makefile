@@ -28,13 +28,8 @@ $(STAMP): pyproject.toml
 
 # PYTHONDONTWRITEBYTECODE emptied: where the environment sets it, every vLLM process the served
 # tests start (engines, workers, API servers: a few hundred) would compile smoe's modules again.
-# Two workers (this host has two cores), a test file per worker at a time (module fixtures start
-# their engines once), the slowest files first (tests/conftest.py); then the tests that need the
-# whole host, alone. Both parts run; the target fails when either did.
-XDIST := -n 2 --dist loadgroup --no-loadscope-reorder
 test: install
-	rc=0; PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -ra --durations=25 $(XDIST) -m "not serial" || rc=1; \
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -ra --durations=5 -m serial || rc=1; exit $$rc
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -ra --durations=25
 
 test-fast: install
 	$(BIN)/python -m pytest -q -ra -m "not vllm"

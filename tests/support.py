@@ -83,48 +83,34 @@ def derangement_yaml(path, shift=1, ep=32, layers=4, experts=32, step=1, **model
 
 # (module, *args) -> the output path of that build, made once per test run (see ``built``)
 _BUILT: dict[tuple[str, ...], str] = {}
-_BUILD_DIR: list[str] = []  # the run's build directory, found or made at the first build
-# The run's build directory when the run made one (tests/conftest.py): pytest-xdist's workers
-# share it, each build made by the first worker that asks and read by the others.
-BUILDS_ENV = "SMOE_TEST_BUILDS"
+_BUILD_DIR: list[str] = []  # the run's build directory, made at the first build
 
 
 def built(module, *args):
     """The output of ``python -m vllm_smoe.tools.<module> *args -o PATH``, built once per test
     run for each exact argument list and shared by every test that asks for it (smoe-place and
-    smoe-testbed are deterministic: seeded, one output per input), across pytest-xdist's
-    workers too. The output lies in a directory of the whole run, removed at its end: read it,
-    never change it. Fails the test with the command's stderr when it exits non-zero."""
-    import fcntl
-    import hashlib
+    smoe-testbed are deterministic: seeded, one output per input). The output lies in a
+    directory of the whole run, removed at exit: read it, never change it. Fails the test with
+    the command's stderr when it exits non-zero."""
+    import atexit
+    import shutil
     import subprocess
     import sys
+    import tempfile
 
     key = (module, *map(str, args))
     if key not in _BUILT:
         if not _BUILD_DIR:
-            d = os.environ.get(BUILDS_ENV)
-            if not d:  # imported outside the test run
-                import atexit
-                import shutil
-                import tempfile
-
-                d = tempfile.mkdtemp(prefix="smoe-test-builds-")
-                atexit.register(shutil.rmtree, d, True)
-            _BUILD_DIR.append(d)
-        name = hashlib.sha256("\0".join(key).encode()).hexdigest()[:12]  # the same on every worker
-        out = os.path.join(_BUILD_DIR[0], f"{name}-{module}-{args[0]}")
+            _BUILD_DIR.append(tempfile.mkdtemp(prefix="smoe-test-builds-"))
+            atexit.register(shutil.rmtree, _BUILD_DIR[0], True)
+        out = os.path.join(_BUILD_DIR[0], f"{len(_BUILT)}-{module}-{args[0]}")
         if module == "place_cli":
             out += ".yaml"
         elif module == "testbed_cli" and args[0] == "record":
             out += ".npz"
-        with open(out + ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # a worker building the same waits for it, then reads it
-            if not os.path.exists(out + ".done"):
-                r = subprocess.run([sys.executable, "-m", f"vllm_smoe.tools.{module}", *key[1:], "-o", out],
-                                   capture_output=True, text=True, timeout=600)
-                assert r.returncode == 0, f"{' '.join(key)}:\n{r.stderr[-3000:]}"
-                open(out + ".done", "w").close()
+        r = subprocess.run([sys.executable, "-m", f"vllm_smoe.tools.{module}", *key[1:], "-o", out],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, f"{' '.join(key)}:\n{r.stderr[-3000:]}"
         _BUILT[key] = out
     return _BUILT[key]
 
@@ -141,17 +127,6 @@ def random_model_placed(tmp_dir, arch, experts, top_k, layers=2, ep=2):
     model = random_model(arch, experts, top_k, layers)
     trace = built("testbed_cli", "record", "--model", model, "--requests", 8, "--seq-len", 64)
     return model, built("place_cli", "build", "--trace", trace, "--ep-size", ep, "--model", model)
-
-
-def one_core() -> str:
-    """The core a one-rank engine of this test process is bound to (VLLM_CPU_OMP_THREADS_BIND):
-    the first this process may run on, or under pytest-xdist the worker's own (gw0 the first,
-    gw1 the second, ...), so that two workers' one-rank engines do not share one core while the
-    other idles."""
-    cores = sorted(os.sched_getaffinity(0))
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    i = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
-    return str(cores[i % len(cores)])
 
 
 def vllm_runs(runs, tmp_dir, tp=1, timeout=1800):
@@ -171,7 +146,7 @@ def vllm_runs(runs, tmp_dir, tp=1, timeout=1800):
     path = os.path.join(str(tmp_dir), "runs.json")
     with open(path, "w") as f:
         json.dump(runs, f)
-    env = {**os.environ, "SMOE_TEST_TP": str(tp), "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else one_core()}
+    env = {**os.environ, "SMOE_TEST_TP": str(tp), "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "0"}
     r = subprocess.run([sys.executable, HELPER, "--runs", path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                        text=True, timeout=timeout, env=env)
     out = []

@@ -106,8 +106,7 @@ def test_server_makes_and_exports_its_directory_once(tmp_path, monkeypatch):
     from vllm_smoe.serving.config import SmoeConfig
     from vllm_smoe.serving.observe.metrics import ENV, metrics_dir, server_metrics_dir
 
-    monkeypatch.setenv(ENV, "")  # recorded: what server_metrics_dir exports is removed after the test
-    monkeypatch.delenv(ENV)
+    monkeypatch.delenv(ENV, raising=False)
     cfg = SmoeConfig()
     assert metrics_dir(cfg) is None
     made = server_metrics_dir(cfg)

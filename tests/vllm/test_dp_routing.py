@@ -136,9 +136,6 @@ def test_deepseek_v3_dp2_with_a_grouped_dp_placement_and_routing_gives_plain_tok
                                        open(tmp_path / "dp2.log").read())) > 0
 
 
-# the whole host (make test runs it after the parallel part): 4 ranks of 3.5 GiB each, and a rank per
-# core of its own (below)
-@pytest.mark.serial
 def test_two_nodes_of_dp_tp_ep_hierarchical_exchange_gives_plain_tokens(tmp_path, plain_served):
     """TP inside a node, EP across nodes: two vLLM nodes on this host (DP=2, one engine each,
     node 1 headless) of TP=2, expert parallel over all 4 ranks, smoe's DP placement built over

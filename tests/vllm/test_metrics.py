@@ -10,9 +10,6 @@ import pytest
 from tests.support import CONFIGS
 
 
-# the whole host (make test runs it after the parallel part): another run's EP group maps its
-# /dev/shm segment for a moment while it starts, which the check below would count as this one's
-@pytest.mark.serial
 def test_speculate_serves_its_counters_on_metrics(tmp_path):
     """vllm serve at TP=2 + EP, mode speculate: /metrics carries smoe's families, they count
     served tokens only (each distinct prompt's tokens plus its generated ones but the last, per
