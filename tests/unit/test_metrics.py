@@ -106,7 +106,8 @@ def test_server_makes_and_exports_its_directory_once(tmp_path, monkeypatch):
     from vllm_smoe.serving.config import SmoeConfig
     from vllm_smoe.serving.observe.metrics import ENV, metrics_dir, server_metrics_dir
 
-    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv(ENV, "")  # recorded, so the variable server_metrics_dir sets is undone after the test
+    monkeypatch.delenv(ENV)
     cfg = SmoeConfig()
     assert metrics_dir(cfg) is None
     made = server_metrics_dir(cfg)

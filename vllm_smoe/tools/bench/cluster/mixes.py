@@ -17,7 +17,7 @@ import numpy as np
 # what it stands for
 MIXES = {
     "prefill-heavy": dict(prompt=(96, 0.35, 48, 192), output=(4, 0.5, 2, 12), rows_per_rank=128,
-                          criterion="ttft", rates=(0.25, 4.0),
+                          criterion="ttft", rates=(0.5, 8.0),
                           stands_for="long prompts and short answers: summarisation, retrieval-augmented "
                                      "questions, code completion"),
     "chat": dict(prompt=(128, 0.6, 16, 384), output=(32, 0.6, 8, 96), rows_per_rank=64,
