@@ -196,3 +196,19 @@ def test_counters_beside_the_veth_are_the_bytes_it_can_carry():
     for name, c in cfgs.items():
         want = "smoe:a2a_node_bytes" if name.startswith("dptp") else "smoe:a2a_bytes"
         assert c["counter"] == want, name
+
+
+def test_smoe_log_keeps_each_ranks_last_line():
+    from vllm_smoe.tools.bench.cluster.nodes import smoe_log_lines
+
+    def dp(rank, frac):
+        return f"(Worker_DP{rank}) INFO [sparse_a2a.py:470] smoe: dp rank {rank} served {frac} of its requests'"
+
+    node0 = [dp(0, 0.5), dp(0, 0.6), "smoe: advice: b", "smoe: advice: a"]
+    node1 = [dp(1, 0.4), dp(1, 0.7), dp(1, 0.8), "smoe: advice: a"]
+    got = smoe_log_lines("\n".join(node0 + node1))
+    assert got == ["dp rank 0 served 0.6 of its requests'", "dp rank 1 served 0.8 of its requests'", "a", "b"]
+    spec = "x smoe: speculate (predictor tables): rank {} served 0.{} of its expert activations"
+    assert smoe_log_lines("\n".join([spec.format(1, 1), spec.format(0, 2), spec.format(1, 3)])) == [
+        "speculate (predictor tables): rank 0 served 0.2 of its expert activations",
+        "speculate (predictor tables): rank 1 served 0.3 of its expert activations"]

@@ -111,8 +111,19 @@ def run_config(net: Net, name: str, cfg: dict, idx: int, work: str, a, phases: l
         net.shape(None)
     text = open(logs[0], errors="replace").read() + open(logs[1], errors="replace").read()
     res["logs"] = logs
-    res["smoe_log"] = [ln.split("smoe: ", 1)[1].strip() for ln in text.splitlines()
-                       if re.search(r"smoe: (speculate \(|dp rank \d+ served)", ln)][-2:] + sorted(
-        {ln.split("smoe: advice: ", 1)[1].strip() for ln in text.splitlines() if "smoe: advice: " in ln})
+    res["smoe_log"] = smoe_log_lines(text)
     return res
+
+
+def smoe_log_lines(text: str) -> list[str]:
+    """Each rank's last locality line (speculation's or the DP exchange's) in the nodes' logs,
+    by rank, then the distinct advice lines. Keyed by rank because the ranks log every interval,
+    so the last lines of the joined logs would all be one node's."""
+    last: dict[int, str] = {}
+    for ln in text.splitlines():
+        m = re.search(r"smoe: (?:speculate \([^)]*\): rank|dp rank) (\d+) served", ln)
+        if m:
+            last[int(m.group(1))] = ln.split("smoe: ", 1)[1].strip()
+    advice = {ln.split("smoe: advice: ", 1)[1].strip() for ln in text.splitlines() if "smoe: advice: " in ln}
+    return [last[r] for r in sorted(last)] + sorted(advice)
 
