@@ -97,8 +97,9 @@ def add_parser(sub) -> None:
                    help="with --exchange-only: gloo ranks in each of the two namespaces")
     p.add_argument("--exchange-tokens", type=number(int, 1), nargs=2, default=[64, 512], metavar=("DECODE", "PREFILL"),
                    help="with --exchange-only: tokens a step on the decode link and on the prefill link")
-    p.add_argument("--memory-share", type=number(float, 0, 1, lo_open=True), default=0.3,
-                   help="--gpu-memory-utilization of each node (on CPU: the share of RAM for weights and KV cache)")
+    p.add_argument("--memory-share", type=number(float, 0, 1, lo_open=True),
+                   help="--gpu-memory-utilization of each rank (on CPU: its share of RAM for weights and KV "
+                        "cache); default 0.3 per node, split between its ranks (0.15 each for dptp-*)")
     p.add_argument("--repeats", type=number(int, 1), help="starts of each configuration (spread); default 1 "
                                                               "(with --goodput: 2)")
     p.add_argument("--timeout", type=number(float, 1), default=600.0, help="seconds for a server start")

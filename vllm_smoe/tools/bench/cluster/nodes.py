@@ -15,6 +15,10 @@ import time
 from ..veth import ADDR
 from .netns import Net
 
+# each emulated node's share of the host's RAM; its ranks split it (four ranks at 0.3 each
+# would ask for more than the host has)
+NODE_MEMORY_SHARE = 0.3
+
 
 def node_command(model: str, cfg: dict, node: int, api: int, port: int, max_seqs: int,
                  mem_share: float = 0.3) -> list[str]:
@@ -80,7 +84,7 @@ def run_config(net: Net, name: str, cfg: dict, idx: int, work: str, a, phases: l
             log = os.path.join(work, f"{idx:02d}-{name}-node{node}.log")
             cmd = ["ip", "netns", "exec", net.ns[node],
                    *node_command(a.model, cfg, node, api, port, max(phase.get("concurrency", 0) for phase in phases)
-                                 or 8, a.memory_share)]
+                                 or 8, a.memory_share or NODE_MEMORY_SHARE / len(bind.split("|")))]
             procs.insert(0, subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                              start_new_session=True, env=env, cwd=work))
             logs.insert(0, log)
