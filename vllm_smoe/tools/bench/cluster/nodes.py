@@ -21,7 +21,7 @@ NODE_MEMORY_SHARE = 0.3
 
 
 def node_command(model: str, cfg: dict, node: int, api: int, port: int, max_seqs: int,
-                 mem_share: float = 0.3) -> list[str]:
+                 mem_share: float = NODE_MEMORY_SHARE) -> list[str]:
     from ...server_process import CPU_ARGS, attention_args, vllm_executable
 
     # KV cache: vLLM's CPU budget is a share of RAM less the weights, and production-width
@@ -78,13 +78,14 @@ def run_config(net: Net, name: str, cfg: dict, idx: int, work: str, a, phases: l
     try:
         for node in (1, 0):
             # a node's core for each of its ranks (TP = 2 inside a node shares it)
-            bind = f"{node}|{node}" if cfg["kind"] == "dptp" else str(node)
+            ranks = 2 if cfg["kind"] == "dptp" else 1  # ranks on this node, one core between them
+            bind = "|".join([str(node)] * ranks)
             env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_HOST_IP": ADDR[node],
                    "GLOO_SOCKET_IFNAME": net.dev[node]}
             log = os.path.join(work, f"{idx:02d}-{name}-node{node}.log")
             cmd = ["ip", "netns", "exec", net.ns[node],
                    *node_command(a.model, cfg, node, api, port, max(phase.get("concurrency", 0) for phase in phases)
-                                 or 8, a.memory_share or NODE_MEMORY_SHARE / len(bind.split("|")))]
+                                 or 8, a.memory_share or NODE_MEMORY_SHARE / ranks)]
             procs.insert(0, subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                              start_new_session=True, env=env, cwd=work))
             logs.insert(0, log)
